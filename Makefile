@@ -1,0 +1,34 @@
+# `make test` and `make demo` work on a fresh machine: both create .venv when it is missing.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.weightsync-installed
+
+.PHONY: test demo lint bench soak clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU build that lies on this machine; a plain `torch` would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider
+
+demo: $(STAMP)
+	$(VENV)/bin/weightsync-audit demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check weightsync_audit tests benchmarks
+	$(VENV)/bin/ruff format --check weightsync_audit tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_audit.py
+
+soak: $(STAMP)
+	$(PY) -m pytest -q -m soak -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

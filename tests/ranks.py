@@ -1,0 +1,106 @@
+"""Real multi-process gloo groups for tests: fork, one process per rank, results back by queue."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+
+class RankFailed(AssertionError):
+    """A rank raised; the message carries its traceback."""
+
+    def __init__(self, rank: int, exc_type: str, message: str, tb: str) -> None:
+        self.rank = rank
+        self.exc_type = exc_type
+        self.message = message
+        super().__init__(f"rank {rank} raised {exc_type}: {message}\n{tb}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=60),
+        )
+        out = fn(rank, world, *args, **kwargs)
+        q.put(("ok", rank, out))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("err", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
+    finally:
+        try:
+            from weightsync_audit.comm import forget_groups
+
+            forget_groups()
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(0)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world: int = 2,
+    *args: Any,
+    timeout: float = 90,
+    expect_errors: bool = False,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; return each rank's result.
+
+    With ``expect_errors`` a raising rank yields a ``RankFailed`` in its slot instead of failing the test.
+    A rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
+    """
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, kwargs), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                status, rank, payload = q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and q.empty():
+                    break
+                continue
+            results[rank] = payload if status == "ok" else RankFailed(rank, *payload)
+    finally:
+        for p in procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world) if r not in results]
+    if missing:
+        raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang or crash)")
+    out = [results[r] for r in range(world)]
+    if not expect_errors:
+        for r in out:
+            if isinstance(r, RankFailed):
+                raise r
+    return out

@@ -1,0 +1,423 @@
+"""The engine: :class:`Auditor` (configuration and history) and :func:`audit` (a one-shot of it).
+
+An audit runs in phases so the healthy case costs one tiny message per rank:
+
+(a) every rank contributes a 64-byte summary (protocol, step, epoch, tensor count, structure digest,
+    overall digest, settings digest, sample slice); all equal means in sync;
+(b) only when the overall digests differ, the per-tensor digests (8 bytes a tensor) are gathered and
+    each tensor's majority value found;
+(c) only when the structures differ, each rank's manifest (names, kinds, shapes, dtypes, digests) is
+    gathered as JSON and compared name by name;
+(d) for at most ``max_diff_tensors`` diverged tensors, the reference rank's copy is shared so that
+    every rank can measure ``max_abs_diff``.
+
+Every rank computes every decision from the same gathered data, so all of them take the same path and
+no collective is ever entered by some ranks only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import xxhash
+from torch import nn
+
+from weightsync_audit.comm import Comm
+from weightsync_audit.consensus import (
+    PROTOCOL,
+    SUMMARY_FIELDS,
+    StructureDiff,
+    ValueDiff,
+    compare_digest_table,
+    compare_manifests,
+    judge_summaries,
+)
+from weightsync_audit.ddp import find_ddp
+from weightsync_audit.digest import _raw, digest_entries, overall_digest, structure_digest
+from weightsync_audit.errors import AuditOutOfStepError
+from weightsync_audit.hints import explain
+from weightsync_audit.manifest import Entry, Manifest, as_optimizers, build_manifest, check_include
+from weightsync_audit.result import AuditResult, Mismatch
+
+__all__ = ["AuditConfig", "AuditHistory", "Auditor", "audit", "parse_coverage"]
+
+_METHODS = ("auto", "xxh3", "device")
+
+
+def parse_coverage(coverage: float | int | str) -> int:
+    """Number of slices for a coverage such as ``1``, ``1/8``, ``0.125`` or ``"1/8"``."""
+    value: float
+    if isinstance(coverage, str):
+        text = coverage.strip()
+        if "/" in text:
+            num, _, den = text.partition("/")
+            value = float(num) / float(den)
+        else:
+            value = float(text)
+    else:
+        value = float(coverage)
+    if not (0 < value <= 1) or math.isnan(value):
+        raise ValueError(f"coverage={coverage!r}: must be in (0, 1], e.g. 1 or 1/8")
+    slices = round(1 / value)
+    if abs(slices * value - 1) > 1e-6:
+        raise ValueError(f"coverage={coverage!r}: must be 1/n for a whole number n, e.g. 1/8")
+    return slices
+
+
+@dataclass(kw_only=True, slots=True)
+class AuditConfig:
+    """How to audit. Every rank must use the same settings (checked: a difference is out of step)."""
+
+    include: tuple[str, ...] = ("params", "buffers", "optimizer")
+    """Kinds to audit: ``params``, ``buffers``, ``optimizer``, ``grads``."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns over names (``*.running_*``, ``head.*``) left out of the audit."""
+    timeout_s: float | None = None
+    """Deadline for the ranks to meet; a missing rank makes the others raise ``AuditTimeoutError``."""
+    slices: int = 1
+    """Sampled mode: each audit hashes slice ``i % slices`` of every large tensor (``coverage=1/slices``)."""
+    method: str = "auto"
+    """``auto``: xxh3 on CPU and on-device digests on accelerators; ``xxh3``; ``device``."""
+    max_diff_tensors: int = 8
+    """How many diverged tensors get a ``max_abs_diff`` (each costs sharing one tensor)."""
+    max_diff_bytes: int = 1 << 30
+    """Tensors larger than this get no ``max_abs_diff``."""
+    compare_broadcast_buffers: bool = False
+    """Compare buffers even when DDP overwrites them from rank 0 at every forward (false alarms)."""
+
+    def __post_init__(self) -> None:
+        self.include = check_include(self.include)
+        if isinstance(self.exclude, str):
+            self.exclude = (self.exclude,)
+        self.exclude = tuple(self.exclude)
+        for pat in self.exclude:
+            if not isinstance(pat, str):
+                raise TypeError(f"exclude={self.exclude!r}: patterns must be strings")
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a positive number of seconds or None")
+        if self.method not in _METHODS:
+            raise ValueError(f"method={self.method!r}: choose from {list(_METHODS)}")
+        if self.slices < 1:
+            raise ValueError(f"slices={self.slices!r}: must be >= 1")
+        if self.max_diff_tensors < 0:
+            raise ValueError(f"max_diff_tensors={self.max_diff_tensors!r}: must be >= 0")
+
+    def fingerprint(self) -> str:
+        return f"include={','.join(self.include)} exclude={','.join(self.exclude)} coverage=1/{self.slices} method={self.method}"
+
+
+@dataclass(slots=True)
+class AuditHistory:
+    """What the auditor remembers across audits (and checkpoints)."""
+
+    audits: int = 0
+    diverged_audits: int = 0
+    resyncs: int = 0
+    last_in_sync_step: int | None = None
+    first_divergence_step: int | None = None
+    first_divergence_tensors: list[str] = field(default_factory=list)
+    last_diverged_tensors: list[str] = field(default_factory=list)
+
+    def record(self, result: AuditResult) -> None:
+        self.audits += 1
+        if result.in_sync:
+            self.last_in_sync_step = result.step
+            self.last_diverged_tensors = []
+        else:
+            self.diverged_audits += 1
+            if self.first_divergence_step is None and not self.first_divergence_tensors:
+                self.first_divergence_step = result.step
+                self.first_divergence_tensors = result.diverged_names
+            self.last_diverged_tensors = result.diverged_names
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "audits": self.audits,
+            "diverged_audits": self.diverged_audits,
+            "resyncs": self.resyncs,
+            "last_in_sync_step": self.last_in_sync_step,
+            "first_divergence_step": self.first_divergence_step,
+            "first_divergence_tensors": list(self.first_divergence_tensors),
+            "last_diverged_tensors": list(self.last_diverged_tensors),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Tolerant of older or partial checkpoints: missing keys keep their defaults.
+        for key in self.state_dict():
+            if key in state:
+                value = state[key]
+                setattr(self, key, list(value) if isinstance(value, (list, tuple)) else value)
+
+
+class Auditor:
+    """The audit engine with its configuration and history, for custom training loops.
+
+    Call :meth:`audit` at the same point on every rank (it is collective). Without an initialised
+    process group it audits a world of one.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> auditor = Auditor(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    >>> auditor.audit(step=0).in_sync
+    True
+    """
+
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        group: Any = None,
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
+        timeout_s: float | None = None,
+        coverage: float | str = 1,
+        method: str = "auto",
+        max_diff_tensors: int = 8,
+        compare_broadcast_buffers: bool = False,
+    ) -> None:
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.module = module
+        self.optimizers = as_optimizers(optimizer)
+        self.group = group
+        self.config = AuditConfig(
+            include=tuple(include),
+            exclude=tuple(exclude),
+            timeout_s=timeout_s,
+            slices=parse_coverage(coverage),
+            method=method,
+            max_diff_tensors=max_diff_tensors,
+            compare_broadcast_buffers=compare_broadcast_buffers,
+        )
+        self.history = AuditHistory()
+        self.synced_names: frozenset[str] | None = None
+        """Names DDP all-reduces, when the owner knows them (snapshotted right after the wrap)."""
+        self._comm: Comm | None = None
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    @property
+    def comm(self) -> Comm:
+        if self._comm is None:
+            self._comm = Comm(self.group, self.config.timeout_s)
+        return self._comm
+
+    def setup(self) -> None:
+        """Open the audit channel now (collective); otherwise the first audit does it."""
+        self.comm.setup()
+
+    def _manifest(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> Manifest:
+        ddp = find_ddp(module) if module is not None else None
+        skip = None
+        if ddp is not None and getattr(ddp, "broadcast_buffers", False) and not self.config.compare_broadcast_buffers:
+            skip = "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
+        return build_manifest(
+            module, optimizers, include=self.config.include, exclude=self.config.exclude, skip_buffers_reason=skip
+        )
+
+    # -- the audit -----------------------------------------------------------------------------
+
+    def audit(
+        self,
+        module: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        hook: str | None = None,
+    ) -> AuditResult:
+        """Compare every rank's tensors; collective over the group. Returns the same result everywhere."""
+        t0 = time.perf_counter()
+        module = module if module is not None else self.module
+        optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        comm = self.comm
+        cfg = self.config
+        slice_index = self.history.audits % cfg.slices
+        manifest = self._manifest(module, optimizers)
+        entries = manifest.entries
+        digests = digest_entries(entries, slice_index=slice_index, slices=cfg.slices, method=cfg.method)
+        structure = structure_digest(entries)
+        overall = overall_digest(digests, structure)
+        position = f"hook={hook} {cfg.fingerprint()}"
+        summary = np.array(
+            [
+                PROTOCOL,
+                -1 if step is None else int(step),
+                -1 if epoch is None else int(epoch),
+                len(entries),
+                structure,
+                overall,
+                xxhash.xxh3_64_intdigest(position.encode()) >> 1,
+                slice_index,
+            ],
+            dtype=np.int64,
+        )
+        table = comm.exchange(summary, "the audit summary")
+        verdict = judge_summaries(table)
+
+        if verdict.status == "out_of_step":
+            self._raise_out_of_step(comm, step, epoch, hook, verdict.differing_fields)
+
+        by_uid = {e.uid: e for e in entries}
+        value_diffs: list[ValueDiff] = []
+        structure_diffs: list[StructureDiff] = []
+        if verdict.status == "values":
+            dtable = comm.exchange(digests, "the per-tensor digests")
+            value_diffs = compare_digest_table([e.uid for e in entries], dtable)
+        elif verdict.status == "structure":
+            rows = [[e.kind, e.name, e.dtype, list(e.shape), int(d)] for e, d in zip(entries, digests.tolist())]
+            blobs = comm.exchange_bytes(json.dumps(rows).encode(), "the manifests")
+            structure_diffs, value_diffs = compare_manifests([json.loads(b) for b in blobs])
+
+        mismatches = [
+            Mismatch(d.name, "structure", list(d.ranks), list(d.reference_ranks), list(d.shape) if d.shape else None, d.dtype, None, d.detail)
+            for d in structure_diffs
+        ]
+        value_mismatches = []
+        for d in value_diffs:
+            e = by_uid[d.uid]
+            value_mismatches.append(
+                Mismatch(e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, None)
+            )
+        if value_mismatches:
+            self._measure_gaps(comm, value_mismatches, [by_uid[d.uid] for d in value_diffs])
+        mismatches.extend(value_mismatches)
+
+        hints: list[str] = []
+        if mismatches:
+            hints = explain(
+                mismatches, ddp=find_ddp(module), synced=self.synced_names, grads_checked="grads" in cfg.include
+            )
+        in_sync = not mismatches
+        result = AuditResult(
+            in_sync=in_sync,
+            step=step,
+            epoch=epoch,
+            world_size=comm.world_size,
+            mismatches=mismatches,
+            hints=hints,
+            checked=manifest.counts(),
+            hook=hook,
+            action="none",
+            last_in_sync_step=step if in_sync else self.history.last_in_sync_step,
+            notes=list(manifest.notes),
+            coverage=f"{slice_index + 1}/{cfg.slices}" if cfg.slices > 1 else None,
+        )
+        self.history.record(result)
+        result.duration_ms = (time.perf_counter() - t0) * 1e3
+        return result
+
+    def _raise_out_of_step(
+        self, comm: Comm, step: int | None, epoch: int | None, hook: str | None, fields: Sequence[str]
+    ) -> None:
+        mine = json.dumps({"step": step, "epoch": epoch, "hook": hook, "config": self.config.fingerprint(), "slice": self.history.audits % self.config.slices})
+        positions = [json.loads(b) for b in comm.exchange_bytes(mine.encode(), "the out-of-step report")]
+        lines = {}
+        for r, p in enumerate(positions):
+            where = [f"step {p['step']}", f"epoch {p['epoch']}", f"hook {p['hook']}"]
+            if "config" in fields or "protocol" in fields:
+                where.append(p["config"])
+            if "slice" in fields:
+                where.append(f"sample slice {p['slice']} (ranks audited a different number of times)")
+            lines[comm.global_ranks[r]] = ", ".join(where)
+        text = "; ".join(f"rank {r}: {w}" for r, w in lines.items())
+        raise AuditOutOfStepError(
+            f"ranks reached the weight audit out of step ({', '.join(fields)} differ), so their weights "
+            f"cannot be compared: {text}",
+            lines,
+        )
+
+    def _measure_gaps(self, comm: Comm, mismatches: list[Mismatch], entries: list[Entry]) -> None:
+        """Phase (d): max |diff| against the reference rank for the first few diverged tensors."""
+        cfg = self.config
+        chosen = []
+        for i, e in enumerate(entries):
+            if len(chosen) >= cfg.max_diff_tensors:
+                break
+            if e.dtype in ("none", "object") or e.tensor.numel() == 0:
+                continue
+            if e.tensor.numel() * e.tensor.element_size() > cfg.max_diff_bytes:
+                mismatches[i].detail = mismatches[i].detail or "too large for max_abs_diff"
+                continue
+            chosen.append(i)
+        if not chosen:
+            return
+        local = np.full(len(chosen), np.nan, dtype=np.float64)
+        for k, i in enumerate(chosen):
+            e, m = entries[i], mismatches[i]
+            ref = m.reference_ranks[0]
+            t = e.tensor.detach()
+            mine = bytes(_raw(t.contiguous().cpu())) if comm.rank == ref else None
+            blob = comm.share_bytes(ref, mine, f"the reference copy of {e.name}")
+            theirs = torch.frombuffer(bytearray(blob), dtype=t.dtype).reshape(t.shape) if blob else t.cpu()
+            local[k] = _max_abs_diff(t.cpu(), theirs)
+        gathered = comm.exchange(local.view(np.int64), "the max |diff| values").view(np.float64)
+        for k, i in enumerate(chosen):
+            m = mismatches[i]
+            vals = [gathered[r, k] for r in m.ranks]
+            worst = max(vals, key=lambda v: (math.isnan(v), v))
+            m.max_abs_diff = None if math.isnan(worst) else float(worst)
+            if math.isnan(worst) or math.isinf(worst):
+                m.detail = m.detail or "NaN or inf where the reference rank holds another value"
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.dtype == torch.bool:
+        return float((a != b).any())
+    if a.is_complex():
+        d = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
+    elif a.is_floating_point():
+        a64, b64 = a.to(torch.float64), b.to(torch.float64)
+        d = (a64 - b64).abs()
+        both_nan = torch.isnan(a64) & torch.isnan(b64)
+        same_inf = torch.isinf(a64) & (a64 == b64)
+        d = torch.where(both_nan | same_inf, torch.zeros_like(d), d)
+        d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
+    else:
+        d = (a.to(torch.float64) - b.to(torch.float64)).abs()
+    return float(d.max()) if d.numel() else 0.0
+
+
+def audit(
+    module: nn.Module | None,
+    optimizer: Any = None,
+    *,
+    group: Any = None,
+    include: Sequence[str] = ("params", "buffers", "optimizer"),
+    exclude: Sequence[str] = (),
+    step: int | None = None,
+    epoch: int | None = None,
+    timeout_s: float | None = None,
+    coverage: float | str = 1,
+    method: str = "auto",
+) -> AuditResult:
+    """Compare parameters, buffers and optimizer state across ranks, once. Collective.
+
+    >>> import torch
+    >>> from weightsync_audit import audit
+    >>> model = torch.nn.Linear(4, 2)
+    >>> result = audit(model, step=0)   # no process group: a world of one
+    >>> result.in_sync, result.checked["param"]
+    (True, 2)
+    """
+    return Auditor(
+        module,
+        optimizer,
+        group=group,
+        include=include,
+        exclude=exclude,
+        timeout_s=timeout_s,
+        coverage=coverage,
+        method=method,
+    ).audit(step=step, epoch=epoch)
+
+
+# The summary layout is part of the protocol: keep its length in one place.
+assert len(SUMMARY_FIELDS) == 8

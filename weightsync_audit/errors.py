@@ -1,0 +1,82 @@
+"""Every exception the library raises, in one flat module."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from weightsync_audit.result import AuditResult
+
+__all__ = [
+    "WeightSyncAuditError",
+    "WeightDivergenceError",
+    "AuditTimeoutError",
+    "AuditOutOfStepError",
+    "UnauditableTensorError",
+    "ReportFormatError",
+]
+
+
+class WeightSyncAuditError(Exception):
+    """Base class of the library's own errors."""
+
+
+class WeightDivergenceError(WeightSyncAuditError, RuntimeError):
+    """Replicas hold different weights; raised on every rank at the same point.
+
+    ``.result`` is the :class:`~weightsync_audit.AuditResult` that found it.
+    """
+
+    def __init__(self, result: AuditResult, message: str | None = None) -> None:
+        self.result = result
+        if message is None:
+            names = ", ".join(m.name for m in result.mismatches[:5])
+            more = len(result.mismatches) - 5
+            if more > 0:
+                names += f" and {more} more"
+            message = (
+                f"weights diverged across ranks at step {result.step}: "
+                f"{len(result.mismatches)} tensor(s) differ ({names})"
+            )
+            if result.hints:
+                message += "\nhint: " + "\nhint: ".join(result.hints)
+        super().__init__(message)
+
+
+class AuditTimeoutError(WeightSyncAuditError, RuntimeError):
+    """A rank did not reach the audit within ``timeout_s``.
+
+    ``.missing_ranks`` lists the ranks that did not arrive (as far as this rank can tell).
+    """
+
+    def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
+        self.missing_ranks = list(missing_ranks)
+        super().__init__(message)
+
+
+class AuditOutOfStepError(WeightSyncAuditError, RuntimeError):
+    """Ranks reached the audit at different steps, hooks or with different settings.
+
+    Every rank raises it together; ``.positions`` maps each rank to where it was.
+    """
+
+    def __init__(self, message: str, positions: dict[int, str] | None = None) -> None:
+        self.positions = dict(positions or {})
+        super().__init__(message)
+
+
+class UnauditableTensorError(WeightSyncAuditError, TypeError):
+    """A tensor (named in the message and ``.name``) cannot be audited."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.name = name
+        super().__init__(f"cannot audit {name!r}: {why}")
+
+
+class ReportFormatError(WeightSyncAuditError, ValueError):
+    """A report line is not a valid record; ``.line`` is its 1-based number."""
+
+    def __init__(self, message: str, line: int | None = None, torn: bool = False) -> None:
+        self.line = line
+        self.torn = torn
+        super().__init__(message)

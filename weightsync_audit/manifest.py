@@ -1,0 +1,267 @@
+"""What is audited: an ordered manifest of named tensors taken from a module and its optimizers.
+
+Names are always the user's own (``backbone.weight``), whatever wrapper the module arrives in.
+Python values (learning rates, betas, integer steps) become small tensors so that one digest path
+serves everything; ``None`` and other objects become a UTF-8 encoding of their ``repr``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from weightsync_audit.errors import UnauditableTensorError
+
+__all__ = [
+    "INCLUDE_CHOICES",
+    "Entry",
+    "Manifest",
+    "build_manifest",
+    "check_include",
+    "unwrap_module",
+    "as_optimizers",
+]
+
+#: ``include`` names and the record kind each one produces.
+INCLUDE_CHOICES: dict[str, str] = {
+    "params": "param",
+    "buffers": "buffer",
+    "optimizer": "optimizer",
+    "grads": "grad",
+}
+
+#: Record kinds, in manifest order.
+KINDS: tuple[str, ...] = ("param", "buffer", "optimizer", "grad")
+
+
+@dataclass(slots=True)
+class Entry:
+    """One audited value."""
+
+    name: str
+    """The user's name: ``backbone.weight``, ``backbone.weight.exp_avg``, ``param_groups.0.lr``."""
+    kind: str
+    """``param``, ``buffer``, ``optimizer`` or ``grad``."""
+    tensor: torch.Tensor
+    """The value as a tensor (a Python value is converted, see the module docstring)."""
+    dtype: str
+    """``float32``...; ``none`` for ``None``; ``object`` for other Python objects."""
+    shape: tuple[int, ...]
+    """Logical shape (the local shard's for DTensor)."""
+    container: Any = None
+    """Where a Python value lives (a dict), for resync to write it back; ``None`` for tensors."""
+    key: Any = None
+    """The key of the value in ``container``."""
+    note: str | None = None
+    """Anything the report should say about how the value was read (e.g. a local shard)."""
+
+    @property
+    def uid(self) -> str:
+        """Unique within a manifest: kind and name."""
+        return f"{self.kind}:{self.name}"
+
+
+@dataclass(slots=True)
+class Manifest:
+    """The ordered entries of one audit, plus what was skipped and why."""
+
+    entries: list[Entry] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out = dict.fromkeys(KINDS, 0)
+        for e in self.entries:
+            out[e.kind] += 1
+        return out
+
+
+def check_include(include: Iterable[str], argument: str = "include") -> tuple[str, ...]:
+    """Validate ``include`` kinds; return them in canonical order."""
+    if isinstance(include, str):
+        include = (include,)
+    got = tuple(include)
+    unknown = [k for k in got if k not in INCLUDE_CHOICES]
+    if unknown:
+        raise ValueError(
+            f"{argument}={got!r}: unknown kind(s) {unknown}; choose from {list(INCLUDE_CHOICES)}"
+        )
+    return tuple(k for k in INCLUDE_CHOICES if k in got)
+
+
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """Peel DistributedDataParallel, DataParallel, Fabric and ``torch.compile`` wrappers."""
+    seen = 0
+    while seen < 16:
+        seen += 1
+        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            module = module.module
+        elif type(module).__name__ == "_FabricModule" and hasattr(module, "_original_module"):
+            module = module._original_module or module._forward_module
+        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
+            module = module._orig_mod  # torch.compile's OptimizedModule
+        elif type(module).__name__ == "_LightningModuleWrapperBase" and hasattr(module, "_forward_module"):
+            module = module._forward_module  # Lightning < 2.2
+        else:
+            break
+    return module
+
+
+def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """Accept ``None``, one optimizer, a Lightning/Fabric wrapped one, or a sequence of them."""
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    out = []
+    for i, opt in enumerate(items):
+        inner = getattr(opt, "optimizer", None)  # LightningOptimizer / _FabricOptimizer
+        if not isinstance(opt, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer):
+            opt = inner
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
+        out.append(opt)
+    return out
+
+
+def _glob_excluded(name: str, exclude: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pat) for pat in exclude)
+
+
+_TORCH_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+def value_as_tensor(value: Any) -> tuple[torch.Tensor, str]:
+    """Encode a Python value as a tensor and a dtype label, exactly (no rounding)."""
+    if isinstance(value, bool):
+        return torch.tensor(value, dtype=torch.bool), "bool"
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return torch.tensor(value, dtype=torch.int64), "int64"
+    if isinstance(value, float):
+        return torch.tensor(value, dtype=torch.float64), "float64"
+    if (
+        isinstance(value, (tuple, list))
+        and value
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+        and all(isinstance(v, float) or -(2**63) <= v < 2**63 for v in value)
+    ):
+        if all(isinstance(v, int) for v in value):
+            return torch.tensor(value, dtype=torch.int64), "int64"
+        return torch.tensor([float(v) for v in value], dtype=torch.float64), "float64"
+    if value is None:
+        return torch.empty(0, dtype=torch.uint8), "none"
+    text = _canonical_repr(value).encode("utf-8", "backslashreplace")
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8), "object"
+
+
+def _canonical_repr(value: Any) -> str:
+    # repr of floats is exact in Python 3; dicts are ordered; sets are sorted so that ranks agree.
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_canonical_repr(v) for v in value)) + "}"
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return repr(value)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_entry(name: str, kind: str, t: torch.Tensor, container: Any = None, key: Any = None) -> Entry:
+    note = None
+    if hasattr(t, "to_local") and type(t).__name__ == "DTensor":
+        t = t.to_local()
+        note = "DTensor: the local shard is audited"
+    if isinstance(t, nn.Parameter) or t.requires_grad:
+        t = t.detach()
+    if t.is_meta:
+        raise UnauditableTensorError(name, "it is a meta tensor (it has no data); materialise the model first")
+    if t.layout != torch.strided:
+        if t.layout == torch.sparse_coo:
+            raise UnauditableTensorError(
+                name, "sparse COO tensors are not audited; exclude it or convert with .to_dense()"
+            )
+        raise UnauditableTensorError(name, f"layout {t.layout} is not audited; exclude it")
+    if getattr(t, "is_nested", False):
+        raise UnauditableTensorError(name, "nested tensors are not audited; exclude it")
+    return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key, note)
+
+
+def _value_entry(name: str, kind: str, value: Any, container: Any, key: Any) -> Entry:
+    if isinstance(value, torch.Tensor):
+        return _tensor_entry(name, kind, value, container, key)
+    t, label = value_as_tensor(value)
+    return Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key)
+
+
+def build_manifest(
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    *,
+    include: Sequence[str] = ("params", "buffers", "optimizer"),
+    exclude: Sequence[str] = (),
+    skip_buffers_reason: str | None = None,
+) -> Manifest:
+    """The ordered manifest of everything to audit.
+
+    Order: params, buffers, optimizer state (per parameter, then per param group), grads.
+    """
+    manifest = Manifest()
+    entries = manifest.entries
+    user = unwrap_module(module) if module is not None else None
+    names: dict[int, str] = {}
+    named_params: list[tuple[str, nn.Parameter]] = []
+    if user is not None:
+        # remove_duplicate=True: a tied parameter appears once, under its first name.
+        named_params = list(user.named_parameters())
+        for n, p in named_params:
+            names.setdefault(id(p), n)
+
+    if "params" in include:
+        for n, p in named_params:
+            if not _glob_excluded(n, exclude):
+                entries.append(_tensor_entry(n, "param", p))
+
+    if "buffers" in include and user is not None:
+        buffers = [(n, b) for n, b in user.named_buffers() if not _glob_excluded(n, exclude)]
+        if skip_buffers_reason and buffers:
+            manifest.notes.append(f"{len(buffers)} buffer(s) not compared: {skip_buffers_reason}")
+        else:
+            entries.extend(_tensor_entry(n, "buffer", b) for n, b in buffers)
+
+    if "optimizer" in include:
+        multi = len(optimizers) > 1
+        for oi, opt in enumerate(optimizers):
+            prefix = f"optimizers.{oi}." if multi else ""
+            for gi, group in enumerate(opt.param_groups):
+                for pi, p in enumerate(group["params"]):
+                    pname = names.get(id(p)) or f"{prefix}param_groups.{gi}.params.{pi}"
+                    state = opt.state.get(p)
+                    if not state:
+                        continue
+                    for key in sorted(state, key=str):
+                        n = f"{pname}.{key}"
+                        if not _glob_excluded(n, exclude):
+                            entries.append(_value_entry(n, "optimizer", state[key], state, key))
+            for gi, group in enumerate(opt.param_groups):
+                for key in sorted(group, key=str):
+                    if key == "params":
+                        continue
+                    n = f"{prefix}param_groups.{gi}.{key}"
+                    if not _glob_excluded(n, exclude):
+                        entries.append(_value_entry(n, "optimizer", group[key], group, key))
+
+    if "grads" in include:
+        for n, p in named_params:
+            if _glob_excluded(n, exclude):
+                continue
+            if p.grad is None:
+                entries.append(Entry(n, "grad", torch.empty(0, dtype=torch.uint8), "none", ()))
+            else:
+                entries.append(_tensor_entry(n, "grad", p.grad))
+
+    manifest.notes.extend(sorted({e.note for e in entries if e.note}))
+    return manifest

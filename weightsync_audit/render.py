@@ -1,0 +1,79 @@
+"""How a result looks in a terminal: rich renderables, never prints inside the engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from weightsync_audit.result import AuditResult, Mismatch
+
+__all__ = ["layer_of", "render_result", "mismatch_table"]
+
+
+def layer_of(m: Mismatch) -> str:
+    """The module a tensor belongs to: ``backbone`` for ``backbone.weight`` and its optimizer state."""
+    name = m.name
+    if m.kind == "optimizer":
+        if name.startswith("param_groups.") or ".param_groups." in name:
+            return name.rsplit(".", 1)[0]
+        name = name.rsplit(".", 1)[0]  # drop the state key
+    return name.rsplit(".", 1)[0] if "." in name else "(root)"
+
+
+def _fmt_diff(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def mismatch_table(mismatches: list[Mismatch], title: str | None = None) -> Table:
+    """A table of mismatches grouped by layer."""
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col, kw in (
+        ("layer", {"style": "cyan"}),
+        ("tensor", {}),
+        ("kind", {}),
+        ("shape", {}),
+        ("dtype", {}),
+        ("ranks", {"style": "red"}),
+        ("reference", {"style": "green"}),
+        ("max |diff|", {"justify": "right"}),
+    ):
+        table.add_column(col, **kw)
+    by_layer: dict[str, list[Mismatch]] = {}
+    for m in mismatches:
+        by_layer.setdefault(layer_of(m), []).append(m)
+    for layer, ms in by_layer.items():
+        for i, m in enumerate(ms):
+            short = m.name[len(layer) + 1 :] if m.name.startswith(layer + ".") else m.name
+            table.add_row(
+                layer if i == 0 else "",
+                short + (f"  [dim]({m.detail})[/dim]" if m.detail else ""),
+                m.kind,
+                "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
+                m.dtype or "-",
+                ",".join(map(str, m.ranks)),
+                ",".join(map(str, m.reference_ranks)),
+                _fmt_diff(m.max_abs_diff),
+            )
+        table.add_section()
+    return table
+
+
+def render_result(result: AuditResult) -> Iterator[RenderableType]:
+    style = "bold green" if result.in_sync else "bold red"
+    yield Text("weightsync audit: " + result.summary(), style=style)
+    if result.last_in_sync_step is not None and not result.in_sync:
+        yield Text(f"last in sync at step {result.last_in_sync_step}", style="dim")
+    if result.mismatches:
+        yield mismatch_table(result.mismatches)
+    for hint in result.hints:
+        yield Text("hint: " + hint, style="yellow")
+    for note in result.notes:
+        yield Text("note: " + note, style="dim")
+
+
+def render_group(result: AuditResult) -> Group:
+    return Group(*render_result(result))

@@ -1,0 +1,206 @@
+"""Making replicas equal again: broadcast parameters, buffers and optimizer state from one rank.
+
+Tensors travel with ``broadcast`` on the training group (so CUDA tensors use NCCL), coalesced per
+device and dtype into buckets; CPU tensors under an NCCL job travel on the audit's gloo group. Python
+values (learning rates, betas) are read back from the source's exact encoding. Before anything moves,
+the ranks compare what they hold; a tensor whose shape differs is refused on every rank alike, and
+optimizer state that exists on the source only is created on the others, so that afterwards every
+replica is bit-identical to the source.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weightsync_audit.comm import Comm
+from weightsync_audit.digest import _raw, structure_digest
+from weightsync_audit.manifest import Entry, as_optimizers, build_manifest
+
+__all__ = ["resync"]
+
+_BUCKET_BYTES = 64 << 20
+
+
+def _decode_value(entry: Entry, blob: bytes) -> Any:
+    """The Python value the source holds, rebuilt from its exact tensor encoding."""
+    if entry.dtype == "none":
+        return None
+    if entry.dtype == "object":
+        text = blob.decode("utf-8")
+        try:
+            return ast.literal_eval(text)  # literals only: never executes code
+        except (ValueError, SyntaxError) as exc:
+            raise TypeError(f"cannot resync {entry.name!r}: its value {text[:80]!r} is not a Python literal") from exc
+    t = torch.frombuffer(bytearray(blob), dtype=entry.tensor.dtype) if blob else torch.empty(0, dtype=entry.tensor.dtype)
+    old = entry.container[entry.key]
+    values = t.tolist()
+    if isinstance(old, (tuple, list)):
+        return type(old)(values)
+    return values[0] if isinstance(values, list) else values
+
+
+def _broadcast_tensors(tensors: list[torch.Tensor], src_global: int, group: Any, cpu_group: Any) -> None:
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for t in tensors:
+        lst = buckets.setdefault((t.device, t.dtype), [[]])
+        if lst[-1] and sum(x.numel() * x.element_size() for x in lst[-1]) + t.numel() * t.element_size() > _BUCKET_BYTES:
+            lst.append([])
+        lst[-1].append(t)
+    backend = str(dist.get_backend(group)) if group is not None else str(dist.get_backend())
+    for (device, _), chunks in buckets.items():
+        pg = group if (device.type != "cpu" or "gloo" in backend) else cpu_group
+        for chunk in chunks:
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk]) if len(chunk) > 1 else chunk[0].detach().reshape(-1).clone()
+            dist.broadcast(flat, src=src_global, group=pg)
+            pos = 0
+            with torch.no_grad():
+                for t in chunk:
+                    n = t.numel()
+                    t.copy_(flat[pos : pos + n].view_as(t))
+                    pos += n
+
+
+def resync(
+    module: nn.Module | None,
+    optimizer: Any = None,
+    *,
+    src: int = 0,
+    group: Any = None,
+    names: Sequence[str] | None = None,
+    timeout_s: float | None = None,
+) -> None:
+    """Broadcast params, buffers and optimizer state (or only ``names``) from rank ``src``, in place.
+
+    Collective over ``group``. ``src`` is a rank of ``group``. Without a process group it does nothing.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> resync(model)   # no process group: nothing to do
+    """
+    comm = Comm(group, timeout_s)
+    if not 0 <= src < comm.world_size:
+        raise ValueError(f"src={src}: must be a rank of the group (0..{comm.world_size - 1})")
+    if not comm.distributed:
+        return
+    optimizers = as_optimizers(optimizer)
+    wanted = set(names) if names is not None else None
+    manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
+    entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
+
+    # Agree on what is held before moving anything: the same structure everywhere is the fast path.
+    structure = structure_digest(entries)
+    table = comm.exchange(np.array([structure, len(entries)], dtype=np.int64), "the resync")
+    if not (table == table[0]).all():
+        entries = _reconcile(comm, src, entries, optimizers, module)
+        if wanted is not None:
+            entries = [e for e in entries if e.name in wanted]
+        again = comm.exchange(np.array([structure_digest(entries), len(entries)], dtype=np.int64), "the resync")
+        if not (again == again[0]).all():
+            raise ValueError(
+                "cannot resync: the optimizers differ in structure between ranks (param groups or parameters "
+                "not in the same order); rebuild the optimizer the same way on every rank"
+            )
+
+    tensor_entries = [e for e in entries if e.container is None]
+    value_entries = [e for e in entries if e.container is not None]
+    src_global = comm.global_ranks[src]
+    comm.setup()
+    cpu_group = comm._group.pg if comm._group is not None else None
+    if tensor_entries:
+        _broadcast_tensors([e.tensor for e in tensor_entries], src_global, group, cpu_group)
+    if value_entries:
+        blob = json.dumps([bytes(_raw(e.tensor.contiguous())).hex() for e in value_entries]).encode() if comm.rank == src else None
+        values = json.loads(comm.share_bytes(src, blob, "the resync values"))
+        for e, hexed in zip(value_entries, values):
+            e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
+
+
+def _reconcile(
+    comm: Comm, src: int, entries: list[Entry], optimizers: list[torch.optim.Optimizer], module: nn.Module | None
+) -> list[Entry]:
+    """Structures differ: keep what matches the source, create missing optimizer state, refuse the rest."""
+    rows = [[e.kind, e.name, e.dtype, list(e.shape)] for e in entries]
+    manifests = [json.loads(b) for b in comm.exchange_bytes(json.dumps(rows).encode(), "the resync manifests")]
+    src_rows = {(k, n): (d, tuple(s)) for k, n, d, s in manifests[src]}
+    problems = []
+    for r, rows_r in enumerate(manifests):
+        held = {(k, n): (d, tuple(s)) for k, n, d, s in rows_r}
+        for key, sig in held.items():
+            if key in src_rows and src_rows[key] != sig and key[0] != "optimizer":
+                problems.append(f"{key[0]} {key[1]!r} is {sig[0]} {list(sig[1])} on rank {comm.global_ranks[r]} but {src_rows[key][0]} {list(src_rows[key][1])} on the source")
+            if key not in src_rows and key[0] != "optimizer":
+                problems.append(f"{key[0]} {key[1]!r} exists on rank {comm.global_ranks[r]} but not on the source")
+        for key in src_rows:
+            if key not in held and key[0] != "optimizer":
+                problems.append(f"{key[0]} {key[1]!r} is missing on rank {comm.global_ranks[r]}")
+    if problems:
+        raise ValueError("cannot resync: the models differ in structure, not only in values: " + "; ".join(problems[:10]))
+
+    # Optimizer state: give every rank exactly the source's entries (per-parameter state as tensors).
+    if comm.rank == src:
+        payload = {}
+        for e in entries:
+            if e.kind == "optimizer" and e.container is not None and not _is_param_group(e):
+                value = e.container[e.key]
+                if isinstance(value, torch.Tensor):
+                    t = value.detach().contiguous().cpu()
+                    payload[e.name] = {"t": [str(t.dtype).removeprefix("torch."), list(t.shape), bytes(_raw(t)).hex()]}
+                else:
+                    payload[e.name] = {"v": repr(value)}
+        blob = json.dumps(payload).encode()
+    else:
+        blob = None
+    src_state = json.loads(comm.share_bytes(src, blob, "the resync optimizer state"))
+    if comm.rank != src:
+        _install_state(src_state, optimizers, module)
+        entries = build_manifest(module, optimizers, include=("params", "buffers", "optimizer")).entries
+    # Installed state is already the source's; broadcast the rest by the (now equal) structure.
+    installed = set(src_state)
+    return [e for e in entries if e.name not in installed]
+
+
+def _is_param_group(e: Entry) -> bool:
+    return isinstance(e.container, dict) and "params" in e.container
+
+
+def _install_state(src_state: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module | None) -> None:
+    from weightsync_audit.manifest import unwrap_module
+
+    user = unwrap_module(module) if module is not None else None
+    by_name = {n: p for n, p in user.named_parameters()} if user is not None else {}
+    params_by_id = {id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    names_in_opt = {n: p for n, p in by_name.items() if id(p) in params_by_id}
+    # Drop state the source does not have, then install the source's.
+    for opt in optimizers:
+        for p in list(opt.state):
+            pname = next((n for n, q in names_in_opt.items() if q is p), None)
+            if pname is None:
+                continue
+            keep = {k.removeprefix(pname + ".") for k in src_state if k.startswith(pname + ".")}
+            for key in list(opt.state[p]):
+                if str(key) not in keep:
+                    del opt.state[p][key]
+            if not opt.state[p]:
+                del opt.state[p]
+    for full, spec in src_state.items():
+        pname, _, key = full.rpartition(".")
+        p = names_in_opt.get(pname)
+        if p is None:
+            raise ValueError(f"cannot resync optimizer state {full!r}: no parameter {pname!r} in this rank's optimizer")
+        opt = next(o for o in optimizers if any(q is p for g in o.param_groups for q in g["params"]))
+        if "t" in spec:
+            dtype_name, shape, hexed = spec["t"]
+            dtype = getattr(torch, dtype_name)
+            raw = bytes.fromhex(hexed)
+            t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).clone() if raw else torch.empty(shape, dtype=dtype)
+            device = p.device if key != "step" or t.dim() else torch.device("cpu")
+            opt.state[p][key] = t.to(device)
+        else:
+            opt.state[p][key] = ast.literal_eval(spec["v"])
