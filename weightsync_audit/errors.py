@@ -14,6 +14,7 @@ __all__ = [
     "AuditOutOfStepError",
     "UnauditableTensorError",
     "ReportFormatError",
+    "WeightSyncWarning",
 ]
 
 
@@ -80,3 +81,7 @@ class ReportFormatError(WeightSyncAuditError, ValueError):
         self.line = line
         self.torn = torn
         super().__init__(message)
+
+
+class WeightSyncWarning(UserWarning):
+    """Something will make replicas drift, or an audit could not be done as asked."""

@@ -1,0 +1,104 @@
+"""Zero-code activation: ``WEIGHTSYNC_AUDIT`` adds the callback to every Trainer in the environment.
+
+Lightning calls the factories registered under its ``callbacks_factory`` entry points when a Trainer
+is built. Unset (or ``0``), nothing happens. ``1`` adds ``WeightSyncAudit()`` with its defaults;
+``every_n_train_steps=50,on_mismatch=raise,report_path=audit.jsonl`` sets options. A bad option fails
+the Trainer's construction with a message naming it.
+
+Lists use ``+`` inside one option: ``hooks=on_train_start+on_fit_end``; ``none`` means ``None``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from weightsync_audit.lightning._audit_callback import WeightSyncAuditMixin
+
+__all__ = ["ENV_VAR", "parse_options", "pytorch_lightning_callbacks", "lightning_pytorch_callbacks"]
+
+ENV_VAR = "WEIGHTSYNC_AUDIT"
+
+_OFF = ("", "0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+_LISTS = ("hooks", "include", "exclude")
+
+
+def _option_names() -> list[str]:
+    return [p for p in inspect.signature(WeightSyncAuditMixin.__init__).parameters if p != "self"]
+
+
+def _convert(key: str, text: str) -> Any:
+    if key in _LISTS:
+        return tuple(v for v in text.split("+") if v)
+    if text.lower() == "none":
+        return None
+    if key in ("every_n_train_steps", "resync_src"):
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be an integer") from None
+    if key == "timeout_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be a number of seconds") from None
+    if key == "verbose":
+        if text.lower() not in _ON + _OFF:
+            raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be true or false")
+        return text.lower() in _ON
+    return text
+
+
+def parse_options(value: str | None) -> dict[str, Any] | None:
+    """The callback's keyword arguments from the variable's value; ``None`` when it is off.
+
+    >>> parse_options("every_n_train_steps=50,on_mismatch=raise")
+    {'every_n_train_steps': 50, 'on_mismatch': 'raise'}
+    >>> parse_options("0") is None
+    True
+    """
+    if value is None or value.strip().lower() in _OFF:
+        return None
+    text = value.strip()
+    if text.lower() in _ON:
+        return {}
+    known = _option_names()
+    out: dict[str, Any] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"{ENV_VAR}: {part!r} is not key=value (options: {', '.join(known)})")
+        if key not in known:
+            raise ValueError(f"{ENV_VAR}: unknown option {key!r} (options: {', '.join(known)})")
+        out[key] = _convert(key, raw.strip())
+    return out
+
+
+def _callbacks(cls: type) -> list[Any]:
+    options = parse_options(os.environ.get(ENV_VAR))
+    if options is None:
+        return []
+    try:
+        return [cls(**options)]
+    except ValueError as exc:
+        raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: {exc}") from None
+
+
+def pytorch_lightning_callbacks() -> list[Any]:
+    """Entry point for ``pytorch_lightning.callbacks_factory``."""
+    from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
+
+    return _callbacks(WeightSyncAudit)
+
+
+def lightning_pytorch_callbacks() -> list[Any]:
+    """Entry point for ``lightning.pytorch.callbacks_factory``."""
+    from weightsync_audit.lightning.lightning_pytorch import WeightSyncAudit
+
+    return _callbacks(WeightSyncAudit)

@@ -1,0 +1,391 @@
+"""The logic of the ``WeightSyncAudit`` callback, shared by both Lightning namespaces.
+
+It imports nothing from Lightning: ``pytorch_lightning`` and ``lightning.pytorch`` each get a class
+that combines this mixin with their own ``Callback`` (Lightning refuses to mix objects of the two).
+Every decision that leads to a collective is taken from data that is equal on every rank (the
+trainer's step, the gathered audit result), never from ``is_global_zero``; rank zero only writes
+the report, prints, and logs.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import warnings
+from typing import Any, Literal, Optional, Sequence
+
+from weightsync_audit.auditor import AuditHistory, Auditor, parse_coverage
+from weightsync_audit.ddp import find_ddp
+from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
+from weightsync_audit.hints import ddp_unsynced_hint
+from weightsync_audit.manifest import check_include
+from weightsync_audit.report import ReportWriter, check_report_path
+from weightsync_audit.result import AuditResult
+from weightsync_audit.resync import resync
+
+log = logging.getLogger("weightsync_audit")
+
+#: Hooks that may trigger an audit, besides the step cadence.
+AUDIT_HOOKS: tuple[str, ...] = (
+    "on_fit_start",
+    "on_train_start",
+    "on_train_epoch_start",
+    "on_train_epoch_end",
+    "on_validation_start",
+    "on_validation_end",
+    "on_save_checkpoint",
+    "on_before_optimizer_step",
+    "on_train_end",
+    "on_fit_end",
+)
+
+ON_MISMATCH = ("warn", "raise", "resync")
+
+#: Strategies whose ranks hold shards, not replicas: comparing them as replicas would be wrong.
+_SHARDED_STRATEGIES = ("FSDP", "DeepSpeed", "ModelParallel", "XLAFSDP")
+
+_STATE_VERSION = 1
+
+
+class WeightSyncAuditMixin:
+    """Audit that every rank holds the same weights during ``fit``; report, raise or resync.
+
+    Args:
+        every_n_train_steps: audit after every N optimizer steps (once per ``global_step``); ``None``
+            turns the cadence off. At the default of 100 the cost is one audit (about memory
+            bandwidth over the model's bytes) per 100 steps; see docs/performance.md.
+        hooks: Lightning hooks that also trigger an audit (``on_train_start`` catches a checkpoint
+            loaded differently on some ranks; ``on_train_epoch_end`` gives one record per epoch).
+        include: ``params``, ``buffers``, ``optimizer``, ``grads`` (grads at ``on_before_optimizer_step``).
+        exclude: glob patterns over names to leave out.
+        on_mismatch: ``warn`` (report on rank 0 when a divergence appears or changes), ``raise``
+            (``WeightDivergenceError`` on every rank at the same point), ``resync`` (broadcast the
+            diverged tensors from ``resync_src`` and confirm).
+        resync_src: the rank whose values win in ``resync``.
+        report_path: JSONL file that global rank 0 appends one record per audit to.
+        timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
+        coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
+        verbose: print the report and the fit-end summary on rank 0.
+
+    Example::
+
+        trainer = pl.Trainer(strategy="ddp", devices=2,
+                             callbacks=[WeightSyncAudit(every_n_train_steps=50, on_mismatch="raise")])
+    """
+
+    def __init__(
+        self,
+        every_n_train_steps: Optional[int] = 100,
+        hooks: Sequence[str] = ("on_train_start", "on_train_epoch_end"),
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
+        on_mismatch: Literal["warn", "raise", "resync"] = "warn",
+        resync_src: int = 0,
+        report_path: Optional[str] = None,
+        timeout_s: Optional[float] = 600.0,
+        coverage: float | str = 1,
+        verbose: bool = True,
+    ) -> None:
+        super().__init__()
+        if every_n_train_steps is not None and (
+            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
+        ):
+            raise ValueError(f"every_n_train_steps={every_n_train_steps!r}: must be an integer >= 1, or None to turn the cadence off")
+        if isinstance(hooks, str):
+            hooks = (hooks,)
+        unknown = [h for h in hooks if h not in AUDIT_HOOKS]
+        if unknown:
+            raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
+        self.include = check_include(include, "include")
+        if isinstance(exclude, str):
+            exclude = (exclude,)
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"on_mismatch={on_mismatch!r}: choose from {list(ON_MISMATCH)}")
+        if isinstance(resync_src, bool) or not isinstance(resync_src, int) or resync_src < 0:
+            raise ValueError(f"resync_src={resync_src!r}: must be a rank number >= 0")
+        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds, or None")
+        self.slices = parse_coverage(coverage)
+        if report_path is not None:
+            check_report_path(report_path, "report_path")
+        self.every_n_train_steps = every_n_train_steps
+        self.hooks = tuple(hooks)
+        self.exclude = tuple(exclude)
+        self.on_mismatch = on_mismatch
+        self.resync_src = resync_src
+        self.report_path = None if report_path is None else str(report_path)
+        self.timeout_s = timeout_s
+        self.coverage = coverage
+        self.verbose = verbose
+        self.history = AuditHistory()
+        self.console: Any = None
+        """A ``rich.console.Console`` for reports on rank zero (stderr when ``None``)."""
+        self._auditor: Auditor | None = None
+        self._grad_auditor: Auditor | None = None
+        self._confirm_auditor: Auditor | None = None
+        self._writer: ReportWriter | None = None
+        self._disabled: str | None = None
+        self._last_step_audited: int | None = None
+        self._last_reported: tuple[str, ...] = ()
+        self._wrap_id: int | None = None
+        self._trainable_at_wrap: tuple[bool, ...] = ()
+        self._warned_trainable = False
+
+    # -- set-up --------------------------------------------------------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        name = type(strategy).__name__
+        if any(s in name for s in _SHARDED_STRATEGIES):
+            self._disabled = (
+                f"{name} shards parameters across ranks; weightsync audits replicas and does not compare "
+                "shards yet, so this run is not audited"
+            )
+            if trainer.is_global_zero:
+                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
+            return
+        world = trainer.world_size
+        if self.on_mismatch == "resync" and self.resync_src >= world:
+            raise ValueError(f"resync_src={self.resync_src}: the run has only {world} rank(s)")
+        main_include = tuple(k for k in self.include if k != "grads")
+        common = {"exclude": self.exclude, "timeout_s": self.timeout_s}
+        self._auditor = Auditor(include=main_include or ("params",), coverage=self.coverage, **common)
+        self._auditor.history = self.history
+        if "grads" in self.include:
+            self._grad_auditor = Auditor(include=("grads",), **common)
+        if trainer.is_global_zero and self.report_path is not None:
+            self._writer = ReportWriter(self.report_path)
+        # Open the audit channel now, while every rank is known to be here (it is collective).
+        self._auditor.setup()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # -- triggers ------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        self._snapshot_wrap(trainer)
+        self._maybe_hook(trainer, "on_fit_start")
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._last_step_audited = trainer.global_step
+        self._maybe_hook(trainer, "on_train_start")
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self._maybe_hook(trainer, "on_train_epoch_start")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        # Once per optimizer step: with gradient accumulation several batches share a global_step.
+        if self.every_n_train_steps is None or step == self._last_step_audited:
+            return
+        if step % self.every_n_train_steps == 0:
+            self._last_step_audited = step
+            self._run(trainer, "on_train_batch_end")
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        self._check_trainable(trainer)
+        if self._grad_auditor is None:
+            return
+        upcoming = trainer.global_step + 1
+        on_cadence = self.every_n_train_steps is not None and upcoming % self.every_n_train_steps == 0
+        if on_cadence or "on_before_optimizer_step" in self.hooks:
+            self._run(trainer, "on_before_optimizer_step", grads=True, step=upcoming)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._maybe_hook(trainer, "on_train_epoch_end")
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._maybe_hook(trainer, "on_validation_start")
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        self._maybe_hook(trainer, "on_validation_end")
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        self._maybe_hook(trainer, "on_save_checkpoint")
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._maybe_hook(trainer, "on_train_end")
+
+    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+        self._maybe_hook(trainer, "on_fit_end")
+        if trainer.is_global_zero and self.verbose and self._auditor is not None:
+            self._print(self.summary())
+
+    def _maybe_hook(self, trainer: Any, hook: str) -> None:
+        if hook in self.hooks and hook != "on_before_optimizer_step":
+            self._run(trainer, hook)
+
+    # -- the audit -----------------------------------------------------------------------------
+
+    def _run(self, trainer: Any, hook: str, grads: bool = False, step: int | None = None) -> AuditResult | None:
+        auditor = self._grad_auditor if grads else self._auditor
+        if auditor is None or self._disabled:
+            return None
+        if grads and self._auditor is not None:
+            auditor._comm = self._auditor.comm  # one audit channel for both
+        model = trainer.strategy.model
+        optimizers = [] if grads else list(trainer.optimizers)
+        step = trainer.global_step if step is None else step
+        epoch = trainer.current_epoch
+        t0 = time.perf_counter()
+        result = auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
+        if grads:
+            self._note_grad_result(result)
+        if result.in_sync:
+            result.action = "none"
+            self._last_reported = ()
+        elif self.on_mismatch == "raise":
+            result.action = "raised"
+        elif self.on_mismatch == "resync":
+            self._resync(trainer, result, model, optimizers, step, epoch, hook)
+        else:
+            result.action = "warned"
+        result.duration_ms = (time.perf_counter() - t0) * 1e3
+        self._publish(trainer, result)
+        if not result.in_sync and result.action == "raised":
+            raise WeightDivergenceError(result)
+        return result
+
+    def _note_grad_result(self, result: AuditResult) -> None:
+        # The gradient auditor keeps its own history (its audits interleave with the main ones); a
+        # divergence it finds first is still the run's first divergence.
+        if not result.in_sync:
+            self.history.diverged_audits += 1
+            if self.history.first_divergence_step is None:
+                self.history.first_divergence_step = result.step
+                self.history.first_divergence_tensors = result.diverged_names
+        result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
+
+    def _resync(
+        self, trainer: Any, result: AuditResult, model: Any, optimizers: list[Any], step: int, epoch: int, hook: str
+    ) -> None:
+        structural = [m.name for m in result.mismatches if m.kind == "structure"]
+        if structural:
+            result.action = "raised"
+            result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
+            return
+        names = [m.name for m in result.mismatches if m.kind != "grad"]
+        if names:
+            resync(model, optimizers or None, src=self.resync_src, names=names, timeout_s=self.timeout_s)
+        if self._confirm_auditor is None:
+            assert self._auditor is not None
+            cfg = self._auditor.config
+            self._confirm_auditor = Auditor(include=cfg.include, exclude=cfg.exclude, timeout_s=cfg.timeout_s)
+            self._confirm_auditor._comm = self._auditor.comm
+        confirm = self._confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
+        if confirm.in_sync:
+            result.action = "resynced"
+            result.notes.append(f"resynced {len(names)} tensor(s) from rank {self.resync_src}; a full audit confirmed the replicas are in sync")
+            self.history.resyncs += 1
+            self.history.last_in_sync_step = step
+        else:
+            result.action = "raised"
+            result.notes.append(f"resync from rank {self.resync_src} did not restore agreement: {confirm.summary()}")
+
+    def _publish(self, trainer: Any, result: AuditResult) -> None:
+        """Report on rank zero: the record, metrics, and a printed report when the divergence changes."""
+        if not trainer.is_global_zero:
+            if not result.in_sync:
+                self._last_reported = tuple(result.diverged_names)
+            return
+        if self._writer is not None:
+            self._writer.write(result)
+        metrics = {
+            "weightsync/in_sync": float(result.in_sync),
+            "weightsync/diverged_tensors": float(len(result.mismatches)),
+            "weightsync/audit_ms": float(result.duration_ms),
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        if not result.in_sync:
+            names = tuple(result.diverged_names)
+            if names != self._last_reported or result.action in ("raised", "resynced"):
+                if self.verbose:
+                    self._print(result)
+                else:
+                    log.warning("weightsync audit: %s", result.summary())
+            self._last_reported = names
+
+    def _print(self, renderable: Any) -> None:
+        from rich.console import Console
+
+        console = self.console or Console(file=sys.stderr)
+        console.print(renderable)
+
+    # -- DDP's trainable set -------------------------------------------------------------------
+
+    def _snapshot_wrap(self, trainer: Any) -> None:
+        ddp = find_ddp(trainer.strategy.model)
+        if ddp is None:
+            self._wrap_id = None
+            return
+        self._wrap_id = id(ddp)
+        self._trainable_at_wrap = tuple(p.requires_grad for p in ddp.module.parameters())
+
+    def _check_trainable(self, trainer: Any) -> None:
+        """Warn once, before any weight moves, when the trainable set leaves DDP's reducer behind."""
+        if self._warned_trainable or self._disabled:
+            return
+        ddp = find_ddp(trainer.strategy.model)
+        if ddp is None:
+            return
+        if id(ddp) != self._wrap_id:
+            self._snapshot_wrap(trainer)  # re-wrapped (e.g. by DDPRewrapOnTrainableChange): a fresh reducer
+            return
+        now = tuple(p.requires_grad for p in ddp.module.parameters())
+        if now == self._trainable_at_wrap:
+            return
+        self._warned_trainable = True
+        if not trainer.is_global_zero:
+            return
+        names = [n for n, _ in ddp.module.named_parameters()]
+        joined = [n for n, was, is_ in zip(names, self._trainable_at_wrap, now) if is_ and not was]
+        left = [n for n, was, is_ in zip(names, self._trainable_at_wrap, now) if was and not is_]
+        parts = []
+        if joined:
+            parts.append(ddp_unsynced_hint(joined))
+        if left:
+            parts.append(
+                f"{', '.join(left[:6])} were frozen after DDP wrapped the model; DDP still expects their "
+                "gradients (without find_unused_parameters=True the next backward fails)."
+            )
+        warnings.warn(
+            f"weightsync audit (step {trainer.global_step}): the set of trainable parameters changed after "
+            "DistributedDataParallel wrapped the model. " + " ".join(parts),
+            WeightSyncWarning,
+            stacklevel=2,
+        )
+
+    # -- reporting and checkpoints -------------------------------------------------------------
+
+    def summary(self) -> str:
+        h = self.history
+        if self._disabled:
+            return f"weightsync audit: not audited ({self._disabled})"
+        if h.diverged_audits == 0:
+            last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
+            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}"
+        first = ", ".join(h.first_divergence_tensors[:5])
+        return (
+            f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
+            f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "
+            f"{h.resyncs} resync(s)"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": _STATE_VERSION,
+            "history": self.history.state_dict(),
+            "last_reported": list(self._last_reported),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Old or partial checkpoints keep the defaults for what they lack.
+        self.history.load_state_dict(state_dict.get("history", {}))
+        self._last_reported = tuple(state_dict.get("last_reported", ()))
