@@ -32,6 +32,8 @@ def check_report_path(path: str | os.PathLike[str], argument: str = "report_path
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.exists():
         raise ValueError(f"{argument}={str(path)!r}: the directory {str(parent)!r} does not exist")
+    if not parent.is_dir():
+        raise ValueError(f"{argument}={str(path)!r}: {str(parent)!r} is a file, not a directory")
     if p.exists() and not os.access(p, os.W_OK):
         raise ValueError(f"{argument}={str(path)!r} is not writable")
     if not p.exists() and not os.access(parent, os.W_OK):

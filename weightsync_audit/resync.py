@@ -108,8 +108,10 @@ def resync(
                 "not in the same order); rebuild the optimizer the same way on every rank"
             )
 
-    tensor_entries = [e for e in entries if e.container is None]
-    value_entries = [e for e in entries if e.container is not None]
+    # Tensors (parameters, buffers, optimizer state tensors) are overwritten in place; Python values
+    # (learning rates, integer steps) are replaced in their dict.
+    value_entries = [e for e in entries if e.container is not None and not isinstance(e.container[e.key], torch.Tensor)]
+    tensor_entries = [e for e in entries if e.dtype != "none" and (e.container is None or isinstance(e.container[e.key], torch.Tensor))]
     src_global = comm.global_ranks[src]
     comm.setup()
     cpu_group = comm._group.pg if comm._group is not None else None

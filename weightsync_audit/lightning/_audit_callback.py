@@ -48,6 +48,17 @@ _SHARDED_STRATEGIES = ("FSDP", "DeepSpeed", "ModelParallel", "XLAFSDP")
 _STATE_VERSION = 1
 
 
+def sharded_strategy_reason(strategy: Any) -> str | None:
+    """Why a strategy's ranks cannot be compared as replicas, or ``None`` when they can."""
+    name = type(strategy).__name__
+    if any(s in name for s in _SHARDED_STRATEGIES):
+        return (
+            f"{name} shards parameters across ranks; weightsync audits replicas and does not compare "
+            "shards yet, so this run is not audited"
+        )
+    return None
+
+
 class WeightSyncAuditMixin:
     """Audit that every rank holds the same weights during ``fit``; report, raise or resync.
 
@@ -137,13 +148,8 @@ class WeightSyncAuditMixin:
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = trainer.strategy
-        name = type(strategy).__name__
-        if any(s in name for s in _SHARDED_STRATEGIES):
-            self._disabled = (
-                f"{name} shards parameters across ranks; weightsync audits replicas and does not compare "
-                "shards yet, so this run is not audited"
-            )
+        self._disabled = sharded_strategy_reason(trainer.strategy)
+        if self._disabled:
             if trainer.is_global_zero:
                 warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
             return
