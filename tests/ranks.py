@@ -9,7 +9,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 
 class RankFailed(AssertionError):
@@ -20,6 +20,16 @@ class RankFailed(AssertionError):
         self.exc_type = exc_type
         self.message = message
         super().__init__(f"rank {rank} raised {exc_type}: {message}\n{tb}")
+
+
+class RankDied:
+    """Stands in the results for a rank listed in ``may_die`` that never reported (e.g. SIGKILLed)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __repr__(self) -> str:
+        return f"RankDied({self.rank})"
 
 
 def free_port() -> int:
@@ -62,12 +72,14 @@ def run_ranks(
     *args: Any,
     timeout: float = 90,
     expect_errors: bool = False,
+    may_die: Collection[int] = (),
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; return each rank's result.
 
     With ``expect_errors`` a raising rank yields a ``RankFailed`` in its slot instead of failing the test.
-    A rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
+    A rank in ``may_die`` that exits without reporting (killed on purpose) yields a ``RankDied``.
+    Any other rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
     """
     ctx = mp.get_context("fork")
     q = ctx.Queue()
@@ -79,6 +91,10 @@ def run_ranks(
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world:
+            if may_die and all(r in results or r in may_die for r in range(world)):
+                # The survivors have reported; a rank allowed to die gets a moment to report too.
+                if all(not procs[r].is_alive() for r in may_die if r not in results) and q.empty():
+                    break
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -95,6 +111,9 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+    for r in may_die:
+        if r not in results:
+            results[r] = RankDied(r)
     missing = [r for r in range(world) if r not in results]
     if missing:
         raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang or crash)")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import subprocess
 import sys
 import time
@@ -11,24 +10,27 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from lightning_helpers import Perturb, SmallModel, bit_identical, fit, rank_end, rank_weights, records
 from pytorch_lightning.callbacks import BackboneFinetuning, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.strategies import DDPStrategy
-from rich.console import Console
 
-from lightning_helpers import Perturb, SmallModel, bit_identical, fit, rank_end, rank_weights, records
-from weightsync_audit import WeightDivergenceError
 from weightsync_audit.lightning._audit_callback import sharded_strategy_reason
 from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 from weightsync_audit.scenarios.lightning_20340 import SeedModel, make_loader
 
 
-def test_seed_model_under_backbone_finetuning_is_reported_diverged_from_the_first_step_of_epoch_3(tmp_path: Path) -> None:
+def test_seed_model_under_backbone_finetuning_is_reported_diverged_from_the_first_step_of_epoch_3(
+    tmp_path: Path,
+) -> None:
     report = tmp_path / "audit.jsonl"
     fit(
         tmp_path,
         SeedModel(),
-        [BackboneFinetuning(unfreeze_backbone_at_epoch=3), WeightSyncAudit(every_n_train_steps=1, report_path=str(report))],
+        [
+            BackboneFinetuning(unfreeze_backbone_at_epoch=3),
+            WeightSyncAudit(every_n_train_steps=1, report_path=str(report)),
+        ],
         max_epochs=4,
         data=make_loader(0),
     )
@@ -75,7 +77,10 @@ def test_raise_under_ddp_fork_stops_the_run_with_weight_divergence_error(tmp_pat
         fit(
             tmp_path,
             SmallModel(),
-            [Perturb(1, 3, _nudge_head), WeightSyncAudit(every_n_train_steps=1, on_mismatch="raise", report_path=str(report))],
+            [
+                Perturb(1, 3, _nudge_head),
+                WeightSyncAudit(every_n_train_steps=1, on_mismatch="raise", report_path=str(report)),
+            ],
             max_epochs=3,
         )
     assert "net.2.weight" in str(info.value)
@@ -94,7 +99,10 @@ def test_resync_recovers_from_a_divergence_planted_on_one_rank_optimizer_state_i
     fit(
         tmp_path,
         SmallModel(),
-        [Perturb(1, 5, _nudge_head_and_momentum), WeightSyncAudit(every_n_train_steps=1, on_mismatch="resync", report_path=str(report))],
+        [
+            Perturb(1, 5, _nudge_head_and_momentum),
+            WeightSyncAudit(every_n_train_steps=1, on_mismatch="resync", report_path=str(report)),
+        ],
         max_epochs=2,
     )
     recs = records(report)
@@ -113,7 +121,12 @@ def test_resync_recovers_from_a_divergence_planted_on_one_rank_optimizer_state_i
 
 def test_batchnorm_under_default_ddp_gives_no_false_alarm(tmp_path: Path) -> None:
     report = tmp_path / "audit.jsonl"
-    fit(tmp_path, SmallModel(batchnorm=True), [WeightSyncAudit(every_n_train_steps=1, report_path=str(report))], max_epochs=2)
+    fit(
+        tmp_path,
+        SmallModel(batchnorm=True),
+        [WeightSyncAudit(every_n_train_steps=1, report_path=str(report))],
+        max_epochs=2,
+    )
     recs = records(report)
     assert recs and all(r["in_sync"] for r in recs)
     assert any("broadcast_buffers=True" in n for n in recs[-1].get("notes", []))
@@ -151,7 +164,11 @@ def test_ddp_settings_and_gradient_accumulation_raise_no_false_alarm(tmp_path: P
     fit(
         tmp_path,
         SmallModel(optimizer="adam"),
-        [WeightSyncAudit(every_n_train_steps=1, include=("params", "buffers", "optimizer", "grads"), report_path=str(report))],
+        [
+            WeightSyncAudit(
+                every_n_train_steps=1, include=("params", "buffers", "optimizer", "grads"), report_path=str(report)
+            )
+        ],
         strategy=strategy,
         accumulate_grad_batches=accumulate,
         max_epochs=2,
@@ -199,7 +216,10 @@ def test_history_survives_checkpoint_and_resume_and_on_train_start_catches_a_one
     fit(
         tmp_path,
         SmallModel(),
-        [WeightSyncAudit(every_n_train_steps=2, report_path=str(report)), ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True)],
+        [
+            WeightSyncAudit(every_n_train_steps=2, report_path=str(report)),
+            ModelCheckpoint(dirpath=str(ckpt_dir), save_last=True),
+        ],
         enable_checkpointing=True,
         max_epochs=1,
     )
@@ -265,7 +285,14 @@ def test_unwritable_report_path_fails_at_construction(tmp_path: Path) -> None:
 
 def test_resync_src_beyond_the_world_fails_at_setup(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="resync_src"):
-        fit(tmp_path, SmallModel(), [WeightSyncAudit(on_mismatch="resync", resync_src=3)], strategy="auto", devices=1, max_epochs=1)
+        fit(
+            tmp_path,
+            SmallModel(),
+            [WeightSyncAudit(on_mismatch="resync", resync_src=3)],
+            strategy="auto",
+            devices=1,
+            max_epochs=1,
+        )
 
 
 def test_both_lightning_namespaces_take_their_own_class(tmp_path: Path) -> None:
@@ -286,7 +313,16 @@ def test_both_lightning_namespaces_take_their_own_class(tmp_path: Path) -> None:
 
     report = tmp_path / "l.jsonl"
     cb = LWeightSyncAudit(every_n_train_steps=1, report_path=str(report), verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, callbacks=[cb], logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        callbacks=[cb],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     from lightning_helpers import loader
 
     trainer.fit(LModel(), loader())

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ranks import run_ranks
 from weightsync_audit import Auditor, audit, resync
 
 
@@ -94,7 +94,9 @@ def _optimizer_state(rank: int, world: int) -> dict:
 
 def test_optimizer_state_changed_on_one_rank_is_reported_as_optimizer_not_param() -> None:
     rec = run_ranks(_optimizer_state, 2)[0]
-    assert [(m["name"], m["kind"], m["ranks"]) for m in rec["mismatches"]] == [("0.weight.exp_avg_sq", "optimizer", [1])]
+    assert [(m["name"], m["kind"], m["ranks"]) for m in rec["mismatches"]] == [
+        ("0.weight.exp_avg_sq", "optimizer", [1])
+    ]
     assert rec["mismatches"][0]["max_abs_diff"] == pytest.approx(1.0)
     assert any("Optimizer state differs" in h for h in rec["hints"])
 
@@ -108,7 +110,12 @@ def _lr_differs(rank: int, world: int) -> dict:
 def test_learning_rate_differing_on_one_of_four_ranks_names_the_param_group() -> None:
     rec = run_ranks(_lr_differs, 4)[0]
     [m] = rec["mismatches"]
-    assert (m["name"], m["kind"], m["ranks"], m["reference_ranks"]) == ("param_groups.0.lr", "optimizer", [2], [0, 1, 3])
+    assert (m["name"], m["kind"], m["ranks"], m["reference_ranks"]) == (
+        "param_groups.0.lr",
+        "optimizer",
+        [2],
+        [0, 1, 3],
+    )
     assert m["max_abs_diff"] == pytest.approx(0.1)
     assert any("learning rate differs" in h for h in rec["hints"])
 

@@ -217,7 +217,9 @@ class Auditor:
         ddp = find_ddp(module) if module is not None else None
         skip = None
         if ddp is not None and getattr(ddp, "broadcast_buffers", False) and not self.config.compare_broadcast_buffers:
-            skip = "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
+            skip = (
+                "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
+            )
         return build_manifest(
             module, optimizers, include=self.config.include, exclude=self.config.exclude, skip_buffers_reason=skip
         )
@@ -265,7 +267,6 @@ class Auditor:
         if verdict.status == "out_of_step":
             self._raise_out_of_step(comm, step, epoch, hook, verdict.differing_fields)
 
-        by_uid = {e.uid: e for e in entries}
         value_diffs: list[ValueDiff] = []
         structure_diffs: list[StructureDiff] = []
         if verdict.status == "values":
@@ -276,8 +277,18 @@ class Auditor:
             blobs = comm.exchange_bytes(json.dumps(rows).encode(), "the manifests")
             structure_diffs, value_diffs = compare_manifests([json.loads(b) for b in blobs])
 
+        by_uid = {e.uid: e for e in entries} if value_diffs else {}  # only on divergence: it costs per tensor
         mismatches = [
-            Mismatch(d.name, "structure", list(d.ranks), list(d.reference_ranks), list(d.shape) if d.shape else None, d.dtype, None, d.detail)
+            Mismatch(
+                d.name,
+                "structure",
+                list(d.ranks),
+                list(d.reference_ranks),
+                list(d.shape) if d.shape else None,
+                d.dtype,
+                None,
+                d.detail,
+            )
             for d in structure_diffs
         ]
         value_mismatches = []
@@ -317,7 +328,15 @@ class Auditor:
     def _raise_out_of_step(
         self, comm: Comm, step: int | None, epoch: int | None, hook: str | None, fields: Sequence[str]
     ) -> None:
-        mine = json.dumps({"step": step, "epoch": epoch, "hook": hook, "config": self.config.fingerprint(), "slice": self.history.audits % self.config.slices})
+        mine = json.dumps(
+            {
+                "step": step,
+                "epoch": epoch,
+                "hook": hook,
+                "config": self.config.fingerprint(),
+                "slice": self.history.audits % self.config.slices,
+            }
+        )
         positions = [json.loads(b) for b in comm.exchange_bytes(mine.encode(), "the out-of-step report")]
         lines = {}
         for r, p in enumerate(positions):

@@ -60,7 +60,7 @@ class ReportWriter:
 
     def _open(self) -> Any:
         if self._file is None:
-            f = open(self.path, "ab")  # noqa: SIM115 - kept open across records, closed in close()
+            f = open(self.path, "ab")
             if f.tell() > 0:
                 with open(self.path, "rb") as r:
                     r.seek(-1, os.SEEK_END)
@@ -125,7 +125,11 @@ def read_report(path: str | os.PathLike[str]) -> ReportContents:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            why = "torn (cut short, most likely by a crash while writing)" if torn else f"not JSON ({exc.msg} at column {exc.colno})"
+            why = (
+                "torn (cut short, most likely by a crash while writing)"
+                if torn
+                else f"not JSON ({exc.msg} at column {exc.colno})"
+            )
             out.errors.append(ReportFormatError(f"line {i}: {why}", i, torn))
             continue
         try:

@@ -38,7 +38,11 @@ def _decode_value(entry: Entry, blob: bytes) -> Any:
             return ast.literal_eval(text)  # literals only: never executes code
         except (ValueError, SyntaxError) as exc:
             raise TypeError(f"cannot resync {entry.name!r}: its value {text[:80]!r} is not a Python literal") from exc
-    t = torch.frombuffer(bytearray(blob), dtype=entry.tensor.dtype) if blob else torch.empty(0, dtype=entry.tensor.dtype)
+    t = (
+        torch.frombuffer(bytearray(blob), dtype=entry.tensor.dtype)
+        if blob
+        else torch.empty(0, dtype=entry.tensor.dtype)
+    )
     old = entry.container[entry.key]
     values = t.tolist()
     if isinstance(old, (tuple, list)):
@@ -50,14 +54,21 @@ def _broadcast_tensors(tensors: list[torch.Tensor], src_global: int, group: Any,
     buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
     for t in tensors:
         lst = buckets.setdefault((t.device, t.dtype), [[]])
-        if lst[-1] and sum(x.numel() * x.element_size() for x in lst[-1]) + t.numel() * t.element_size() > _BUCKET_BYTES:
+        if (
+            lst[-1]
+            and sum(x.numel() * x.element_size() for x in lst[-1]) + t.numel() * t.element_size() > _BUCKET_BYTES
+        ):
             lst.append([])
         lst[-1].append(t)
     backend = str(dist.get_backend(group)) if group is not None else str(dist.get_backend())
     for (device, _), chunks in buckets.items():
         pg = group if (device.type != "cpu" or "gloo" in backend) else cpu_group
         for chunk in chunks:
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk]) if len(chunk) > 1 else chunk[0].detach().reshape(-1).clone()
+            flat = (
+                torch.cat([t.detach().reshape(-1) for t in chunk])
+                if len(chunk) > 1
+                else chunk[0].detach().reshape(-1).clone()
+            )
             dist.broadcast(flat, src=src_global, group=pg)
             pos = 0
             with torch.no_grad():
@@ -111,14 +122,22 @@ def resync(
     # Tensors (parameters, buffers, optimizer state tensors) are overwritten in place; Python values
     # (learning rates, integer steps) are replaced in their dict.
     value_entries = [e for e in entries if e.container is not None and not isinstance(e.container[e.key], torch.Tensor)]
-    tensor_entries = [e for e in entries if e.dtype != "none" and (e.container is None or isinstance(e.container[e.key], torch.Tensor))]
+    tensor_entries = [
+        e
+        for e in entries
+        if e.dtype != "none" and (e.container is None or isinstance(e.container[e.key], torch.Tensor))
+    ]
     src_global = comm.global_ranks[src]
     comm.setup()
     cpu_group = comm._group.pg if comm._group is not None else None
     if tensor_entries:
         _broadcast_tensors([e.tensor for e in tensor_entries], src_global, group, cpu_group)
     if value_entries:
-        blob = json.dumps([bytes(_raw(e.tensor.contiguous())).hex() for e in value_entries]).encode() if comm.rank == src else None
+        blob = (
+            json.dumps([bytes(_raw(e.tensor.contiguous())).hex() for e in value_entries]).encode()
+            if comm.rank == src
+            else None
+        )
         values = json.loads(comm.share_bytes(src, blob, "the resync values"))
         for e, hexed in zip(value_entries, values):
             e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
@@ -136,14 +155,18 @@ def _reconcile(
         held = {(k, n): (d, tuple(s)) for k, n, d, s in rows_r}
         for key, sig in held.items():
             if key in src_rows and src_rows[key] != sig and key[0] != "optimizer":
-                problems.append(f"{key[0]} {key[1]!r} is {sig[0]} {list(sig[1])} on rank {comm.global_ranks[r]} but {src_rows[key][0]} {list(src_rows[key][1])} on the source")
+                problems.append(
+                    f"{key[0]} {key[1]!r} is {sig[0]} {list(sig[1])} on rank {comm.global_ranks[r]} but {src_rows[key][0]} {list(src_rows[key][1])} on the source"
+                )
             if key not in src_rows and key[0] != "optimizer":
                 problems.append(f"{key[0]} {key[1]!r} exists on rank {comm.global_ranks[r]} but not on the source")
         for key in src_rows:
             if key not in held and key[0] != "optimizer":
                 problems.append(f"{key[0]} {key[1]!r} is missing on rank {comm.global_ranks[r]}")
     if problems:
-        raise ValueError("cannot resync: the models differ in structure, not only in values: " + "; ".join(problems[:10]))
+        raise ValueError(
+            "cannot resync: the models differ in structure, not only in values: " + "; ".join(problems[:10])
+        )
 
     # Optimizer state: give every rank exactly the source's entries (per-parameter state as tensors).
     if comm.rank == src:
@@ -172,7 +195,9 @@ def _is_param_group(e: Entry) -> bool:
     return isinstance(e.container, dict) and "params" in e.container
 
 
-def _install_state(src_state: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module | None) -> None:
+def _install_state(
+    src_state: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module | None
+) -> None:
     from weightsync_audit.manifest import unwrap_module
 
     user = unwrap_module(module) if module is not None else None
@@ -201,7 +226,11 @@ def _install_state(src_state: dict[str, Any], optimizers: list[torch.optim.Optim
             dtype_name, shape, hexed = spec["t"]
             dtype = getattr(torch, dtype_name)
             raw = bytes.fromhex(hexed)
-            t = torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).clone() if raw else torch.empty(shape, dtype=dtype)
+            t = (
+                torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).clone()
+                if raw
+                else torch.empty(shape, dtype=dtype)
+            )
             device = p.device if key != "step" or t.dim() else torch.device("cpu")
             opt.state[p][key] = t.to(device)
         else:

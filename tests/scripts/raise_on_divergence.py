@@ -9,9 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_helpers import Perturb, SmallModel, fit  # noqa: E402
+from lightning_helpers import Perturb, SmallModel, fit
 
-from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit  # noqa: E402
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
 
 def nudge(trainer, module):  # type: ignore[no-untyped-def]
@@ -23,7 +23,10 @@ if __name__ == "__main__":
     fit(
         out,
         SmallModel(),
-        [Perturb(1, 3, nudge), WeightSyncAudit(every_n_train_steps=1, on_mismatch="raise", report_path=str(out / "audit.jsonl"))],
+        [
+            Perturb(1, 3, nudge),
+            WeightSyncAudit(every_n_train_steps=1, on_mismatch="raise", report_path=str(out / "audit.jsonl")),
+        ],
         strategy="ddp",
         max_epochs=3,
     )

@@ -102,7 +102,9 @@ class WeightSyncAuditMixin:
         if every_n_train_steps is not None and (
             isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
         ):
-            raise ValueError(f"every_n_train_steps={every_n_train_steps!r}: must be an integer >= 1, or None to turn the cadence off")
+            raise ValueError(
+                f"every_n_train_steps={every_n_train_steps!r}: must be an integer >= 1, or None to turn the cadence off"
+            )
         if isinstance(hooks, str):
             hooks = (hooks,)
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
@@ -115,7 +117,9 @@ class WeightSyncAuditMixin:
             raise ValueError(f"on_mismatch={on_mismatch!r}: choose from {list(ON_MISMATCH)}")
         if isinstance(resync_src, bool) or not isinstance(resync_src, int) or resync_src < 0:
             raise ValueError(f"resync_src={resync_src!r}: must be a rank number >= 0")
-        if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0):
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0
+        ):
             raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds, or None")
         self.slices = parse_coverage(coverage)
         if report_path is not None:
@@ -287,7 +291,9 @@ class WeightSyncAuditMixin:
         confirm = self._confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
         if confirm.in_sync:
             result.action = "resynced"
-            result.notes.append(f"resynced {len(names)} tensor(s) from rank {self.resync_src}; a full audit confirmed the replicas are in sync")
+            result.notes.append(
+                f"resynced {len(names)} tensor(s) from rank {self.resync_src}; a full audit confirmed the replicas are in sync"
+            )
             self.history.resyncs += 1
             self.history.last_in_sync_step = step
         else:
