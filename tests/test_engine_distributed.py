@@ -258,3 +258,29 @@ def _world_of_one(rank: int, world: int) -> bool:
 
 def test_world_of_one_with_a_process_group() -> None:
     assert run_ranks(_world_of_one, 1) == [True]
+
+
+def _meta_on_one_rank(rank: int, world: int) -> str:
+    from weightsync_audit import AuditPreparationError, UnauditableTensorError
+
+    model = make_model()
+    if rank == 2:
+        model.register_buffer("lazy", torch.empty(3, device="meta"))
+    try:
+        audit(model, timeout_s=30)
+    except UnauditableTensorError as exc:
+        return f"own: {exc}"
+    except AuditPreparationError as exc:
+        return f"peer: {exc}"
+    return "no error"
+
+
+def test_a_rank_that_cannot_prepare_its_audit_makes_every_rank_raise_at_once_not_wait() -> None:
+    import time
+
+    t0 = time.monotonic()
+    out = run_ranks(_meta_on_one_rank, 4, timeout=60)
+    assert time.monotonic() - t0 < 20, "nobody waited for the deadline"
+    assert out[2].startswith("own:") and "'lazy'" in out[2] and "meta" in out[2]
+    for r in (0, 1, 3):
+        assert out[r].startswith("peer:") and "rank 2" in out[r] and "'lazy'" in out[r]

@@ -10,6 +10,7 @@ from weightsync_audit.auditor import AuditConfig, AuditHistory, Auditor, audit
 from weightsync_audit.ddp import rewrap_ddp
 from weightsync_audit.errors import (
     AuditOutOfStepError,
+    AuditPreparationError,
     AuditTimeoutError,
     ReportFormatError,
     UnauditableTensorError,
@@ -26,6 +27,7 @@ __all__ = [
     "AuditConfig",
     "AuditHistory",
     "AuditOutOfStepError",
+    "AuditPreparationError",
     "AuditResult",
     "AuditTimeoutError",
     "Auditor",

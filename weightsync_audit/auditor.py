@@ -31,6 +31,7 @@ from torch import nn
 from weightsync_audit.comm import Comm
 from weightsync_audit.consensus import (
     PROTOCOL,
+    PROTOCOL_FAILED,
     SUMMARY_FIELDS,
     StructureDiff,
     ValueDiff,
@@ -40,7 +41,7 @@ from weightsync_audit.consensus import (
 )
 from weightsync_audit.ddp import find_ddp
 from weightsync_audit.digest import _raw, digest_entries, overall_digest, structure_digest
-from weightsync_audit.errors import AuditOutOfStepError
+from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.hints import explain
 from weightsync_audit.manifest import Entry, Manifest, as_optimizers, build_manifest, check_include
 from weightsync_audit.result import AuditResult, Mismatch
@@ -242,15 +243,22 @@ class Auditor:
         comm = self.comm
         cfg = self.config
         slice_index = self.history.audits % cfg.slices
-        manifest = self._manifest(module, optimizers)
-        entries = manifest.entries
-        digests = digest_entries(entries, slice_index=slice_index, slices=cfg.slices, method=cfg.method)
-        structure = structure_digest(entries)
-        overall = overall_digest(digests, structure)
+        # A rank that cannot prepare its audit (a meta tensor, say) still takes part in the exchange,
+        # flagged, so that every rank raises together instead of the others waiting for it.
+        failure: BaseException | None = None
+        try:
+            manifest = self._manifest(module, optimizers)
+            entries = manifest.entries
+            digests = digest_entries(entries, slice_index=slice_index, slices=cfg.slices, method=cfg.method)
+            structure = structure_digest(entries)
+            overall = overall_digest(digests, structure)
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            failure = exc
+            manifest, entries, digests, structure, overall = Manifest(), [], np.zeros(0, np.int64), 0, 0
         position = f"hook={hook} {cfg.fingerprint()}"
         summary = np.array(
             [
-                PROTOCOL,
+                PROTOCOL if failure is None else PROTOCOL_FAILED,
                 -1 if step is None else int(step),
                 -1 if epoch is None else int(epoch),
                 len(entries),
@@ -262,6 +270,8 @@ class Auditor:
             dtype=np.int64,
         )
         table = comm.exchange(summary, "the audit summary")
+        if (table[:, 0] == PROTOCOL_FAILED).any():
+            self._raise_failed(comm, failure)
         verdict = judge_summaries(table)
 
         if verdict.status == "out_of_step":
@@ -324,6 +334,15 @@ class Auditor:
         self.history.record(result)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         return result
+
+    def _raise_failed(self, comm: Comm, failure: BaseException | None) -> None:
+        mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
+        messages = [b.decode("utf-8", "replace") for b in comm.exchange_bytes(mine.encode(), "the failure report")]
+        if failure is not None:
+            raise failure
+        failed = {comm.global_ranks[r]: m for r, m in enumerate(messages) if m}
+        text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise AuditPreparationError(f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed)
 
     def _raise_out_of_step(
         self, comm: Comm, step: int | None, epoch: int | None, hook: str | None, fields: Sequence[str]

@@ -14,6 +14,7 @@ import numpy as np
 
 __all__ = [
     "PROTOCOL",
+    "PROTOCOL_FAILED",
     "SUMMARY_FIELDS",
     "Position",
     "SummaryVerdict",
@@ -27,6 +28,9 @@ __all__ = [
 
 PROTOCOL = 0x5753_4101
 """Protocol version, first word of every summary: 'WSA' and a version byte."""
+
+PROTOCOL_FAILED = PROTOCOL | 0x80
+"""First word of the summary of a rank that could not prepare its audit: every rank then raises."""
 
 SUMMARY_FIELDS = ("protocol", "step", "epoch", "count", "structure", "overall", "config", "slice")
 """The fixed-size summary each rank contributes: 8 int64 words, 64 bytes."""

@@ -12,6 +12,7 @@ __all__ = [
     "WeightDivergenceError",
     "AuditTimeoutError",
     "AuditOutOfStepError",
+    "AuditPreparationError",
     "UnauditableTensorError",
     "ReportFormatError",
     "WeightSyncWarning",
@@ -85,3 +86,14 @@ class ReportFormatError(WeightSyncAuditError, ValueError):
 
 class WeightSyncWarning(UserWarning):
     """Something will make replicas drift, or an audit could not be done as asked."""
+
+
+class AuditPreparationError(WeightSyncAuditError, RuntimeError):
+    """Another rank could not prepare its audit (its own error is raised there); raised on the others.
+
+    ``.failures`` maps each failed rank to its error message.
+    """
+
+    def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
+        self.failures = dict(failures or {})
+        super().__init__(message)
