@@ -364,3 +364,52 @@ def test_warn_prints_the_report_when_a_divergence_appears_or_changes_not_every_s
     assert err.count("DIVERGED") == 2, err  # printed at step 3 and when the set grew at step 6
     assert "step 3 (epoch 0): DIVERGED" in err and "step 6 (epoch 0): DIVERGED" in err
     assert "8 audit(s), 6 found divergence; first at step 3" in " ".join(err.split())  # fit-end summary
+
+
+def test_lightning_cli_builds_the_callback_from_yaml(tmp_path: Path) -> None:
+    from pytorch_lightning.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  accelerator: cpu
+  logger: false
+  callbacks:
+    - class_path: weightsync_audit.lightning.pytorch_lightning.WeightSyncAudit
+      init_args:
+        every_n_train_steps: 5
+        hooks: [on_train_start, on_fit_end]
+        include: [params, optimizer]
+        exclude: ["layer.*"]
+        on_mismatch: raise
+        timeout_s: 30
+        coverage: 1/4
+"""
+    )
+    cli = LightningCLI(SeedModel, run=False, args=["--config", str(config)])
+    [cb] = [c for c in cli.trainer.callbacks if isinstance(c, WeightSyncAudit)]
+    assert (cb.every_n_train_steps, cb.hooks, cb.include, cb.exclude) == (
+        5,
+        ("on_train_start", "on_fit_end"),
+        ("params", "optimizer"),
+        ("layer.*",),
+    )
+    assert (cb.on_mismatch, cb.timeout_s, cb.slices) == ("raise", 30.0, 4)
+
+
+def test_ddp_spawn_runs_in_sync_with_no_false_alarm(tmp_path: Path) -> None:
+    report = tmp_path / "audit.jsonl"
+    fit(
+        tmp_path,
+        SmallModel(batchnorm=True, optimizer="adam"),
+        [WeightSyncAudit(every_n_train_steps=2, report_path=str(report))],
+        strategy="ddp_spawn",
+        max_epochs=1,
+    )
+    recs = records(report)
+    assert [r["step"] for r in recs if r["hook"] == "on_train_batch_end"] == [2, 4, 6, 8]
+    assert all(r["in_sync"] for r in recs)
+    # BatchNorm's running stats differ after the last forward (DDP re-broadcasts them at the next one)
+    w0, w1 = ({k: v for k, v in rank_weights(tmp_path, r).items() if "running_" not in k} for r in (0, 1))
+    assert bit_identical(w0, w1)
