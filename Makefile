@@ -21,8 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/weightsync-audit demo
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check weightsync_audit tests benchmarks
-	$(VENV)/bin/ruff format --check weightsync_audit tests benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_audit.py

@@ -4,10 +4,16 @@
 >>> from weightsync_audit import audit
 >>> audit(torch.nn.Linear(2, 2)).in_sync
 True
+
+Names that need torch or Lightning load on first use, so reading a report (``weightsync-audit
+check``) starts without importing either.
 """
 
-from weightsync_audit.auditor import AuditConfig, AuditHistory, Auditor, audit
-from weightsync_audit.ddp import rewrap_ddp
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 from weightsync_audit.errors import (
     AuditOutOfStepError,
     AuditPreparationError,
@@ -16,11 +22,31 @@ from weightsync_audit.errors import (
     UnauditableTensorError,
     WeightDivergenceError,
     WeightSyncAuditError,
+    WeightSyncWarning,
 )
 from weightsync_audit.result import SCHEMA, AuditResult, Mismatch
-from weightsync_audit.resync import resync
+
+if TYPE_CHECKING:
+    from weightsync_audit.auditor import AuditConfig, AuditHistory, Auditor, audit
+    from weightsync_audit.ddp import maybe_rewrap, rewrap_ddp
+    from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+    from weightsync_audit.resync import resync
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "AuditConfig": "weightsync_audit.auditor",
+    "AuditHistory": "weightsync_audit.auditor",
+    "Auditor": "weightsync_audit.auditor",
+    "audit": "weightsync_audit.auditor",
+    "resync": "weightsync_audit.resync",
+    "maybe_rewrap": "weightsync_audit.ddp",
+    "rewrap_ddp": "weightsync_audit.ddp",
+    # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
+    # weightsync_audit.lightning.lightning_pytorch.
+    "WeightSyncAudit": "weightsync_audit.lightning.pytorch_lightning",
+    "DDPRewrapOnTrainableChange": "weightsync_audit.lightning.pytorch_lightning",
+}
 
 __all__ = [
     "SCHEMA",
@@ -31,21 +57,29 @@ __all__ = [
     "AuditResult",
     "AuditTimeoutError",
     "Auditor",
+    "DDPRewrapOnTrainableChange",
     "Mismatch",
     "ReportFormatError",
     "UnauditableTensorError",
     "WeightDivergenceError",
+    "WeightSyncAudit",
     "WeightSyncAuditError",
+    "WeightSyncWarning",
     "audit",
+    "maybe_rewrap",
     "resync",
     "rewrap_ddp",
 ]
 
 
 def __getattr__(name: str) -> object:
-    # The Lightning callbacks import Lightning; load them only when asked for.
-    if name in ("WeightSyncAudit", "DDPRewrapOnTrainableChange"):
-        from weightsync_audit.lightning import pytorch_lightning as _pl
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightsync_audit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        return getattr(_pl, name)
-    raise AttributeError(f"module 'weightsync_audit' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

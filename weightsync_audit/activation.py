@@ -85,9 +85,11 @@ def _callbacks(cls: type) -> list[Any]:
     if options is None:
         return []
     try:
-        return [cls(**options)]
+        callback = cls(**options)
     except ValueError as exc:
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: {exc}") from None
+    callback.from_env = True
+    return [callback]
 
 
 def pytorch_lightning_callbacks() -> list[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterator
 
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -49,8 +50,9 @@ def mismatch_table(mismatches: list[Mismatch], title: str | None = None) -> Tabl
         for i, m in enumerate(ms):
             short = m.name[len(layer) + 1 :] if m.name.startswith(layer + ".") else m.name
             table.add_row(
-                layer if i == 0 else "",
-                short + (f"  [dim]({m.detail})[/dim]" if m.detail else ""),
+                escape(layer) if i == 0 else "",
+                # Names and details are data: escaped, so a name like "w[red]" is shown, never styled.
+                escape(short) + (f"  [dim]({escape(m.detail)})[/dim]" if m.detail else ""),
                 m.kind,
                 "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
                 m.dtype or "-",

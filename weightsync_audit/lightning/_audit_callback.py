@@ -146,6 +146,8 @@ class WeightSyncAuditMixin:
         self._wrap_id: int | None = None
         self._trainable_at_wrap: tuple[bool, ...] = ()
         self._warned_trainable = False
+        self.from_env = False
+        """Set when the callback was added by the WEIGHTSYNC_AUDIT variable (zero-code activation)."""
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -153,6 +155,13 @@ class WeightSyncAuditMixin:
         if stage != "fit":
             return
         self._disabled = sharded_strategy_reason(trainer.strategy)
+        if self.from_env and any(
+            isinstance(c, WeightSyncAuditMixin) and c is not self and not c.from_env for c in trainer.callbacks
+        ):
+            # The Trainer already has its own WeightSyncAudit: the one WEIGHTSYNC_AUDIT added steps aside
+            # rather than auditing (and reporting) everything twice.
+            self._disabled = "the Trainer already has a WeightSyncAudit; the one from WEIGHTSYNC_AUDIT is not used"
+            return
         if self._disabled:
             if trainer.is_global_zero:
                 warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
@@ -389,6 +398,12 @@ class WeightSyncAuditMixin:
             f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "
             f"{h.resyncs} resync(s)"
         )
+
+    @property
+    def state_key(self) -> str:
+        # The class name, so a resumed run finds the history whatever the arguments; the instance the
+        # WEIGHTSYNC_AUDIT variable adds keeps its own key so it can sit beside an explicit one.
+        return type(self).__qualname__ + ("[WEIGHTSYNC_AUDIT]" if self.from_env else "")
 
     def state_dict(self) -> dict[str, Any]:
         return {

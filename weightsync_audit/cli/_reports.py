@@ -1,0 +1,207 @@
+"""``check`` and ``show``: a report, summarised for CI or laid out for a person."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap
+from weightsync_audit.result import AuditResult
+
+
+def _errors(console: Console, summary: ReportSummary) -> None:
+    for e in summary.errors:
+        forgiven = summary.allow_torn and e is summary.errors[-1] and e.torn
+        style = "yellow" if forgiven else "bold red"
+        label = "warning" if forgiven else "invalid"
+        console.print(Text(f"{label}: {summary.path}: {e}", style=style))
+    if summary.status == "invalid":
+        torn_only = all(e.torn for e in summary.blocking_errors)
+        extra = " (pass --allow-torn to accept a torn last line)" if torn_only else ""
+        console.print(Text(f"{summary.path} is not a valid report: exit 2{extra}", style="bold red"))
+
+
+def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
+    where = f"step {r.step}" + (
+        f" (epoch {r.epoch}" + (f", {r.hook})" if r.hook else ")") if r.epoch is not None else ""
+    )
+    out = [Text.assemble(("first divergence: ", "bold"), (where, "bold red"), f", report line {line}")]
+    parts = []
+    for m in r.mismatches[:8]:
+        extra = [m.kind]
+        if m.max_abs_diff is not None:
+            extra.append(f"max |diff| {fmt_gap(m.max_abs_diff)}")
+        if m.detail:
+            extra.append(m.detail)
+        parts.append(f"{m.name} ({', '.join(extra)})")
+    more = len(r.mismatches) - 8
+    out.append(Text("  tensors: " + ", ".join(parts) + (f" and {more} more" if more > 0 else "")))
+    refs = sorted({x for m in r.mismatches for x in m.reference_ranks})
+    out.append(Text(f"  ranks: {diverged_ranks(r.mismatches)} differ from the reference held by {refs}"))
+    if r.last_in_sync_step is not None:
+        out.append(Text(f"  last in sync: step {r.last_in_sync_step}"))
+    for h in r.hints:
+        out.append(Text("  hint: " + h, style="yellow"))
+    return out
+
+
+def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, console: Console | None = None) -> int:
+    """Summarise a report; 0 all in sync, 1 any divergence, 2 unreadable or invalid."""
+    summary = ReportSummary.read(path, allow_torn)
+    console = console or Console()
+    if as_json:
+        console.file.write(json.dumps(summary.to_json(), indent=2) + "\n")
+        return summary.exit_code
+    console.print(Text(summary.headline(), style="bold"))
+    rs = summary.results
+    if summary.status == "empty":
+        console.print(
+            Text("no audit records: the run did not audit (or wrote its report elsewhere): exit 2", style="bold red")
+        )
+    elif not summary.diverged and rs:
+        valid = " valid" if summary.errors else ""
+        console.print(
+            Text(
+                f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights", style="bold green"
+            )
+        )
+    elif rs:
+        console.print(
+            Text(
+                f"DIVERGED: {len(summary.diverged)} of {len(rs)} audit(s) found replicas out of sync", style="bold red"
+            )
+        )
+        first = summary.first_divergence
+        assert first is not None
+        for t in _divergence_lines(first[1], first[0]):
+            console.print(t)
+        last = rs[-1]
+        resynced = sum(r.action == "resynced" for r in rs)
+        if resynced:
+            console.print(f"resynced: {resynced} audit(s) repaired the replicas from a healthy rank")
+        state = "in sync" if last.in_sync else f"still diverged ({len(last.mismatches)} tensor(s))"
+        console.print(f"at the end (step {last.step}): {state}")
+    _errors(console, summary)
+    return summary.exit_code
+
+
+def _strip(summary: ReportSummary, width: int) -> Text:
+    """One block per audit (or per bucket of audits): green in sync, red diverged."""
+    rs = summary.results
+    n = len(rs)
+    buckets = min(n, max(10, width))
+    text = Text("timeline: ")
+    for b in range(buckets):
+        chunk = rs[b * n // buckets : (b + 1) * n // buckets] or [rs[min(n - 1, b * n // buckets)]]
+        bad = any(not r.in_sync for r in chunk)
+        text.append("█", style="red" if bad else "green")
+    first, last = rs[0].step, rs[-1].step
+    text.append(f"  steps {first} .. {last}", style="dim")
+    return text
+
+
+def _timeline_table(summary: ReportSummary) -> Table:
+    table = Table(title="timeline", header_style="bold", title_justify="left")
+    for col, kw in (
+        ("steps", {"justify": "right"}),
+        ("epochs", {"justify": "right"}),
+        ("audits", {"justify": "right"}),
+        ("state", {}),
+        ("diverged tensors", {}),
+        ("max |diff|", {"justify": "right"}),
+    ):
+        table.add_column(col, **kw)
+    for seg in summary.segments():
+        state = Text("in sync", style="green") if seg.in_sync else Text("DIVERGED", style="bold red")
+        names = ", ".join(seg.names[:6]) + (f" and {len(seg.names) - 6} more" if len(seg.names) > 6 else "")
+        table.add_row(seg.steps(), seg.epochs(), str(seg.audits), state, escape(names) or "-", fmt_gap(seg.max_gap))
+    return table
+
+
+def _layer_table(summary: ReportSummary) -> Table | None:
+    rows = summary.layers()
+    if not rows:
+        return None
+    total = len(summary.results)
+    table = Table(title="layers that diverged", header_style="bold", title_justify="left")
+    for col, kw in (
+        ("layer", {"style": "cyan"}),
+        ("tensors", {}),
+        ("first diverged", {}),
+        ("audits", {"justify": "right"}),
+        ("ranks", {}),
+        ("worst |diff|", {"justify": "right"}),
+        ("last |diff|", {"justify": "right"}),
+    ):
+        table.add_column(col, **kw)
+    for row in rows:
+        first = row.first
+        assert first is not None
+        where = f"step {first.step}" + (f", ep {first.epoch}" if first.epoch is not None else "")
+        short = [n[len(row.layer) + 1 :] if n.startswith(row.layer + ".") else n for n in row.tensors]
+        kinds = "" if list(row.kinds) == ["param"] else f" ({','.join(row.kinds)})"
+        ranks = Text.assemble(
+            (",".join(map(str, sorted(row.ranks))), "red"),
+            " vs ",
+            (",".join(map(str, sorted(row.reference_ranks))), "green"),
+        )
+        table.add_row(
+            escape(row.layer),
+            escape(", ".join(short[:6]) + (f" +{len(short) - 6}" if len(short) > 6 else "") + kinds),
+            where,
+            f"{row.audits}/{total}",
+            ranks,
+            fmt_gap(row.worst_gap),
+            fmt_gap(row.last_gap),
+        )
+    return table
+
+
+def cmd_show(
+    path: str,
+    *,
+    plot: str | None = None,
+    by: str = "tensor",
+    allow_torn: bool = False,
+    console: Console | None = None,
+) -> int:
+    """Lay a report out in the terminal (and optionally draw it); 0 shown, 2 unreadable or invalid."""
+    summary = ReportSummary.read(path, allow_torn)
+    console = console or Console()
+    console.print(Text(summary.headline(), style="bold"))
+    if summary.records:
+        console.print(_strip(summary, min(80, console.width - 30)))
+        console.print(_timeline_table(summary))
+        layers = _layer_table(summary)
+        if layers is not None:
+            console.print(layers)
+        else:
+            checked: dict[str, Any] = summary.results[-1].checked
+            what = ", ".join(f"{n} {k}" for k, n in checked.items() if n)
+            console.print(Text(f"every audit in sync ({what or 'nothing'} checked in the last)", style="green"))
+        for h in summary.hints():
+            console.print(Text("hint: " + h, style="yellow"))
+        notes = dict.fromkeys(n for r in summary.results for n in r.notes)
+        for n in notes:
+            console.print(Text("note: " + n, style="dim"))
+    else:
+        console.print(Text("no audit records", style="bold red"))
+    _errors(console, summary)
+    if plot is not None and summary.records:
+        from weightsync_audit.plot import PlotUnavailableError, plot_report
+
+        try:
+            out = plot_report(summary.results, plot, by=by)
+        except PlotUnavailableError as exc:
+            raise CliError(str(exc)) from None
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot write the plot to {plot}: {exc}") from None
+        console.print(f"plot written to {out}")
+    if summary.status in ("invalid", "empty"):
+        return EXIT_ERROR
+    return 0

@@ -1,0 +1,219 @@
+"""What a report says, in one object: the summary behind ``check``, ``show`` and the demo."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync_audit.errors import ReportFormatError
+from weightsync_audit.render import layer_of
+from weightsync_audit.report import read_report
+from weightsync_audit.result import AuditResult, Mismatch
+
+EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
+
+
+class CliError(Exception):
+    """A one-line error for the user; the command exits with status 2."""
+
+
+@dataclass(slots=True)
+class Segment:
+    """Consecutive audits with the same state: in sync, or the same set of diverged tensors."""
+
+    first: AuditResult
+    last: AuditResult
+    audits: int
+    in_sync: bool
+    names: tuple[str, ...]
+    max_gap: float | None
+
+    def steps(self) -> str:
+        a, b = self.first.step, self.last.step
+        return str(a) if a == b else f"{a}-{b}"
+
+    def epochs(self) -> str:
+        a, b = self.first.epoch, self.last.epoch
+        if a is None:
+            return "-"
+        return str(a) if a == b else f"{a}-{b}"
+
+
+@dataclass(slots=True)
+class LayerRow:
+    """One layer that diverged at least once."""
+
+    layer: str
+    tensors: dict[str, None] = field(default_factory=dict)
+    kinds: dict[str, None] = field(default_factory=dict)
+    ranks: set[int] = field(default_factory=set)
+    reference_ranks: set[int] = field(default_factory=set)
+    first: AuditResult | None = None
+    last: AuditResult | None = None
+    audits: int = 0
+    worst_gap: float | None = None
+    last_gap: float | None = None
+
+
+@dataclass(slots=True)
+class ReportSummary:
+    """Everything ``check`` and ``show`` print about a report."""
+
+    path: str
+    records: list[tuple[int, AuditResult]]
+    errors: list[ReportFormatError]
+    allow_torn: bool = False
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str], allow_torn: bool = False) -> ReportSummary:
+        """Read and summarise ``path``; :class:`CliError` when the file cannot be read at all."""
+        p = os.fspath(path)
+        if os.path.isdir(p):
+            raise CliError(f"{p} is a folder; give the report file (a .jsonl written by report_path=...)")
+        try:
+            contents = read_report(p)
+        except FileNotFoundError:
+            raise CliError(f"{p}: no such file") from None
+        except OSError as exc:
+            raise CliError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+        return cls(p, contents.records, contents.errors, allow_torn)
+
+    # -- derived facts -------------------------------------------------------------------------
+
+    @property
+    def results(self) -> list[AuditResult]:
+        return [r for _, r in self.records]
+
+    @property
+    def blocking_errors(self) -> list[ReportFormatError]:
+        """Invalid lines that make the report unreadable (a torn last line is forgiven with allow_torn)."""
+        if self.allow_torn and self.errors and self.errors[-1].torn:
+            return self.errors[:-1]
+        return list(self.errors)
+
+    @property
+    def diverged(self) -> list[tuple[int, AuditResult]]:
+        return [(i, r) for i, r in self.records if not r.in_sync]
+
+    @property
+    def first_divergence(self) -> tuple[int, AuditResult] | None:
+        return next(iter(self.diverged), None)
+
+    @property
+    def status(self) -> str:
+        """``invalid``, ``empty``, ``diverged`` or ``in_sync``."""
+        if self.blocking_errors:
+            return "invalid"
+        if not self.records:
+            return "empty"
+        return "diverged" if self.diverged else "in_sync"
+
+    @property
+    def exit_code(self) -> int:
+        return {"invalid": EXIT_ERROR, "empty": EXIT_ERROR, "diverged": EXIT_DIFFERENT, "in_sync": EXIT_OK}[self.status]
+
+    def headline(self) -> str:
+        rs = self.results
+        if not rs:
+            return f"{self.path}: no audit records"
+        steps = [r.step for r in rs if r.step is not None]
+        epochs = [r.epoch for r in rs if r.epoch is not None]
+        worlds = sorted({r.world_size for r in rs})
+        parts = [f"{len(rs)} audit(s)"]
+        if steps:
+            parts.append(f"steps {min(steps)}-{max(steps)}" if min(steps) != max(steps) else f"step {steps[0]}")
+        if epochs:
+            parts.append(f"epochs {min(epochs)}-{max(epochs)}" if min(epochs) != max(epochs) else f"epoch {epochs[0]}")
+        parts.append(f"{'/'.join(map(str, worlds))} rank(s)")
+        return f"{self.path}: " + ", ".join(parts)
+
+    def segments(self) -> list[Segment]:
+        out: list[Segment] = []
+        for r in self.results:
+            names = tuple(r.diverged_names)
+            gaps = [m.max_abs_diff for m in r.mismatches if m.max_abs_diff is not None]
+            gap = max(gaps) if gaps else None
+            cur = out[-1] if out else None
+            if cur is not None and cur.in_sync == r.in_sync and cur.names == names:
+                cur.last = r
+                cur.audits += 1
+                if gap is not None and (cur.max_gap is None or gap > cur.max_gap):
+                    cur.max_gap = gap
+            else:
+                out.append(Segment(r, r, 1, r.in_sync, names, gap))
+        return out
+
+    def layers(self) -> list[LayerRow]:
+        rows: dict[str, LayerRow] = {}
+        for r in self.results:
+            seen: set[str] = set()
+            for m in r.mismatches:
+                layer = layer_of(m)
+                row = rows.setdefault(layer, LayerRow(layer))
+                row.tensors.setdefault(m.name, None)
+                row.kinds.setdefault(m.kind, None)
+                row.ranks.update(m.ranks)
+                row.reference_ranks.update(m.reference_ranks)
+                if row.first is None:
+                    row.first = r
+                row.last = r
+                if layer not in seen:
+                    row.audits += 1
+                    row.last_gap = None
+                    seen.add(layer)
+                if m.max_abs_diff is not None:
+                    row.worst_gap = max(row.worst_gap or 0.0, m.max_abs_diff)
+                    row.last_gap = max(row.last_gap or 0.0, m.max_abs_diff)
+        return list(rows.values())
+
+    def hints(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self.results:
+            for h in r.hints:
+                seen.setdefault(h, None)
+        return list(seen)
+
+    # -- machine form --------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        rs = self.results
+        first = self.first_divergence
+        out: dict[str, Any] = {
+            "report": self.path,
+            "status": self.status,
+            "exit_code": self.exit_code,
+            "audits": len(rs),
+            "diverged_audits": len(self.diverged),
+            "world_size": rs[-1].world_size if rs else None,
+            "first_step": rs[0].step if rs else None,
+            "last_step": rs[-1].step if rs else None,
+            "resynced_audits": sum(r.action == "resynced" for r in rs),
+            "in_sync_at_end": rs[-1].in_sync if rs else None,
+            "first_divergence": None,
+            "errors": [{"line": e.line, "torn": e.torn, "message": str(e)} for e in self.errors],
+        }
+        if first is not None:
+            line, r = first
+            out["first_divergence"] = {
+                "line": line,
+                "step": r.step,
+                "epoch": r.epoch,
+                "hook": r.hook,
+                "time": r.time,
+                "last_in_sync_step": r.last_in_sync_step,
+                "tensors": r.diverged_names,
+                "ranks": diverged_ranks(r.mismatches),
+                "reference_ranks": sorted({x for m in r.mismatches for x in m.reference_ranks}),
+                "hints": list(r.hints),
+                "mismatches": [m.to_dict() for m in r.mismatches],
+            }
+        return out
+
+
+def diverged_ranks(mismatches: list[Mismatch]) -> list[int]:
+    return sorted({r for m in mismatches for r in m.ranks})
+
+
+def fmt_gap(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
