@@ -63,6 +63,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001
             pass
+        # The queue's feeder thread must flush the result before os._exit, which would kill it mid-write.
+        q.close()
+        q.join_thread()
         os._exit(0)
 
 

@@ -5,8 +5,7 @@
 >>> audit(torch.nn.Linear(2, 2)).in_sync
 True
 
-Names that need torch or Lightning load on first use, so reading a report (``weightsync-audit
-check``) starts without importing either.
+The Lightning callbacks load on first use, so the core never imports Lightning.
 """
 
 from __future__ import annotations
@@ -14,6 +13,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+# `resync` is both a submodule and a function: importing the function eagerly keeps the package
+# attribute bound to the function (a lazy import would let the submodule shadow it).
+from weightsync_audit.auditor import AuditConfig, AuditHistory, Auditor, audit
+from weightsync_audit.ddp import maybe_rewrap, rewrap_ddp
 from weightsync_audit.errors import (
     AuditOutOfStepError,
     AuditPreparationError,
@@ -25,23 +28,14 @@ from weightsync_audit.errors import (
     WeightSyncWarning,
 )
 from weightsync_audit.result import SCHEMA, AuditResult, Mismatch
+from weightsync_audit.resync import resync
 
 if TYPE_CHECKING:
-    from weightsync_audit.auditor import AuditConfig, AuditHistory, Auditor, audit
-    from weightsync_audit.ddp import maybe_rewrap, rewrap_ddp
     from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
-    from weightsync_audit.resync import resync
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "AuditConfig": "weightsync_audit.auditor",
-    "AuditHistory": "weightsync_audit.auditor",
-    "Auditor": "weightsync_audit.auditor",
-    "audit": "weightsync_audit.auditor",
-    "resync": "weightsync_audit.resync",
-    "maybe_rewrap": "weightsync_audit.ddp",
-    "rewrap_ddp": "weightsync_audit.ddp",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.lightning.pytorch_lightning",

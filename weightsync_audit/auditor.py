@@ -222,7 +222,12 @@ class Auditor:
                 "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
             )
         return build_manifest(
-            module, optimizers, include=self.config.include, exclude=self.config.exclude, skip_buffers_reason=skip
+            module,
+            optimizers,
+            include=self.config.include,
+            exclude=self.config.exclude,
+            skip_buffers_reason=skip,
+            audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
         )
 
     # -- the audit -----------------------------------------------------------------------------

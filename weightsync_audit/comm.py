@@ -7,12 +7,33 @@ deadline. The coordinator knows exactly which ranks arrived and tells the others
 :class:`~weightsync_audit.AuditTimeoutError` naming the same missing ranks. A dedicated gloo group keeps
 these small CPU messages apart from the training traffic (which may be NCCL) and gives per-call timeouts.
 
+What gloo does on failure shapes the protocol (measured with torch 2.13):
+
+* A ``wait(timeout)`` that expires closes *every* pair of that process's gloo context ("Application
+  timeout caused pair closure"), so after waiting out a late rank the coordinator can no longer answer
+  the punctual ones over gloo. The verdict therefore also goes through the job's key-value store (the
+  one ``init_process_group`` set up), under a key per exchange; a rank whose gloo reply fails reads it
+  there. Only failures touch the store: a healthy exchange is one gloo message up and one down per rank.
+* A message larger than the receive buffer aborts the receiving *process* (``gloo::EnforceNotMet`` in a
+  background thread, ``terminate``). Ranks at different points of the protocol would send messages of
+  different sizes, so every message starts with a fixed-size frame that announces the exchange's
+  sequence number, its name and the body's length; a body (beyond what fits in the frame) is received
+  into a buffer of exactly the announced length. A frame from a rank at another point of the protocol is
+  reported as :class:`~weightsync_audit.AuditOutOfStepError` on every rank, never a crash.
+
+Opening the audit group is itself collective; before ``new_group`` the ranks meet in the store with the
+same deadline, so a rank that never reaches its first audit is named as well.
+
+After any failure the group is marked broken: later audits in this process raise at once instead of
+waiting on a channel whose peers are gone or out of step.
+
 Without an initialised process group everything here is a no-op over a world of one, so the engine runs,
 and is tested, in one process.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from datetime import timedelta
@@ -21,54 +42,128 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 
-from weightsync_audit.errors import AuditTimeoutError
+from weightsync_audit.errors import AuditOutOfStepError, AuditTimeoutError
 
-__all__ = ["Comm", "DEFAULT_GRACE_S"]
+__all__ = ["Comm", "DEFAULT_GRACE_S", "forget_groups"]
 
 DEFAULT_GRACE_S = 5.0
 """Extra seconds a rank waits for the coordinator's answer beyond ``timeout_s``: the coordinator may
 itself spend up to ``timeout_s`` waiting for a late rank before it answers."""
 
 _NO_DEADLINE_S = 30 * 60.0
+_STORE_WAIT_S = 2.0
+"""How long a rank whose gloo reply failed looks for the coordinator's verdict in the store."""
 
-_OK, _MISSING = 1, 2
+_MAGIC = 0x5753_4146  # 'WSAF'
+_WHAT_BYTES = 48
+_INLINE_BYTES = 128
+_REQ_WORDS = 4 + _WHAT_BYTES // 8 + _INLINE_BYTES // 8  # magic, seq, what hash, nbytes, what, inline
+
+_OK, _MISSING, _OUT_OF_STEP = 0, 1, 2
 
 
 class _AuditGroup:
     """A gloo process group for audit messages, shared by every Comm over the same ranks."""
 
-    def __init__(self, pg: Any, ranks: tuple[int, ...]) -> None:
+    def __init__(self, pg: Any, ranks: tuple[int, ...], store: Any) -> None:
         self.pg = pg
         self.ranks = ranks
+        self.store = store
+        """The job's store under a prefix unique to this group: where failure verdicts go."""
+        self.seq = 0
+        """Exchanges done so far; every rank counts the same, so it names an exchange across ranks."""
         self.broken: str | None = None
-        # Buffers of operations that timed out stay referenced: gloo may still write into them.
+        self.broken_kind: type[Exception] = AuditTimeoutError
+        # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
         self.lock = threading.Lock()
 
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, _AuditGroup]] = {}
+_generations: dict[tuple[int, ...], int] = {}
+_failed_opens: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditTimeoutError]] = {}
 _groups_lock = threading.Lock()
 
 
-def _audit_group(ranks: tuple[int, ...], timeout_s: float) -> _AuditGroup:
+def _store_prefix(ranks: tuple[int, ...], generation: int) -> str:
+    return f"weightsync_audit/{'.'.join(map(str, ranks))}/{generation}"
+
+
+def _open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> _AuditGroup:
+    """Meet the other ranks in the store (deadline ``deadline_s``), then create the gloo group."""
     default_pg = dist.distributed_c10d._get_default_group()
     key = (id(default_pg), ranks)
     with _groups_lock:
         hit = _groups.get(key)
         if hit is not None and hit[0] is default_pg:
             return hit[1]
-        # Only the member ranks take part in creating the group (use_local_synchronization), so an
-        # audit over a subgroup never waits on ranks outside it.
-        pg = dist.new_group(
-            ranks=list(ranks),
-            backend="gloo",
-            timeout=timedelta(seconds=max(timeout_s, 1.0)),
-            use_local_synchronization=True,
-        )
-        group = _AuditGroup(pg, ranks)
+        failed = _failed_opens.get(key)
+        if failed is not None and failed[0] is default_pg:
+            raise failed[1]
+        # Every rank opens the groups over the same ranks in the same order, so the generation (how
+        # many times this process opened one) names the same attempt on every rank.
+        generation = _generations.get(ranks, 0)
+        _generations[ranks] = generation + 1
+        store = dist.PrefixStore(_store_prefix(ranks, generation), dist.distributed_c10d._get_default_store())
+        try:
+            _meet(store, ranks, my_rank, deadline_s)
+            # Only the member ranks take part in creating the group (use_local_synchronization), so an
+            # audit over a subgroup never waits on ranks outside it.
+            pg = dist.new_group(
+                ranks=list(ranks),
+                backend="gloo",
+                timeout=timedelta(seconds=max(deadline_s, 1.0) + grace_s),
+                use_local_synchronization=True,
+            )
+        except AuditTimeoutError as exc:
+            _failed_opens[key] = (default_pg, exc)
+            raise
+        except Exception as exc:
+            err = AuditTimeoutError(
+                f"weightsync audit: could not open the audit channel among ranks {list(ranks)} "
+                f"(this is rank {ranks[my_rank]}): {exc}; a rank died or stopped while it was being set up"
+            )
+            _failed_opens[key] = (default_pg, err)
+            raise err from exc
+        group = _AuditGroup(pg, ranks, store)
         _groups[key] = (default_pg, group)
         return group
+
+
+def _meet(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -> None:
+    """Store-side rendezvous with a deadline: the last to arrive says 'ok', the first to give up says
+    who is missing, and whichever is written first is what every rank acts on."""
+    me = ranks[my_rank]
+    try:
+        store.set(f"arrived/{my_rank}", "1")
+        if store.add("count", 1) == len(ranks):
+            store.compare_set("decision", "", "ok")
+        try:
+            store.wait(["decision"], timedelta(seconds=deadline_s))
+            decision = store.get("decision").decode()
+        except Exception:  # noqa: BLE001 - DistStoreError on timeout
+            missing = [ranks[r] for r in range(len(ranks)) if not store.check([f"arrived/{r}"])]
+            decision = store.compare_set("decision", "", "missing " + json.dumps(missing)).decode()
+    except Exception as exc:
+        raise AuditTimeoutError(
+            f"weightsync audit: the job's store stopped answering while the ranks met to open the audit "
+            f"channel (this is rank {me}): {exc}; its host, usually global rank 0, died",
+            [0],
+        ) from exc
+    if decision == "ok":
+        return
+    missing = json.loads(decision.split(" ", 1)[1]) if decision.startswith("missing ") else []
+    if me in missing:
+        why = "this rank arrived after the others had given up waiting for it"
+    else:
+        why = "a rank is stuck, dead, or auditing at a different point"
+    raise AuditTimeoutError(
+        f"weightsync audit: rank(s) {missing} did not arrive at the first audit within {deadline_s:g}s "
+        f"(this is rank {me} of {len(ranks)}); {why}",
+        missing,
+    )
 
 
 def forget_groups() -> None:
@@ -80,6 +175,34 @@ def forget_groups() -> None:
             except Exception:  # noqa: BLE001 - the default group may already be gone
                 pass
         _groups.clear()
+        _failed_opens.clear()
+
+
+def _what_words(what: str) -> tuple[int, np.ndarray]:
+    raw = what.encode("utf-8", "replace")[:_WHAT_BYTES]
+    words = np.zeros(_WHAT_BYTES // 8, dtype=np.int64)
+    words.view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return xxhash.xxh3_64_intdigest(what.encode("utf-8", "replace")) >> 1, words
+
+
+def _words_text(words: np.ndarray) -> str:
+    return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+def _as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).tobytes()
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+class _Failure(Exception):
+    """A wait failed: ``timed_out`` (the deadline passed) or the peer closed the connection."""
+
+    def __init__(self, timed_out: bool, why: str) -> None:
+        self.timed_out = timed_out
+        super().__init__(why)
 
 
 class Comm:
@@ -118,108 +241,278 @@ class Comm:
         return self.timeout_s if self.timeout_s is not None else _NO_DEADLINE_S
 
     def setup(self) -> None:
-        """Create the dedicated audit group now (collective over the group's ranks)."""
+        """Create the dedicated audit group now (collective over the group's ranks, with the deadline)."""
         if self.distributed and self._group is None:
-            self._group = _audit_group(self.global_ranks, self._deadline_s() + self.grace_s)
+            self._group = _open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
 
     def _pg(self) -> _AuditGroup:
         self.setup()
         assert self._group is not None
         if self._group.broken:
-            raise AuditTimeoutError(
-                f"the audit channel is unusable after an earlier failure ({self._group.broken}); "
+            raise self._group.broken_kind(
+                f"weightsync audit: the audit channel is unusable after an earlier failure ({self._group.broken}); "
                 "ranks can no longer be compared in this process group"
             )
         return self._group
 
     # -- point-to-point with deadlines ---------------------------------------------------------
 
-    def _wait(self, group: _AuditGroup, work: Any, buf: torch.Tensor, deadline: float) -> bool:
-        left = deadline - time.monotonic()
+    def _wait(self, group: _AuditGroup, work: Any, buf: Any, deadline: float) -> None:
+        # Never wait "0 s": a message that has already arrived must still count as arrived, and gloo
+        # returns a completed receive even after a timeout has closed the context's pairs.
+        left = max(deadline - time.monotonic(), 0.001)
         try:
-            if left <= 0:
-                raise TimeoutError("deadline passed")
             work.wait(timeout=timedelta(seconds=left))
-            return True
-        except Exception:  # noqa: BLE001 - gloo raises RuntimeError subclasses for timeouts and lost peers
+        except Exception as exc:
             group.graveyard.append((work, buf))
-            return False
+            text = str(exc)
+            timed_out = "Timed out" in text or ("timeout" in text.lower() and "closure" not in text)
+            raise _Failure(
+                timed_out, text.strip().splitlines()[-1][:200] if text.strip() else type(exc).__name__
+            ) from exc
 
-    def _fail(self, group: _AuditGroup, missing: Sequence[int], what: str) -> AuditTimeoutError:
-        missing_global = [self.global_ranks[i] for i in missing]
+    def _send(self, group: _AuditGroup, t: torch.Tensor, dst: int, deadline: float) -> None:
+        try:
+            work = dist.isend(t, dst=self.global_ranks[dst], group=group.pg)
+        except Exception as exc:
+            raise _Failure(False, str(exc)[:200]) from exc
+        self._wait(group, work, t, deadline)
+
+    def _recv(self, group: _AuditGroup, t: torch.Tensor, src: int, deadline: float) -> None:
+        try:
+            work = dist.irecv(t, src=self.global_ranks[src], group=group.pg)
+        except Exception as exc:
+            raise _Failure(False, str(exc)[:200]) from exc
+        self._wait(group, work, t, deadline)
+
+    # -- failure verdicts ----------------------------------------------------------------------
+
+    def _limit(self) -> str:
+        return f"within {self.timeout_s:g}s" if self.timeout_s is not None else "before the deadline"
+
+    def _timeout_error(
+        self, group: _AuditGroup, missing_global: Sequence[int], what: str, why: str = ""
+    ) -> AuditTimeoutError:
+        missing_global = sorted(set(missing_global))
+        me = self.global_ranks[self.rank]
         group.broken = f"rank(s) {missing_global} did not arrive at {what}"
-        limit = f"within {self.timeout_s:g}s" if self.timeout_s is not None else "before the deadline"
+        group.broken_kind = AuditTimeoutError
+        if not why:
+            why = (
+                "this rank arrived after the others had given up waiting for it"
+                if me in missing_global
+                else "a rank is stuck, dead, or auditing at a different point"
+            )
         return AuditTimeoutError(
-            f"weightsync audit: rank(s) {missing_global} did not arrive at {what} {limit} "
-            f"(this is rank {self.global_ranks[self.rank]} of {self.world_size}); a rank is stuck, "
-            "dead, or auditing at a different point",
+            f"weightsync audit: rank(s) {missing_global} did not arrive at {what} {self._limit()} "
+            f"(this is rank {me} of {self.world_size}); {why}",
             missing_global,
         )
 
-    def _star(self, payload: torch.Tensor, reply_len: int, what: str, recv_len: Sequence[int] | None = None) -> torch.Tensor:
-        """Non-coordinators send ``payload`` to the coordinator and receive ``reply_len`` int64 words.
+    def _out_of_step_error(self, group: _AuditGroup, positions: dict[int, str], what: str) -> AuditOutOfStepError:
+        group.broken = f"ranks were at different points of the audit protocol at {what}"
+        group.broken_kind = AuditOutOfStepError
+        text = "; ".join(f"rank {r}: {p}" for r, p in sorted(positions.items()))
+        return AuditOutOfStepError(
+            "weightsync audit: ranks are at different points of the audit protocol (one audits while another "
+            f"resyncs, or one audited more often than the others), so nothing was compared: {text}",
+            positions,
+        )
 
-        ``recv_len[r]`` is the length the coordinator expects from rank ``r`` (default: the same as its
-        own payload). The coordinator's reply starts with a status word and, when ranks are missing,
-        a 0/1 mask of them.
-        """
+    def _verdict_error(self, group: _AuditGroup, verdict: dict[str, Any], what: str) -> Exception:
+        if verdict.get("missing"):
+            return self._timeout_error(group, verdict["missing"], verdict.get("what", what))
+        positions = {int(r): p for r, p in verdict.get("positions", {}).items()}
+        return self._out_of_step_error(group, positions, what)
+
+    def _post_verdict(self, group: _AuditGroup, seq: int, verdict: dict[str, Any]) -> None:
+        try:
+            group.store.set(f"verdict/{seq}", json.dumps(verdict))
+        except Exception:  # noqa: BLE001 - the store may be gone with its host; the gloo reply may still work
+            pass
+
+    def _read_verdict(self, group: _AuditGroup, seq: int, wait_s: float) -> dict[str, Any] | None:
+        try:
+            group.store.wait([f"verdict/{seq}"], timedelta(seconds=wait_s))
+            return json.loads(group.store.get(f"verdict/{seq}"))
+        except Exception:  # noqa: BLE001 - no verdict: the coordinator did not decide (stuck or dead)
+            return None
+
+    def _no_answer(self, group: _AuditGroup, seq: int, what: str, failure: _Failure) -> Exception:
+        """A non-coordinator lost contact with the coordinator: the store may say why, else blame it."""
+        if failure.timed_out:
+            # Say so before anything else: a coordinator that turns up late and finds this rank's
+            # connection closed must learn that it was the late one, not this rank.
+            try:
+                group.store.set(f"gave_up/{seq}/{self.rank}", "1")
+            except Exception:  # noqa: BLE001
+                pass
+        # A closed connection means the coordinator decided (its verdict follows within moments) or died;
+        # after a plain timeout a verdict is unlikely, so only look.
+        verdict = self._read_verdict(group, seq, 0.2 if failure.timed_out else _STORE_WAIT_S)
+        if verdict is not None:
+            return self._verdict_error(group, verdict, what)
+        how = "did not answer in time" if failure.timed_out else "closed the connection"
+        return self._timeout_error(
+            group,
+            [self.global_ranks[0]],
+            what,
+            f"the coordinator (rank {self.global_ranks[0]}) {how}; it is stuck, dead, or auditing at a different point",
+        )
+
+    # -- the star exchange ---------------------------------------------------------------------
+
+    def _gather(self, payload: bytes | bytearray | memoryview | np.ndarray, what: str) -> list[bytes]:
+        """Every rank's bytes on every rank, through the coordinator, every wait bounded."""
         group = self._pg()
-        pg = group.pg
-        start = time.monotonic()
-        w = self.world_size
-        if self.rank == 0:
-            deadline = start + self._deadline_s()
-            bufs: list[torch.Tensor | None] = [None] * w
-            works = []
-            for r in range(1, w):
-                n = payload.numel() if recv_len is None else recv_len[r]
-                buf = torch.empty(n, dtype=payload.dtype)
-                bufs[r] = buf
-                works.append((r, dist.irecv(buf, src=self.global_ranks[r], group=pg) if n else None, buf))
-            missing = [r for r, work, buf in works if work is not None and not self._wait(group, work, buf, deadline)]
-            table = self._coordinator_table(payload, bufs, missing)
-            status = torch.tensor([_OK if not missing else _MISSING], dtype=torch.int64)
-            mask = torch.zeros(w, dtype=torch.int64)
-            mask[missing] = 1
-            reply = torch.cat([status, mask, table]) if table.dtype == torch.int64 else None
-            if reply is None:  # byte payloads: status and mask as bytes in front
-                reply = torch.cat([status.view(torch.uint8), mask.view(torch.uint8), table])
-            send_deadline = time.monotonic() + self.grace_s
-            for r in range(1, w):
-                if r in missing:
-                    continue
-                work = dist.isend(reply, dst=self.global_ranks[r], group=pg)
-                if not self._wait(group, work, reply, send_deadline):
-                    missing.append(r)
-            if missing:
-                raise self._fail(group, sorted(set(missing)), what)
-            return table
-        deadline = start + self._deadline_s() + self.grace_s
-        if payload.numel():
-            work = dist.isend(payload, dst=self.global_ranks[0], group=pg)
-            if not self._wait(group, work, payload, deadline):
-                raise self._fail(group, [0], what)
-        header = 8 * (1 + w) if payload.dtype == torch.uint8 else 1 + w
-        reply = torch.empty(header + reply_len, dtype=payload.dtype)
-        work = dist.irecv(reply, src=self.global_ranks[0], group=pg)
-        if not self._wait(group, work, reply, deadline):
-            raise self._fail(group, [0], what)
-        if payload.dtype == torch.uint8:
-            status = int(reply[:8].view(torch.int64)[0])
-            mask = reply[8:header].view(torch.int64)
-        else:
-            status, mask = int(reply[0]), reply[1:header]
-        if status != _OK:
-            raise self._fail(group, [int(i) for i in torch.nonzero(mask).flatten().tolist()], what)
-        return reply[header:]
+        with group.lock:
+            seq = group.seq
+            group.seq += 1
+            body = _as_u8(payload)
+            if self.rank == 0:
+                return self._coordinate(group, seq, body, what)
+            return self._participate(group, seq, body, what)
 
-    def _coordinator_table(self, own: torch.Tensor, bufs: list[torch.Tensor | None], missing: list[int]) -> torch.Tensor:
-        parts = [own]
-        for r in range(1, self.world_size):
-            buf = bufs[r]
-            assert buf is not None
-            parts.append(torch.zeros_like(buf) if r in missing else buf)
-        return torch.cat(parts)
+    def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
+        what_hash, what_words = _what_words(what)
+        frame = np.zeros(_REQ_WORDS, dtype=np.int64)
+        frame[:4] = (_MAGIC, seq, what_hash, body.numel())
+        frame[4 : 4 + len(what_words)] = what_words
+        if body.numel() <= _INLINE_BYTES:
+            frame.view(np.uint8)[(4 + len(what_words)) * 8 :][: body.numel()] = body.numpy()
+        return torch.from_numpy(frame)
+
+    def _reply_words(self) -> tuple[int, int]:
+        # Room for the whole phase-(a) table inline (64 bytes a rank, plus the 8-byte length of each rank's
+        # part that precedes the table): a healthy audit is one message each way.
+        inline = max(_INLINE_BYTES, 72 * self.world_size)
+        return 4 + self.world_size, inline
+
+    def _participate(self, group: _AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
+        deadline = time.monotonic() + self._deadline_s() + self.grace_s
+        head, inline = self._reply_words()
+        reply = torch.empty(head + inline // 8, dtype=torch.int64)
+        try:
+            self._send(group, self._request_frame(seq, body, what), 0, deadline)
+            if body.numel() > _INLINE_BYTES:
+                self._send(group, body, 0, deadline)
+            self._recv(group, reply, 0, deadline)
+            r = reply.numpy()
+            if r[0] != _MAGIC or r[1] != seq:
+                raise _Failure(False, "the coordinator answered another exchange")
+            status, nbytes, codes = int(r[2]), int(r[3]), r[4:head]
+            if nbytes <= inline:
+                data = r[head:].view(np.uint8)[:nbytes].tobytes()
+            else:
+                big = torch.empty(nbytes, dtype=torch.uint8)
+                self._recv(group, big, 0, deadline)
+                data = big.numpy().tobytes()
+        except _Failure as failure:
+            raise self._no_answer(group, seq, what, failure) from None
+        if status != _OK:
+            verdict = json.loads(data)
+            if not verdict.get("missing") and status == _MISSING:
+                verdict["missing"] = [self.global_ranks[i] for i in np.nonzero(codes == _MISSING)[0].tolist()]
+            raise self._verdict_error(group, verdict, what)
+        return _split(data, self.world_size)
+
+    def _coordinate(self, group: _AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
+        w = self.world_size
+        deadline = time.monotonic() + self._deadline_s()
+        what_hash, _ = _what_words(what)
+        frames = [torch.empty(_REQ_WORDS, dtype=torch.int64) for _ in range(w)]
+        works: list[Any] = [None] * w
+        failures: dict[int, _Failure] = {}
+        for r in range(1, w):
+            try:
+                works[r] = dist.irecv(frames[r], src=self.global_ranks[r], group=group.pg)
+            except Exception as exc:  # noqa: BLE001
+                failures[r] = _Failure(False, str(exc)[:200])
+        for r in range(1, w):
+            if r in failures:
+                continue
+            try:
+                self._wait(group, works[r], frames[r], deadline)
+            except _Failure as f:
+                failures[r] = f
+        positions: dict[int, str] = {}
+        datas: list[bytes] = [body.numpy().tobytes()] + [b""] * (w - 1)
+        for r in range(1, w):
+            if r in failures:
+                continue
+            f = frames[r].numpy()
+            text = _words_text(f[4 : 4 + _WHAT_BYTES // 8])
+            if f[0] != _MAGIC or f[1] != seq or f[2] != what_hash:
+                positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
+            nbytes = int(f[3])
+            if nbytes <= _INLINE_BYTES:
+                datas[r] = f.view(np.uint8)[(4 + _WHAT_BYTES // 8) * 8 :][:nbytes].tobytes()
+            else:  # exactly the announced size: a frame from elsewhere in the protocol cannot crash gloo
+                big = torch.empty(nbytes, dtype=torch.uint8)
+                try:
+                    self._recv(group, big, r, max(deadline, time.monotonic() + self.grace_s))
+                    datas[r] = big.numpy().tobytes()
+                except _Failure as fail:
+                    failures[r] = fail
+
+        if failures:
+            # Ranks that dropped the connection because they gave up on *this* rank make it the late one.
+            gave_up = [r for r, f in failures.items() if not f.timed_out and self._gave_up(group, seq, r)]
+            missing = [self.global_ranks[0]] if gave_up else [self.global_ranks[r] for r in sorted(failures)]
+            verdict: dict[str, Any] = {"missing": missing, "what": what}
+        elif positions:
+            positions[self.global_ranks[0]] = f"at {what} (exchange #{seq})"
+            verdict = {"positions": {str(k): v for k, v in positions.items()}}
+        else:
+            verdict = {}
+
+        send_deadline = time.monotonic() + self.grace_s
+        head, inline = self._reply_words()
+        if verdict:
+            self._post_verdict(group, seq, verdict)
+            status = _MISSING if verdict.get("missing") else _OUT_OF_STEP
+            data = json.dumps(verdict).encode()
+        else:
+            status = _OK
+            lengths = np.array([len(d) for d in datas], dtype=np.int64)
+            data = lengths.tobytes() + b"".join(datas)
+        frame = np.zeros(head + inline // 8, dtype=np.int64)
+        frame[:4] = (_MAGIC, seq, status, len(data))
+        for r in failures:
+            frame[4 + r] = _MISSING
+        for r in range(1, w):
+            if self.global_ranks[r] in positions:
+                frame[4 + r] = _OUT_OF_STEP
+        if len(data) <= inline:
+            frame.view(np.uint8)[head * 8 :][: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        reply = torch.from_numpy(frame)
+        big = _as_u8(data) if len(data) > inline else None
+        for r in range(1, w):
+            if r in failures:
+                continue
+            try:
+                self._send(group, reply, r, send_deadline)
+                if big is not None:
+                    self._send(group, big, r, send_deadline)
+            except _Failure as fail:
+                if verdict:
+                    continue  # they read the verdict from the store
+                failures[r] = fail
+        if failures and not verdict:
+            # Every rank arrived but one could not be answered: it learns this from the store.
+            verdict = {"missing": [self.global_ranks[r] for r in sorted(failures)], "what": what}
+            self._post_verdict(group, seq, verdict)
+        if verdict:
+            raise self._verdict_error(group, verdict, what)
+        return datas
+
+    def _gave_up(self, group: _AuditGroup, seq: int, r: int) -> bool:
+        # The peer closes its connection just before it writes the marker: allow it a moment.
+        try:
+            group.store.wait([f"gave_up/{seq}/{r}"], timedelta(seconds=0.5))
+            return True
+        except Exception:  # noqa: BLE001 - no marker: the peer died or never came
+            return False
 
     # -- public exchanges ----------------------------------------------------------------------
 
@@ -228,23 +521,30 @@ class Comm:
         row = np.ascontiguousarray(payload, dtype=np.int64).reshape(-1)
         if not self.distributed:
             return row.reshape(1, -1).copy()
-        table = self._star(torch.from_numpy(row.copy()), self.world_size * row.size, what)
-        return table.numpy().reshape(self.world_size, row.size)
+        parts = self._gather(row, what)
+        if any(len(p) != row.nbytes for p in parts):
+            group = self._group
+            assert group is not None
+            sizes = {self.global_ranks[r]: f"{len(p) // 8} value(s) at {what}" for r, p in enumerate(parts)}
+            raise self._out_of_step_error(group, sizes, what)
+        return np.frombuffer(b"".join(parts), dtype=np.int64).reshape(self.world_size, row.size).copy()
 
     def exchange_bytes(self, payload: bytes, what: str = "the audit") -> list[bytes]:
         """Every rank's byte string, of any length, on every rank."""
         if not self.distributed:
             return [bytes(payload)]
-        lengths = self.exchange(np.array([len(payload)], dtype=np.int64), what)[:, 0].tolist()
-        own = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-        table = self._star(own, int(sum(lengths)), what, recv_len=lengths).numpy().tobytes()
-        out, pos = [], 0
-        for n in lengths:
-            out.append(table[pos : pos + n])
-            pos += n
-        return out
+        return self._gather(payload, what)
 
     def share_bytes(self, src: int, payload: bytes | None, what: str = "the audit") -> bytes:
         """Rank ``src``'s bytes on every rank (the others pass ``None``)."""
         data = payload if self.rank == src else b""
         return self.exchange_bytes(data or b"", what)[src]
+
+
+def _split(data: bytes, world: int) -> list[bytes]:
+    lengths = np.frombuffer(data[: 8 * world], dtype=np.int64).tolist()
+    out, pos = [], 8 * world
+    for n in lengths:
+        out.append(data[pos : pos + n])
+        pos += n
+    return out

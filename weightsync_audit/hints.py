@@ -1,7 +1,9 @@
 """Why replicas differ: root-cause hints drawn from the mismatches and the wrapper.
 
 A hint states a cause as fact only when the wrapper proves it (DDP's reducer does not cover the
-diverged parameters); everything inferred from the pattern of mismatches says "likely".
+diverged parameters, or DDP was told to ignore them, or runs with ``broadcast_buffers=False``);
+everything inferred from the pattern of mismatches says "likely". Hints come most specific first,
+and each mismatch feeds at most one parameter hint.
 """
 
 from __future__ import annotations
@@ -10,30 +12,55 @@ from typing import Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.ddp import synced_parameter_names, trainable_names
+from weightsync_audit.ddp import _FLAGS_ATTR, synced_parameter_names
 from weightsync_audit.result import Mismatch
 
-__all__ = ["explain", "ddp_unsynced_hint"]
+__all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain"]
 
 _FIX = (
     "Fix: re-create the DDP wrapper whenever the trainable set changes: add "
-    "weightsync_audit.DDPRewrapOnTrainableChange() to the Trainer's callbacks, or call "
-    "weightsync_audit.rewrap_ddp(ddp) after unfreezing in a plain loop."
+    "weightsync_audit.DDPRewrapOnTrainableChange() to the Trainer's callbacks, or, in a plain loop, "
+    "ddp = weightsync_audit.maybe_rewrap(ddp) (or rewrap_ddp(ddp)) on every rank after unfreezing or freezing."
 )
 
 
 def _names(names: Sequence[str], limit: int = 6) -> str:
+    names = list(names)
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def ddp_unsynced_hint(unsynced: Sequence[str]) -> str:
+    """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer."""
     return (
-        f"{_names(list(unsynced))} require grad, but DistributedDataParallel does not all-reduce their "
+        f"{_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
         "gradients: they became trainable after DDP wrapped the model (DDP builds its gradient reducer "
-        "once, over the parameters that required grad then), so each rank steps them with its own "
-        f"local gradient. {_FIX}"
+        "once, over the parameters that required grad then; BackboneFinetuning's unfreeze is one way), so "
+        f"each rank steps them with its own local gradient. {_FIX}"
     )
+
+
+def ddp_frozen_hint(left: Sequence[str]) -> str:
+    """Parameters frozen after the wrap: DDP's reducer still waits for their gradients."""
+    return (
+        f"{_names(left)} were frozen after DistributedDataParallel wrapped the model; its reducer still "
+        "expects their gradients, so the bucket holding them is never all-reduced (without "
+        "find_unused_parameters=True the next forward fails with 'Expected to have finished reduction "
+        f"in the prior iteration'). {_FIX}"
+    )
+
+
+def _covered(ddp: DistributedDataParallel, synced: frozenset[str] | None) -> frozenset[str] | None:
+    """Names DDP all-reduces: given, remembered by a re-wrap, or read from the reducer (rare path)."""
+    if synced is not None:
+        return synced
+    try:
+        flags = getattr(ddp, _FLAGS_ATTR, None)
+        if flags is not None:
+            return frozenset(n for (n, _), f in zip(ddp.module.named_parameters(), flags) if f)
+        return synced_parameter_names(ddp)
+    except Exception:  # noqa: BLE001 - private reducer API; no hint rather than a crash
+        return None
 
 
 def explain(
@@ -46,7 +73,8 @@ def explain(
     """Hints for a set of mismatches, most specific first.
 
     ``synced``: the parameter names DDP all-reduces when the caller already knows them (for example
-    a snapshot taken right after the wrap); otherwise they are read from ``ddp``'s reducer.
+    a snapshot taken right after the wrap); otherwise they are read from ``ddp``.
+    ``grads_checked``: gradients were part of this audit, so "no grad mismatch" means they agree.
     """
     if not mismatches:
         return []
@@ -55,25 +83,43 @@ def explain(
     for m in mismatches:
         by_kind.setdefault(m.kind, []).append(m)
     params = [m.name for m in by_kind.get("param", [])]
-    explained: set[str] = set()
+    grads = [m.name for m in by_kind.get("grad", [])]
+    explained: set[str] = set()  # parameter (or gradient) names a proven cause accounts for
 
-    if params and ddp is not None:
-        try:
-            covered = synced if synced is not None else synced_parameter_names(ddp)
-            trainable = trainable_names(ddp.module)
-        except Exception:  # noqa: BLE001 - private reducer API; no hint rather than a crash
-            covered, trainable = None, frozenset()
+    if (params or grads) and ddp is not None:
+        covered = _covered(ddp, synced)
+        named = dict(ddp.module.named_parameters())
+        ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
         if covered is not None:
-            unsynced = [n for n in params if n in trainable and n not in covered]
+            diverged = list(dict.fromkeys(params + grads))  # a param and its grad name alike
+            unsynced = [
+                n for n in diverged if n in named and named[n].requires_grad and n not in covered and n not in ignored
+            ]
             if unsynced:
                 hints.append(ddp_unsynced_hint(unsynced))
                 explained.update(unsynced)
+            # With find_unused_parameters=True the reducer marks a frozen parameter unused at each
+            # forward and its bucket completes; only without it does freezing after the wrap hurt.
+            left = [n for n, p in named.items() if n in covered and n not in ignored and not p.requires_grad]
+            if left and not getattr(ddp, "find_unused_parameters", False):
+                hints.append(ddp_frozen_hint(left))
+                # Their buckets were never all-reduced: the gradients that share them stayed local.
+                explained.update(n for n in diverged if n in covered)
+        skipped = [n for n in params + grads if n in ignored and n not in explained]
+        if skipped:
+            hints.append(
+                f"{_names(skipped)} are in DistributedDataParallel's parameters_to_ignore "
+                "(module._ddp_params_and_buffers_to_ignore): DDP neither broadcasts them nor all-reduces "
+                "their gradients, so each rank trains its own copy. Remove them from the list, or reduce "
+                "them yourself, if they should agree."
+            )
+            explained.update(skipped)
 
     if "structure" in by_kind:
         hints.append(
-            "The model or optimizer differs in structure between ranks (a tensor missing, or another shape "
-            "or dtype): likely the ranks built different models (per-rank configuration), or a checkpoint "
-            "or optimizer state was loaded on some ranks only."
+            f"The model or optimizer differs in structure between ranks ({_names([m.name for m in by_kind['structure']])}: "
+            "a tensor missing, or another shape or dtype): likely the ranks built different models "
+            "(per-rank configuration), or a checkpoint or optimizer state was loaded on some ranks only."
         )
 
     if "buffer" in by_kind:
@@ -102,31 +148,39 @@ def explain(
                 "parameters will diverge at the next optimizer step."
             )
         if len(lrs) < len(opt):
+            others = [m.name for m in opt if m.name not in set(lrs)]
             hints.append(
-                "Optimizer state differs while the parameters still agree: likely the optimizer state was "
-                "loaded or reset on some ranks only (a checkpoint loaded on one rank), or a step was skipped "
-                "on some ranks (e.g. a GradScaler that saw inf on one rank only). The parameters will "
-                "diverge at the next optimizer step."
+                f"Optimizer state differs ({_names(others)}) while the parameters still agree: likely the "
+                "optimizer state was loaded or reset on some ranks only (a checkpoint loaded on one rank), or "
+                "a step was skipped on some ranks (e.g. a GradScaler that saw inf on one rank only). The "
+                "parameters will diverge at the next optimizer step."
             )
 
-    grads = by_kind.get("grad", [])
-    if grads_checked and params and not grads:
-        rest = [n for n in params if n not in explained]
-        if rest:
-            hints.append(
-                f"Gradients agree but parameters differ ({_names(rest)}): likely the parameters were already "
-                "different before this step (loaded or initialised on some ranks only) or the optimizer "
-                "step differs (its state or learning rate)."
-            )
-    elif grads:
+    rest_grads = [n for n in grads if n not in explained]
+    if rest_grads:
         hints.append(
-            f"Gradients differ ({_names([m.name for m in grads])}) at the optimizer step: likely they are not "
-            "all-reduced (parameters frozen when DDP wrapped the model, no_sync() without a final synced "
-            "backward, or a manual reduction that skips them)."
+            f"Gradients differ ({_names(rest_grads)}) at the optimizer step: likely they are not "
+            "all-reduced (no DistributedDataParallel wrapper, no_sync() without a final synced backward, "
+            "or a manual reduction that skips them)."
         )
 
     rest = [n for n in params if n not in explained]
-    if rest and not grads and not (grads_checked and params):
+    if rest and ddp is not None:
+        named = dict(ddp.module.named_parameters())
+        frozen = [n for n in rest if n in named and not named[n].requires_grad]
+        if frozen:
+            hints.append(
+                f"{_names(frozen)} differ but do not require grad, so no optimizer step moved them: likely "
+                "they were loaded, initialised or edited on some ranks only after DDP's broadcast at wrap time."
+            )
+            rest = [n for n in rest if n not in set(frozen)]
+    if rest and grads_checked and not grads:
+        hints.append(
+            f"Gradients agree but parameters differ ({_names(rest)}): likely the parameters were already "
+            "different before this step (loaded or initialised on some ranks only) or the optimizer "
+            "step differs (its state or learning rate)."
+        )
+    elif rest and not rest_grads:
         hints.append(
             f"Parameters {_names(rest)} differ: likely their gradients are not all-reduced (trainable set "
             "changed after the DDP wrap, no_sync() misuse, a custom loop without DDP), they were loaded or "

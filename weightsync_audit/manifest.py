@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.errors import UnauditableTensorError
@@ -87,9 +88,7 @@ def check_include(include: Iterable[str], argument: str = "include") -> tuple[st
     got = tuple(include)
     unknown = [k for k in got if k not in INCLUDE_CHOICES]
     if unknown:
-        raise ValueError(
-            f"{argument}={got!r}: unknown kind(s) {unknown}; choose from {list(INCLUDE_CHOICES)}"
-        )
+        raise ValueError(f"{argument}={got!r}: unknown kind(s) {unknown}; choose from {list(INCLUDE_CHOICES)}")
     return tuple(k for k in INCLUDE_CHOICES if k in got)
 
 
@@ -128,7 +127,8 @@ def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 
 def _glob_excluded(name: str, exclude: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(name, pat) for pat in exclude)
+    # Checked once per tensor per audit: skip building a generator when there is nothing to match.
+    return bool(exclude) and any(fnmatch.fnmatchcase(name, pat) for pat in exclude)
 
 
 _TORCH_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
@@ -170,11 +170,51 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_entry(name: str, kind: str, t: torch.Tensor, container: Any = None, key: Any = None) -> Entry:
+_SKIP = "skip:"
+
+
+def _dtensor_note(name: str, t: Any, audit_ranks: Sequence[int] | None) -> str:
+    """How a DTensor is audited: its local shard, when every audited rank holds that same shard.
+
+    Ranks that hold *different* shards of a tensor (FSDP2's ``Shard(0)`` over the audited ranks, or a
+    ``Partial`` placement) hold different values by design; comparing them would be a false alarm on
+    every step, so such a tensor is left out with a note. Under HSDP, auditing over the replicate
+    dimension's group compares the replicas of each shard.
+    """
+    placements = tuple(t.placements)
+    sharded_dims = [i for i, pl in enumerate(placements) if not pl.is_replicate()]
+    if not sharded_dims:
+        return "DTensor: the local shard is audited (replicated placement)"
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    grid = mesh.mesh
+    if coord is not None:
+        index: list[Any] = [slice(None)] * grid.dim()
+        for d in sharded_dims:
+            index[d] = coord[d]
+        same_shard = set(grid[tuple(index)].reshape(-1).tolist())
+        if audit_ranks is None:
+            audit_ranks = range(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0,)
+        if set(audit_ranks) <= same_shard:
+            return "DTensor: the local shard is audited (every audited rank holds the same shard)"
+    return (
+        f"{_SKIP}DTensor {name!r} ({', '.join(map(str, placements))}) is not compared: the audited ranks hold "
+        "different shards of it; audit with group= the replicate dimension's group to compare each shard's replicas"
+    )
+
+
+def _tensor_entry(
+    name: str,
+    kind: str,
+    t: torch.Tensor,
+    container: Any = None,
+    key: Any = None,
+    audit_ranks: Sequence[int] | None = None,
+) -> Entry:
     note = None
-    if hasattr(t, "to_local") and type(t).__name__ == "DTensor":
+    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):  # name first: a failed hasattr is slow
+        note = _dtensor_note(name, t, audit_ranks)
         t = t.to_local()
-        note = "DTensor: the local shard is audited"
     if isinstance(t, nn.Parameter) or t.requires_grad:
         t = t.detach()
     if t.is_meta:
@@ -190,9 +230,11 @@ def _tensor_entry(name: str, kind: str, t: torch.Tensor, container: Any = None, 
     return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key, note)
 
 
-def _value_entry(name: str, kind: str, value: Any, container: Any, key: Any) -> Entry:
+def _value_entry(
+    name: str, kind: str, value: Any, container: Any, key: Any, audit_ranks: Sequence[int] | None
+) -> Entry:
     if isinstance(value, torch.Tensor):
-        return _tensor_entry(name, kind, value, container, key)
+        return _tensor_entry(name, kind, value, container, key, audit_ranks)
     t, label = value_as_tensor(value)
     return Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key)
 
@@ -204,6 +246,7 @@ def build_manifest(
     include: Sequence[str] = ("params", "buffers", "optimizer"),
     exclude: Sequence[str] = (),
     skip_buffers_reason: str | None = None,
+    audit_ranks: Sequence[int] | None = None,
 ) -> Manifest:
     """The ordered manifest of everything to audit.
 
@@ -223,14 +266,14 @@ def build_manifest(
     if "params" in include:
         for n, p in named_params:
             if not _glob_excluded(n, exclude):
-                entries.append(_tensor_entry(n, "param", p))
+                entries.append(_tensor_entry(n, "param", p, audit_ranks=audit_ranks))
 
     if "buffers" in include and user is not None:
         buffers = [(n, b) for n, b in user.named_buffers() if not _glob_excluded(n, exclude)]
         if skip_buffers_reason and buffers:
             manifest.notes.append(f"{len(buffers)} buffer(s) not compared: {skip_buffers_reason}")
         else:
-            entries.extend(_tensor_entry(n, "buffer", b) for n, b in buffers)
+            entries.extend(_tensor_entry(n, "buffer", b, audit_ranks=audit_ranks) for n, b in buffers)
 
     if "optimizer" in include:
         multi = len(optimizers) > 1
@@ -245,14 +288,14 @@ def build_manifest(
                     for key in sorted(state, key=str):
                         n = f"{pname}.{key}"
                         if not _glob_excluded(n, exclude):
-                            entries.append(_value_entry(n, "optimizer", state[key], state, key))
+                            entries.append(_value_entry(n, "optimizer", state[key], state, key, audit_ranks))
             for gi, group in enumerate(opt.param_groups):
                 for key in sorted(group, key=str):
                     if key == "params":
                         continue
                     n = f"{prefix}param_groups.{gi}.{key}"
                     if not _glob_excluded(n, exclude):
-                        entries.append(_value_entry(n, "optimizer", group[key], group, key))
+                        entries.append(_value_entry(n, "optimizer", group[key], group, key, audit_ranks))
 
     if "grads" in include:
         for n, p in named_params:
@@ -261,7 +304,10 @@ def build_manifest(
             if p.grad is None:
                 entries.append(Entry(n, "grad", torch.empty(0, dtype=torch.uint8), "none", ()))
             else:
-                entries.append(_tensor_entry(n, "grad", p.grad))
+                entries.append(_tensor_entry(n, "grad", p.grad, audit_ranks=audit_ranks))
 
+    if any(e.note and e.note.startswith(_SKIP) for e in entries):
+        manifest.notes.extend(e.note.removeprefix(_SKIP) for e in entries if e.note and e.note.startswith(_SKIP))
+        entries[:] = [e for e in entries if not (e.note and e.note.startswith(_SKIP))]
     manifest.notes.extend(sorted({e.note for e in entries if e.note}))
     return manifest

@@ -5,9 +5,14 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 
 from weightsync_audit.lightning._audit_callback import WeightSyncAuditMixin
+from weightsync_audit.lightning._rewrap_callback import DDPRewrapMixin
 
-__all__ = ["WeightSyncAudit"]
+__all__ = ["DDPRewrapOnTrainableChange", "WeightSyncAudit"]
 
 
 class WeightSyncAudit(WeightSyncAuditMixin, Callback):
     __doc__ = WeightSyncAuditMixin.__doc__
+
+
+class DDPRewrapOnTrainableChange(DDPRewrapMixin, Callback):
+    __doc__ = DDPRewrapMixin.__doc__

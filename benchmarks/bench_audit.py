@@ -1,0 +1,249 @@
+"""Cost of a full and of a sampled weight audit, against the checks in use today and the memory-copy limit.
+
+    python benchmarks/bench_audit.py                      # everything (about 5 minutes on 2 cores)
+    python benchmarks/bench_audit.py --models 100M --worlds 2 --reps 9
+
+For each model and number of gloo ranks (forked on this machine, each rank owning its copy of the
+model), every method runs on all ranks at once, between barriers; a repetition lasts until the slowest
+rank is done, and the median repetition is printed:
+
+- ``audit``: ``Auditor(model).audit()``, the whole path (manifest, digests, the summary exchange);
+- ``1/8``: the same auditor with ``coverage="1/8"`` (8 repetitions: one of each slice);
+- ``seed``: sha256 + ``all_gather_object`` (the Lightning #20340 report's check);
+- ``megatron``: per-parameter sha1 of a CPU float copy + a tensor all-gather (Megatron-LM);
+- ``memcpy``: a copy of the same bytes into a preallocated twin, on the same threads as the digest.
+
+Also printed: the peak resident memory each method adds (``VmHWM``, max over ranks) and the bytes the
+audit puts on the wire per rank on the healthy path. ``--json`` writes the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from baselines import MemoryCopy, megatron_check, seed_check
+from harness import launch, machine, median, own_copy, peak_extra_bytes, table, timed
+from models import SPECS, build, count, nbytes
+
+from weightsync_audit import Auditor
+from weightsync_audit.digest import _workers
+
+_MODEL: torch.nn.Module | None = None  # built in the parent, inherited by the forked ranks
+
+
+def wire_bytes(fn: Callable[[], Any]) -> dict[str, int]:
+    """Point-to-point messages and bytes this rank sends and receives while ``fn`` runs."""
+    counts = {"sent_msgs": 0, "sent": 0, "recv_msgs": 0, "recv": 0}
+    names = ("isend", "irecv", "send", "recv")
+    originals = {n: getattr(dist, n) for n in names}
+
+    def wrap(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
+        side = "sent" if "send" in name else "recv"
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            counts[side + "_msgs"] += 1
+            counts[side] += tensor.numel() * tensor.element_size()
+            return f(tensor, *args, **kwargs)
+
+        return counted
+
+    for n in names:
+        setattr(dist, n, wrap(n, originals[n]))
+    try:
+        fn()
+    finally:
+        for n, f in originals.items():
+            setattr(dist, n, f)
+    return counts
+
+
+def _rank(rank: int, world: int, reps: int, methods: list[str]) -> dict[str, Any]:
+    assert _MODEL is not None
+    model = own_copy(_MODEL)
+    full = Auditor(model)
+    sampled = Auditor(model, coverage="1/8")
+    full.setup()
+    sampled.setup()
+
+    def audit_full() -> None:
+        assert full.audit().in_sync
+
+    def audit_sampled() -> None:
+        assert sampled.audit().in_sync
+
+    fns: dict[str, Callable[[], Any]] = {
+        "audit": audit_full,
+        "1/8": audit_sampled,
+        "seed": lambda: seed_check(model),
+        "megatron": lambda: megatron_check(model),
+    }
+    out: dict[str, Any] = {"threads": _workers()}
+    for name in methods:
+        if name == "memcpy":
+            fn: Callable[[], Any] = MemoryCopy(model, _workers())
+        else:
+            fn = fns[name]
+        try:
+            fn()  # warm-up, and the check that it runs at all (the seed's check fails on bf16)
+        except TypeError as exc:
+            out[name] = None
+            out[name + "_why"] = str(exc)
+            continue
+        n = 8 if name == "1/8" else (max(3, reps // 2) if name in ("seed", "megatron") else reps)
+        out[name] = median(timed(fn, n, warmup=0))
+        out[name + "_mem"] = peak_extra_bytes(fn)
+        del fn
+    out["wire"] = wire_bytes(audit_full)
+    return out
+
+
+def run(keys: list[str], worlds: list[int], reps: int, methods: list[str]) -> list[dict[str, Any]]:
+    global _MODEL
+    rows = []
+    for key in keys:
+        spec = SPECS[key]
+        t0 = time.perf_counter()
+        _MODEL = build(spec)
+        size, params, tensors = nbytes(_MODEL), count(_MODEL), len(list(_MODEL.parameters()))
+        print(
+            f"# {spec.label}: {params / 1e6:.1f}M parameters in {tensors} tensors, {size / 1e6:.0f} MB "
+            f"(built in {time.perf_counter() - t0:.1f}s)",
+            flush=True,
+        )
+        for world in worlds:
+            per_rank = launch(_rank, world, reps, methods)
+            r0 = per_rank[0]
+            row = {"model": spec.label, "key": key, "params": params, "tensors": tensors, "bytes": size, "world": world}
+            row.update({k: v for k, v in r0.items() if k != "wire"})
+            row["wire_rank0"] = r0["wire"]
+            row["wire_rank1"] = per_rank[1]["wire"] if world > 1 else None
+            rows.append(row)
+            row["loadavg_after"] = os.getloadavg()[0]
+            print("  " + summary_line(row) + f" (load average {row['loadavg_after']:.2f})", flush=True)
+        _MODEL = None
+    return rows
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1e3:.1f}" if x < 10 else f"{x * 1e3:.0f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if a is None or b is None else f"{a / b:.1f}x"
+
+
+def summary_line(row: dict[str, Any]) -> str:
+    return (
+        f"{row['world']} rank(s): audit {_ms(row.get('audit'))} ms, 1/8 {_ms(row.get('1/8'))} ms, "
+        f"seed {_ms(row.get('seed'))} ms, megatron {_ms(row.get('megatron'))} ms, memcpy {_ms(row.get('memcpy'))} ms"
+    )
+
+
+def render(rows: list[dict[str, Any]]) -> str:
+    headers = [
+        "model",
+        "ranks",
+        "audit ms",
+        "GB/s/rank",
+        "memcpy GB/s/rank",
+        "audit/memcpy",
+        "seed ms",
+        "seed/audit",
+        "megatron ms",
+        "megatron/audit",
+        "1/8 ms",
+        "full/(1/8)",
+        "audit peak extra",
+        "seed peak extra",
+        "megatron peak extra",
+        "per tensor",
+    ]
+    out = []
+    for r in rows:
+        a, m = r.get("audit"), r.get("memcpy")
+        gbs = r["bytes"] / a / 1e9 if a else None
+        mgbs = r["bytes"] / m / 1e9 if m else None
+
+        def mem(name: str, r: dict[str, Any] = r) -> str:
+            b = r.get(name + "_mem")
+            if b is None:
+                return "n/a"
+            return f"{b / 1e6:.1f} MB ({100 * b / r['bytes']:.1f}%)"
+
+        out.append(
+            [
+                r["model"],
+                str(r["world"]),
+                _ms(a),
+                f"{gbs:.1f}" if gbs else "n/a",
+                f"{mgbs:.1f}" if mgbs else "n/a",
+                f"{100 * gbs / mgbs:.0f}%" if gbs and mgbs else "n/a",
+                _ms(r.get("seed")),
+                _ratio(r.get("seed"), a),
+                _ms(r.get("megatron")),
+                _ratio(r.get("megatron"), a),
+                _ms(r.get("1/8")),
+                _ratio(a, r.get("1/8")),
+                mem("audit"),
+                mem("seed"),
+                mem("megatron"),
+                f"{a / r['tensors'] * 1e6:.2f} us" if a and r["key"] == "5000-small" else "",
+            ]
+        )
+    return table(headers, out)
+
+
+def render_wire(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for r in rows:
+        if r["world"] < 2:
+            continue
+        w0, w1 = r["wire_rank0"], r["wire_rank1"]
+        out.append(
+            [
+                r["model"],
+                str(r["world"]),
+                f"{w1['sent_msgs']} / {w1['sent']} B",
+                f"{w1['recv_msgs']} / {w1['recv']} B",
+                f"{w0['sent_msgs']} / {w0['sent']} B",
+                f"{w0['recv_msgs']} / {w0['recv']} B",
+            ]
+        )
+    return table(["model", "ranks", "rank 1 sends", "rank 1 receives", "rank 0 sends", "rank 0 receives"], out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(SPECS), help=f"comma-separated, from {list(SPECS)}")
+    p.add_argument("--worlds", default="1,2,4")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--methods", default="audit,1/8,seed,megatron,memcpy")
+    p.add_argument("--json", type=Path, help="write the raw figures here")
+    args = p.parse_args(argv)
+    print(f"# {machine()}; digest threads per rank: {_workers()}", flush=True)
+    rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.reps, args.methods.split(","))
+    print()
+    print(render(rows))
+    print()
+    print("Healthy-path traffic of one audit (point-to-point messages / bytes):")
+    print(render_wire(rows))
+    for r in rows:
+        if r.get("seed_why"):
+            print(f"\nseed check on {r['model']}: fails with TypeError: {r['seed_why']}")
+            break
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

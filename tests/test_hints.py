@@ -1,0 +1,217 @@
+"""Root-cause hints: each recognisable cause of drift, made to happen on real gloo ranks, then audited.
+
+A cause the wrapper proves is stated as fact; a cause guessed from the pattern says "likely".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo  # DDP imports it lazily at construction: once here, not in every forked rank
+from ranks import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from weightsync_audit import Auditor, audit
+
+
+def make_model(batchnorm: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(6, 8)]
+    if batchnorm:
+        layers.append(nn.BatchNorm1d(8))
+    return nn.Sequential(*layers, nn.ReLU(), nn.Linear(8, 3))
+
+
+def local_step(net: nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+    """One step on data that differs per rank (as data-parallel batches do)."""
+    torch.manual_seed(100 + rank)
+    opt.zero_grad(set_to_none=True)
+    (net(torch.randn(4, 6)) - 1).pow(2).mean().backward()
+    opt.step()
+
+
+def _unfrozen_after_wrap(rank: int, world: int) -> dict:
+    model = make_model()
+    model[0].requires_grad_(False)  # frozen when DDP builds its reducer
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_step(ddp, opt, rank)
+    model[0].requires_grad_(True)  # unfrozen later: the reducer never learns of it
+    for _ in range(2):
+        local_step(ddp, opt, rank)
+    grads = Auditor(include=("grads",)).audit(ddp, step=3)
+    return {"params": audit(ddp, opt, step=3).to_dict(), "grads": grads.to_dict()}
+
+
+def test_plain_ddp_unfrozen_after_the_wrap_gets_the_ddp_hint_naming_the_parameters_and_the_fix() -> None:
+    out = run_ranks(_unfrozen_after_wrap, 2)
+    rec = out[0]["params"]
+    assert out[0]["params"]["hints"] == out[1]["params"]["hints"]  # every rank says the same
+    assert sorted(m["name"] for m in rec["mismatches"]) == ["0.bias", "0.weight"]
+    hint = rec["hints"][0]
+    assert "0.weight" in hint and "0.bias" in hint and "2.weight" not in hint
+    assert "require grad, but DistributedDataParallel does not all-reduce their gradients" in hint
+    assert "became trainable after DDP wrapped the model" in hint
+    assert "DDPRewrapOnTrainableChange" in hint and "maybe_rewrap" in hint
+    assert "likely" not in hint  # proven from the reducer, not guessed
+    assert len(rec["hints"]) == 1  # the proven cause explains every mismatch
+    # The gradients tell the same story, with the same hint.
+    grads = out[0]["grads"]
+    assert sorted(m["name"] for m in grads["mismatches"]) == ["0.bias", "0.weight"]
+    assert "does not all-reduce their gradients" in grads["hints"][0]
+
+
+def _frozen_after_wrap(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)  # find_unused_parameters=False
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_step(ddp, opt, rank)
+    model[2].requires_grad_(False)  # its bucket never completes: the gradients sharing it stay local
+    local_step(ddp, opt, rank)
+    return audit(ddp, opt).to_dict()
+
+
+def test_parameters_frozen_after_the_wrap_get_the_stalled_bucket_hint() -> None:
+    rec = run_ranks(_frozen_after_wrap, 2)[0]
+    assert not rec["in_sync"]
+    assert "2.weight, 2.bias were frozen after DistributedDataParallel wrapped the model" in rec["hints"][0]
+    assert "never all-reduced" in rec["hints"][0]
+
+
+def _batchnorm_without_broadcast(rank: int, world: int) -> dict:
+    model = make_model(batchnorm=True)
+    ddp = DDP(model, broadcast_buffers=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # params stay equal; only the statistics move
+    local_step(ddp, opt, rank)
+    return audit(ddp, opt).to_dict()
+
+
+def test_batchnorm_buffers_with_broadcast_buffers_false_are_reported_as_buffers_with_the_setting() -> None:
+    rec = run_ranks(_batchnorm_without_broadcast, 2)[0]
+    kinds = {m["name"]: m["kind"] for m in rec["mismatches"]}
+    assert kinds == {"1.running_mean": "buffer", "1.running_var": "buffer"}
+    [hint] = rec["hints"]
+    assert "broadcast_buffers=False" in hint and "1.running_mean" in hint
+
+
+def _buffer_without_ddp(rank: int, world: int) -> dict:
+    model = make_model(batchnorm=True)
+    model.train()
+    torch.manual_seed(rank)
+    model(torch.randn(4, 6))  # a forward on local data updates the running statistics
+    return audit(model).to_dict()
+
+
+def test_differing_buffers_without_a_ddp_wrapper_get_a_likely_hint() -> None:
+    rec = run_ranks(_buffer_without_ddp, 2)[0]
+    [hint] = rec["hints"]
+    assert "Buffers 1.running_mean, 1.running_var differ: likely statistics updated from each rank's local data" in hint
+
+
+def _lr_differs(rank: int, world: int) -> dict:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 1:
+        opt.param_groups[0]["lr"] = 0.05  # a scheduler stepped once more here
+    return audit(DDP(model), opt).to_dict()
+
+
+def test_learning_rate_differing_while_params_agree_is_a_likely_scheduler_hint() -> None:
+    rec = run_ranks(_lr_differs, 2)[0]
+    assert [m["name"] for m in rec["mismatches"]] == ["param_groups.0.lr"]
+    [hint] = rec["hints"]
+    assert "learning rate differs (param_groups.0.lr) while the parameters still agree: likely" in hint
+
+
+def _optimizer_state_differs(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    local_step(ddp, opt, 0)
+    if rank == 1:
+        opt.state[model[2].weight]["exp_avg"].zero_()  # reset on one rank only
+    return audit(ddp, opt).to_dict()
+
+
+def test_optimizer_state_differing_while_params_agree_is_a_likely_hint() -> None:
+    rec = run_ranks(_optimizer_state_differs, 2)[0]
+    assert [m["name"] for m in rec["mismatches"]] == ["2.weight.exp_avg"]
+    [hint] = rec["hints"]
+    assert "Optimizer state differs (2.weight.exp_avg) while the parameters still agree: likely" in hint
+
+
+def _params_differ_grads_agree(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_step(ddp, opt, rank)  # DDP averages: every rank has the same gradients now
+    if rank == 1:
+        with torch.no_grad():
+            model[2].bias.add_(0.5)  # edited on one rank, outside training
+    return audit(ddp, include=("params", "grads")).to_dict()
+
+
+def test_params_differing_while_grads_agree_is_a_likely_hint() -> None:
+    rec = run_ranks(_params_differ_grads_agree, 2)[0]
+    assert [(m["name"], m["kind"]) for m in rec["mismatches"]] == [("2.bias", "param")]
+    [hint] = rec["hints"]
+    assert "Gradients agree but parameters differ (2.bias): likely" in hint
+
+
+def _frozen_param_edited(rank: int, world: int) -> dict:
+    model = make_model()
+    model[0].requires_grad_(False)
+    ddp = DDP(model)
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # e.g. a checkpoint loaded on one rank after the wrap
+    return audit(ddp).to_dict()
+
+
+def test_frozen_params_that_differ_get_the_loaded_on_some_ranks_hint() -> None:
+    rec = run_ranks(_frozen_param_edited, 2)[0]
+    [hint] = rec["hints"]
+    assert "0.weight differ but do not require grad" in hint and "likely" in hint
+
+
+def _ignored_by_ddp(rank: int, world: int) -> dict:
+    model = make_model()
+    model._ddp_params_and_buffers_to_ignore = ["2.bias"]
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_step(ddp, opt, rank)
+    return audit(ddp).to_dict()
+
+
+def test_parameters_ddp_was_told_to_ignore_get_the_ignore_list_hint() -> None:
+    rec = run_ranks(_ignored_by_ddp, 2)[0]
+    assert [m["name"] for m in rec["mismatches"]] == ["2.bias"]
+    [hint] = rec["hints"]
+    assert "2.bias are in DistributedDataParallel's parameters_to_ignore" in hint
+
+
+def _structure(rank: int, world: int) -> dict:
+    model = make_model()
+    if rank == 1:
+        model.append(nn.Linear(3, 3))  # a per-rank configuration
+    return audit(model).to_dict()
+
+
+def test_structure_differences_get_a_likely_hint_naming_the_tensors() -> None:
+    rec = run_ranks(_structure, 2)[0]
+    assert {m["kind"] for m in rec["mismatches"]} == {"structure"}
+    [hint] = rec["hints"]
+    assert "differs in structure between ranks (3.weight, 3.bias" in hint and "likely" in hint
+
+
+def _in_sync(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    local_step(ddp, opt, rank)
+    return audit(ddp, opt).to_dict()
+
+
+def test_replicas_in_sync_get_no_hints() -> None:
+    rec = run_ranks(_in_sync, 2)[0]
+    assert rec["in_sync"] and rec["hints"] == []
