@@ -6,4 +6,4 @@ os.environ.setdefault("PL_DISABLE_FORK", "0")
 
 # DDP's constructor imports torch._dynamo lazily (about a second); importing it once here means
 # every forked rank inherits it instead of paying for it again.
-import torch._dynamo  # noqa: E402, F401
+import torch._dynamo  # noqa: F401

@@ -413,3 +413,19 @@ def test_ddp_spawn_runs_in_sync_with_no_false_alarm(tmp_path: Path) -> None:
     # BatchNorm's running stats differ after the last forward (DDP re-broadcasts them at the next one)
     w0, w1 = ({k: v for k, v in rank_weights(tmp_path, r).items() if "running_" not in k} for r in (0, 1))
     assert bit_identical(w0, w1)
+
+
+class _Stall(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 3:
+            time.sleep(8)
+
+
+def test_a_rank_that_stalls_past_timeout_s_makes_the_others_raise_naming_it(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(Exception, match="AuditTimeoutError") as info:
+        fit(tmp_path, SmallModel(), [_Stall(), WeightSyncAudit(every_n_train_steps=1, timeout_s=2)], max_epochs=1)
+    elapsed = time.monotonic() - t0
+    assert "rank(s) [1] did not arrive" in str(info.value)
+    assert "Process 0" in str(info.value), "rank 0 gave up first, at the deadline, not when rank 1 woke"
+    assert elapsed < 8

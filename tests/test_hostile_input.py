@@ -126,9 +126,9 @@ def test_hsdp_dtensor_audited_over_the_replicate_group_compares_replicas_of_each
     # Mesh [[0, 1], [2, 3]]: rank 1 and rank 3 hold the same shard; rank 1's copy was changed.
     results = run_ranks(_dtensor, 4, "hsdp", timeout=90)
     assert results[0]["in_sync"] and results[2]["in_sync"]
-    # Ranks in a result are positions in the audited `group` (here global 1 -> 0, global 3 -> 1); with 2
-    # ranks the tie goes to the lower one, so global rank 3 (group rank 1) is the one reported.
-    assert results[1]["mismatches"] == results[3]["mismatches"] == [("w", [1])]
+    # Ranks in a result are global ranks, like in every error; with 2 ranks in the group the tie goes to
+    # the lower one (global 1), so global rank 3 is the one reported.
+    assert results[1]["mismatches"] == results[3]["mismatches"] == [("w", [3])]
     assert any("every audited rank holds the same shard" in n for n in results[1]["notes"])
 
 

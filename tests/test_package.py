@@ -19,9 +19,24 @@ def test_the_contract_names_exist_with_their_arguments() -> None:
     assert list(inspect.signature(weightsync_audit.audit).parameters)[:9] == [
         "module", "optimizer", "group", "include", "exclude", "step", "epoch", "timeout_s", "coverage",
     ]  # fmt: skip
-    assert list(inspect.signature(weightsync_audit.resync).parameters)[:5] == ["module", "optimizer", "src", "group", "names"]
+    assert list(inspect.signature(weightsync_audit.resync).parameters)[:5] == [
+        "module",
+        "optimizer",
+        "src",
+        "group",
+        "names",
+    ]
     params = inspect.signature(weightsync_audit.WeightSyncAudit.__init__).parameters
-    for arg in ("every_n_train_steps", "hooks", "include", "exclude", "on_mismatch", "resync_src", "report_path", "timeout_s"):
+    for arg in (
+        "every_n_train_steps",
+        "hooks",
+        "include",
+        "exclude",
+        "on_mismatch",
+        "resync_src",
+        "report_path",
+        "timeout_s",
+    ):
         assert arg in params, arg
     assert issubclass(weightsync_audit.WeightDivergenceError, RuntimeError)
     assert issubclass(weightsync_audit.AuditTimeoutError, RuntimeError)

@@ -315,6 +315,11 @@ class Auditor:
         if value_mismatches:
             self._measure_gaps(comm, value_mismatches, [by_uid[d.uid] for d in value_diffs])
         mismatches.extend(value_mismatches)
+        if comm.global_ranks != tuple(range(comm.world_size)):
+            # Decided on positions in the group; reported, like every error, in global ranks.
+            for m in mismatches:
+                m.ranks = [comm.global_ranks[r] for r in m.ranks]
+                m.reference_ranks = [comm.global_ranks[r] for r in m.reference_ranks]
 
         hints: list[str] = []
         if mismatches:
@@ -347,7 +352,9 @@ class Auditor:
             raise failure
         failed = {comm.global_ranks[r]: m for r, m in enumerate(messages) if m}
         text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise AuditPreparationError(f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed)
+        raise AuditPreparationError(
+            f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed
+        )
 
     def _raise_out_of_step(
         self, comm: Comm, step: int | None, epoch: int | None, hook: str | None, fields: Sequence[str]

@@ -158,6 +158,16 @@ def covered_flags(ddp: DistributedDataParallel) -> tuple[bool, ...]:
     """The flags ``ddp``'s reducer was built over: remembered, or read from the reducer once."""
     flags = getattr(ddp, _FLAGS_ATTR, None)
     if flags is None:
+        # Cheap path first: when the reducer holds as many tensors as are trainable now (DDP's own
+        # logging data), it was built over the trainable set. Reading its buckets allocates
+        # gradient-sized buffers, too much to risk on a large model at fit start.
+        ignored = _ignored(ddp)
+        named = list(ddp.module.named_parameters())
+        now = tuple(p.requires_grad for _, p in named)
+        trainable = sum(1 for (n, _), f in zip(named, now) if f and n not in ignored)
+        if synced_count(ddp) == trainable:
+            setattr(ddp, _FLAGS_ATTR, now)
+            return now
         try:
             synced = synced_parameter_names(ddp)
         except Exception as exc:  # noqa: BLE001 - private reducer API; fall back to "built over now"
@@ -165,7 +175,6 @@ def covered_flags(ddp: DistributedDataParallel) -> tuple[bool, ...]:
             flags = trainable_flags(watched_parameters(ddp))
             setattr(ddp, _FLAGS_ATTR, flags)
             return flags
-        ignored = _ignored(ddp)
         # An ignored parameter is outside the reducer by design: count it as what it is now, so that
         # toggling it never looks like a change the reducer missed.
         flags = tuple((n in synced) or (n in ignored and p.requires_grad) for n, p in ddp.module.named_parameters())

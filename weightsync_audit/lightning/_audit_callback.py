@@ -16,9 +16,9 @@ import warnings
 from typing import Any, Literal, Optional, Sequence
 
 from weightsync_audit.auditor import AuditHistory, Auditor, parse_coverage
-from weightsync_audit.ddp import find_ddp
+from weightsync_audit.ddp import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
-from weightsync_audit.hints import ddp_unsynced_hint
+from weightsync_audit.hints import ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.manifest import check_include
 from weightsync_audit.report import ReportWriter, check_report_path
 from weightsync_audit.result import AuditResult
@@ -143,9 +143,8 @@ class WeightSyncAuditMixin:
         self._disabled: str | None = None
         self._last_step_audited: int | None = None
         self._last_reported: tuple[str, ...] = ()
-        self._wrap_id: int | None = None
-        self._trainable_at_wrap: tuple[bool, ...] = ()
         self._warned_trainable = False
+        self._flags_seen: tuple[bool, ...] = ()
         self.from_env = False
         """Set when the callback was added by the WEIGHTSYNC_AUDIT variable (zero-code activation)."""
 
@@ -342,12 +341,11 @@ class WeightSyncAuditMixin:
     # -- DDP's trainable set -------------------------------------------------------------------
 
     def _snapshot_wrap(self, trainer: Any) -> None:
+        # Right after the wrap: what the reducer covers, remembered on the wrapper itself, so a new
+        # wrapper (DDPRewrapOnTrainableChange) is recognised by not carrying it yet.
         ddp = find_ddp(trainer.strategy.model)
-        if ddp is None:
-            self._wrap_id = None
-            return
-        self._wrap_id = id(ddp)
-        self._trainable_at_wrap = tuple(p.requires_grad for p in ddp.module.parameters())
+        if ddp is not None:
+            covered_flags(ddp)
 
     def _check_trainable(self, trainer: Any) -> None:
         """Warn once, before any weight moves, when the trainable set leaves DDP's reducer behind."""
@@ -356,32 +354,27 @@ class WeightSyncAuditMixin:
         ddp = find_ddp(trainer.strategy.model)
         if ddp is None:
             return
-        if id(ddp) != self._wrap_id:
-            self._snapshot_wrap(trainer)  # re-wrapped (e.g. by DDPRewrapOnTrainableChange): a fresh reducer
+        covered = covered_flags(ddp)
+        now = trainable_flags(watched_parameters(ddp))
+        if now == covered or now == self._flags_seen:
             return
-        now = tuple(p.requires_grad for p in ddp.module.parameters())
-        if now == self._trainable_at_wrap:
+        self._flags_seen = now
+        change = flags_change(ddp.module, covered, now)
+        parts = []
+        if change.joined:
+            parts.append(ddp_unsynced_hint(list(change.joined)))
+        if change.left and not ddp.find_unused_parameters:
+            parts.append(ddp_frozen_hint(list(change.left)))
+        if not parts:
             return
         self._warned_trainable = True
-        if not trainer.is_global_zero:
-            return
-        names = [n for n, _ in ddp.module.named_parameters()]
-        joined = [n for n, was, is_ in zip(names, self._trainable_at_wrap, now) if is_ and not was]
-        left = [n for n, was, is_ in zip(names, self._trainable_at_wrap, now) if was and not is_]
-        parts = []
-        if joined:
-            parts.append(ddp_unsynced_hint(joined))
-        if left:
-            parts.append(
-                f"{', '.join(left[:6])} were frozen after DDP wrapped the model; DDP still expects their "
-                "gradients (without find_unused_parameters=True the next backward fails)."
+        if trainer.is_global_zero:
+            warnings.warn(
+                f"weightsync audit (step {trainer.global_step}): the set of trainable parameters changed after "
+                "DistributedDataParallel wrapped the model. " + " ".join(parts),
+                WeightSyncWarning,
+                stacklevel=2,
             )
-        warnings.warn(
-            f"weightsync audit (step {trainer.global_step}): the set of trainable parameters changed after "
-            "DistributedDataParallel wrapped the model. " + " ".join(parts),
-            WeightSyncWarning,
-            stacklevel=2,
-        )
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
