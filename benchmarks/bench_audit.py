@@ -8,7 +8,7 @@ model), every method runs on all ranks at once, between barriers; a repetition l
 rank is done, and the median repetition is printed:
 
 - ``audit``: ``Auditor(model).audit()``, the whole path (manifest, digests, the summary exchange);
-- ``1/8``: the same auditor with ``coverage="1/8"`` (8 repetitions: one of each slice);
+- ``1/8``: the same auditor with ``coverage="1/8"`` (24 repetitions: each slice three times);
 - ``seed``: sha256 + ``all_gather_object`` (the Lightning #20340 report's check);
 - ``megatron``: per-parameter sha1 of a CPU float copy + a tensor all-gather (Megatron-LM);
 - ``memcpy``: a copy of the same bytes into a preallocated twin, on the same threads as the digest.
@@ -99,7 +99,7 @@ def _rank(rank: int, world: int, reps: int, methods: list[str]) -> dict[str, Any
             out[name] = None
             out[name + "_why"] = str(exc)
             continue
-        n = 8 if name == "1/8" else (max(3, reps // 2) if name in ("seed", "megatron") else reps)
+        n = 24 if name == "1/8" else (max(3, reps // 2) if name in ("seed", "megatron") else reps)
         out[name] = median(timed(fn, n, warmup=0))
         out[name + "_mem"] = peak_extra_bytes(fn)
         del fn

@@ -66,6 +66,20 @@ def test_a_slice_digest_does_not_depend_on_layout(method: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["xxh3", "device"])
+def test_slices_spanning_several_leaves_do_not_depend_on_layout(method: str) -> None:
+    t = torch.randn(64, 50, dtype=torch.float64)
+    twin = t.t().contiguous().t()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("weightsync_audit.digest.CHUNK", 1000)  # slices of ~6 KB: several leaves each
+        mp.setattr("weightsync_audit.digest.SMALL", 0)
+        for i in range(4):
+            a = digest_tensor(t, slice_index=i, slices=4, method=method)
+            assert a == digest_tensor(twin, slice_index=i, slices=4, method=method)
+            start, stop = sample_bounds(t.numel(), i, 4)
+            assert a == digest_tensor(t.reshape(-1)[start:stop].clone(), method=method)
+
+
+@pytest.mark.parametrize("method", ["xxh3", "device"])
 def test_more_slices_than_aligned_runs_leaves_some_slices_empty_and_still_works(method: str) -> None:
     t = torch.randn(5000, 4).t()  # 80 KB, non-contiguous
     empty = digest_tensor(torch.empty(0), method=method)

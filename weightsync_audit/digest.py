@@ -548,21 +548,27 @@ def digest_tensors(
         else:
             t = t.cpu()
             size = t.nbytes
+        contiguous = t.is_contiguous()
         if sampled and size > SMALL and t.dim():
-            pieces = sample_pieces(t, slice_index, slices)
-            if len(pieces) > 1 or not pieces[0].is_contiguous():
+            if not contiguous:
+                pieces = sample_pieces(t, slice_index, slices)
                 jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
                 continue
-            t = pieces[0]
-            size = t.nbytes
-        if not t.is_contiguous():
+            # The slice of a contiguous tensor is a byte range of its memory: cut the view, no tensor ops.
+            start, stop = sample_bounds(t.numel(), slice_index, slices)
+            esize = t.element_size()
+            raw = _raw(t)[start * esize : stop * esize]
+            size = len(raw)
+        elif not contiguous:
             jobs.append((size, i, -1, [t]))
-        elif size <= SMALL:
-            out[i] = _xxh(_raw(t))
-        elif size <= CHUNK:
-            jobs.append((size, i, -1, _raw(t)))
+            continue
         else:
             raw = _raw(t)
+        if size <= SMALL:
+            out[i] = _xxh(raw)
+        elif size <= CHUNK:
+            jobs.append((size, i, -1, raw))
+        else:
             k = (size + CHUNK - 1) // CHUNK
             leaves[i] = [0] * k
             jobs.extend((min(CHUNK, size - j * CHUNK), i, j, raw[j * CHUNK : (j + 1) * CHUNK]) for j in range(k))
