@@ -17,9 +17,12 @@ no collective is ever entered by some ranks only.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -49,6 +52,23 @@ from weightsync_audit.result import AuditResult, Mismatch
 __all__ = ["AuditConfig", "AuditHistory", "Auditor", "audit", "parse_coverage"]
 
 _METHODS = ("auto", "xxh3", "device")
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Hold the cyclic garbage collector while the manifest is built.
+
+    A manifest allocates a small object per tensor; on a model of thousands of tensors the collector's
+    repeated passes over the training process's heap cost more than the audit itself (measured: 2.3 of
+    3.6 us per tensor). Nothing built here forms cycles, so nothing is kept longer than the audit.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def parse_coverage(coverage: float | int | str) -> int:
@@ -252,11 +272,12 @@ class Auditor:
         # flagged, so that every rank raises together instead of the others waiting for it.
         failure: BaseException | None = None
         try:
-            manifest = self._manifest(module, optimizers)
-            entries = manifest.entries
-            digests = digest_entries(entries, slice_index=slice_index, slices=cfg.slices, method=cfg.method)
-            structure = structure_digest(entries)
-            overall = overall_digest(digests, structure)
+            with _gc_paused():
+                manifest = self._manifest(module, optimizers)
+                entries = manifest.entries
+                digests = digest_entries(entries, slice_index=slice_index, slices=cfg.slices, method=cfg.method)
+                structure = structure_digest(entries)
+                overall = overall_digest(digests, structure)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
             failure = exc
             manifest, entries, digests, structure, overall = Manifest(), [], np.zeros(0, np.int64), 0, 0

@@ -166,8 +166,15 @@ def _canonical_repr(value: Any) -> str:
     return repr(value)
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    # str(dtype) costs over a microsecond: remembered, it is a dict look-up per tensor.
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 _SKIP = "skip:"
@@ -215,11 +222,11 @@ def _tensor_entry(
     if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):  # name first: a failed hasattr is slow
         note = _dtensor_note(name, t, audit_ranks)
         t = t.to_local()
-    if isinstance(t, nn.Parameter) or t.requires_grad:
-        t = t.detach()
+    if t.requires_grad or isinstance(t, nn.Parameter):
+        t = t.data  # the same storage without autograd; cheaper than detach()
     if t.is_meta:
         raise UnauditableTensorError(name, "it is a meta tensor (it has no data); materialise the model first")
-    if t.layout != torch.strided:
+    if t.layout is not torch.strided:
         if t.layout == torch.sparse_coo:
             raise UnauditableTensorError(
                 name, "sparse COO tensors are not audited; exclude it or convert with .to_dense()"
@@ -239,6 +246,24 @@ def _value_entry(
     return Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key)
 
 
+def _named(module: nn.Module, attr: str) -> list[tuple[str, Any]]:
+    """``named_parameters()`` / ``named_buffers()`` with the same names and order, at half the cost.
+
+    A tensor reached twice (tied weights, a shared module) appears once, under its first name, as with
+    ``remove_duplicate=True``. Torch's own walk hashes every tensor through a Python ``__hash__``; here
+    ``id()`` does, which is most of the per-tensor time on models of many small tensors.
+    """
+    seen: set[int] = set()
+    out: list[tuple[str, Any]] = []
+    for prefix, mod in module.named_modules():
+        for key, value in getattr(mod, attr).items():
+            if value is None or id(value) in seen:
+                continue
+            seen.add(id(value))
+            out.append((f"{prefix}.{key}" if prefix else key, value))
+    return out
+
+
 def build_manifest(
     module: nn.Module | None,
     optimizers: Sequence[torch.optim.Optimizer] = (),
@@ -255,13 +280,7 @@ def build_manifest(
     manifest = Manifest()
     entries = manifest.entries
     user = unwrap_module(module) if module is not None else None
-    names: dict[int, str] = {}
-    named_params: list[tuple[str, nn.Parameter]] = []
-    if user is not None:
-        # remove_duplicate=True: a tied parameter appears once, under its first name.
-        named_params = list(user.named_parameters())
-        for n, p in named_params:
-            names.setdefault(id(p), n)
+    named_params: list[tuple[str, nn.Parameter]] = _named(user, "_parameters") if user is not None else []
 
     if "params" in include:
         for n, p in named_params:
@@ -269,13 +288,14 @@ def build_manifest(
                 entries.append(_tensor_entry(n, "param", p, audit_ranks=audit_ranks))
 
     if "buffers" in include and user is not None:
-        buffers = [(n, b) for n, b in user.named_buffers() if not _glob_excluded(n, exclude)]
+        buffers = [(n, b) for n, b in _named(user, "_buffers") if not _glob_excluded(n, exclude)]
         if skip_buffers_reason and buffers:
             manifest.notes.append(f"{len(buffers)} buffer(s) not compared: {skip_buffers_reason}")
         else:
             entries.extend(_tensor_entry(n, "buffer", b, audit_ranks=audit_ranks) for n, b in buffers)
 
-    if "optimizer" in include:
+    if "optimizer" in include and optimizers:
+        names = {id(p): n for n, p in reversed(named_params)}
         multi = len(optimizers) > 1
         for oi, opt in enumerate(optimizers):
             prefix = f"optimizers.{oi}." if multi else ""
