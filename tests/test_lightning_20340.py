@@ -21,7 +21,7 @@ from scripts.lightning_20340_run import Probe, run
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
-from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
+from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader, seed_model_for
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_20340_run.py"
 FIRST_STEP_OF_EPOCH_3 = 49  # 16 optimizer steps an epoch on 2 ranks; global_step after the step
@@ -220,21 +220,7 @@ def test_the_lightning_pytorch_namespace_class_fixes_the_seed_too(tmp_path: Path
 
     from weightsync_audit.lightning import lightning_pytorch as lp
 
-    class LSeedModel(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            seed = SeedModel()  # the report's layers, in the other namespace's module
-            self.backbone, self.layer = seed.backbone, seed.layer
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.layer(torch.relu(self.backbone(x)))
-
-        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            y_hat = self(batch)
-            return torch.nn.functional.mse_loss(y_hat, torch.ones_like(y_hat))
-
-        def configure_optimizers(self) -> Any:
-            return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+    LSeedModel = seed_model_for(L.LightningModule)
 
     loader = make_loader(0)
     report = tmp_path / "audit.jsonl"

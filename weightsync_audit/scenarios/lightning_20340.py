@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["RandomDataset", "SeedModel", "make_loader", "UNFREEZE_EPOCH"]
+__all__ = ["UNFREEZE_EPOCH", "RandomDataset", "SeedModel", "make_loader", "seed_model_for"]
 
 UNFREEZE_EPOCH = 3
 
@@ -32,8 +32,11 @@ class RandomDataset(Dataset):
         return self.len
 
 
-class SeedModel(pl.LightningModule):
-    """The bug report's ``SimpleModel``, without its own (rank-0-only, hanging) weight check."""
+class _SeedModelMixin:
+    """The bug report's ``SimpleModel``, without its own (rank-0-only, hanging) weight check.
+
+    A mixin so that each Lightning namespace gets the same model over its own ``LightningModule``.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,6 +52,15 @@ class SeedModel(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.1)
+
+
+class SeedModel(_SeedModelMixin, pl.LightningModule):
+    """The bug report's model for ``import pytorch_lightning``."""
+
+
+def seed_model_for(lightning_module: type) -> type:
+    """The same model over another namespace's ``LightningModule`` (e.g. ``lightning.pytorch``)."""
+    return type("SeedModel", (_SeedModelMixin, lightning_module), {"__doc__": SeedModel.__doc__})
 
 
 def make_loader(seed: int = 0, batch_size: int = 2, length: int = 64, sampler: Any = None) -> DataLoader:
