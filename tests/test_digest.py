@@ -11,6 +11,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+from dtypes import ALL_DTYPES
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,22 +28,7 @@ from weightsync_audit.manifest import build_manifest
 
 METHODS = ("xxh3", "device")
 
-DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float8_e4m3fn,
-    torch.float8_e5m2,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
+DTYPES = ALL_DTYPES
 
 
 def sample(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dtypes import ALL_DTYPES
 from ranks import run_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -152,20 +153,7 @@ def test_models_that_differ_in_structure_are_reported_as_structure_not_a_crash()
     assert "0.weight" not in by_name
 
 
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-] + [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)]
+DTYPES = ALL_DTYPES
 
 
 def _all_dtypes(rank: int, world: int) -> dict:
