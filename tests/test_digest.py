@@ -3,8 +3,6 @@ and any single flipped bit changes the digest, for every dtype, size and method.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 from pathlib import Path
 from unittest import mock
 
@@ -12,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from dtypes import ALL_DTYPES
+from harness import peak_extra_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -187,31 +186,11 @@ def test_structure_digest_sees_names_kinds_shapes_and_dtypes() -> None:
     assert len({s, structure_digest(renamed), structure_digest(reshaped), structure_digest(retyped)}) == 4
 
 
-def _rss_peak_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise KeyError("VmHWM")
-
-
-def _rss_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise KeyError("VmRSS")
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 def test_hashing_a_contiguous_model_copies_nothing() -> None:
     tensors = [torch.ones(8 << 20, dtype=torch.float32) for _ in range(3)]  # 96 MB, 12 leaves
     digest_tensors(tensors)  # warm: pool threads, lazy imports
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
+    extra = peak_extra_bytes(lambda: digest_tensors(tensors))
+    if extra is None:
         pytest.skip("cannot reset the peak RSS here")
-    before = _rss_kb()
-    digest_tensors(tensors)
-    extra = (_rss_peak_kb() - before) * 1024
     assert extra < 0.05 * sum(t.nbytes for t in tensors), f"{extra} bytes extra"
