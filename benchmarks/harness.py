@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,63 +23,19 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python benchmarks/x.py` from a checkout
     sys.path.insert(0, str(ROOT))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
-        )
-        q.put(("ok", rank, fn(rank, world, *args)))
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent
-        q.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-        q.close()
-        q.join_thread()  # the result is sent by a feeder thread: let it finish before exiting
-        os._exit(0)
+if str(ROOT / "tests") not in sys.path:  # the forked-ranks launcher lives with the tests
+    sys.path.insert(1, str(ROOT / "tests"))
 
 
 def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1800) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; return each rank's result."""
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world and time.monotonic() < deadline:
-            try:
-                status, rank, payload = q.get(timeout=1.0)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs):
-                    break
-                continue
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if len(results) < world:
-        raise RuntimeError(f"ranks {sorted(set(range(world)) - set(results))} did not finish")
-    return [results[r] for r in range(world)]
+    """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; return each rank's result.
+
+    The tests' launcher (``tests/ranks.py``) with a long process-group timeout: a baseline's barrier
+    may wait minutes for the slowest rank on a 400M model.
+    """
+    from ranks import run_ranks
+
+    return run_ranks(fn, world, *args, timeout=timeout, pg_timeout_s=600)
 
 
 def own_copy(module: torch.nn.Module) -> torch.nn.Module:

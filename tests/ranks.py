@@ -38,7 +38,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict, pg_timeout_s: float
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -49,7 +51,7 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, arg
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=60),
+            timeout=timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world, *args, **kwargs)
         q.put(("ok", rank, out))
@@ -76,6 +78,7 @@ def run_ranks(
     timeout: float = 90,
     expect_errors: bool = False,
     may_die: Collection[int] = (),
+    pg_timeout_s: float = 60,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` forked gloo ranks; return each rank's result.
@@ -83,11 +86,15 @@ def run_ranks(
     With ``expect_errors`` a raising rank yields a ``RankFailed`` in its slot instead of failing the test.
     A rank in ``may_die`` that exits without reporting (killed on purpose) yields a ``RankDied``.
     Any other rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
+    ``pg_timeout_s`` is the process group's own timeout (benchmarks of large models need more).
     """
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, q, args, kwargs), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world, port, q, args, kwargs, pg_timeout_s), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
