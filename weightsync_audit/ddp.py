@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from weightsync_audit.result import brief_names
+
 __all__ = [
     "TrainableChange",
     "ddp_settings",
@@ -127,15 +129,10 @@ class TrainableChange:
     def describe(self) -> str:
         parts = []
         if self.joined:
-            parts.append(f"joined: {_short(self.joined)}")
+            parts.append(f"joined: {brief_names(self.joined, 8)}")
         if self.left:
-            parts.append(f"left: {_short(self.left)}")
+            parts.append(f"left: {brief_names(self.left, 8)}")
         return "; ".join(parts) or "no change"
-
-
-def _short(names: tuple[str, ...] | list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def trainable_change(ddp: DistributedDataParallel, synced: frozenset[str] | None = None) -> TrainableChange:
@@ -340,7 +337,7 @@ def reduce_grads_by_hand(ddp: DistributedDataParallel, change: TrainableChange, 
                 "gradient_as_bucket_view=True; the gradients are averaged so replicas stay in sync, but this "
                 "step's update of parameters sharing their buckets may be scaled. Freeze before the forward "
                 "(e.g. in on_train_epoch_start) to avoid it.",
-                _short(change.left),
+                brief_names(change.left, 8),
             )
     device = pick[0][1].device
     dtypes = {p.dtype for _, p in pick}

@@ -32,10 +32,9 @@ class WeightDivergenceError(WeightSyncAuditError, RuntimeError):
     def __init__(self, result: AuditResult, message: str | None = None) -> None:
         self.result = result
         if message is None:
-            names = ", ".join(m.name for m in result.mismatches[:5])
-            more = len(result.mismatches) - 5
-            if more > 0:
-                names += f" and {more} more"
+            from weightsync_audit.result import brief_names  # result imports errors: import late
+
+            names = brief_names((m.name for m in result.mismatches), 5)
             message = (
                 f"weights diverged across ranks at step {result.step}: "
                 f"{len(result.mismatches)} tensor(s) differ ({names})"

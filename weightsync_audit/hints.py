@@ -13,7 +13,7 @@ from typing import Sequence
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.ddp import _FLAGS_ATTR, synced_parameter_names
-from weightsync_audit.result import Mismatch
+from weightsync_audit.result import Mismatch, brief_names
 
 __all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain"]
 
@@ -24,16 +24,10 @@ _FIX = (
 )
 
 
-def _names(names: Sequence[str], limit: int = 6) -> str:
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
-
-
 def ddp_unsynced_hint(unsynced: Sequence[str]) -> str:
     """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer."""
     return (
-        f"{_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
+        f"{brief_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
         "gradients: they became trainable after DDP wrapped the model (DDP builds its gradient reducer "
         "once, over the parameters that required grad then; BackboneFinetuning's unfreeze is one way), so "
         f"each rank steps them with its own local gradient. {_FIX}"
@@ -43,7 +37,7 @@ def ddp_unsynced_hint(unsynced: Sequence[str]) -> str:
 def ddp_frozen_hint(left: Sequence[str]) -> str:
     """Parameters frozen after the wrap: DDP's reducer still waits for their gradients."""
     return (
-        f"{_names(left)} were frozen after DistributedDataParallel wrapped the model; its reducer still "
+        f"{brief_names(left)} were frozen after DistributedDataParallel wrapped the model; its reducer still "
         "expects their gradients, so the bucket holding them is never all-reduced (without "
         "find_unused_parameters=True the next forward fails with 'Expected to have finished reduction "
         f"in the prior iteration'). {_FIX}"
@@ -108,7 +102,7 @@ def explain(
         skipped = [n for n in params + grads if n in ignored and n not in explained]
         if skipped:
             hints.append(
-                f"{_names(skipped)} are in DistributedDataParallel's parameters_to_ignore "
+                f"{brief_names(skipped)} are in DistributedDataParallel's parameters_to_ignore "
                 "(module._ddp_params_and_buffers_to_ignore): DDP neither broadcasts them nor all-reduces "
                 "their gradients, so each rank trains its own copy. Remove them from the list, or reduce "
                 "them yourself, if they should agree."
@@ -117,7 +111,7 @@ def explain(
 
     if "structure" in by_kind:
         hints.append(
-            f"The model or optimizer differs in structure between ranks ({_names([m.name for m in by_kind['structure']])}: "
+            f"The model or optimizer differs in structure between ranks ({brief_names([m.name for m in by_kind['structure']])}: "
             "a tensor missing, or another shape or dtype): likely the ranks built different models "
             "(per-rank configuration), or a checkpoint or optimizer state was loaded on some ranks only."
         )
@@ -126,14 +120,14 @@ def explain(
         names = [m.name for m in by_kind["buffer"]]
         if ddp is not None and not getattr(ddp, "broadcast_buffers", True):
             hints.append(
-                f"Buffers {_names(names)} differ and DistributedDataParallel runs with "
+                f"Buffers {brief_names(names)} differ and DistributedDataParallel runs with "
                 "broadcast_buffers=False, so each rank's own batches update them (BatchNorm running "
                 "statistics, most likely). Use broadcast_buffers=True or SyncBatchNorm if they should agree; "
                 "exclude them if per-rank statistics are intended."
             )
         else:
             hints.append(
-                f"Buffers {_names(names)} differ: likely statistics updated from each rank's local data "
+                f"Buffers {brief_names(names)} differ: likely statistics updated from each rank's local data "
                 "(BatchNorm running stats without buffer broadcast or SyncBatchNorm, an EMA or target network "
                 "updated locally), or a buffer set differently per rank."
             )
@@ -143,14 +137,14 @@ def explain(
         lrs = [m.name for m in opt if m.name.rsplit(".", 1)[-1] in ("lr", "initial_lr")]
         if lrs:
             hints.append(
-                f"The learning rate differs ({_names(lrs)}) while the parameters still agree: likely a "
+                f"The learning rate differs ({brief_names(lrs)}) while the parameters still agree: likely a "
                 "scheduler stepped a different number of times on some ranks, or was built per rank. The "
                 "parameters will diverge at the next optimizer step."
             )
         if len(lrs) < len(opt):
             others = [m.name for m in opt if m.name not in set(lrs)]
             hints.append(
-                f"Optimizer state differs ({_names(others)}) while the parameters still agree: likely the "
+                f"Optimizer state differs ({brief_names(others)}) while the parameters still agree: likely the "
                 "optimizer state was loaded or reset on some ranks only (a checkpoint loaded on one rank), or "
                 "a step was skipped on some ranks (e.g. a GradScaler that saw inf on one rank only). The "
                 "parameters will diverge at the next optimizer step."
@@ -159,7 +153,7 @@ def explain(
     rest_grads = [n for n in grads if n not in explained]
     if rest_grads:
         hints.append(
-            f"Gradients differ ({_names(rest_grads)}) at the optimizer step: likely they are not "
+            f"Gradients differ ({brief_names(rest_grads)}) at the optimizer step: likely they are not "
             "all-reduced (no DistributedDataParallel wrapper, no_sync() without a final synced backward, "
             "or a manual reduction that skips them)."
         )
@@ -170,19 +164,19 @@ def explain(
         frozen = [n for n in rest if n in named and not named[n].requires_grad]
         if frozen:
             hints.append(
-                f"{_names(frozen)} differ but do not require grad, so no optimizer step moved them: likely "
+                f"{brief_names(frozen)} differ but do not require grad, so no optimizer step moved them: likely "
                 "they were loaded, initialised or edited on some ranks only after DDP's broadcast at wrap time."
             )
             rest = [n for n in rest if n not in set(frozen)]
     if rest and grads_checked and not grads:
         hints.append(
-            f"Gradients agree but parameters differ ({_names(rest)}): likely the parameters were already "
+            f"Gradients agree but parameters differ ({brief_names(rest)}): likely the parameters were already "
             "different before this step (loaded or initialised on some ranks only) or the optimizer "
             "step differs (its state or learning rate)."
         )
     elif rest and not rest_grads:
         hints.append(
-            f"Parameters {_names(rest)} differ: likely their gradients are not all-reduced (trainable set "
+            f"Parameters {brief_names(rest)} differ: likely their gradients are not all-reduced (trainable set "
             "changed after the DDP wrap, no_sync() misuse, a custom loop without DDP), they were loaded or "
             "initialised on some ranks only, or non-deterministic updates (EMA from local data)."
         )

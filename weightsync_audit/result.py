@@ -13,12 +13,23 @@ from typing import Any, Iterable, Mapping
 
 from weightsync_audit.errors import ReportFormatError
 
-__all__ = ["SCHEMA", "ACTIONS", "MISMATCH_KINDS", "Mismatch", "AuditResult"]
+__all__ = ["SCHEMA", "ACTIONS", "MISMATCH_KINDS", "Mismatch", "AuditResult", "brief_names"]
 
 SCHEMA = "weightsync-audit/1"
 ACTIONS = ("none", "warned", "raised", "resynced")
 MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
 _CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
+
+
+def brief_names(names: Iterable[str], limit: int = 6) -> str:
+    """The first ``limit`` names, then how many more: how every message lists tensors.
+
+    >>> brief_names(["a", "b", "c"], limit=2)
+    'a, b and 1 more'
+    """
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _now() -> str:

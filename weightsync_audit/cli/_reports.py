@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap
-from weightsync_audit.result import AuditResult
+from weightsync_audit.result import AuditResult, brief_names
 
 
 def _errors(console: Console, summary: ReportSummary) -> None:
@@ -118,7 +118,7 @@ def _timeline_table(summary: ReportSummary) -> Table:
         table.add_column(col, **kw)
     for seg in summary.segments():
         state = Text("in sync", style="green") if seg.in_sync else Text("DIVERGED", style="bold red")
-        names = ", ".join(seg.names[:6]) + (f" and {len(seg.names) - 6} more" if len(seg.names) > 6 else "")
+        names = brief_names(seg.names, 6)
         table.add_row(seg.steps(), seg.epochs(), str(seg.audits), state, escape(names) or "-", fmt_gap(seg.max_gap))
     return table
 
