@@ -272,3 +272,17 @@ def test_a_rank_that_cannot_prepare_its_audit_makes_every_rank_raise_at_once_not
     assert out[2].startswith("own:") and "'lazy'" in out[2] and "meta" in out[2]
     for r in (0, 1, 3):
         assert out[r].startswith("peer:") and "rank 2" in out[r] and "'lazy'" in out[r]
+
+
+def _resync_extra_state(rank: int, world: int) -> tuple[bool, int]:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters())
+    if rank == 1:  # only a non-source rank has stepped: its optimizer state must go
+        model(torch.ones(1, 8)).sum().backward()
+        opt.step()
+    resync(model, opt, src=0)
+    return audit(model, opt).in_sync, len(opt.state)
+
+
+def test_resync_drops_optimizer_state_the_source_does_not_have() -> None:
+    assert run_ranks(_resync_extra_state, 2) == [(True, 0), (True, 0)]

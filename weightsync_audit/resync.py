@@ -201,18 +201,22 @@ def _install_state(
     from weightsync_audit.manifest import unwrap_module
 
     user = unwrap_module(module) if module is not None else None
-    by_name = {n: p for n, p in user.named_parameters()} if user is not None else {}
-    params_by_id = {id(p): p for opt in optimizers for g in opt.param_groups for p in g["params"]}
-    names_in_opt = {n: p for n, p in by_name.items() if id(p) in params_by_id}
+    # Look-ups by identity, built once: this path may run over thousands of parameters.
+    optimizer_of = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
+    names_in_opt = {n: p for n, p in user.named_parameters() if id(p) in optimizer_of} if user is not None else {}
+    name_of = {id(p): n for n, p in names_in_opt.items()}
+    keep: dict[str, set[str]] = {}
+    for full in src_state:
+        pname, _, key = full.rpartition(".")
+        keep.setdefault(pname, set()).add(key)
     # Drop state the source does not have, then install the source's.
     for opt in optimizers:
         for p in list(opt.state):
-            pname = next((n for n, q in names_in_opt.items() if q is p), None)
+            pname = name_of.get(id(p))
             if pname is None:
                 continue
-            keep = {k.removeprefix(pname + ".") for k in src_state if k.startswith(pname + ".")}
             for key in list(opt.state[p]):
-                if str(key) not in keep:
+                if str(key) not in keep.get(pname, ()):
                     del opt.state[p][key]
             if not opt.state[p]:
                 del opt.state[p]
@@ -221,7 +225,7 @@ def _install_state(
         p = names_in_opt.get(pname)
         if p is None:
             raise ValueError(f"cannot resync optimizer state {full!r}: no parameter {pname!r} in this rank's optimizer")
-        opt = next(o for o in optimizers if any(q is p for g in o.param_groups for q in g["params"]))
+        opt = optimizer_of[id(p)]
         if "t" in spec:
             dtype_name, shape, hexed = spec["t"]
             dtype = getattr(torch, dtype_name)
