@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightsync_audit.digest import CHUNK, _raw
+from weightsync_audit.engine.hostbytes import CHUNK, host_view
 
 
 def seed_check(model: nn.Module) -> bool:
@@ -58,7 +58,7 @@ class MemoryCopy:
     def __init__(self, model: nn.Module, threads: int) -> None:
         self.jobs: list[tuple[np.ndarray, np.ndarray]] = []
         for p in model.parameters():
-            src = np.frombuffer(_raw(p.data), dtype=np.uint8)
+            src = np.frombuffer(host_view(p.data), dtype=np.uint8)
             dst = np.ones_like(src)  # touched now, so the timed copies pay no page faults
             for a in range(0, src.size, CHUNK):
                 self.jobs.append((src[a : a + CHUNK], dst[a : a + CHUNK]))

@@ -36,7 +36,7 @@ from harness import launch, machine, median, own_copy, peak_extra_bytes, table, 
 from models import SPECS, build, count, nbytes
 
 from weightsync_audit import Auditor
-from weightsync_audit.digest import _workers
+from weightsync_audit.engine.digest import workers
 
 _MODEL: torch.nn.Module | None = None  # built in the parent, inherited by the forked ranks
 
@@ -87,10 +87,10 @@ def _rank(rank: int, world: int, reps: int, methods: list[str]) -> dict[str, Any
         "seed": lambda: seed_check(model),
         "megatron": lambda: megatron_check(model),
     }
-    out: dict[str, Any] = {"threads": _workers()}
+    out: dict[str, Any] = {"threads": workers()}
     for name in methods:
         if name == "memcpy":
-            fn: Callable[[], Any] = MemoryCopy(model, _workers())
+            fn: Callable[[], Any] = MemoryCopy(model, workers())
         else:
             fn = fns[name]
         try:
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--methods", default="audit,1/8,seed,megatron,memcpy")
     p.add_argument("--json", type=Path, help="write the raw figures here")
     args = p.parse_args(argv)
-    print(f"# {machine()}; digest threads per rank: {_workers()}", flush=True)
+    print(f"# {machine()}; digest threads per rank: {workers()}", flush=True)
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.reps, args.methods.split(","))
     print()
     print(render(rows))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from weightsync_audit.report import read_report
+from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.scenarios.lightning_20340 import RandomDataset
 
 

@@ -59,7 +59,7 @@ def _entry(
         q.put(("err", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
         try:
-            from weightsync_audit.comm import forget_groups
+            from weightsync_audit.channel.star import forget_groups
 
             forget_groups()
             dist.destroy_process_group()

@@ -17,7 +17,7 @@ import torch
 
 from weightsync_audit import AuditResult, Mismatch
 from weightsync_audit.cli import main
-from weightsync_audit.report import ReportWriter
+from weightsync_audit.reporting.jsonl import ReportWriter
 
 BIN = Path(sys.executable).with_name("weightsync-audit")
 

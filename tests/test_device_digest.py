@@ -17,8 +17,10 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor
-from weightsync_audit import digest as D
-from weightsync_audit.digest import device_digests, digest_tensor, digest_tensors
+from weightsync_audit.engine import device_digest as D
+from weightsync_audit.engine.device_digest import device_digests
+from weightsync_audit.engine.digest import digest_tensor, digest_tensors
+from weightsync_audit.engine.hostbytes import host_bytes
 
 _M64 = (1 << 64) - 1
 _G = 0x9E3779B97F4A7C15
@@ -44,7 +46,7 @@ def reference(data: bytes) -> int:
 
 
 def logical(t: torch.Tensor) -> bytes:
-    return bytes(D._as_bytes(t).tolist())
+    return host_bytes(t)
 
 
 def rand_bytes(n: int, seed: int = 0) -> torch.Tensor:

@@ -14,16 +14,17 @@ from harness import peak_extra_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync_audit import digest as D
-from weightsync_audit.digest import (
-    CHUNK,
+from weightsync_audit.engine import digest as D
+from weightsync_audit.engine import sampling
+from weightsync_audit.engine.digest import (
     digest_entries,
     digest_tensor,
     digest_tensors,
     overall_digest,
     structure_digest,
 )
-from weightsync_audit.manifest import build_manifest
+from weightsync_audit.engine.hostbytes import CHUNK, host_bytes
+from weightsync_audit.engine.manifest import build_manifest
 
 METHODS = ("xxh3", "device")
 
@@ -54,7 +55,7 @@ def strided_twin(t: torch.Tensor) -> torch.Tensor:
 
 
 def logical_bytes(t: torch.Tensor) -> list[int]:
-    return D._as_bytes(t).tolist()
+    return list(host_bytes(t))
 
 
 def flip_bit(t: torch.Tensor, byte: int, bit: int) -> torch.Tensor:
@@ -134,13 +135,13 @@ def test_leaf_boundaries_never_depend_on_layout(
     # A tiny CHUNK puts leaf boundaries inside rows and elements, where a layout bug would show.
     t = sample(shape, dtype, seed)
     twin = strided_twin(t)
-    with mock.patch.object(D, "CHUNK", leaf), mock.patch.object(D, "SMALL", 0):
+    with mock.patch.object(D, "CHUNK", leaf), mock.patch.object(D, "SMALL", 0), mock.patch.object(sampling, "SMALL", 0):
         assert digest_tensor(twin, method="xxh3") == digest_tensor(t, method="xxh3")
         assert digest_tensor(twin, method="device") == digest_tensor(t, method="device")
 
 
 def test_a_tree_hash_is_not_a_plain_hash_and_leaves_are_ordered() -> None:
-    with mock.patch.object(D, "CHUNK", 16), mock.patch.object(D, "SMALL", 0):
+    with mock.patch.object(D, "CHUNK", 16), mock.patch.object(D, "SMALL", 0), mock.patch.object(sampling, "SMALL", 0):
         a = torch.arange(8, dtype=torch.int32)  # 32 bytes: two leaves
         b = torch.cat([a[4:], a[:4]])  # the leaves swapped
         assert digest_tensor(a) != digest_tensor(b)

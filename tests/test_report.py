@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from weightsync_audit import AuditResult
-from weightsync_audit.report import ReportWriter, read_report
+from weightsync_audit.reporting.jsonl import ReportWriter, read_report
 
 
 def test_records_are_appended_and_readable_after_each_write(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from ranks import RankDied, run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditTimeoutError, audit
-from weightsync_audit.comm import DEFAULT_GRACE_S
+from weightsync_audit.channel.star import DEFAULT_GRACE_S
 
 DEADLINE_S = 3.0
 SLACK_S = 3.0

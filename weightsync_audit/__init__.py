@@ -13,10 +13,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from weightsync_audit.ddp.inspect import maybe_rewrap, rewrap_ddp
+
 # `resync` is both a submodule and a function: importing the function eagerly keeps the package
 # attribute bound to the function (a lazy import would let the submodule shadow it).
-from weightsync_audit.auditor import AuditConfig, AuditHistory, Auditor, audit
-from weightsync_audit.ddp import maybe_rewrap, rewrap_ddp
+from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
+from weightsync_audit.engine.resync import resync
 from weightsync_audit.errors import (
     AuditOutOfStepError,
     AuditPreparationError,
@@ -27,19 +29,18 @@ from weightsync_audit.errors import (
     WeightSyncAuditError,
     WeightSyncWarning,
 )
-from weightsync_audit.result import SCHEMA, AuditResult, Mismatch
-from weightsync_audit.resync import resync
+from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
 
 if TYPE_CHECKING:
-    from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+    from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
 
 __version__ = "0.1.0"
 
 _LAZY = {
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
-    # weightsync_audit.lightning.lightning_pytorch.
-    "WeightSyncAudit": "weightsync_audit.lightning.pytorch_lightning",
-    "DDPRewrapOnTrainableChange": "weightsync_audit.lightning.pytorch_lightning",
+    # weightsync_audit.integrations.lightning.lightning_pytorch.
+    "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
+    "DDPRewrapOnTrainableChange": "weightsync_audit.integrations.lightning.pytorch_lightning",
 }
 
 __all__ = [

@@ -1,11 +1,8 @@
-"""Every exception the library raises, in one flat module."""
+"""Every exception the library raises, in one flat module that imports nothing of the package."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
-
-if TYPE_CHECKING:
-    from weightsync_audit.result import AuditResult
+from typing import Any, Sequence
 
 __all__ = [
     "WeightSyncAuditError",
@@ -26,21 +23,14 @@ class WeightSyncAuditError(Exception):
 class WeightDivergenceError(WeightSyncAuditError, RuntimeError):
     """Replicas hold different weights; raised on every rank at the same point.
 
-    ``.result`` is the :class:`~weightsync_audit.AuditResult` that found it.
+    ``.result`` is the :class:`~weightsync_audit.AuditResult` that found it (typed ``Any`` here so that
+    this module imports nothing of the package).
     """
 
-    def __init__(self, result: AuditResult, message: str | None = None) -> None:
+    def __init__(self, result: Any, message: str | None = None) -> None:
         self.result = result
         if message is None:
-            from weightsync_audit.result import brief_names  # result imports errors: import late
-
-            names = brief_names((m.name for m in result.mismatches), 5)
-            message = (
-                f"weights diverged across ranks at step {result.step}: "
-                f"{len(result.mismatches)} tensor(s) differ ({names})"
-            )
-            if result.hints:
-                message += "\nhint: " + "\nhint: ".join(result.hints)
+            message = result.divergence_message()
         super().__init__(message)
 
 

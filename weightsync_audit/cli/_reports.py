@@ -11,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap
-from weightsync_audit.result import AuditResult, brief_names
+from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.text import brief_names
 
 
 def _errors(console: Console, summary: ReportSummary) -> None:
@@ -193,7 +194,7 @@ def cmd_show(
         console.print(Text("no audit records", style="bold red"))
     _errors(console, summary)
     if plot is not None and summary.records:
-        from weightsync_audit.plot import PlotUnavailableError, plot_report
+        from weightsync_audit.reporting.plot import PlotUnavailableError, plot_report
 
         try:
             out = plot_report(summary.results, plot, by=by)

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from weightsync_audit.errors import ReportFormatError
-from weightsync_audit.render import layer_of
-from weightsync_audit.report import read_report
-from weightsync_audit.result import AuditResult, Mismatch
+from weightsync_audit.reporting.jsonl import read_report
+from weightsync_audit.reporting.record import AuditResult, Mismatch
+from weightsync_audit.text import layer_of
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
@@ -149,7 +149,7 @@ class ReportSummary:
         for r in self.results:
             seen: set[str] = set()
             for m in r.mismatches:
-                layer = layer_of(m)
+                layer = layer_of(m.name, m.kind)
                 row = rows.setdefault(layer, LayerRow(layer))
                 row.tensors.setdefault(m.name, None)
                 row.kinds.setdefault(m.kind, None)

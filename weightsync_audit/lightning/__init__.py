@@ -1,5 +1,5 @@
-"""Lightning adapters: one callback class per namespace over a shared, Lightning-free mixin.
+"""The import path Lightning users write: ``weightsync_audit.lightning.pytorch_lightning`` for
+``import pytorch_lightning`` and ``weightsync_audit.lightning.lightning_pytorch`` for ``import lightning.pytorch``.
 
-``weightsync_audit.lightning.pytorch_lightning`` serves ``import pytorch_lightning``;
-``weightsync_audit.lightning.lightning_pytorch`` serves ``import lightning.pytorch``.
+The callbacks themselves live in :mod:`weightsync_audit.integrations.lightning`.
 """

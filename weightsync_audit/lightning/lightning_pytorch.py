@@ -1,18 +1,5 @@
-"""The callbacks for ``import lightning.pytorch as pl``."""
+"""``WeightSyncAudit`` and ``DDPRewrapOnTrainableChange`` for ``import lightning.pytorch`` (defined in :mod:`weightsync_audit.integrations.lightning.lightning_pytorch`)."""
 
-from __future__ import annotations
-
-from lightning.pytorch import Callback
-
-from weightsync_audit.lightning._audit_callback import WeightSyncAuditMixin
-from weightsync_audit.lightning._rewrap_callback import DDPRewrapMixin
+from weightsync_audit.integrations.lightning.lightning_pytorch import DDPRewrapOnTrainableChange, WeightSyncAudit
 
 __all__ = ["DDPRewrapOnTrainableChange", "WeightSyncAudit"]
-
-
-class WeightSyncAudit(WeightSyncAuditMixin, Callback):
-    __doc__ = WeightSyncAuditMixin.__doc__
-
-
-class DDPRewrapOnTrainableChange(DDPRewrapMixin, Callback):
-    __doc__ = DDPRewrapMixin.__doc__

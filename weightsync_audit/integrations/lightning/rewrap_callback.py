@@ -34,7 +34,8 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.ddp import (
+from weightsync_audit.compat import lightning_ddp_factory, lightning_reset_static_graph
+from weightsync_audit.ddp.inspect import (
     TrainableChange,
     covered_flags,
     find_ddp,
@@ -172,13 +173,11 @@ class DDPRewrapMixin:
 
     def _rewrap(self, trainer: Any, old: DistributedDataParallel) -> None:
         strategy = trainer.strategy
-        build = getattr(strategy, "_setup_model", None)
+        build = lightning_ddp_factory(strategy)
         # The strategy's own factory keeps its DDP kwargs, device ids and CUDA stream; rewrap_ddp
         # replays the old wrapper's comm hooks (the strategy's and any the user registered).
-        new = rewrap_ddp(old, build=build if callable(build) else None)
+        new = rewrap_ddp(old, build=build)
         strategy.model = new
         self._ddp_ref = weakref.ref(new)
         self._flags = covered_flags(new)  # recorded by rewrap_ddp at construction
-        if hasattr(strategy, "_pl_static_graph_delay_done"):
-            # Lightning's one-time static-graph flush (manual optimisation) is per wrapper.
-            strategy._pl_static_graph_delay_done = False
+        lightning_reset_static_graph(strategy)  # its one-time static-graph flush is per wrapper

@@ -1,35 +1,55 @@
-"""How a result looks in a terminal: rich renderables, never prints inside the engine."""
+"""How a result looks in a terminal: rich renderables, never prints inside the engine.
+
+It draws anything shaped like a record (the protocols below), so the record can draw itself through it
+(``console.print(result)``) without the two modules importing each other.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator, Protocol, Sequence
 
 from rich.console import Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from weightsync_audit.result import AuditResult, Mismatch
+from weightsync_audit.text import layer_of
 
-__all__ = ["layer_of", "render_result", "mismatch_table"]
+__all__ = ["MismatchLike", "ResultLike", "mismatch_table", "render_group", "render_result"]
 
 
-def layer_of(m: Mismatch) -> str:
-    """The module a tensor belongs to: ``backbone`` for ``backbone.weight`` and its optimizer state."""
-    name = m.name
-    if m.kind == "optimizer":
-        if name.startswith("param_groups.") or ".param_groups." in name:
-            return name.rsplit(".", 1)[0]
-        name = name.rsplit(".", 1)[0]  # drop the state key
-    return name.rsplit(".", 1)[0] if "." in name else "(root)"
+class MismatchLike(Protocol):
+    """What a table row shows of a :class:`~weightsync_audit.Mismatch`."""
+
+    name: str
+    kind: str
+    ranks: list[int]
+    reference_ranks: list[int]
+    shape: list[int] | None
+    dtype: str | None
+    max_abs_diff: float | None
+    detail: str | None
+
+
+class ResultLike(Protocol):
+    """What the rendering shows of an :class:`~weightsync_audit.AuditResult`."""
+
+    in_sync: bool
+    last_in_sync_step: int | None
+    hints: list[str]
+    notes: list[str]
+
+    @property
+    def mismatches(self) -> Sequence[MismatchLike]: ...
+
+    def summary(self) -> str: ...
 
 
 def _fmt_diff(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def mismatch_table(mismatches: list[Mismatch], title: str | None = None) -> Table:
+def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
     """A table of mismatches grouped by layer."""
     table = Table(title=title, show_lines=False, header_style="bold")
     for col, kw in (
@@ -43,9 +63,9 @@ def mismatch_table(mismatches: list[Mismatch], title: str | None = None) -> Tabl
         ("max |diff|", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
-    by_layer: dict[str, list[Mismatch]] = {}
+    by_layer: dict[str, list[MismatchLike]] = {}
     for m in mismatches:
-        by_layer.setdefault(layer_of(m), []).append(m)
+        by_layer.setdefault(layer_of(m.name, m.kind), []).append(m)
     for layer, ms in by_layer.items():
         for i, m in enumerate(ms):
             short = m.name[len(layer) + 1 :] if m.name.startswith(layer + ".") else m.name
@@ -64,7 +84,7 @@ def mismatch_table(mismatches: list[Mismatch], title: str | None = None) -> Tabl
     return table
 
 
-def render_result(result: AuditResult) -> Iterator[RenderableType]:
+def render_result(result: ResultLike) -> Iterator[RenderableType]:
     style = "bold green" if result.in_sync else "bold red"
     yield Text("weightsync audit: " + result.summary(), style=style)
     if result.last_in_sync_step is not None and not result.in_sync:
@@ -77,5 +97,5 @@ def render_result(result: AuditResult) -> Iterator[RenderableType]:
         yield Text("note: " + note, style="dim")
 
 
-def render_group(result: AuditResult) -> Group:
+def render_group(result: ResultLike) -> Group:
     return Group(*render_result(result))

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from weightsync_audit.errors import ReportFormatError
-from weightsync_audit.result import AuditResult
+from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["ReportWriter", "ReportContents", "read_report", "check_report_path"]
 

@@ -12,11 +12,12 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
+from weightsync_audit.text import fmt_ranks
+
 __all__ = [
     "PROTOCOL",
     "PROTOCOL_FAILED",
     "SUMMARY_FIELDS",
-    "Position",
     "SummaryVerdict",
     "majority",
     "judge_summaries",
@@ -36,25 +37,6 @@ SUMMARY_FIELDS = ("protocol", "step", "epoch", "count", "structure", "overall", 
 """The fixed-size summary each rank contributes: 8 int64 words, 64 bytes."""
 
 _POSITION_FIELDS = ("protocol", "step", "epoch", "config", "slice")
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """Where a rank is when it audits; ranks must agree on all of it."""
-
-    step: int | None
-    epoch: int | None
-    hook: str | None
-    config: str
-
-    def describe(self) -> str:
-        parts = [f"step {self.step}" if self.step is not None else "no step"]
-        if self.epoch is not None:
-            parts.append(f"epoch {self.epoch}")
-        if self.hook:
-            parts.append(f"hook {self.hook}")
-        parts.append(self.config)
-        return ", ".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +118,6 @@ def compare_digest_table(uids: Sequence[str], table: np.ndarray) -> list[ValueDi
     return out
 
 
-def _fmt_ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
-
-
 def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
     """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``.
 
@@ -169,16 +147,16 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
             parts = []
             for sig, ranks in groups.items():
                 if sig is None:
-                    parts.append(f"missing on {_fmt_ranks(ranks)}")
+                    parts.append(f"missing on {fmt_ranks(ranks)}")
                 elif ref_sig is None:
-                    parts.append(f"present only on {_fmt_ranks(ranks)} ({sig[0]}, shape {list(sig[1])})")
+                    parts.append(f"present only on {fmt_ranks(ranks)} ({sig[0]}, shape {list(sig[1])})")
                 else:
                     what = []
                     if sig[0] != ref_sig[0]:
                         what.append(f"dtype {sig[0]} instead of {ref_sig[0]}")
                     if sig[1] != ref_sig[1]:
                         what.append(f"shape {list(sig[1])} instead of {list(ref_sig[1])}")
-                    parts.append(f"{' and '.join(what)} on {_fmt_ranks(ranks)}")
+                    parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
             structure.append(
                 StructureDiff(
                     uid,

@@ -15,14 +15,14 @@ import time
 import warnings
 from typing import Any, Literal, Optional, Sequence
 
-from weightsync_audit.auditor import AuditHistory, Auditor, parse_coverage
-from weightsync_audit.ddp import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
+from weightsync_audit.ddp.hints import ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.ddp.inspect import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
+from weightsync_audit.engine.auditor import AuditHistory, Auditor, parse_coverage
+from weightsync_audit.engine.manifest import check_include
+from weightsync_audit.engine.resync import resync
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
-from weightsync_audit.hints import ddp_frozen_hint, ddp_unsynced_hint
-from weightsync_audit.manifest import check_include
-from weightsync_audit.report import ReportWriter, check_report_path
-from weightsync_audit.result import AuditResult
-from weightsync_audit.resync import resync
+from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
+from weightsync_audit.reporting.record import AuditResult
 
 log = logging.getLogger("weightsync_audit")
 

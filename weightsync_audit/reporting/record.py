@@ -12,24 +12,14 @@ from datetime import datetime, timezone
 from typing import Any, Iterable, Mapping
 
 from weightsync_audit.errors import ReportFormatError
+from weightsync_audit.text import brief_names
 
-__all__ = ["SCHEMA", "ACTIONS", "MISMATCH_KINDS", "Mismatch", "AuditResult", "brief_names"]
+__all__ = ["SCHEMA", "ACTIONS", "MISMATCH_KINDS", "Mismatch", "AuditResult"]
 
 SCHEMA = "weightsync-audit/1"
 ACTIONS = ("none", "warned", "raised", "resynced")
 MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
 _CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
-
-
-def brief_names(names: Iterable[str], limit: int = 6) -> str:
-    """The first ``limit`` names, then how many more: how every message lists tensors.
-
-    >>> brief_names(["a", "b", "c"], limit=2)
-    'a, b and 1 more'
-    """
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _now() -> str:
@@ -127,9 +117,6 @@ class AuditResult:
     def diverged_names(self) -> list[str]:
         return [m.name for m in self.mismatches]
 
-    def by_kind(self, kind: str) -> list[Mismatch]:
-        return [m for m in self.mismatches if m.kind == kind]
-
     def to_dict(self) -> dict[str, Any]:
         """The report record, exactly as the contract gives it (plus ``notes`` / ``coverage`` when set)."""
         d: dict[str, Any] = {
@@ -205,8 +192,18 @@ class AuditResult:
             f" (first: {self.mismatches[0].name})"
         )
 
+    def divergence_message(self) -> str:
+        """The message of the :class:`~weightsync_audit.WeightDivergenceError` this result raises."""
+        names = brief_names((m.name for m in self.mismatches), 5)
+        message = (
+            f"weights diverged across ranks at step {self.step}: {len(self.mismatches)} tensor(s) differ ({names})"
+        )
+        if self.hints:
+            message += "\nhint: " + "\nhint: ".join(self.hints)
+        return message
+
     def __rich_console__(self, console: Any, options: Any) -> Iterable[Any]:
-        from weightsync_audit.render import render_result
+        from weightsync_audit.reporting.render import render_result
 
         yield from render_result(self)
 

@@ -34,7 +34,6 @@ and is tested, in one process.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from datetime import timedelta
 from typing import Any, Sequence
@@ -42,11 +41,25 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
-import xxhash
 
+from weightsync_audit.channel.framing import (
+    INLINE_BYTES,
+    MAGIC,
+    MISSING,
+    OK,
+    OUT_OF_STEP,
+    REQ_WORDS,
+    WHAT_BYTES,
+    as_u8,
+    split_parts,
+    what_words,
+    words_text,
+)
+from weightsync_audit.channel.groups import AuditGroup, forget_groups, open_group
+from weightsync_audit.compat import is_timeout_text
 from weightsync_audit.errors import AuditOutOfStepError, AuditTimeoutError
 
-__all__ = ["Comm", "DEFAULT_GRACE_S", "forget_groups"]
+__all__ = ["DEFAULT_GRACE_S", "Comm", "forget_groups"]
 
 DEFAULT_GRACE_S = 5.0
 """Extra seconds a rank waits for the coordinator's answer beyond ``timeout_s``: the coordinator may
@@ -56,148 +69,8 @@ _NO_DEADLINE_S = 30 * 60.0
 _STORE_WAIT_S = 2.0
 """How long a rank whose gloo reply failed looks for the coordinator's verdict in the store."""
 
-_MAGIC = 0x5753_4146  # 'WSAF'
-_WHAT_BYTES = 48
-_INLINE_BYTES = 128
-_REQ_WORDS = 4 + _WHAT_BYTES // 8 + _INLINE_BYTES // 8  # magic, seq, what hash, nbytes, what, inline
 
-_OK, _MISSING, _OUT_OF_STEP = 0, 1, 2
-
-
-class _AuditGroup:
-    """A gloo process group for audit messages, shared by every Comm over the same ranks."""
-
-    def __init__(self, pg: Any, ranks: tuple[int, ...], store: Any) -> None:
-        self.pg = pg
-        self.ranks = ranks
-        self.store = store
-        """The job's store under a prefix unique to this group: where failure verdicts go."""
-        self.seq = 0
-        """Exchanges done so far; every rank counts the same, so it names an exchange across ranks."""
-        self.broken: str | None = None
-        self.broken_kind: type[Exception] = AuditTimeoutError
-        # Buffers of operations that failed stay referenced: gloo may still write into them.
-        self.graveyard: list[Any] = []
-        self.lock = threading.Lock()
-
-
-_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, _AuditGroup]] = {}
-_generations: dict[tuple[int, ...], int] = {}
-_failed_opens: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditTimeoutError]] = {}
-_groups_lock = threading.Lock()
-
-
-def _store_prefix(ranks: tuple[int, ...], generation: int) -> str:
-    return f"weightsync_audit/{'.'.join(map(str, ranks))}/{generation}"
-
-
-def _open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> _AuditGroup:
-    """Meet the other ranks in the store (deadline ``deadline_s``), then create the gloo group."""
-    default_pg = dist.distributed_c10d._get_default_group()
-    key = (id(default_pg), ranks)
-    with _groups_lock:
-        hit = _groups.get(key)
-        if hit is not None and hit[0] is default_pg:
-            return hit[1]
-        failed = _failed_opens.get(key)
-        if failed is not None and failed[0] is default_pg:
-            raise failed[1]
-        # Every rank opens the groups over the same ranks in the same order, so the generation (how
-        # many times this process opened one) names the same attempt on every rank.
-        generation = _generations.get(ranks, 0)
-        _generations[ranks] = generation + 1
-        store = dist.PrefixStore(_store_prefix(ranks, generation), dist.distributed_c10d._get_default_store())
-        try:
-            _meet(store, ranks, my_rank, deadline_s)
-            # Only the member ranks take part in creating the group (use_local_synchronization), so an
-            # audit over a subgroup never waits on ranks outside it.
-            pg = dist.new_group(
-                ranks=list(ranks),
-                backend="gloo",
-                timeout=timedelta(seconds=max(deadline_s, 1.0) + grace_s),
-                use_local_synchronization=True,
-            )
-        except AuditTimeoutError as exc:
-            _failed_opens[key] = (default_pg, exc)
-            raise
-        except Exception as exc:
-            err = AuditTimeoutError(
-                f"weightsync audit: could not open the audit channel among ranks {list(ranks)} "
-                f"(this is rank {ranks[my_rank]}): {exc}; a rank died or stopped while it was being set up"
-            )
-            _failed_opens[key] = (default_pg, err)
-            raise err from exc
-        group = _AuditGroup(pg, ranks, store)
-        _groups[key] = (default_pg, group)
-        return group
-
-
-def _meet(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -> None:
-    """Store-side rendezvous with a deadline: the last to arrive says 'ok', the first to give up says
-    who is missing, and whichever is written first is what every rank acts on."""
-    me = ranks[my_rank]
-    try:
-        store.set(f"arrived/{my_rank}", "1")
-        if store.add("count", 1) == len(ranks):
-            store.compare_set("decision", "", "ok")
-        try:
-            store.wait(["decision"], timedelta(seconds=deadline_s))
-            decision = store.get("decision").decode()
-        except Exception:  # noqa: BLE001 - DistStoreError on timeout
-            missing = [ranks[r] for r in range(len(ranks)) if not store.check([f"arrived/{r}"])]
-            decision = store.compare_set("decision", "", "missing " + json.dumps(missing)).decode()
-    except Exception as exc:
-        raise AuditTimeoutError(
-            f"weightsync audit: the job's store stopped answering while the ranks met to open the audit "
-            f"channel (this is rank {me}): {exc}; its host, usually global rank 0, died",
-            [0],
-        ) from exc
-    if decision == "ok":
-        return
-    missing = json.loads(decision.split(" ", 1)[1]) if decision.startswith("missing ") else []
-    if me in missing:
-        why = "this rank arrived after the others had given up waiting for it"
-    else:
-        why = "a rank is stuck, dead, or auditing at a different point"
-    raise AuditTimeoutError(
-        f"weightsync audit: rank(s) {missing} did not arrive at the first audit within {deadline_s:g}s "
-        f"(this is rank {me} of {len(ranks)}); {why}",
-        missing,
-    )
-
-
-def forget_groups() -> None:
-    """Drop cached audit groups (after ``destroy_process_group``); the next audit makes new ones."""
-    with _groups_lock:
-        for _, group in _groups.values():
-            try:
-                dist.destroy_process_group(group.pg)
-            except Exception:  # noqa: BLE001 - the default group may already be gone
-                pass
-        _groups.clear()
-        _failed_opens.clear()
-
-
-def _what_words(what: str) -> tuple[int, np.ndarray]:
-    raw = what.encode("utf-8", "replace")[:_WHAT_BYTES]
-    words = np.zeros(_WHAT_BYTES // 8, dtype=np.int64)
-    words.view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    return xxhash.xxh3_64_intdigest(what.encode("utf-8", "replace")) >> 1, words
-
-
-def _words_text(words: np.ndarray) -> str:
-    return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
-
-
-def _as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).tobytes()
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
-
-
-class _Failure(Exception):
+class WaitFailure(Exception):
     """A wait failed: ``timed_out`` (the deadline passed) or the peer closed the connection."""
 
     def __init__(self, timed_out: bool, why: str) -> None:
@@ -229,7 +102,7 @@ class Comm:
                 self.global_ranks = tuple(dist.get_process_group_ranks(group))
         else:
             self.world_size, self.rank, self.global_ranks = 1, 0, (0,)
-        self._group: _AuditGroup | None = None
+        self._group: AuditGroup | None = None
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -243,9 +116,13 @@ class Comm:
     def setup(self) -> None:
         """Create the dedicated audit group now (collective over the group's ranks, with the deadline)."""
         if self.distributed and self._group is None:
-            self._group = _open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
+            self._group = open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
 
-    def _pg(self) -> _AuditGroup:
+    def audit_pg(self) -> Any:
+        """The dedicated gloo process group once opened, else ``None``."""
+        return self._group.pg if self._group is not None else None
+
+    def _pg(self) -> AuditGroup:
         self.setup()
         assert self._group is not None
         if self._group.broken:
@@ -257,7 +134,7 @@ class Comm:
 
     # -- point-to-point with deadlines ---------------------------------------------------------
 
-    def _wait(self, group: _AuditGroup, work: Any, buf: Any, deadline: float) -> None:
+    def _wait(self, group: AuditGroup, work: Any, buf: Any, deadline: float) -> None:
         # Never wait "0 s": a message that has already arrived must still count as arrived, and gloo
         # returns a completed receive even after a timeout has closed the context's pairs.
         left = max(deadline - time.monotonic(), 0.001)
@@ -266,23 +143,23 @@ class Comm:
         except Exception as exc:
             group.graveyard.append((work, buf))
             text = str(exc)
-            timed_out = "Timed out" in text or ("timeout" in text.lower() and "closure" not in text)
-            raise _Failure(
+            timed_out = is_timeout_text(text)
+            raise WaitFailure(
                 timed_out, text.strip().splitlines()[-1][:200] if text.strip() else type(exc).__name__
             ) from exc
 
-    def _send(self, group: _AuditGroup, t: torch.Tensor, dst: int, deadline: float) -> None:
+    def _send(self, group: AuditGroup, t: torch.Tensor, dst: int, deadline: float) -> None:
         try:
             work = dist.isend(t, dst=self.global_ranks[dst], group=group.pg)
         except Exception as exc:
-            raise _Failure(False, str(exc)[:200]) from exc
+            raise WaitFailure(False, str(exc)[:200]) from exc
         self._wait(group, work, t, deadline)
 
-    def _recv(self, group: _AuditGroup, t: torch.Tensor, src: int, deadline: float) -> None:
+    def _recv(self, group: AuditGroup, t: torch.Tensor, src: int, deadline: float) -> None:
         try:
             work = dist.irecv(t, src=self.global_ranks[src], group=group.pg)
         except Exception as exc:
-            raise _Failure(False, str(exc)[:200]) from exc
+            raise WaitFailure(False, str(exc)[:200]) from exc
         self._wait(group, work, t, deadline)
 
     # -- failure verdicts ----------------------------------------------------------------------
@@ -291,7 +168,7 @@ class Comm:
         return f"within {self.timeout_s:g}s" if self.timeout_s is not None else "before the deadline"
 
     def _timeout_error(
-        self, group: _AuditGroup, missing_global: Sequence[int], what: str, why: str = ""
+        self, group: AuditGroup, missing_global: Sequence[int], what: str, why: str = ""
     ) -> AuditTimeoutError:
         missing_global = sorted(set(missing_global))
         me = self.global_ranks[self.rank]
@@ -309,7 +186,7 @@ class Comm:
             missing_global,
         )
 
-    def _out_of_step_error(self, group: _AuditGroup, positions: dict[int, str], what: str) -> AuditOutOfStepError:
+    def _out_of_step_error(self, group: AuditGroup, positions: dict[int, str], what: str) -> AuditOutOfStepError:
         group.broken = f"ranks were at different points of the audit protocol at {what}"
         group.broken_kind = AuditOutOfStepError
         text = "; ".join(f"rank {r}: {p}" for r, p in sorted(positions.items()))
@@ -319,26 +196,26 @@ class Comm:
             positions,
         )
 
-    def _verdict_error(self, group: _AuditGroup, verdict: dict[str, Any], what: str) -> Exception:
+    def _verdict_error(self, group: AuditGroup, verdict: dict[str, Any], what: str) -> Exception:
         if verdict.get("missing"):
             return self._timeout_error(group, verdict["missing"], verdict.get("what", what))
         positions = {int(r): p for r, p in verdict.get("positions", {}).items()}
         return self._out_of_step_error(group, positions, what)
 
-    def _post_verdict(self, group: _AuditGroup, seq: int, verdict: dict[str, Any]) -> None:
+    def _post_verdict(self, group: AuditGroup, seq: int, verdict: dict[str, Any]) -> None:
         try:
             group.store.set(f"verdict/{seq}", json.dumps(verdict))
         except Exception:  # noqa: BLE001 - the store may be gone with its host; the gloo reply may still work
             pass
 
-    def _read_verdict(self, group: _AuditGroup, seq: int, wait_s: float) -> dict[str, Any] | None:
+    def _read_verdict(self, group: AuditGroup, seq: int, wait_s: float) -> dict[str, Any] | None:
         try:
             group.store.wait([f"verdict/{seq}"], timedelta(seconds=wait_s))
             return json.loads(group.store.get(f"verdict/{seq}"))
         except Exception:  # noqa: BLE001 - no verdict: the coordinator did not decide (stuck or dead)
             return None
 
-    def _no_answer(self, group: _AuditGroup, seq: int, what: str, failure: _Failure) -> Exception:
+    def _no_answer(self, group: AuditGroup, seq: int, what: str, failure: WaitFailure) -> Exception:
         """A non-coordinator lost contact with the coordinator: the store may say why, else blame it."""
         if failure.timed_out:
             # Say so before anything else: a coordinator that turns up late and finds this rank's
@@ -368,38 +245,38 @@ class Comm:
         with group.lock:
             seq = group.seq
             group.seq += 1
-            body = _as_u8(payload)
+            body = as_u8(payload)
             if self.rank == 0:
                 return self._coordinate(group, seq, body, what)
             return self._participate(group, seq, body, what)
 
     def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
-        what_hash, what_words = _what_words(what)
-        frame = np.zeros(_REQ_WORDS, dtype=np.int64)
-        frame[:4] = (_MAGIC, seq, what_hash, body.numel())
-        frame[4 : 4 + len(what_words)] = what_words
-        if body.numel() <= _INLINE_BYTES:
-            frame.view(np.uint8)[(4 + len(what_words)) * 8 :][: body.numel()] = body.numpy()
+        what_hash, name_words = what_words(what)
+        frame = np.zeros(REQ_WORDS, dtype=np.int64)
+        frame[:4] = (MAGIC, seq, what_hash, body.numel())
+        frame[4 : 4 + len(name_words)] = name_words
+        if body.numel() <= INLINE_BYTES:
+            frame.view(np.uint8)[(4 + len(name_words)) * 8 :][: body.numel()] = body.numpy()
         return torch.from_numpy(frame)
 
     def _reply_words(self) -> tuple[int, int]:
         # Room for the whole phase-(a) table inline (64 bytes a rank, plus the 8-byte length of each rank's
         # part that precedes the table): a healthy audit is one message each way.
-        inline = max(_INLINE_BYTES, 72 * self.world_size)
+        inline = max(INLINE_BYTES, 72 * self.world_size)
         return 4 + self.world_size, inline
 
-    def _participate(self, group: _AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
+    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
         deadline = time.monotonic() + self._deadline_s() + self.grace_s
         head, inline = self._reply_words()
         reply = torch.empty(head + inline // 8, dtype=torch.int64)
         try:
             self._send(group, self._request_frame(seq, body, what), 0, deadline)
-            if body.numel() > _INLINE_BYTES:
+            if body.numel() > INLINE_BYTES:
                 self._send(group, body, 0, deadline)
             self._recv(group, reply, 0, deadline)
             r = reply.numpy()
-            if r[0] != _MAGIC or r[1] != seq:
-                raise _Failure(False, "the coordinator answered another exchange")
+            if r[0] != MAGIC or r[1] != seq:
+                raise WaitFailure(False, "the coordinator answered another exchange")
             status, nbytes, codes = int(r[2]), int(r[3]), r[4:head]
             if nbytes <= inline:
                 data = r[head:].view(np.uint8)[:nbytes].tobytes()
@@ -407,33 +284,33 @@ class Comm:
                 big = torch.empty(nbytes, dtype=torch.uint8)
                 self._recv(group, big, 0, deadline)
                 data = big.numpy().tobytes()
-        except _Failure as failure:
+        except WaitFailure as failure:
             raise self._no_answer(group, seq, what, failure) from None
-        if status != _OK:
+        if status != OK:
             verdict = json.loads(data)
-            if not verdict.get("missing") and status == _MISSING:
-                verdict["missing"] = [self.global_ranks[i] for i in np.nonzero(codes == _MISSING)[0].tolist()]
+            if not verdict.get("missing") and status == MISSING:
+                verdict["missing"] = [self.global_ranks[i] for i in np.nonzero(codes == MISSING)[0].tolist()]
             raise self._verdict_error(group, verdict, what)
-        return _split(data, self.world_size)
+        return split_parts(data, self.world_size)
 
-    def _coordinate(self, group: _AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
+    def _coordinate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
         w = self.world_size
         deadline = time.monotonic() + self._deadline_s()
-        what_hash, _ = _what_words(what)
-        frames = [torch.empty(_REQ_WORDS, dtype=torch.int64) for _ in range(w)]
+        what_hash, _ = what_words(what)
+        frames = [torch.empty(REQ_WORDS, dtype=torch.int64) for _ in range(w)]
         works: list[Any] = [None] * w
-        failures: dict[int, _Failure] = {}
+        failures: dict[int, WaitFailure] = {}
         for r in range(1, w):
             try:
                 works[r] = dist.irecv(frames[r], src=self.global_ranks[r], group=group.pg)
             except Exception as exc:  # noqa: BLE001
-                failures[r] = _Failure(False, str(exc)[:200])
+                failures[r] = WaitFailure(False, str(exc)[:200])
         for r in range(1, w):
             if r in failures:
                 continue
             try:
                 self._wait(group, works[r], frames[r], deadline)
-            except _Failure as f:
+            except WaitFailure as f:
                 failures[r] = f
         positions: dict[int, str] = {}
         datas: list[bytes] = [body.numpy().tobytes()] + [b""] * (w - 1)
@@ -441,18 +318,18 @@ class Comm:
             if r in failures:
                 continue
             f = frames[r].numpy()
-            text = _words_text(f[4 : 4 + _WHAT_BYTES // 8])
-            if f[0] != _MAGIC or f[1] != seq or f[2] != what_hash:
+            text = words_text(f[4 : 4 + WHAT_BYTES // 8])
+            if f[0] != MAGIC or f[1] != seq or f[2] != what_hash:
                 positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
             nbytes = int(f[3])
-            if nbytes <= _INLINE_BYTES:
-                datas[r] = f.view(np.uint8)[(4 + _WHAT_BYTES // 8) * 8 :][:nbytes].tobytes()
+            if nbytes <= INLINE_BYTES:
+                datas[r] = f.view(np.uint8)[(4 + WHAT_BYTES // 8) * 8 :][:nbytes].tobytes()
             else:  # exactly the announced size: a frame from elsewhere in the protocol cannot crash gloo
                 big = torch.empty(nbytes, dtype=torch.uint8)
                 try:
                     self._recv(group, big, r, max(deadline, time.monotonic() + self.grace_s))
                     datas[r] = big.numpy().tobytes()
-                except _Failure as fail:
+                except WaitFailure as fail:
                     failures[r] = fail
 
         if failures:
@@ -470,23 +347,23 @@ class Comm:
         head, inline = self._reply_words()
         if verdict:
             self._post_verdict(group, seq, verdict)
-            status = _MISSING if verdict.get("missing") else _OUT_OF_STEP
+            status = MISSING if verdict.get("missing") else OUT_OF_STEP
             data = json.dumps(verdict).encode()
         else:
-            status = _OK
+            status = OK
             lengths = np.array([len(d) for d in datas], dtype=np.int64)
             data = lengths.tobytes() + b"".join(datas)
         frame = np.zeros(head + inline // 8, dtype=np.int64)
-        frame[:4] = (_MAGIC, seq, status, len(data))
+        frame[:4] = (MAGIC, seq, status, len(data))
         for r in failures:
-            frame[4 + r] = _MISSING
+            frame[4 + r] = MISSING
         for r in range(1, w):
             if self.global_ranks[r] in positions:
-                frame[4 + r] = _OUT_OF_STEP
+                frame[4 + r] = OUT_OF_STEP
         if len(data) <= inline:
             frame.view(np.uint8)[head * 8 :][: len(data)] = np.frombuffer(data, dtype=np.uint8)
         reply = torch.from_numpy(frame)
-        big = _as_u8(data) if len(data) > inline else None
+        big = as_u8(data) if len(data) > inline else None
         for r in range(1, w):
             if r in failures:
                 continue
@@ -494,7 +371,7 @@ class Comm:
                 self._send(group, reply, r, send_deadline)
                 if big is not None:
                     self._send(group, big, r, send_deadline)
-            except _Failure as fail:
+            except WaitFailure as fail:
                 if verdict:
                     continue  # they read the verdict from the store
                 failures[r] = fail
@@ -506,7 +383,7 @@ class Comm:
             raise self._verdict_error(group, verdict, what)
         return datas
 
-    def _gave_up(self, group: _AuditGroup, seq: int, r: int) -> bool:
+    def _gave_up(self, group: AuditGroup, seq: int, r: int) -> bool:
         # The peer closes its connection just before it writes the marker: allow it a moment.
         try:
             group.store.wait([f"gave_up/{seq}/{r}"], timedelta(seconds=0.5))
@@ -539,12 +416,3 @@ class Comm:
         """Rank ``src``'s bytes on every rank (the others pass ``None``)."""
         data = payload if self.rank == src else b""
         return self.exchange_bytes(data or b"", what)[src]
-
-
-def _split(data: bytes, world: int) -> list[bytes]:
-    lengths = np.frombuffer(data[: 8 * world], dtype=np.int64).tolist()
-    out, pos = [], 8 * world
-    for n in lengths:
-        out.append(data[pos : pos + n])
-        pos += n
-    return out

@@ -23,7 +23,6 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -31,8 +30,11 @@ import torch
 import xxhash
 from torch import nn
 
-from weightsync_audit.comm import Comm
-from weightsync_audit.consensus import (
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.ddp.hints import explain
+from weightsync_audit.ddp.inspect import find_ddp
+from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
+from weightsync_audit.engine.consensus import (
     PROTOCOL,
     PROTOCOL_FAILED,
     SUMMARY_FIELDS,
@@ -42,16 +44,15 @@ from weightsync_audit.consensus import (
     compare_manifests,
     judge_summaries,
 )
-from weightsync_audit.ddp import find_ddp
-from weightsync_audit.digest import _raw, digest_entries, overall_digest, structure_digest
+from weightsync_audit.engine.digest import digest_entries, overall_digest, structure_digest
+from weightsync_audit.engine.gaps import max_abs_diff
+from weightsync_audit.engine.history import AuditHistory
+from weightsync_audit.engine.hostbytes import host_bytes
+from weightsync_audit.engine.manifest import Entry, Manifest, as_optimizers, build_manifest
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
-from weightsync_audit.hints import explain
-from weightsync_audit.manifest import Entry, Manifest, as_optimizers, build_manifest, check_include
-from weightsync_audit.result import AuditResult, Mismatch
+from weightsync_audit.reporting.record import AuditResult, Mismatch
 
-__all__ = ["AuditConfig", "AuditHistory", "Auditor", "audit", "parse_coverage"]
-
-_METHODS = ("auto", "xxh3", "device")
+__all__ = ["Auditor", "audit"]
 
 
 @contextmanager
@@ -69,111 +70,6 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if was:
             gc.enable()
-
-
-def parse_coverage(coverage: float | int | str) -> int:
-    """Number of slices for a coverage such as ``1``, ``1/8``, ``0.125`` or ``"1/8"``."""
-    value: float
-    if isinstance(coverage, str):
-        text = coverage.strip()
-        if "/" in text:
-            num, _, den = text.partition("/")
-            value = float(num) / float(den)
-        else:
-            value = float(text)
-    else:
-        value = float(coverage)
-    if not (0 < value <= 1) or math.isnan(value):
-        raise ValueError(f"coverage={coverage!r}: must be in (0, 1], e.g. 1 or 1/8")
-    slices = round(1 / value)
-    if abs(slices * value - 1) > 1e-6:
-        raise ValueError(f"coverage={coverage!r}: must be 1/n for a whole number n, e.g. 1/8")
-    return slices
-
-
-@dataclass(kw_only=True, slots=True)
-class AuditConfig:
-    """How to audit. Every rank must use the same settings (checked: a difference is out of step)."""
-
-    include: tuple[str, ...] = ("params", "buffers", "optimizer")
-    """Kinds to audit: ``params``, ``buffers``, ``optimizer``, ``grads``."""
-    exclude: tuple[str, ...] = ()
-    """Glob patterns over names (``*.running_*``, ``head.*``) left out of the audit."""
-    timeout_s: float | None = None
-    """Deadline for the ranks to meet; a missing rank makes the others raise ``AuditTimeoutError``."""
-    slices: int = 1
-    """Sampled mode: each audit hashes slice ``i % slices`` of every large tensor (``coverage=1/slices``)."""
-    method: str = "auto"
-    """``auto``: xxh3 on CPU and on-device digests on accelerators; ``xxh3``; ``device``."""
-    max_diff_tensors: int = 8
-    """How many diverged tensors get a ``max_abs_diff`` (each costs sharing one tensor)."""
-    max_diff_bytes: int = 1 << 30
-    """Tensors larger than this get no ``max_abs_diff``."""
-    compare_broadcast_buffers: bool = False
-    """Compare buffers even when DDP overwrites them from rank 0 at every forward (false alarms)."""
-
-    def __post_init__(self) -> None:
-        self.include = check_include(self.include)
-        if isinstance(self.exclude, str):
-            self.exclude = (self.exclude,)
-        self.exclude = tuple(self.exclude)
-        for pat in self.exclude:
-            if not isinstance(pat, str):
-                raise TypeError(f"exclude={self.exclude!r}: patterns must be strings")
-        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a positive number of seconds or None")
-        if self.method not in _METHODS:
-            raise ValueError(f"method={self.method!r}: choose from {list(_METHODS)}")
-        if self.slices < 1:
-            raise ValueError(f"slices={self.slices!r}: must be >= 1")
-        if self.max_diff_tensors < 0:
-            raise ValueError(f"max_diff_tensors={self.max_diff_tensors!r}: must be >= 0")
-
-    def fingerprint(self) -> str:
-        return f"include={','.join(self.include)} exclude={','.join(self.exclude)} coverage=1/{self.slices} method={self.method}"
-
-
-@dataclass(slots=True)
-class AuditHistory:
-    """What the auditor remembers across audits (and checkpoints)."""
-
-    audits: int = 0
-    diverged_audits: int = 0
-    resyncs: int = 0
-    last_in_sync_step: int | None = None
-    first_divergence_step: int | None = None
-    first_divergence_tensors: list[str] = field(default_factory=list)
-    last_diverged_tensors: list[str] = field(default_factory=list)
-
-    def record(self, result: AuditResult) -> None:
-        self.audits += 1
-        if result.in_sync:
-            self.last_in_sync_step = result.step
-            self.last_diverged_tensors = []
-        else:
-            self.diverged_audits += 1
-            if self.first_divergence_step is None and not self.first_divergence_tensors:
-                self.first_divergence_step = result.step
-                self.first_divergence_tensors = result.diverged_names
-            self.last_diverged_tensors = result.diverged_names
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "audits": self.audits,
-            "diverged_audits": self.diverged_audits,
-            "resyncs": self.resyncs,
-            "last_in_sync_step": self.last_in_sync_step,
-            "first_divergence_step": self.first_divergence_step,
-            "first_divergence_tensors": list(self.first_divergence_tensors),
-            "last_diverged_tensors": list(self.last_diverged_tensors),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # Tolerant of older or partial checkpoints: missing keys keep their defaults.
-        for key in self.state_dict():
-            if key in state:
-                value = state[key]
-                setattr(self, key, list(value) if isinstance(value, (list, tuple)) else value)
 
 
 class Auditor:
@@ -199,7 +95,7 @@ class Auditor:
         exclude: Sequence[str] = (),
         timeout_s: float | None = None,
         coverage: float | str = 1,
-        method: str = "auto",
+        method: Method = "auto",
         max_diff_tensors: int = 8,
         compare_broadcast_buffers: bool = False,
     ) -> None:
@@ -218,8 +114,6 @@ class Auditor:
             compare_broadcast_buffers=compare_broadcast_buffers,
         )
         self.history = AuditHistory()
-        self.synced_names: frozenset[str] | None = None
-        """Names DDP all-reduces, when the owner knows them (snapshotted right after the wrap)."""
         self._comm: Comm | None = None
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -344,9 +238,7 @@ class Auditor:
 
         hints: list[str] = []
         if mismatches:
-            hints = explain(
-                mismatches, ddp=find_ddp(module), synced=self.synced_names, grads_checked="grads" in cfg.include
-            )
+            hints = explain(mismatches, ddp=find_ddp(module), grads_checked="grads" in cfg.include)
         in_sync = not mismatches
         result = AuditResult(
             in_sync=in_sync,
@@ -425,10 +317,10 @@ class Auditor:
             e, m = entries[i], mismatches[i]
             ref = m.reference_ranks[0]
             t = e.tensor.detach()
-            mine = bytes(_raw(t.contiguous().cpu())) if comm.rank == ref else None
+            mine = host_bytes(t) if comm.rank == ref else None
             blob = comm.share_bytes(ref, mine, f"the reference copy of {e.name}")
             theirs = torch.frombuffer(bytearray(blob), dtype=t.dtype).reshape(t.shape) if blob else t.cpu()
-            local[k] = _max_abs_diff(t.cpu(), theirs)
+            local[k] = max_abs_diff(t.cpu(), theirs)
         gathered = comm.exchange(local.view(np.int64), "the max |diff| values").view(np.float64)
         for k, i in enumerate(chosen):
             m = mismatches[i]
@@ -437,23 +329,6 @@ class Auditor:
             m.max_abs_diff = None if math.isnan(worst) else float(worst)
             if math.isnan(worst) or math.isinf(worst):
                 m.detail = m.detail or "NaN or inf where the reference rank holds another value"
-
-
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.dtype == torch.bool:
-        return float((a != b).any())
-    if a.is_complex():
-        d = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
-    elif a.is_floating_point():
-        a64, b64 = a.to(torch.float64), b.to(torch.float64)
-        d = (a64 - b64).abs()
-        both_nan = torch.isnan(a64) & torch.isnan(b64)
-        same_inf = torch.isinf(a64) & (a64 == b64)
-        d = torch.where(both_nan | same_inf, torch.zeros_like(d), d)
-        d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
-    else:
-        d = (a.to(torch.float64) - b.to(torch.float64)).abs()
-    return float(d.max()) if d.numel() else 0.0
 
 
 def audit(
@@ -467,7 +342,7 @@ def audit(
     epoch: int | None = None,
     timeout_s: float | None = None,
     coverage: float | str = 1,
-    method: str = "auto",
+    method: Method = "auto",
 ) -> AuditResult:
     """Compare parameters, buffers and optimizer state across ranks, once. Collective.
 

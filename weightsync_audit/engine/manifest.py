@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightsync_audit.compat import is_dtensor, peel_wrapper
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
@@ -97,16 +98,10 @@ def unwrap_module(module: nn.Module) -> nn.Module:
     seen = 0
     while seen < 16:
         seen += 1
-        if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-            module = module.module
-        elif type(module).__name__ == "_FabricModule" and hasattr(module, "_original_module"):
-            module = module._original_module or module._forward_module
-        elif hasattr(module, "_orig_mod") and isinstance(module._orig_mod, nn.Module):
-            module = module._orig_mod  # torch.compile's OptimizedModule
-        elif type(module).__name__ == "_LightningModuleWrapperBase" and hasattr(module, "_forward_module"):
-            module = module._forward_module  # Lightning < 2.2
-        else:
+        inner = peel_wrapper(module)
+        if inner is None:
             break
+        module = inner
     return module
 
 
@@ -219,7 +214,7 @@ def _tensor_entry(
     audit_ranks: Sequence[int] | None = None,
 ) -> Entry:
     note = None
-    if type(t).__name__ == "DTensor" and hasattr(t, "to_local"):  # name first: a failed hasattr is slow
+    if is_dtensor(t):
         note = _dtensor_note(name, t, audit_ranks)
         t = t.to_local()
     if t.requires_grad or isinstance(t, nn.Parameter):

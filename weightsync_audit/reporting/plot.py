@@ -19,8 +19,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from weightsync_audit.render import layer_of
-from weightsync_audit.result import AuditResult
+from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.text import layer_of
 
 __all__ = ["PLOT_EXTRA_MISSING", "PlotUnavailableError", "plot_report"]
 
@@ -44,7 +44,7 @@ def _rows(records: Sequence[AuditResult], by: str) -> tuple[list[str], list[dict
     for r in records:
         col: dict[str, float | None] = {}
         for m in r.mismatches:
-            key = layer_of(m) if by == "layer" else m.name
+            key = layer_of(m.name, m.kind) if by == "layer" else m.name
             order.setdefault(key, None)
             gap = m.max_abs_diff
             if key not in col:

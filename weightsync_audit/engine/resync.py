@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightsync_audit.comm import Comm
-from weightsync_audit.digest import _raw, structure_digest
-from weightsync_audit.manifest import Entry, as_optimizers, build_manifest
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.digest import structure_digest
+from weightsync_audit.engine.hostbytes import host_bytes
+from weightsync_audit.engine.manifest import Entry, as_optimizers, build_manifest
 
 __all__ = ["resync"]
 
@@ -129,15 +130,11 @@ def resync(
     ]
     src_global = comm.global_ranks[src]
     comm.setup()
-    cpu_group = comm._group.pg if comm._group is not None else None
+    cpu_group = comm.audit_pg()
     if tensor_entries:
         _broadcast_tensors([e.tensor for e in tensor_entries], src_global, group, cpu_group)
     if value_entries:
-        blob = (
-            json.dumps([bytes(_raw(e.tensor.contiguous())).hex() for e in value_entries]).encode()
-            if comm.rank == src
-            else None
-        )
+        blob = json.dumps([host_bytes(e.tensor).hex() for e in value_entries]).encode() if comm.rank == src else None
         values = json.loads(comm.share_bytes(src, blob, "the resync values"))
         for e, hexed in zip(value_entries, values):
             e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
@@ -176,7 +173,7 @@ def _reconcile(
                 value = e.container[e.key]
                 if isinstance(value, torch.Tensor):
                     t = value.detach().contiguous().cpu()
-                    payload[e.name] = {"t": [str(t.dtype).removeprefix("torch."), list(t.shape), bytes(_raw(t)).hex()]}
+                    payload[e.name] = {"t": [str(t.dtype).removeprefix("torch."), list(t.shape), host_bytes(t).hex()]}
                 else:
                     payload[e.name] = {"v": repr(value)}
         blob = json.dumps(payload).encode()
@@ -198,7 +195,7 @@ def _is_param_group(e: Entry) -> bool:
 def _install_state(
     src_state: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module | None
 ) -> None:
-    from weightsync_audit.manifest import unwrap_module
+    from weightsync_audit.engine.manifest import unwrap_module
 
     user = unwrap_module(module) if module is not None else None
     # Look-ups by identity, built once: this path may run over thousands of parameters.

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.result import brief_names
+from weightsync_audit.compat import ddp_reducer_parameter_ids, ddp_synced_count, remove_ddp_autograd_hooks
+from weightsync_audit.text import brief_names
 
 __all__ = [
     "TrainableChange",
@@ -31,9 +32,9 @@ __all__ = [
     "find_ddp",
     "maybe_rewrap",
     "reduce_grads_by_hand",
+    "remembered_flags",
     "rewrap_ddp",
     "synced_parameter_names",
-    "trainable_change",
     "trainable_flags",
     "trainable_names",
     "watched_parameters",
@@ -100,18 +101,15 @@ def synced_parameter_names(ddp: DistributedDataParallel) -> frozenset[str]:
     Reads the reducer's buckets; this allocates gradient-sized buffers, so it belongs on rare paths
     (after a divergence was found, once per wrapper), never on every step.
     """
-    ids: set[int] = set()
-    for bucket in ddp.reducer._get_zeros_like_grad_buckets():
-        ids.update(id(p) for p in bucket.parameters())
+    ids = ddp_reducer_parameter_ids(ddp)
+    if ids is None:
+        raise RuntimeError("this torch's DistributedDataParallel does not expose its reducer's buckets")
     return frozenset(n for n, p in ddp.module.named_parameters() if id(p) in ids)
 
 
 def synced_count(ddp: DistributedDataParallel) -> int | None:
     """How many parameter tensors the reducer covers (cheap: DDP's own logging data)."""
-    try:
-        return int(ddp._get_ddp_logging_data()["num_parameter_tensors"])
-    except Exception:  # noqa: BLE001 - private API; absent means unknown
-        return None
+    return ddp_synced_count(ddp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,20 +133,17 @@ class TrainableChange:
         return "; ".join(parts) or "no change"
 
 
-def trainable_change(ddp: DistributedDataParallel, synced: frozenset[str] | None = None) -> TrainableChange:
-    """Compare the trainable set now with what ``ddp`` synchronises (reads the reducer unless ``synced``)."""
-    if synced is None:
-        synced = synced_parameter_names(ddp)
-    now = trainable_names(ddp.module) - _ignored(ddp)
-    return TrainableChange(tuple(sorted(now - synced)), tuple(sorted(synced - now)))
-
-
 def flags_change(module: nn.Module, before: tuple[bool, ...], after: tuple[bool, ...]) -> TrainableChange:
     """Which parameters joined or left the trainable set between two :func:`trainable_flags` tuples."""
     names = [n for n, _ in module.named_parameters()]
     joined = tuple(n for n, was, now in zip(names, before, after) if now and not was)
     left = tuple(n for n, was, now in zip(names, before, after) if was and not now)
     return TrainableChange(joined, left)
+
+
+def remembered_flags(ddp: DistributedDataParallel) -> tuple[bool, ...] | None:
+    """The flags ``ddp``'s reducer was built over when already known (set by a re-wrap or a first read)."""
+    return getattr(ddp, _FLAGS_ATTR, None)
 
 
 def covered_flags(ddp: DistributedDataParallel) -> tuple[bool, ...]:
@@ -221,9 +216,7 @@ def _register_hooks(ddp: DistributedDataParallel, hooks: list[tuple[Callable[...
 
 def retire(ddp: DistributedDataParallel) -> None:
     """Detach an outgoing wrapper's reducer from the parameters, so it reduces nothing any more."""
-    remove = getattr(ddp, "_remove_autograd_hooks", None)
-    if callable(remove):
-        remove()
+    remove_ddp_autograd_hooks(ddp)
 
 
 def rewrap_ddp(

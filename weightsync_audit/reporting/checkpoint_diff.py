@@ -32,7 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from weightsync_audit.auditor import _max_abs_diff
+from weightsync_audit.engine.gaps import max_abs_diff
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -242,7 +242,7 @@ def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | 
     if a.dtype != b.dtype:
         gap = None
         if numel and not (a.is_complex() or b.is_complex()):
-            gap = _max_abs_diff(a.to(torch.float64), b.to(torch.float64))
+            gap = max_abs_diff(a.to(torch.float64), b.to(torch.float64))
         return EntryDiff(name, "dtype", _describe(a), _describe(b), gap, None, numel)
     if numel == 0:
         return None
@@ -250,7 +250,7 @@ def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | 
     changed = int(unequal.sum())
     if changed == 0:
         return None
-    gap = _max_abs_diff(a, b)
+    gap = max_abs_diff(a, b)
     if atol is not None and gap <= atol:
         return None
     return EntryDiff(name, "values", _describe(a), _describe(b), gap, changed, numel)

@@ -12,8 +12,9 @@ from typing import Sequence
 
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.ddp import _FLAGS_ATTR, synced_parameter_names
-from weightsync_audit.result import Mismatch, brief_names
+from weightsync_audit.ddp.inspect import remembered_flags, synced_parameter_names
+from weightsync_audit.reporting.record import Mismatch
+from weightsync_audit.text import brief_names
 
 __all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain"]
 
@@ -49,7 +50,7 @@ def _covered(ddp: DistributedDataParallel, synced: frozenset[str] | None) -> fro
     if synced is not None:
         return synced
     try:
-        flags = getattr(ddp, _FLAGS_ATTR, None)
+        flags = remembered_flags(ddp)
         if flags is not None:
             return frozenset(n for (n, _), f in zip(ddp.module.named_parameters(), flags) if f)
         return synced_parameter_names(ddp)

@@ -1,0 +1,1 @@
+"""How ranks talk during an audit: framed messages over a dedicated gloo group, every wait bounded."""

@@ -1,0 +1,63 @@
+"""How audit messages are framed: a fixed-size header that names the exchange, and its body.
+
+A message larger than the receive buffer aborts the receiving *process* in gloo, and ranks at different
+points of the protocol would send messages of different sizes; so every message starts with a frame of
+``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body length,
+and up to ``INLINE_BYTES`` of the body), and a longer body is received into a buffer of exactly the
+announced length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xxhash
+
+__all__ = [
+    "INLINE_BYTES",
+    "MAGIC",
+    "MISSING",
+    "OK",
+    "OUT_OF_STEP",
+    "REQ_WORDS",
+    "WHAT_BYTES",
+    "as_u8",
+    "split_parts",
+    "what_words",
+    "words_text",
+]
+
+MAGIC = 0x5753_4146  # 'WSAF'
+WHAT_BYTES = 48
+INLINE_BYTES = 128
+REQ_WORDS = 4 + WHAT_BYTES // 8 + INLINE_BYTES // 8  # magic, seq, what hash, nbytes, what, inline
+
+OK, MISSING, OUT_OF_STEP = 0, 1, 2
+
+
+def what_words(what: str) -> tuple[int, np.ndarray]:
+    raw = what.encode("utf-8", "replace")[:WHAT_BYTES]
+    words = np.zeros(WHAT_BYTES // 8, dtype=np.int64)
+    words.view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return xxhash.xxh3_64_intdigest(what.encode("utf-8", "replace")) >> 1, words
+
+
+def words_text(words: np.ndarray) -> str:
+    return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+def as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
+    if isinstance(data, np.ndarray):
+        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).tobytes()
+    if not len(data):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def split_parts(data: bytes, world: int) -> list[bytes]:
+    lengths = np.frombuffer(data[: 8 * world], dtype=np.int64).tolist()
+    out, pos = [], 8 * world
+    for n in lengths:
+        out.append(data[pos : pos + n])
+        pos += n
+    return out

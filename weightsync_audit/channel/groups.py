@@ -1,0 +1,133 @@
+"""The audit channel's process groups: a dedicated gloo group per set of ranks, opened once.
+
+Opening one is collective; before ``new_group`` the ranks meet in the job's store with a deadline, so a
+rank that never reaches its first audit is named instead of hanging the others.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from weightsync_audit.compat import default_process_group, default_store
+from weightsync_audit.errors import AuditTimeoutError
+
+__all__ = ["AuditGroup", "forget_groups", "open_group"]
+
+
+class AuditGroup:
+    """A gloo process group for audit messages, shared by every Comm over the same ranks."""
+
+    def __init__(self, pg: Any, ranks: tuple[int, ...], store: Any) -> None:
+        self.pg = pg
+        self.ranks = ranks
+        self.store = store
+        """The job's store under a prefix unique to this group: where failure verdicts go."""
+        self.seq = 0
+        """Exchanges done so far; every rank counts the same, so it names an exchange across ranks."""
+        self.broken: str | None = None
+        self.broken_kind: type[Exception] = AuditTimeoutError
+        # Buffers of operations that failed stay referenced: gloo may still write into them.
+        self.graveyard: list[Any] = []
+        self.lock = threading.Lock()
+
+
+_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditGroup]] = {}
+_generations: dict[tuple[int, ...], int] = {}
+_failed_opens: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditTimeoutError]] = {}
+_groups_lock = threading.Lock()
+
+
+def _store_prefix(ranks: tuple[int, ...], generation: int) -> str:
+    return f"weightsync_audit/{'.'.join(map(str, ranks))}/{generation}"
+
+
+def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> AuditGroup:
+    """Meet the other ranks in the store (deadline ``deadline_s``), then create the gloo group."""
+    default_pg = default_process_group()
+    key = (id(default_pg), ranks)
+    with _groups_lock:
+        hit = _groups.get(key)
+        if hit is not None and hit[0] is default_pg:
+            return hit[1]
+        failed = _failed_opens.get(key)
+        if failed is not None and failed[0] is default_pg:
+            raise failed[1]
+        # Every rank opens the groups over the same ranks in the same order, so the generation (how
+        # many times this process opened one) names the same attempt on every rank.
+        generation = _generations.get(ranks, 0)
+        _generations[ranks] = generation + 1
+        store = dist.PrefixStore(_store_prefix(ranks, generation), default_store())
+        try:
+            _meet(store, ranks, my_rank, deadline_s)
+            # Only the member ranks take part in creating the group (use_local_synchronization), so an
+            # audit over a subgroup never waits on ranks outside it.
+            pg = dist.new_group(
+                ranks=list(ranks),
+                backend="gloo",
+                timeout=timedelta(seconds=max(deadline_s, 1.0) + grace_s),
+                use_local_synchronization=True,
+            )
+        except AuditTimeoutError as exc:
+            _failed_opens[key] = (default_pg, exc)
+            raise
+        except Exception as exc:
+            err = AuditTimeoutError(
+                f"weightsync audit: could not open the audit channel among ranks {list(ranks)} "
+                f"(this is rank {ranks[my_rank]}): {exc}; a rank died or stopped while it was being set up"
+            )
+            _failed_opens[key] = (default_pg, err)
+            raise err from exc
+        group = AuditGroup(pg, ranks, store)
+        _groups[key] = (default_pg, group)
+        return group
+
+
+def _meet(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -> None:
+    """Store-side rendezvous with a deadline: the last to arrive says 'ok', the first to give up says
+    who is missing, and whichever is written first is what every rank acts on."""
+    me = ranks[my_rank]
+    try:
+        store.set(f"arrived/{my_rank}", "1")
+        if store.add("count", 1) == len(ranks):
+            store.compare_set("decision", "", "ok")
+        try:
+            store.wait(["decision"], timedelta(seconds=deadline_s))
+            decision = store.get("decision").decode()
+        except Exception:  # noqa: BLE001 - DistStoreError on timeout
+            missing = [ranks[r] for r in range(len(ranks)) if not store.check([f"arrived/{r}"])]
+            decision = store.compare_set("decision", "", "missing " + json.dumps(missing)).decode()
+    except Exception as exc:
+        raise AuditTimeoutError(
+            f"weightsync audit: the job's store stopped answering while the ranks met to open the audit "
+            f"channel (this is rank {me}): {exc}; its host, usually global rank 0, died",
+            [0],
+        ) from exc
+    if decision == "ok":
+        return
+    missing = json.loads(decision.split(" ", 1)[1]) if decision.startswith("missing ") else []
+    if me in missing:
+        why = "this rank arrived after the others had given up waiting for it"
+    else:
+        why = "a rank is stuck, dead, or auditing at a different point"
+    raise AuditTimeoutError(
+        f"weightsync audit: rank(s) {missing} did not arrive at the first audit within {deadline_s:g}s "
+        f"(this is rank {me} of {len(ranks)}); {why}",
+        missing,
+    )
+
+
+def forget_groups() -> None:
+    """Drop cached audit groups (after ``destroy_process_group``); the next audit makes new ones."""
+    with _groups_lock:
+        for _, group in _groups.values():
+            try:
+                dist.destroy_process_group(group.pg)
+            except Exception:  # noqa: BLE001 - the default group may already be gone
+                pass
+        _groups.clear()
+        _failed_opens.clear()

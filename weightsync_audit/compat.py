@@ -1,0 +1,157 @@
+"""Every private torch and Lightning internal the library touches, in one version-aware place.
+
+Each accessor says what it relies on; :func:`self_check` verifies that what this torch provides is
+still there and fails loudly, naming the versions, when an internal has gone. Accessors whose absence
+only costs a hint (DDP's reducer buckets, its logging data) return ``None`` instead of raising.
+
+>>> self_check()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "CompatError",
+    "ddp_reducer_parameter_ids",
+    "ddp_synced_count",
+    "default_process_group",
+    "default_store",
+    "is_dtensor",
+    "is_timeout_text",
+    "lightning_ddp_factory",
+    "lightning_reset_static_graph",
+    "peel_wrapper",
+    "remove_ddp_autograd_hooks",
+    "self_check",
+]
+
+
+class CompatError(RuntimeError):
+    """A private torch/Lightning internal the library relies on is missing in the installed version."""
+
+
+def _versions() -> str:
+    text = f"torch {torch.__version__}"
+    for name in ("lightning", "pytorch_lightning"):
+        try:
+            mod = __import__(name)
+            text += f", {name} {getattr(mod, '__version__', '?')}"
+        except ImportError:
+            pass
+    return text
+
+
+def _require(obj: Any, attr: str, what: str) -> Any:
+    value = getattr(obj, attr, None)
+    if value is None:
+        raise CompatError(
+            f"weightsync_audit needs {what} ({attr}), which is missing in {_versions()}; "
+            "please report this with the versions named here"
+        )
+    return value
+
+
+# -- torch.distributed -------------------------------------------------------------------------
+
+
+def default_process_group() -> Any:
+    """The default process group (``distributed_c10d._get_default_group``)."""
+    return _require(dist.distributed_c10d, "_get_default_group", "torch.distributed's default group accessor")()
+
+
+def default_store() -> Any:
+    """The job's key-value store (``distributed_c10d._get_default_store``)."""
+    return _require(dist.distributed_c10d, "_get_default_store", "torch.distributed's default store accessor")()
+
+
+def is_timeout_text(text: str) -> bool:
+    """Whether a gloo wait error says the deadline passed (vs. a peer closing its connection).
+
+    gloo words a timeout "Timed out waiting ... for recv operation"; after a timeout closes a context's
+    pairs, later waits fail with "Application timeout caused pair closure", which is a closed connection.
+    """
+    return "Timed out" in text or ("timeout" in text.lower() and "closure" not in text)
+
+
+# -- DistributedDataParallel -------------------------------------------------------------------
+
+
+def ddp_reducer_parameter_ids(ddp: nn.parallel.DistributedDataParallel) -> set[int] | None:
+    """ids of the parameters in the reducer's buckets (``reducer._get_zeros_like_grad_buckets``), or
+    ``None`` when this torch lacks it. Allocates gradient-sized buffers: rare paths only."""
+    reducer = getattr(ddp, "reducer", None)
+    buckets = getattr(reducer, "_get_zeros_like_grad_buckets", None)
+    if not callable(buckets):
+        return None
+    ids: set[int] = set()
+    for bucket in buckets():
+        ids.update(id(p) for p in bucket.parameters())
+    return ids
+
+
+def ddp_synced_count(ddp: nn.parallel.DistributedDataParallel) -> int | None:
+    """How many parameter tensors the reducer covers (``_get_ddp_logging_data``), or ``None``."""
+    logging_data = getattr(ddp, "_get_ddp_logging_data", None)
+    if not callable(logging_data):
+        return None
+    try:
+        return int(logging_data()["num_parameter_tensors"])
+    except (KeyError, TypeError, ValueError, RuntimeError):
+        return None
+
+
+def remove_ddp_autograd_hooks(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Detach a retired wrapper's reducer from the parameters (``_remove_autograd_hooks``)."""
+    _require(ddp, "_remove_autograd_hooks", "DistributedDataParallel's hook removal")()
+
+
+# -- wrappers and tensor types -----------------------------------------------------------------
+
+
+def peel_wrapper(module: nn.Module) -> nn.Module | None:
+    """The module inside one layer of wrapping (DDP, DataParallel, Fabric, ``torch.compile``, old
+    Lightning), or ``None`` when ``module`` is not a wrapper. Fabric and Lightning are recognised by
+    their private class names so that neither is imported here."""
+    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return module.module
+    name = type(module).__name__
+    if name == "_FabricModule" and hasattr(module, "_original_module"):
+        return module._original_module or module._forward_module
+    orig = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(orig, nn.Module):
+        return orig
+    if name == "_LightningModuleWrapperBase" and hasattr(module, "_forward_module"):
+        return module._forward_module  # Lightning < 2.2
+    return None
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (by class name first: a failed ``hasattr`` on a plain tensor is slow)."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+# -- Lightning strategies ----------------------------------------------------------------------
+
+
+def lightning_ddp_factory(strategy: Any) -> Callable[[nn.Module], Any] | None:
+    """The DDP strategy's own wrapper factory (``strategy._setup_model``), or ``None``."""
+    build = getattr(strategy, "_setup_model", None)
+    return build if callable(build) else None
+
+
+def lightning_reset_static_graph(strategy: Any) -> None:
+    """Re-arm Lightning's one-time static-graph flush for a new wrapper (``_pl_static_graph_delay_done``)."""
+    if hasattr(strategy, "_pl_static_graph_delay_done"):
+        strategy._pl_static_graph_delay_done = False
+
+
+def self_check() -> None:
+    """Raise :class:`CompatError`, naming the versions, when an internal the audit channel needs is gone."""
+    _require(dist.distributed_c10d, "_get_default_group", "torch.distributed's default group accessor")
+    _require(dist.distributed_c10d, "_get_default_store", "torch.distributed's default store accessor")
+    _require(nn.parallel.DistributedDataParallel, "_remove_autograd_hooks", "DistributedDataParallel's hook removal")

@@ -1,0 +1,78 @@
+"""How to audit: one :class:`AuditConfig`, validated once, taken by :func:`~weightsync_audit.audit`,
+:class:`~weightsync_audit.Auditor` and every callback.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from weightsync_audit.engine.manifest import check_include
+
+__all__ = ["AuditConfig", "Method", "parse_coverage"]
+
+Method = Literal["auto", "xxh3", "device"]
+"""``auto``: xxh3 on CPU and on-device digests on accelerators; ``xxh3``; ``device``."""
+
+
+def parse_coverage(coverage: float | int | str) -> int:
+    """Number of slices for a coverage such as ``1``, ``1/8``, ``0.125`` or ``"1/8"``."""
+    value: float
+    if isinstance(coverage, str):
+        text = coverage.strip()
+        if "/" in text:
+            num, _, den = text.partition("/")
+            value = float(num) / float(den)
+        else:
+            value = float(text)
+    else:
+        value = float(coverage)
+    if not (0 < value <= 1) or math.isnan(value):
+        raise ValueError(f"coverage={coverage!r}: must be in (0, 1], e.g. 1 or 1/8")
+    slices = round(1 / value)
+    if abs(slices * value - 1) > 1e-6:
+        raise ValueError(f"coverage={coverage!r}: must be 1/n for a whole number n, e.g. 1/8")
+    return slices
+
+
+@dataclass(kw_only=True, slots=True)
+class AuditConfig:
+    """How to audit. Every rank must use the same settings (checked: a difference is out of step)."""
+
+    include: tuple[str, ...] = ("params", "buffers", "optimizer")
+    """Kinds to audit: ``params``, ``buffers``, ``optimizer``, ``grads``."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns over names (``*.running_*``, ``head.*``) left out of the audit."""
+    timeout_s: float | None = None
+    """Deadline for the ranks to meet; a missing rank makes the others raise ``AuditTimeoutError``."""
+    slices: int = 1
+    """Sampled mode: each audit hashes slice ``i % slices`` of every large tensor (``coverage=1/slices``)."""
+    method: Method = "auto"
+    """``auto``: xxh3 on CPU and on-device digests on accelerators; ``xxh3``; ``device``."""
+    max_diff_tensors: int = 8
+    """How many diverged tensors get a ``max_abs_diff`` (each costs sharing one tensor)."""
+    max_diff_bytes: int = 1 << 30
+    """Tensors larger than this get no ``max_abs_diff``."""
+    compare_broadcast_buffers: bool = False
+    """Compare buffers even when DDP overwrites them from rank 0 at every forward (false alarms)."""
+
+    def __post_init__(self) -> None:
+        self.include = check_include(self.include)
+        if isinstance(self.exclude, str):
+            self.exclude = (self.exclude,)
+        self.exclude = tuple(self.exclude)
+        for pat in self.exclude:
+            if not isinstance(pat, str):
+                raise TypeError(f"exclude={self.exclude!r}: patterns must be strings")
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a positive number of seconds or None")
+        if self.method not in get_args(Method):
+            raise ValueError(f"method={self.method!r}: choose from {list(get_args(Method))}")
+        if self.slices < 1:
+            raise ValueError(f"slices={self.slices!r}: must be >= 1")
+        if self.max_diff_tensors < 0:
+            raise ValueError(f"max_diff_tensors={self.max_diff_tensors!r}: must be >= 0")
+
+    def fingerprint(self) -> str:
+        return f"include={','.join(self.include)} exclude={','.join(self.exclude)} coverage=1/{self.slices} method={self.method}"

@@ -1,0 +1,263 @@
+"""How values are hashed: exact 64-bit digests of each tensor's bytes in logical order.
+
+A digest depends only on a tensor's logical byte stream (its elements in row-major order), never on its
+memory layout: a contiguous tensor and a transposed-then-copied one with equal values hash equal, on any
+machine. Two methods exist; every rank must use the same one (the method is part of the audit settings
+that ranks compare).
+
+``xxh3`` (CPU tensors): xxh3-64 over a zero-copy view of the tensor's memory. xxhash releases the GIL, so
+a thread pool hashes several large tensors, or several ``CHUNK``-sized leaves of one, at once. A stream
+longer than ``CHUNK`` bytes is hashed as a tree (xxh3 of its leaves' digests) so one large embedding does
+not leave the other cores idle. Leaf boundaries are offsets in the logical stream, so they do not depend
+on layout either. Only a non-contiguous tensor is copied, one leaf at a time.
+
+The on-device method lives in :mod:`weightsync_audit.engine.device_digest`; sampling in
+:mod:`weightsync_audit.engine.sampling`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from weightsync_audit.engine.device_digest import digest_streams
+from weightsync_audit.engine.hostbytes import CHUNK, contiguous_blocks, host_view
+from weightsync_audit.engine.manifest import Entry
+from weightsync_audit.engine.sampling import SMALL, sample_bounds, sample_pieces
+
+__all__ = [
+    "METHODS",
+    "digest_entries",
+    "digest_tensor",
+    "digest_tensors",
+    "overall_digest",
+    "structure_digest",
+    "workers",
+]
+
+METHODS = ("auto", "xxh3", "device")
+
+_PARALLEL_MIN_BYTES = 2 << 20
+"""Below this much data to hash in large tensors, handing work to threads costs more than it saves."""
+
+_xxh = xxhash.xxh3_64_intdigest
+_EMPTY = _xxh(b"")
+_MASK64 = (1 << 64) - 1
+
+_MASK64 = (1 << 64) - 1
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def workers() -> int:
+    """Threads that hash at once on this rank (``WEIGHTSYNC_AUDIT_THREADS``, else the usable cores, at most 8)."""
+    env = os.environ.get("WEIGHTSYNC_AUDIT_THREADS")
+    if env:
+        return max(1, int(env))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(8, cores))
+
+
+def _get_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=max(1, workers() - 1), thread_name_prefix="weightsync-digest")
+        return _pool
+
+
+def _forget_pool_after_fork() -> None:
+    # A forked child inherits the executor object but none of its threads: using it would hang.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def _as_signed(x: int) -> int:
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+# -- xxh3 over CPU memory -----------------------------------------------------------------------
+
+
+def _stream_leaves(pieces: Sequence[torch.Tensor]) -> list[int]:
+    """xxh3 of each ``CHUNK``-sized leaf of the logical byte stream of ``pieces`` (CPU tensors)."""
+    out: list[int] = []
+    h = xxhash.xxh3_64()
+    filled = 0
+    for piece in pieces:
+        for block in contiguous_blocks(piece):
+            raw = host_view(block)
+            pos = 0
+            while pos < len(raw):
+                take = min(CHUNK - filled, len(raw) - pos)
+                h.update(raw[pos : pos + take])
+                filled += take
+                pos += take
+                if filled == CHUNK:
+                    out.append(h.intdigest())
+                    h.reset()
+                    filled = 0
+    if filled or not out:
+        out.append(h.intdigest())
+    return out
+
+
+def _combine_leaves(leaves: Sequence[int]) -> int:
+    if len(leaves) == 1:
+        return leaves[0]
+    return _xxh(np.asarray(leaves, dtype=np.uint64).tobytes(), seed=len(leaves))
+
+
+def _run_jobs(jobs: list[tuple[int, int, int, object]]) -> list[int | list[int]]:
+    """Hash ``(size, target, leaf, payload)`` jobs, largest first, on the pool and this thread together.
+
+    Work is taken from a shared counter rather than pre-assigned, so a thread that loses its core to
+    another rank's threads does not hold the others back.
+    """
+    results: list[int | list[int]] = [0] * len(jobs)
+    order = sorted(range(len(jobs)), key=lambda k: -jobs[k][0])
+    counter = itertools.count()
+
+    def drain() -> None:
+        while True:
+            k = next(counter)  # atomic: itertools.count is implemented in C
+            if k >= len(order):
+                return
+            j = order[k]
+            payload = jobs[j][3]
+            results[j] = _stream_leaves(payload) if isinstance(payload, list) else _xxh(payload)  # type: ignore[arg-type]
+
+    helpers = min(workers() - 1, len(jobs) - 1)
+    if helpers > 0 and sum(job[0] for job in jobs) >= _PARALLEL_MIN_BYTES:
+        pool = _get_pool()
+        futures = [pool.submit(drain) for _ in range(helpers)]
+        drain()
+        for f in futures:
+            f.result()
+    else:
+        drain()
+    return results
+
+
+# -- many tensors ------------------------------------------------------------------------------
+
+
+def digest_tensors(
+    tensors: Sequence[torch.Tensor],
+    *,
+    slice_index: int = 0,
+    slices: int = 1,
+    method: str = "auto",
+) -> np.ndarray:
+    """Digests of ``tensors`` as an int64 array, in order.
+
+    ``method``: ``auto`` (xxh3 on CPU, on-device elsewhere), ``xxh3`` (accelerator tensors are copied to
+    the host first) or ``device`` (on-device for every tensor, CPU included: this is how CI exercises
+    the accelerator path).
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: choose from {list(METHODS)}")
+    n = len(tensors)
+    out = [0] * n
+    on_device: list[int] = []
+    device_items: list[list[torch.Tensor]] = []
+    jobs: list[tuple[int, int, int, object]] = []  # (bytes, target, leaf or -1, memoryview | pieces)
+    leaves: dict[int, list[int]] = {}
+    sampled = slices > 1
+    all_on_device = method == "device"
+    xxh, c_char, small = _xxh, ctypes.c_char, SMALL
+    for i, t in enumerate(tensors):
+        if t.is_cpu and not all_on_device:
+            size = t.nbytes
+            if size <= small and t.is_contiguous():
+                # The common case, thousands of times per audit: hash the memory in place, no job.
+                out[i] = xxh((c_char * size).from_address(t.data_ptr())) if size else _EMPTY
+                continue
+        elif all_on_device or method == "auto":
+            on_device.append(i)
+            device_items.append(sample_pieces(t, slice_index, slices) if sampled else [t])
+            continue
+        else:
+            t = t.cpu()
+            size = t.nbytes
+        contiguous = t.is_contiguous()
+        if sampled and size > SMALL and t.dim():
+            if not contiguous:
+                pieces = sample_pieces(t, slice_index, slices)
+                jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
+                continue
+            # The slice of a contiguous tensor is a byte range of its memory: cut the view, no tensor ops.
+            start, stop = sample_bounds(t.numel(), slice_index, slices)
+            esize = t.element_size()
+            raw = host_view(t)[start * esize : stop * esize]
+            size = len(raw)
+        elif not contiguous:
+            jobs.append((size, i, -1, [t]))
+            continue
+        else:
+            raw = host_view(t)
+        if size <= SMALL:
+            out[i] = _xxh(raw)
+        elif size <= CHUNK:
+            jobs.append((size, i, -1, raw))
+        else:
+            k = (size + CHUNK - 1) // CHUNK
+            leaves[i] = [0] * k
+            jobs.extend((min(CHUNK, size - j * CHUNK), i, j, raw[j * CHUNK : (j + 1) * CHUNK]) for j in range(k))
+    if jobs:
+        for (_, i, leaf, _payload), d in zip(jobs, _run_jobs(jobs)):
+            if leaf >= 0:
+                leaves[i][leaf] = d  # type: ignore[assignment]
+            else:
+                out[i] = _combine_leaves(d) if isinstance(d, list) else d
+        for i, ls in leaves.items():
+            out[i] = _combine_leaves(ls)
+    result = np.array(out, dtype=np.uint64).view(np.int64) if n else np.zeros(0, dtype=np.int64)
+    if on_device:
+        result[on_device] = digest_streams(device_items)
+    return result
+
+
+def digest_entries(
+    entries: Sequence[Entry],
+    *,
+    slice_index: int = 0,
+    slices: int = 1,
+    method: str = "auto",
+) -> np.ndarray:
+    """Digests of all manifest entries as an int64 array, in manifest order (see :func:`digest_tensors`)."""
+    return digest_tensors([e.tensor for e in entries], slice_index=slice_index, slices=slices, method=method)
+
+
+def digest_tensor(t: torch.Tensor, *, slice_index: int = 0, slices: int = 1, method: str = "auto") -> int:
+    """The 64-bit digest (as a signed int) of a tensor's exact bytes in logical order.
+
+    >>> import torch
+    >>> digest_tensor(torch.ones(3)) == digest_tensor(torch.ones(3, 2)[:, 0])
+    True
+    """
+    return int(digest_tensors([t.detach()], slice_index=slice_index, slices=slices, method=method)[0])
+
+
+def structure_digest(entries: Sequence[Entry]) -> int:
+    """Digest of names, kinds, shapes and dtypes, in order."""
+    text = "\x1f".join([f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}" for e in entries])
+    return _as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
+
+
+def overall_digest(digests: np.ndarray, structure: int) -> int:
+    """One digest over every value digest, seeded by the structure."""
+    return _as_signed(_xxh(np.ascontiguousarray(digests, dtype=np.int64).tobytes(), seed=structure & _MASK64))

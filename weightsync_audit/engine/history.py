@@ -1,0 +1,53 @@
+"""What an :class:`~weightsync_audit.Auditor` remembers across audits (and checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["AuditHistory"]
+
+
+@dataclass(slots=True)
+class AuditHistory:
+    """What the auditor remembers across audits (and checkpoints)."""
+
+    audits: int = 0
+    diverged_audits: int = 0
+    resyncs: int = 0
+    last_in_sync_step: int | None = None
+    first_divergence_step: int | None = None
+    first_divergence_tensors: list[str] = field(default_factory=list)
+    last_diverged_tensors: list[str] = field(default_factory=list)
+
+    def record(self, result: AuditResult) -> None:
+        self.audits += 1
+        if result.in_sync:
+            self.last_in_sync_step = result.step
+            self.last_diverged_tensors = []
+        else:
+            self.diverged_audits += 1
+            if self.first_divergence_step is None and not self.first_divergence_tensors:
+                self.first_divergence_step = result.step
+                self.first_divergence_tensors = result.diverged_names
+            self.last_diverged_tensors = result.diverged_names
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "audits": self.audits,
+            "diverged_audits": self.diverged_audits,
+            "resyncs": self.resyncs,
+            "last_in_sync_step": self.last_in_sync_step,
+            "first_divergence_step": self.first_divergence_step,
+            "first_divergence_tensors": list(self.first_divergence_tensors),
+            "last_diverged_tensors": list(self.last_diverged_tensors),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Tolerant of older or partial checkpoints: missing keys keep their defaults.
+        for key in self.state_dict():
+            if key in state:
+                value = state[key]
+                setattr(self, key, list(value) if isinstance(value, (list, tuple)) else value)

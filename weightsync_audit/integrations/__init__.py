@@ -1,0 +1,1 @@
+"""Thin adapters over the engine: Lightning callbacks, zero-code activation, and other Trainers."""

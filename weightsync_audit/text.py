@@ -1,0 +1,44 @@
+"""How every message names things: tensors, layers and ranks, worded the same everywhere.
+
+A leaf module: it imports nothing of the package, so errors, the engine, the DDP hints, reporting and
+the CLI all share it without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+__all__ = ["brief_names", "fmt_ranks", "layer_of"]
+
+
+def brief_names(names: Iterable[str], limit: int = 6) -> str:
+    """The first ``limit`` names, then how many more: how every message lists tensors.
+
+    >>> brief_names(["a", "b", "c"], limit=2)
+    'a, b and 1 more'
+    """
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def fmt_ranks(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks [1, 3]``.
+
+    >>> fmt_ranks([1, 3])
+    'ranks [1, 3]'
+    """
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def layer_of(name: str, kind: str) -> str:
+    """The module a tensor belongs to: ``backbone`` for ``backbone.weight`` and its optimizer state.
+
+    >>> layer_of("backbone.0.weight.exp_avg", "optimizer"), layer_of("param_groups.1.lr", "optimizer")
+    ('backbone.0', 'param_groups.1')
+    """
+    if kind == "optimizer":
+        if name.startswith("param_groups.") or ".param_groups." in name:
+            return name.rsplit(".", 1)[0]
+        name = name.rsplit(".", 1)[0]  # drop the state key
+    return name.rsplit(".", 1)[0] if "." in name else "(root)"
