@@ -98,21 +98,27 @@ class Auditor:
         method: Method = "auto",
         max_diff_tensors: int = 8,
         compare_broadcast_buffers: bool = False,
+        config: AuditConfig | None = None,
     ) -> None:
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
         self.optimizers = as_optimizers(optimizer)
         self.group = group
-        self.config = AuditConfig(
-            include=tuple(include),
-            exclude=tuple(exclude),
-            timeout_s=timeout_s,
-            slices=parse_coverage(coverage),
-            method=method,
-            max_diff_tensors=max_diff_tensors,
-            compare_broadcast_buffers=compare_broadcast_buffers,
-        )
+        if config is None:
+            config = AuditConfig(
+                include=tuple(include),
+                exclude=tuple(exclude),
+                timeout_s=timeout_s,
+                slices=parse_coverage(coverage),
+                method=method,
+                max_diff_tensors=max_diff_tensors,
+                compare_broadcast_buffers=compare_broadcast_buffers,
+            )
+        elif not isinstance(config, AuditConfig):
+            raise TypeError(f"config must be an AuditConfig, got {type(config).__name__}")
+        self.config = config
+        """The settings, validated once; callbacks build one :class:`AuditConfig` and pass it whole."""
         self.history = AuditHistory()
         self._comm: Comm | None = None
 

@@ -10,10 +10,24 @@ from typing import Literal, get_args
 
 from weightsync_audit.engine.manifest import check_include
 
-__all__ = ["AuditConfig", "Method", "parse_coverage"]
+__all__ = ["AuditConfig", "Method", "OnMismatch", "check_on_mismatch", "parse_coverage"]
 
 Method = Literal["auto", "xxh3", "device"]
 """``auto``: xxh3 on CPU and on-device digests on accelerators; ``xxh3``; ``device``."""
+
+OnMismatch = Literal["warn", "raise", "resync"]
+"""What a callback does when ranks disagree: report, raise on every rank together, or repair and confirm."""
+
+
+def check_on_mismatch(on_mismatch: object) -> OnMismatch:
+    """Validate a callback's ``on_mismatch`` argument, naming it in the error.
+
+    >>> check_on_mismatch("raise")
+    'raise'
+    """
+    if on_mismatch not in get_args(OnMismatch):
+        raise ValueError(f"on_mismatch={on_mismatch!r}: choose from {list(get_args(OnMismatch))}")
+    return on_mismatch  # type: ignore[return-value]
 
 
 def parse_coverage(coverage: float | int | str) -> int:
@@ -65,8 +79,10 @@ class AuditConfig:
         for pat in self.exclude:
             if not isinstance(pat, str):
                 raise TypeError(f"exclude={self.exclude!r}: patterns must be strings")
-        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a positive number of seconds or None")
+        if self.timeout_s is not None and (
+            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a positive number of seconds, or None")
         if self.method not in get_args(Method):
             raise ValueError(f"method={self.method!r}: choose from {list(get_args(Method))}")
         if self.slices < 1:

@@ -13,16 +13,22 @@ import logging
 import sys
 import time
 import warnings
-from typing import Any, Literal, Optional, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from weightsync_audit.ddp.hints import ddp_frozen_hint, ddp_unsynced_hint
-from weightsync_audit.ddp.inspect import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
-from weightsync_audit.engine.auditor import AuditHistory, Auditor, parse_coverage
-from weightsync_audit.engine.manifest import check_include
+from typing_extensions import override
+
+from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.auditor import Auditor
+from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
+from weightsync_audit.engine.history import AuditHistory
 from weightsync_audit.engine.resync import resync
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 log = logging.getLogger("weightsync_audit")
 
@@ -40,7 +46,6 @@ AUDIT_HOOKS: tuple[str, ...] = (
     "on_fit_end",
 )
 
-ON_MISMATCH = ("warn", "raise", "resync")
 
 #: Strategies whose ranks hold shards, not replicas: comparing them as replicas would be wrong.
 _SHARDED_STRATEGIES = ("FSDP", "DeepSpeed", "ModelParallel", "XLAFSDP")
@@ -91,7 +96,7 @@ class WeightSyncAuditMixin:
         hooks: Sequence[str] = ("on_train_start", "on_train_epoch_end"),
         include: Sequence[str] = ("params", "buffers", "optimizer"),
         exclude: Sequence[str] = (),
-        on_mismatch: Literal["warn", "raise", "resync"] = "warn",
+        on_mismatch: OnMismatch = "warn",
         resync_src: int = 0,
         report_path: Optional[str] = None,
         timeout_s: Optional[float] = 600.0,
@@ -110,23 +115,23 @@ class WeightSyncAuditMixin:
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
         if unknown:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
-        self.include = check_include(include, "include")
-        if isinstance(exclude, str):
-            exclude = (exclude,)
-        if on_mismatch not in ON_MISMATCH:
-            raise ValueError(f"on_mismatch={on_mismatch!r}: choose from {list(ON_MISMATCH)}")
+        # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
+        self.config = AuditConfig(
+            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
+            exclude=exclude if isinstance(exclude, str) else tuple(exclude),  # type: ignore[arg-type]
+            timeout_s=timeout_s,
+            slices=parse_coverage(coverage),
+        )
+        check_on_mismatch(on_mismatch)
         if isinstance(resync_src, bool) or not isinstance(resync_src, int) or resync_src < 0:
             raise ValueError(f"resync_src={resync_src!r}: must be a rank number >= 0")
-        if timeout_s is not None and (
-            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0
-        ):
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds, or None")
-        self.slices = parse_coverage(coverage)
         if report_path is not None:
             check_report_path(report_path, "report_path")
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
-        self.exclude = tuple(exclude)
+        self.include = self.config.include
+        self.exclude = self.config.exclude
+        self.slices = self.config.slices
         self.on_mismatch = on_mismatch
         self.resync_src = resync_src
         self.report_path = None if report_path is None else str(report_path)
@@ -143,14 +148,14 @@ class WeightSyncAuditMixin:
         self._disabled: str | None = None
         self._last_step_audited: int | None = None
         self._last_reported: tuple[str, ...] = ()
-        self._warned_trainable = False
-        self._flags_seen: tuple[bool, ...] = ()
+        self._trainable = TrainableSetWatch()
         self.from_env = False
         """Set when the callback was added by the WEIGHTSYNC_AUDIT variable (zero-code activation)."""
 
     # -- set-up --------------------------------------------------------------------------------
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         self._disabled = sharded_strategy_reason(trainer.strategy)
@@ -169,35 +174,41 @@ class WeightSyncAuditMixin:
         if self.on_mismatch == "resync" and self.resync_src >= world:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world} rank(s)")
         main_include = tuple(k for k in self.include if k != "grads")
-        common = {"exclude": self.exclude, "timeout_s": self.timeout_s}
-        self._auditor = Auditor(include=main_include or ("params",), coverage=self.coverage, **common)
+        self._auditor = Auditor(config=replace(self.config, include=main_include or ("params",)))
         self._auditor.history = self.history
         if "grads" in self.include:
-            self._grad_auditor = Auditor(include=("grads",), **common)
+            self._grad_auditor = Auditor(config=replace(self.config, include=("grads",), slices=1))
         if trainer.is_global_zero and self.report_path is not None:
             self._writer = ReportWriter(self.report_path)
         # Open the audit channel now, while every rank is known to be here (it is collective).
         self._auditor.setup()
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
     # -- triggers ------------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
-        self._snapshot_wrap(trainer)
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainable.snapshot(trainer.strategy.model)
         self._maybe_hook(trainer, "on_fit_start")
 
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step_audited = trainer.global_step
         self._maybe_hook(trainer, "on_train_start")
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_train_epoch_start")
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
         if self.every_n_train_steps is None or step == self._last_step_audited:
@@ -206,8 +217,10 @@ class WeightSyncAuditMixin:
             self._last_step_audited = step
             self._run(trainer, "on_train_batch_end")
 
-    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        self._check_trainable(trainer)
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if not self._disabled:
+            self._trainable.check(trainer.strategy.model, trainer.global_step, warn=trainer.is_global_zero)
         if self._grad_auditor is None:
             return
         upcoming = trainer.global_step + 1
@@ -215,27 +228,37 @@ class WeightSyncAuditMixin:
         if on_cadence or "on_before_optimizer_step" in self.hooks:
             self._run(trainer, "on_before_optimizer_step", grads=True, step=upcoming)
 
-    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_train_epoch_end")
 
-    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_validation_start")
 
-    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_validation_end")
 
-    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._maybe_hook(trainer, "on_save_checkpoint")
 
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_train_end")
 
-    def on_fit_end(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_fit_end")
         if trainer.is_global_zero and self.verbose and self._auditor is not None:
             self._print(self.summary())
 
     def _maybe_hook(self, trainer: Any, hook: str) -> None:
+        if getattr(trainer, "sanity_checking", False):
+            return  # the sanity check's validation steps change nothing worth auditing
         if hook in self.hooks and hook != "on_before_optimizer_step":
             self._run(trainer, hook)
 
@@ -338,44 +361,6 @@ class WeightSyncAuditMixin:
         console = self.console or Console(file=sys.stderr)
         console.print(renderable)
 
-    # -- DDP's trainable set -------------------------------------------------------------------
-
-    def _snapshot_wrap(self, trainer: Any) -> None:
-        # Right after the wrap: what the reducer covers, remembered on the wrapper itself, so a new
-        # wrapper (DDPRewrapOnTrainableChange) is recognised by not carrying it yet.
-        ddp = find_ddp(trainer.strategy.model)
-        if ddp is not None:
-            covered_flags(ddp)
-
-    def _check_trainable(self, trainer: Any) -> None:
-        """Warn once, before any weight moves, when the trainable set leaves DDP's reducer behind."""
-        if self._warned_trainable or self._disabled:
-            return
-        ddp = find_ddp(trainer.strategy.model)
-        if ddp is None:
-            return
-        covered = covered_flags(ddp)
-        now = trainable_flags(watched_parameters(ddp))
-        if now == covered or now == self._flags_seen:
-            return
-        self._flags_seen = now
-        change = flags_change(ddp.module, covered, now)
-        parts = []
-        if change.joined:
-            parts.append(ddp_unsynced_hint(list(change.joined)))
-        if change.left and not ddp.find_unused_parameters:
-            parts.append(ddp_frozen_hint(list(change.left)))
-        if not parts:
-            return
-        self._warned_trainable = True
-        if trainer.is_global_zero:
-            warnings.warn(
-                f"weightsync audit (step {trainer.global_step}): the set of trainable parameters changed after "
-                "DistributedDataParallel wrapped the model. " + " ".join(parts),
-                WeightSyncWarning,
-                stacklevel=2,
-            )
-
     # -- reporting and checkpoints -------------------------------------------------------------
 
     def summary(self) -> str:
@@ -393,11 +378,26 @@ class WeightSyncAuditMixin:
         )
 
     @property
+    @override
     def state_key(self) -> str:
-        # The class name, so a resumed run finds the history whatever the arguments; the instance the
-        # WEIGHTSYNC_AUDIT variable adds keeps its own key so it can sit beside an explicit one.
+        # From the arguments, as Lightning's own callbacks do, so two WeightSyncAudit in one Trainer keep
+        # their histories apart; the one the WEIGHTSYNC_AUDIT variable adds is told apart by its source.
+        return self._generate_state_key(  # type: ignore[attr-defined]
+            every_n_train_steps=self.every_n_train_steps,
+            hooks=list(self.hooks),
+            include=list(self.include),
+            exclude=list(self.exclude),
+            coverage=f"1/{self.slices}",
+            source="WEIGHTSYNC_AUDIT" if self.from_env else "callbacks",
+        )
+
+    @property
+    def _legacy_state_key(self) -> str:
+        # Lightning falls back to this key when a checkpoint lacks ``state_key``: version 0.1 saved the
+        # history under the class name, so runs checkpointed then resume with their history.
         return type(self).__qualname__ + ("[WEIGHTSYNC_AUDIT]" if self.from_env else "")
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {
             "version": _STATE_VERSION,
@@ -405,6 +405,7 @@ class WeightSyncAuditMixin:
             "last_reported": list(self._last_reported),
         }
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Old or partial checkpoints keep the defaults for what they lack.
         self.history.load_state_dict(state_dict.get("history", {}))

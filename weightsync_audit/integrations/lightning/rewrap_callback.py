@@ -30,9 +30,10 @@ import logging
 import sys
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from weightsync_audit.compat import lightning_ddp_factory, lightning_reset_static_graph
 from weightsync_audit.ddp.inspect import (
@@ -45,6 +46,9 @@ from weightsync_audit.ddp.inspect import (
     trainable_flags,
     watched_parameters,
 )
+
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
 log = logging.getLogger("weightsync_audit")
 
@@ -110,20 +114,27 @@ class DDPRewrapMixin:
 
     # -- hooks ---------------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ddp_ref, self._flags = None, None
         self._check(trainer, "on_fit_start")
 
-    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check(trainer, "on_train_epoch_start")
 
-    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._check(trainer, "on_train_batch_start")
 
-    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check(trainer, "on_after_backward", mid_step=True)
 
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._ddp_ref, self._flags = None, None
 
     # -- the check -----------------------------------------------------------------------------
