@@ -212,3 +212,30 @@ def test_freezing_mid_training_without_a_rewrap_breaks_ddps_reduction() -> None:
     out = run_ranks(_freeze_mid_training, 2, "none", expect_errors=True)
     assert all(isinstance(r, RankFailed) for r in out)
     assert "finished reduction in the prior iteration" in out[0].message
+
+
+def _unfreeze_on_rank_1_only(rank: int, world: int, where: str) -> dict:
+    import time
+
+    from weightsync_audit import TrainableSetMismatchError
+
+    model = make_model()
+    model[0].requires_grad_(False)
+    ddp = DDP(model)
+    if rank == 1:
+        model[0].requires_grad_(True)  # a rank-local decision: the others keep it frozen
+    t0 = time.monotonic()
+    try:
+        maybe_rewrap(ddp, timeout_s=20)
+    except TrainableSetMismatchError as exc:
+        return {"error": str(exc), "ranks": exc.ranks, "seconds": time.monotonic() - t0}
+    return {"error": None}
+
+
+def test_ranks_that_disagree_on_the_trainable_set_all_raise_the_library_error_naming_them() -> None:
+    out = run_ranks(_unfreeze_on_rank_1_only, 2, "maybe_rewrap", timeout=60)
+    for r in out:
+        assert r["error"] is not None, "a rank went on into DDP's constructor alone"
+        assert "0.weight" in r["error"] and "rank 1" in r["error"], r["error"]
+        assert r["seconds"] < 10
+    assert out[0]["error"] == out[1]["error"]

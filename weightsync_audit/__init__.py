@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from weightsync_audit.ddp.inspect import maybe_rewrap, rewrap_ddp
+from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
 
 # `resync` is both a submodule and a function: importing the function eagerly keeps the package
 # attribute bound to the function (a lazy import would let the submodule shadow it).
@@ -24,6 +24,7 @@ from weightsync_audit.errors import (
     AuditPreparationError,
     AuditTimeoutError,
     ReportFormatError,
+    TrainableSetMismatchError,
     UnauditableTensorError,
     WeightDivergenceError,
     WeightSyncAuditError,
@@ -55,6 +56,7 @@ __all__ = [
     "DDPRewrapOnTrainableChange",
     "Mismatch",
     "ReportFormatError",
+    "TrainableSetMismatchError",
     "UnauditableTensorError",
     "WeightDivergenceError",
     "WeightSyncAudit",

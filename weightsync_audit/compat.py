@@ -17,6 +17,7 @@ from torch import nn
 
 __all__ = [
     "CompatError",
+    "ddp_comm_hooks",
     "ddp_reducer_parameter_ids",
     "ddp_synced_count",
     "default_process_group",
@@ -103,6 +104,11 @@ def ddp_synced_count(ddp: nn.parallel.DistributedDataParallel) -> int | None:
         return int(logging_data()["num_parameter_tensors"])
     except (KeyError, TypeError, ValueError, RuntimeError):
         return None
+
+
+def ddp_comm_hooks(ddp: nn.parallel.DistributedDataParallel) -> list[tuple[Callable[..., Any], object]]:
+    """The ``(hook, state)`` pairs registered with ``register_comm_hook``, oldest first (``_comm_hooks``)."""
+    return list(getattr(ddp, "_comm_hooks", []) or [])
 
 
 def remove_ddp_autograd_hooks(ddp: nn.parallel.DistributedDataParallel) -> None:

@@ -13,6 +13,7 @@ __all__ = [
     "UnauditableTensorError",
     "ReportFormatError",
     "WeightSyncWarning",
+    "TrainableSetMismatchError",
 ]
 
 
@@ -85,4 +86,15 @@ class AuditPreparationError(WeightSyncAuditError, RuntimeError):
 
     def __init__(self, message: str, failures: dict[int, str] | None = None) -> None:
         self.failures = dict(failures or {})
+        super().__init__(message)
+
+
+class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
+    """Ranks hold different trainable sets where they must agree (before re-wrapping DDP); raised on every rank.
+
+    ``.ranks`` lists the ranks whose flags differ from the majority's.
+    """
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        self.ranks = list(ranks)
         super().__init__(message)

@@ -41,11 +41,10 @@ from weightsync_audit.ddp.inspect import (
     covered_flags,
     find_ddp,
     flags_change,
-    reduce_grads_by_hand,
-    rewrap_ddp,
     trainable_flags,
     watched_parameters,
 )
+from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, agree_trainable, reduce_grads_by_hand, rewrap_ddp
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -103,9 +102,15 @@ class DDPRewrapMixin:
             BackboneFinetuning(unfreeze_backbone_at_epoch=3), DDPRewrapOnTrainableChange()])
     """
 
-    def __init__(self, verbose: bool = True) -> None:
+    def __init__(self, verbose: bool = True, timeout_s: float | None = DEFAULT_AGREE_TIMEOUT_S) -> None:
         super().__init__()
+        if timeout_s is not None and (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0
+        ):
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds, or None")
         self.verbose = verbose
+        self.timeout_s = timeout_s
+        """Deadline for the ranks to agree on the trainable set at each check."""
         self.rewraps: list[RewrapEvent] = []
         # Not picklable state stays None until fit starts inside the worker (ddp_spawn pickles callbacks).
         self._ddp_ref: weakref.ReferenceType[DistributedDataParallel] | None = None
@@ -159,6 +164,8 @@ class DDPRewrapMixin:
             self._ddp_ref = weakref.ref(ddp)
             self._flags = covered_flags(ddp)
         now = trainable_flags(watched_parameters(ddp))
+        # A re-wrap is collective: every rank checks, with a deadline, that all hold the same flags.
+        agree_trainable(ddp, now, timeout_s=self.timeout_s)
         if now == self._flags:
             return
         assert self._flags is not None
