@@ -110,6 +110,7 @@ def test_compat_self_check_passes_here_and_names_the_versions_when_an_internal_i
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     compat.self_check()
+    monkeypatch.setattr(compat, "_checked", False)
     monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
     with pytest.raises(compat.CompatError, match=r"_get_default_store.*torch 2\."):
         compat.self_check()

@@ -156,8 +156,18 @@ def lightning_reset_static_graph(strategy: Any) -> None:
         strategy._pl_static_graph_delay_done = False
 
 
+_checked = False
+
+
 def self_check() -> None:
-    """Raise :class:`CompatError`, naming the versions, when an internal the audit channel needs is gone."""
+    """Raise :class:`CompatError`, naming the versions, when an internal the audit channel needs is gone.
+
+    Run once per process by the first audit (and again whenever it raised).
+    """
+    global _checked
+    if _checked:
+        return
     _require(dist.distributed_c10d, "_get_default_group", "torch.distributed's default group accessor")
     _require(dist.distributed_c10d, "_get_default_store", "torch.distributed's default store accessor")
     _require(nn.parallel.DistributedDataParallel, "_remove_autograd_hooks", "DistributedDataParallel's hook removal")
+    _checked = True

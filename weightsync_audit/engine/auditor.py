@@ -31,6 +31,7 @@ import xxhash
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.compat import self_check
 from weightsync_audit.ddp.hints import explain
 from weightsync_audit.ddp.inspect import find_ddp
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
@@ -127,6 +128,7 @@ class Auditor:
     @property
     def comm(self) -> Comm:
         if self._comm is None:
+            self_check()  # fail loudly, naming the versions, if an internal the channel needs is gone
             self._comm = Comm(self.group, self.config.timeout_s)
         return self._comm
 

@@ -8,7 +8,7 @@ ranks hold; a tie goes to the group holding the lowest rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
@@ -18,6 +18,7 @@ __all__ = [
     "PROTOCOL",
     "PROTOCOL_FAILED",
     "SUMMARY_FIELDS",
+    "Status",
     "SummaryVerdict",
     "majority",
     "judge_summaries",
@@ -39,11 +40,15 @@ SUMMARY_FIELDS = ("protocol", "step", "epoch", "count", "structure", "overall", 
 _POSITION_FIELDS = ("protocol", "step", "epoch", "config", "slice")
 
 
+Status = Literal["in_sync", "values", "structure", "out_of_step"]
+"""What the summaries say: all equal, values differ, structures differ, or ranks are at different points."""
+
+
 @dataclass(frozen=True, slots=True)
 class SummaryVerdict:
     """What phase (a) concludes from the gathered summaries."""
 
-    status: str
+    status: Status
     """``in_sync``, ``values`` (same structure, some value differs), ``structure`` or ``out_of_step``."""
     differing_fields: tuple[str, ...] = ()
 

@@ -9,16 +9,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping, get_args
 
 from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.text import brief_names
 
-__all__ = ["SCHEMA", "ACTIONS", "MISMATCH_KINDS", "Mismatch", "AuditResult"]
+__all__ = ["ACTIONS", "MISMATCH_KINDS", "SCHEMA", "Action", "AuditResult", "Kind", "Mismatch"]
 
 SCHEMA = "weightsync-audit/1"
-ACTIONS = ("none", "warned", "raised", "resynced")
-MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
+Action = Literal["none", "warned", "raised", "resynced"]
+"""What was done about an audit's result: nothing (raw ``audit``), warned, raised, resynced."""
+Kind = Literal["param", "buffer", "optimizer", "grad", "structure"]
+"""What a mismatched tensor is; ``structure`` when it is missing or has another shape or dtype somewhere."""
+ACTIONS: tuple[str, ...] = get_args(Action)
+MISMATCH_KINDS: tuple[str, ...] = get_args(Kind)
 _CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
 
 
@@ -42,7 +46,7 @@ class Mismatch:
     """
 
     name: str
-    kind: str
+    kind: Kind
     ranks: list[int]
     reference_ranks: list[int]
     shape: list[int] | None = None
@@ -105,7 +109,7 @@ class AuditResult:
     hints: list[str] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CHECKED_KINDS, 0))
     hook: str | None = None
-    action: str = "none"
+    action: Action = "none"
     last_in_sync_step: int | None = None
     duration_ms: float = 0.0
     time: str = field(default_factory=_now)
