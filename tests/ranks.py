@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -54,7 +55,9 @@ def _entry(
             timeout=timedelta(seconds=pg_timeout_s),
         )
         out = fn(rank, world, *args, **kwargs)
-        q.put(("ok", rank, out))
+        # Pickled here, by value: torch's queue reducers would pass tensors as file descriptors that the
+        # parent fetches from this process, which may have exited by then ("Connection reset by peer").
+        q.put(("ok", rank, pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(("err", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
@@ -114,7 +117,7 @@ def run_ranks(
                 if all(not p.is_alive() for p in procs) and q.empty():
                     break
                 continue
-            results[rank] = payload if status == "ok" else RankFailed(rank, *payload)
+            results[rank] = pickle.loads(payload) if status == "ok" else RankFailed(rank, *payload)
     finally:
         for p in procs:
             p.join(timeout=2)
