@@ -6,9 +6,12 @@ the CLI all share it without an import cycle.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
-__all__ = ["brief_names", "fmt_ranks", "layer_of"]
+__all__ = ["COMPARED_NOTES", "brief_names", "fmt_ranks", "fmt_shard", "layer_of"]
+
+#: Openings of the notes that say what an audit could not compare (``check`` prints them).
+COMPARED_NOTES = ("no parameters were compared", "sharded tensors have no replica to compare")
 
 
 def brief_names(names: Iterable[str], limit: int = 6) -> str:
@@ -29,6 +32,15 @@ def fmt_ranks(ranks: Sequence[int]) -> str:
     'ranks [1, 3]'
     """
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
+def fmt_shard(shard: Mapping[str, int] | None) -> str:
+    """A shard's name from its mesh coordinates; ``""`` for a plain tensor.
+
+    >>> fmt_shard({"dp": 0, "tp": 1})
+    'dp=0,tp=1'
+    """
+    return ",".join(f"{k}={v}" for k, v in shard.items()) if shard else ""
 
 
 def layer_of(name: str, kind: str) -> str:

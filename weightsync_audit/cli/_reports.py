@@ -12,7 +12,7 @@ from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.text import brief_names
+from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_shard
 
 
 def _errors(console: Console, summary: ReportSummary) -> None:
@@ -34,7 +34,7 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     out = [Text.assemble(("first divergence: ", "bold"), (where, "bold red"), f", report line {line}")]
     parts = []
     for m in r.mismatches[:8]:
-        extra = [m.kind]
+        extra = [m.kind] + ([f"shard {fmt_shard(m.shard)}"] if m.shard else [])
         if m.max_abs_diff is not None:
             extra.append(f"max |diff| {fmt_gap(m.max_abs_diff)}")
         if m.detail:
@@ -87,6 +87,8 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
             console.print(f"resynced: {resynced} audit(s) repaired the replicas from a healthy rank")
         state = "in sync" if last.in_sync else f"still diverged ({len(last.mismatches)} tensor(s))"
         console.print(f"at the end (step {last.step}): {state}")
+    for note in dict.fromkeys(n for r in rs for n in r.notes if any(c in n for c in COMPARED_NOTES)):
+        console.print(Text("note: " + note, style="yellow"))
     _errors(console, summary)
     return summary.exit_code
 

@@ -9,7 +9,7 @@ from typing import Any
 from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.record import AuditResult, Mismatch
-from weightsync_audit.text import layer_of
+from weightsync_audit.text import fmt_shard, layer_of
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
 
@@ -151,7 +151,7 @@ class ReportSummary:
             for m in r.mismatches:
                 layer = layer_of(m.name, m.kind)
                 row = rows.setdefault(layer, LayerRow(layer))
-                row.tensors.setdefault(m.name, None)
+                row.tensors.setdefault(m.name + (f"@{fmt_shard(m.shard)}" if m.shard else ""), None)
                 row.kinds.setdefault(m.kind, None)
                 row.ranks.update(m.ranks)
                 row.reference_ranks.update(m.reference_ranks)

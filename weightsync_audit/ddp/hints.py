@@ -8,15 +8,17 @@ and each mismatch feeds at most one parameter hint.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.ddp.inspect import remembered_flags, synced_parameter_names
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names
 
-__all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain"]
+__all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain", "uses_fsdp2"]
 
 _FIX = (
     "Fix: re-create the DDP wrapper whenever the trainable set changes: add "
@@ -58,18 +60,27 @@ def _covered(ddp: DistributedDataParallel, synced: frozenset[str] | None) -> fro
         return None
 
 
+def uses_fsdp2(module: Any) -> bool:
+    """Whether ``module`` (or a module inside it) is sharded by FSDP2's ``fully_shard``."""
+    return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
 def explain(
     mismatches: Sequence[Mismatch],
     *,
     ddp: DistributedDataParallel | None = None,
     synced: frozenset[str] | None = None,
     grads_checked: bool = False,
+    params_compared: bool = True,
+    module: Any = None,
 ) -> list[str]:
     """Hints for a set of mismatches, most specific first.
 
     ``synced``: the parameter names DDP all-reduces when the caller already knows them (for example
     a snapshot taken right after the wrap); otherwise they are read from ``ddp``.
     ``grads_checked``: gradients were part of this audit, so "no grad mismatch" means they agree.
+    ``params_compared``: at least one parameter was compared (not so when every shard has no replica),
+    so "no param mismatch" means they agree. ``module``: the audited module, to recognise FSDP2.
     """
     if not mismatches:
         return []
@@ -119,7 +130,14 @@ def explain(
 
     if "buffer" in by_kind:
         names = [m.name for m in by_kind["buffer"]]
-        if ddp is not None and not getattr(ddp, "broadcast_buffers", True):
+        if uses_fsdp2(module):
+            hints.append(
+                f"Buffers {brief_names(names)} differ under FSDP2 (fully_shard), which never synchronises "
+                "buffers: each rank keeps the ones its own batches updated (BatchNorm running statistics, "
+                "most likely). Reduce them yourself (e.g. all_reduce the running stats before evaluation or "
+                "a checkpoint) if they should agree; exclude them if per-rank statistics are intended."
+            )
+        elif ddp is not None and not getattr(ddp, "broadcast_buffers", True):
             hints.append(
                 f"Buffers {brief_names(names)} differ and DistributedDataParallel runs with "
                 "broadcast_buffers=False, so each rank's own batches update them (BatchNorm running "
@@ -134,18 +152,23 @@ def explain(
             )
 
     opt = by_kind.get("optimizer", [])
+    agree = (
+        "while the parameters still agree"
+        if params_compared
+        else "(no parameter could be compared: every parameter shard is held by one rank only)"
+    )
     if opt and not params:
         lrs = [m.name for m in opt if m.name.rsplit(".", 1)[-1] in ("lr", "initial_lr")]
         if lrs:
             hints.append(
-                f"The learning rate differs ({brief_names(lrs)}) while the parameters still agree: likely a "
+                f"The learning rate differs ({brief_names(lrs)}) {agree}: likely a "
                 "scheduler stepped a different number of times on some ranks, or was built per rank. The "
                 "parameters will diverge at the next optimizer step."
             )
         if len(lrs) < len(opt):
             others = [m.name for m in opt if m.name not in set(lrs)]
             hints.append(
-                f"Optimizer state differs ({brief_names(others)}) while the parameters still agree: likely the "
+                f"Optimizer state differs ({brief_names(others)}) {agree}: likely the "
                 "optimizer state was loaded or reset on some ranks only (a checkpoint loaded on one rank), or "
                 "a step was skipped on some ranks (e.g. a GradScaler that saw inf on one rank only). The "
                 "parameters will diverge at the next optimizer step."

@@ -50,6 +50,7 @@ from weightsync_audit.engine.gaps import max_abs_diff
 from weightsync_audit.engine.history import AuditHistory
 from weightsync_audit.engine.hostbytes import host_bytes
 from weightsync_audit.engine.manifest import Entry, Manifest, as_optimizers, build_manifest
+from weightsync_audit.engine.sharded import compare_sharded, compared_counts, has_shards, shard_names, sharded_notes
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
@@ -207,11 +208,19 @@ class Auditor:
 
         value_diffs: list[ValueDiff] = []
         structure_diffs: list[StructureDiff] = []
-        if verdict.status == "values":
+        peers = None
+        if verdict.status != "structure" and has_shards(entries):
+            # Equal structures hold the same DTensors everywhere: every rank takes this step. Shards
+            # differ by design, so the overall digests say nothing; compare within each peer set.
+            value_diffs, peers = compare_sharded(comm, entries, digests)
+        elif verdict.status == "values":
             dtable = comm.exchange(digests, "the per-tensor digests")
             value_diffs = compare_digest_table([e.uid for e in entries], dtable)
         elif verdict.status == "structure":
-            rows = [[e.kind, e.name, e.dtype, list(e.shape), int(d)] for e, d in zip(entries, digests.tolist())]
+            rows = [
+                [e.kind, e.name, e.dtype, list(e.shape), int(d)] + ([] if e.shard is None else [e.shard.layout, e.shard.key])
+                for e, d in zip(entries, digests.tolist())
+            ]
             blobs = comm.exchange_bytes(json.dumps(rows).encode(), "the manifests")
             structure_diffs, value_diffs = compare_manifests([json.loads(b) for b in blobs])
 
@@ -230,10 +239,13 @@ class Auditor:
             for d in structure_diffs
         ]
         value_mismatches = []
-        for d in value_diffs:
+        shards = shard_names(comm, value_diffs, by_uid)
+        for d, shard in zip(value_diffs, shards):
             e = by_uid[d.uid]
             value_mismatches.append(
-                Mismatch(e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, None)
+                Mismatch(
+                    e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, None, shard
+                )
             )
         if value_mismatches:
             self._measure_gaps(comm, value_mismatches, [by_uid[d.uid] for d in value_diffs])
@@ -245,8 +257,18 @@ class Auditor:
                 m.reference_ranks = [comm.global_ranks[r] for r in m.reference_ranks]
 
         hints: list[str] = []
+        checked, unpaired = compared_counts(entries, peers)
+        notes = list(manifest.notes) + sharded_notes(
+            checked, unpaired, sum(e.kind == "param" for e in entries), "params" in cfg.include
+        )
         if mismatches:
-            hints = explain(mismatches, ddp=find_ddp(module), grads_checked="grads" in cfg.include)
+            hints = explain(
+                mismatches,
+                ddp=find_ddp(module),
+                grads_checked="grads" in cfg.include,
+                params_compared=checked["param"] > 0,
+                module=module,
+            )
         in_sync = not mismatches
         result = AuditResult(
             in_sync=in_sync,
@@ -255,11 +277,11 @@ class Auditor:
             world_size=comm.world_size,
             mismatches=mismatches,
             hints=hints,
-            checked=manifest.counts(),
+            checked=checked,
             hook=hook,
             action="none",
             last_in_sync_step=step if in_sync else self.history.last_in_sync_step,
-            notes=list(manifest.notes),
+            notes=notes,
             coverage=f"{slice_index + 1}/{cfg.slices}" if cfg.slices > 1 else None,
         )
         self.history.record(result)
@@ -327,6 +349,8 @@ class Auditor:
             t = e.tensor.detach()
             mine = host_bytes(t) if comm.rank == ref else None
             blob = comm.share_bytes(ref, mine, f"the reference copy of {e.name}")
+            if comm.rank not in m.ranks:
+                continue  # only the differing ranks' values are read (another shard may have another shape)
             theirs = torch.frombuffer(bytearray(blob), dtype=t.dtype).reshape(t.shape) if blob else t.cpu()
             local[k] = max_abs_diff(t.cpu(), theirs)
         gathered = comm.exchange(local.view(np.int64), "the max |diff| values").view(np.float64)

@@ -12,6 +12,7 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
+from weightsync_audit.engine.peers import ALL, column_peers, peer_sets
 from weightsync_audit.text import fmt_ranks
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Status",
     "SummaryVerdict",
     "majority",
+    "majority_within",
     "judge_summaries",
     "compare_digest_table",
     "compare_manifests",
@@ -72,6 +74,16 @@ def majority(values: Sequence[Hashable]) -> tuple[list[int], list[int]]:
     return best, [r for r in range(len(values)) if r not in ref]
 
 
+def majority_within(values: Sequence[Hashable], ranks: Sequence[int]) -> tuple[list[int], list[int]]:
+    """:func:`majority` among ``ranks`` only (a peer set); ranks are returned as given, not as positions.
+
+    >>> majority_within([5, 9, 7, 9], [1, 2, 3])
+    ([1, 3], [2])
+    """
+    ref, other = majority([values[r] for r in ranks])
+    return [ranks[i] for i in ref], [ranks[i] for i in other]
+
+
 def judge_summaries(table: np.ndarray) -> SummaryVerdict:
     """Phase (a): ``table`` is ``[world, len(SUMMARY_FIELDS)]``; one row per rank."""
     table = np.asarray(table)
@@ -94,6 +106,8 @@ class ValueDiff:
     uid: str
     reference_ranks: tuple[int, ...]
     ranks: tuple[int, ...]
+    peer_set: tuple[int, ...] | None = None
+    """For a sharded tensor, the ranks holding this shard (compared among themselves); ``None``: all ranks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,39 +124,65 @@ class StructureDiff:
     detail: str
 
 
-def compare_digest_table(uids: Sequence[str], table: np.ndarray) -> list[ValueDiff]:
-    """Phase (b): ``table`` is ``[world, n]`` per-tensor digests in the shared manifest order."""
+def compare_digest_table(
+    uids: Sequence[str], table: np.ndarray, peers: np.ndarray | None = None
+) -> list[ValueDiff]:
+    """Phase (b): ``table`` is ``[world, n]`` per-tensor digests in the shared manifest order.
+
+    ``peers`` (same shape) holds each rank's peer key per tensor (:mod:`weightsync_audit.engine.peers`);
+    a majority is then taken within each peer set, and a rank alone in its set is compared with nothing.
+    Without ``peers`` every rank is every tensor's peer.
+
+    >>> [(d.uid, d.ranks) for d in compare_digest_table(["a", "b"], np.array([[1, 5], [1, 6], [2, 6], [1, 6]]))]
+    [('a', (2,)), ('b', (0,))]
+    >>> keys = np.array([[7], [9], [7], [9]])   # ranks 0, 2 hold one shard; 1, 3 the other
+    >>> [(d.ranks, d.peer_set) for d in compare_digest_table(["w"], np.array([[1], [5], [1], [6]]), keys)]
+    [((3,), (1, 3))]
+    """
     table = np.asarray(table)
     if table.size == 0:
         return []
+    world = table.shape[0]
     differs = np.nonzero(~(table == table[0]).all(axis=0))[0]
     out = []
     for j in differs.tolist():
-        ref, other = majority(table[:, j].tolist())
-        out.append(ValueDiff(uids[j], tuple(ref), tuple(other)))
+        column = table[:, j].tolist()
+        if peers is None or (np.asarray(peers)[:, j] == ALL).all():
+            ref, other = majority(column)
+            out.append(ValueDiff(uids[j], tuple(ref), tuple(other)))
+            continue
+        for members in column_peers(peers, j, world):
+            if len(members) < 2:
+                continue
+            ref, other = majority_within(column, members)
+            if other:
+                out.append(ValueDiff(uids[j], tuple(ref), tuple(other), tuple(members)))
     return out
 
 
 def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
-    """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``.
+    """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
+    by ``layout, peer_key`` for a DTensor (its global shape in ``shape``).
 
     Returns the structure differences and, for tensors whose structure agrees everywhere, the value
-    differences, so a missing layer does not hide a diverged one.
+    differences (within each peer set), so a missing layer does not hide a diverged one.
     """
     world = len(manifests)
-    per_rank: list[dict[str, tuple[str, tuple[int, ...], int]]] = []
+    per_rank: list[dict[str, tuple[str, tuple[int, ...], int, str, int]]] = []
     order: dict[str, tuple[str, str]] = {}
     for rows in manifests:
         d = {}
-        for kind, name, dtype, shape, digest in rows:
+        for row in rows:
+            kind, name, dtype, shape, digest = row[:5]
+            layout, key = (str(row[5]), int(row[6])) if len(row) >= 7 else ("", ALL)
             uid = f"{kind}:{name}"
-            d[uid] = (dtype, tuple(shape), int(digest))
+            d[uid] = (dtype, tuple(shape), int(digest), layout, key)
             order.setdefault(uid, (kind, name))
         per_rank.append(d)
     structure: list[StructureDiff] = []
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
-        sigs = [(d[uid][0], d[uid][1]) if uid in d else None for d in per_rank]
+        sigs = [(d[uid][0], d[uid][1], d[uid][3]) if uid in d else None for d in per_rank]
         ref, other = majority(sigs)
         if other:
             ref_sig = sigs[ref[0]]
@@ -161,6 +201,8 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
                         what.append(f"dtype {sig[0]} instead of {ref_sig[0]}")
                     if sig[1] != ref_sig[1]:
                         what.append(f"shape {list(sig[1])} instead of {list(ref_sig[1])}")
+                    if sig[2] != ref_sig[2]:
+                        what.append(f"layout {sig[2] or 'plain tensor'} instead of {ref_sig[2] or 'plain tensor'}")
                     parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
             structure.append(
                 StructureDiff(
@@ -176,7 +218,15 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
             )
             continue
         digests = [per_rank[r][uid][2] for r in range(world)]
-        vref, vother = majority(digests)
-        if vother:
-            values.append(ValueDiff(uid, tuple(vref), tuple(vother)))
+        keys = [per_rank[r][uid][4] for r in range(world)]
+        if all(k == ALL for k in keys):
+            vref, vother = majority(digests)
+            if vother:
+                values.append(ValueDiff(uid, tuple(vref), tuple(vother)))
+            continue
+        for members in peer_sets(keys):
+            if len(members) > 1:
+                vref, vother = majority_within(digests, members)
+                if vother:
+                    values.append(ValueDiff(uid, tuple(vref), tuple(vother), tuple(members)))
     return structure, values

@@ -253,8 +253,14 @@ def digest_tensor(t: torch.Tensor, *, slice_index: int = 0, slices: int = 1, met
 
 
 def structure_digest(entries: Sequence[Entry]) -> int:
-    """Digest of names, kinds, shapes and dtypes, in order."""
-    text = "\x1f".join([f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}" for e in entries])
+    """Digest of names, kinds, shapes and dtypes (and a DTensor's layout), in order.
+
+    A DTensor enters with its global shape and layout, never its local shape or coordinates, so ranks
+    holding different (even uneven) shards of it agree on the structure.
+    """
+    text = "\x1f".join(
+        [f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}" for e in entries]
+    )
     return _as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
 
 

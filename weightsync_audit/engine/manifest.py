@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.compat import is_dtensor, peel_wrapper
+from weightsync_audit.engine.peers import ShardInfo, shard_info
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
@@ -54,13 +54,15 @@ class Entry:
     dtype: str
     """``float32``...; ``none`` for ``None``; ``object`` for other Python objects."""
     shape: tuple[int, ...]
-    """Logical shape (the local shard's for DTensor)."""
+    """Logical shape (the global shape for a DTensor, whose ``tensor`` is the local shard)."""
     container: Any = None
     """Where a Python value lives (a dict), for resync to write it back; ``None`` for tensors."""
     key: Any = None
     """The key of the value in ``container``."""
     note: str | None = None
-    """Anything the report should say about how the value was read (e.g. a local shard)."""
+    """Anything the report should say about how the value was read."""
+    shard: ShardInfo | None = None
+    """For a DTensor: its layout, global shape, shard coordinates and peer key; ``None`` otherwise."""
 
     @property
     def uid(self) -> str:
@@ -172,39 +174,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
-_SKIP = "skip:"
-
-
-def _dtensor_note(name: str, t: Any, audit_ranks: Sequence[int] | None) -> str:
-    """How a DTensor is audited: its local shard, when every audited rank holds that same shard.
-
-    Ranks that hold *different* shards of a tensor (FSDP2's ``Shard(0)`` over the audited ranks, or a
-    ``Partial`` placement) hold different values by design; comparing them would be a false alarm on
-    every step, so such a tensor is left out with a note. Under HSDP, auditing over the replicate
-    dimension's group compares the replicas of each shard.
-    """
-    placements = tuple(t.placements)
-    sharded_dims = [i for i, pl in enumerate(placements) if not pl.is_replicate()]
-    if not sharded_dims:
-        return "DTensor: the local shard is audited (replicated placement)"
-    mesh = t.device_mesh
-    coord = mesh.get_coordinate()
-    grid = mesh.mesh
-    if coord is not None:
-        index: list[Any] = [slice(None)] * grid.dim()
-        for d in sharded_dims:
-            index[d] = coord[d]
-        same_shard = set(grid[tuple(index)].reshape(-1).tolist())
-        if audit_ranks is None:
-            audit_ranks = range(dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0,)
-        if set(audit_ranks) <= same_shard:
-            return "DTensor: the local shard is audited (every audited rank holds the same shard)"
-    return (
-        f"{_SKIP}DTensor {name!r} ({', '.join(map(str, placements))}) is not compared: the audited ranks hold "
-        "different shards of it; audit with group= the replicate dimension's group to compare each shard's replicas"
-    )
-
-
 def _tensor_entry(
     name: str,
     kind: str,
@@ -214,8 +183,10 @@ def _tensor_entry(
     audit_ranks: Sequence[int] | None = None,
 ) -> Entry:
     note = None
+    shard = None
     if is_dtensor(t):
-        note = _dtensor_note(name, t, audit_ranks)
+        # Compared among its peers only (engine/peers.py); the structure holds the global shape.
+        shard = shard_info(t)
         t = t.to_local()
     if t.requires_grad or isinstance(t, nn.Parameter):
         t = t.data  # the same storage without autograd; cheaper than detach()
@@ -229,7 +200,8 @@ def _tensor_entry(
         raise UnauditableTensorError(name, f"layout {t.layout} is not audited; exclude it")
     if getattr(t, "is_nested", False):
         raise UnauditableTensorError(name, "nested tensors are not audited; exclude it")
-    return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key, note)
+    shape = shard.shape if shard is not None else tuple(t.shape)
+    return Entry(name, kind, t, dtype_name(t.dtype), shape, container, key, note, shard)
 
 
 def _value_entry(
@@ -271,6 +243,8 @@ def build_manifest(
     """The ordered manifest of everything to audit.
 
     Order: params, buffers, optimizer state (per parameter, then per param group), grads.
+    A DTensor contributes its local shard with its :class:`ShardInfo`; which ranks it is compared with
+    is decided from the gathered peer keys, so ``audit_ranks`` is no longer needed (kept for callers).
     """
     manifest = Manifest()
     entries = manifest.entries
@@ -321,8 +295,5 @@ def build_manifest(
             else:
                 entries.append(_tensor_entry(n, "grad", p.grad, audit_ranks=audit_ranks))
 
-    if any(e.note and e.note.startswith(_SKIP) for e in entries):
-        manifest.notes.extend(e.note.removeprefix(_SKIP) for e in entries if e.note and e.note.startswith(_SKIP))
-        entries[:] = [e for e in entries if not (e.note and e.note.startswith(_SKIP))]
     manifest.notes.extend(sorted({e.note for e in entries if e.note}))
     return manifest

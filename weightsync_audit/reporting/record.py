@@ -53,9 +53,11 @@ class Mismatch:
     dtype: str | None = None
     max_abs_diff: float | None = None
     detail: str | None = None
+    shard: dict[str, int] | None = None
+    """For a sharded tensor (DTensor): the mesh coordinates of the shard that differs, e.g. ``{"dp": 0}``."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d = {
             "name": self.name,
             "kind": self.kind,
             "ranks": list(self.ranks),
@@ -65,6 +67,9 @@ class Mismatch:
             "max_abs_diff": _finite_or_none(self.max_abs_diff),
             "detail": self.detail,
         }
+        if self.shard is not None:
+            d["shard"] = dict(self.shard)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Mismatch:
@@ -80,6 +85,12 @@ class Mismatch:
         diff = d.get("max_abs_diff")
         if diff is not None and (isinstance(diff, bool) or not isinstance(diff, (int, float))):
             raise ReportFormatError(f"mismatch max_abs_diff must be a number or null, got {diff!r}")
+        shard = d.get("shard")
+        if shard is not None and not (
+            isinstance(shard, dict)
+            and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in shard.items())
+        ):
+            raise ReportFormatError(f"mismatch shard must be an object of mesh dimension -> integer, got {shard!r}")
         return cls(
             name=d["name"],
             kind=d["kind"],
@@ -89,6 +100,7 @@ class Mismatch:
             dtype=d.get("dtype"),
             max_abs_diff=float(diff) if diff is not None else None,
             detail=d.get("detail"),
+            shard=dict(shard) if shard is not None else None,
         )
 
 

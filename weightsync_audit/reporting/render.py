@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.text import layer_of
+from weightsync_audit.text import fmt_shard, layer_of
 
 __all__ = ["MismatchLike", "ResultLike", "mismatch_table", "render_group", "render_result"]
 
@@ -29,6 +29,7 @@ class MismatchLike(Protocol):
     dtype: str | None
     max_abs_diff: float | None
     detail: str | None
+    shard: dict[str, int] | None
 
 
 class ResultLike(Protocol):
@@ -72,7 +73,9 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
             table.add_row(
                 escape(layer) if i == 0 else "",
                 # Names and details are data: escaped, so a name like "w[red]" is shown, never styled.
-                escape(short) + (f"  [dim]({escape(m.detail)})[/dim]" if m.detail else ""),
+                escape(short)
+                + (f" [magenta]\\[shard {escape(fmt_shard(m.shard))}][/magenta]" if m.shard else "")
+                + (f"  [dim]({escape(m.detail)})[/dim]" if m.detail else ""),
                 m.kind,
                 "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
                 m.dtype or "-",

@@ -1,0 +1,106 @@
+"""Peers of a sharded tensor: which ranks hold the same shard of a DTensor, as pure functions.
+
+A DTensor's local shard is compared only among its *peers*: the ranks that hold the same name,
+global shape and placements, and the same coordinates on the mesh dimensions along which the tensor
+is not replicated (by dimension name). Nothing else matters: a DP-only LayerNorm on the 1-D ``dp``
+submesh ``[0, 2]`` of rank 0 and on ``[1, 3]`` of rank 1 has coordinate ``dp=0`` on both, so ranks 0
+and 1 (its tensor-parallel peers) are compared although neither is in the other's mesh
+(pytorch#160169). ``Partial`` placements hold partial sums, never comparable values.
+
+Each rank describes its own shard with :func:`shard_info`; the audit gathers one 64-bit peer key per
+rank and tensor, and :func:`peer_sets` splits the ranks of a column into the sets that are compared.
+Key ``ALL`` (plain tensors) puts every rank in one set; key ``NEVER`` puts a rank alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import xxhash
+
+__all__ = ["ALL", "NEVER", "ShardInfo", "shard_info", "peer_sets", "column_peers", "unpaired_columns"]
+
+ALL = 0
+"""Peer key of a plain tensor: every rank is a peer (today's rule)."""
+
+NEVER = 1
+"""Peer key of a tensor that is compared with nothing (``Partial``, or a rank outside the mesh)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """How one rank holds a DTensor."""
+
+    layout: str
+    """Mesh dimension names and placements, e.g. ``(dp,tp):(Shard(dim=0), Replicate())``: equal on every
+    rank that holds the tensor, so it belongs to the structure that ranks compare."""
+    shape: tuple[int, ...]
+    """The global shape."""
+    coords: dict[str, int] = field(default_factory=dict)
+    """This rank's coordinates on the non-``Replicate`` mesh dimensions: the shard's name, ``{"dp": 0}``."""
+    key: int = ALL
+    """The peer key: ranks with equal keys (in the same column) hold the same shard."""
+    why_not: str | None = None
+    """Why the shard is compared with nothing (``Partial``, not in the mesh), else ``None``."""
+
+
+def shard_info(t: Any) -> ShardInfo:
+    """Describe the local shard of DTensor ``t`` on this rank (no communication)."""
+    mesh = t.device_mesh
+    placements = tuple(t.placements)
+    names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(len(placements))))
+    layout = f"({','.join(names)}):({', '.join(map(str, placements))})"
+    shape = tuple(int(s) for s in t.shape)
+    if any(pl.is_partial() for pl in placements):
+        return ShardInfo(layout, shape, {}, NEVER, "a Partial placement holds partial sums")
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return ShardInfo(layout, shape, {}, NEVER, "this rank is outside its mesh")
+    coords = {names[d]: int(coord[d]) for d, pl in enumerate(placements) if not pl.is_replicate()}
+    text = f"{layout}|{shape}|{sorted(coords.items())}"
+    # Keys of real shards avoid the two reserved values ALL and NEVER.
+    key = (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2
+    return ShardInfo(layout, shape, coords, key)
+
+
+def peer_sets(keys: Sequence[int]) -> list[list[int]]:
+    """Split the ranks of one column (``keys[r]`` is rank r's peer key) into peer sets, lowest rank first.
+
+    >>> peer_sets([7, 9, 7, 9])
+    [[0, 2], [1, 3]]
+    >>> peer_sets([0, 0, 0])
+    [[0, 1, 2]]
+    >>> peer_sets([1, 1])
+    [[0], [1]]
+    """
+    sets: dict[int, list[int]] = {}
+    out: list[list[int]] = []
+    for r, k in enumerate(keys):
+        k = int(k)
+        if k == NEVER:
+            out.append([r])
+            continue
+        if k not in sets:
+            sets[k] = []
+            out.append(sets[k])
+        sets[k].append(r)
+    return out
+
+
+def column_peers(peers: np.ndarray | None, j: int, world: int) -> list[list[int]]:
+    """The peer sets of column ``j`` of a ``[world, n]`` peer-key table (``None``: plain tensors only)."""
+    if peers is None:
+        return [list(range(world))]
+    return peer_sets(np.asarray(peers)[:, j].tolist())
+
+
+def unpaired_columns(peers: np.ndarray | None) -> list[int]:
+    """Columns in which no rank has a peer: nothing of them can be compared."""
+    if peers is None:
+        return []
+    table = np.asarray(peers)
+    if table.shape[0] < 2:
+        return []
+    return [j for j in range(table.shape[1]) if all(len(s) == 1 for s in peer_sets(table[:, j].tolist()))]

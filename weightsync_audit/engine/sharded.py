@@ -1,0 +1,86 @@
+"""The audit's steps for sharded tensors (DTensors): peer keys out, peer sets and shard names back.
+
+Only a manifest holding DTensors takes these steps. Its structure (global shapes and layouts) is the
+same on every rank once phase (a) found equal structure digests, so every rank takes the same steps;
+each decision below comes from gathered data, never from what one rank holds alone.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.consensus import ValueDiff, compare_digest_table
+from weightsync_audit.engine.manifest import KINDS, Entry
+from weightsync_audit.engine.peers import ALL, unpaired_columns
+from weightsync_audit.text import COMPARED_NOTES
+
+__all__ = ["has_shards", "peer_keys", "compare_sharded", "shard_names", "compared_counts", "sharded_notes"]
+
+
+def has_shards(entries: Sequence[Entry]) -> bool:
+    """Whether any entry is a DTensor (equal on every rank when the structures agree)."""
+    return any(e.shard is not None for e in entries)
+
+
+def peer_keys(entries: Sequence[Entry]) -> np.ndarray:
+    """This rank's peer key per entry: ``ALL`` for a plain tensor."""
+    return np.fromiter((ALL if e.shard is None else e.shard.key for e in entries), dtype=np.int64, count=len(entries))
+
+
+def compare_sharded(comm: Comm, entries: Sequence[Entry], digests: np.ndarray) -> tuple[list[ValueDiff], np.ndarray]:
+    """Phase (b) for a sharded manifest: gather digests and peer keys together; majorities per peer set.
+
+    Returns the value differences and the gathered ``[world, n]`` peer-key table.
+    """
+    n = len(entries)
+    both = comm.exchange(np.concatenate([np.asarray(digests, dtype=np.int64), peer_keys(entries)]), "the digests")
+    table, peers = both[:, :n], both[:, n:]
+    return compare_digest_table([e.uid for e in entries], table, peers), peers
+
+
+def shard_names(comm: Comm, diffs: Sequence[ValueDiff], by_uid: dict[str, Entry]) -> list[dict[str, int] | None]:
+    """The mesh coordinates of each differing shard (``None`` for a plain tensor), the same on every rank.
+
+    A rank knows only its own coordinates, so the ranks exchange theirs for the diverged shards; every
+    rank then names each shard after the coordinates of the first rank of its peer set.
+    """
+    sharded = [i for i, d in enumerate(diffs) if d.peer_set is not None]
+    out: list[dict[str, int] | None] = [None] * len(diffs)
+    if not sharded:
+        return out
+    mine = []
+    for i in sharded:
+        shard = by_uid[diffs[i].uid].shard
+        mine.append(shard.coords if shard is not None else None)
+    blobs = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the shard coordinates")]
+    for k, i in enumerate(sharded):
+        coords = blobs[diffs[i].peer_set[0]][k]
+        out[i] = {str(name): int(c) for name, c in coords.items()} if coords is not None else None
+    return out
+
+
+def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple[dict[str, int], int]:
+    """Per kind, the tensors compared on at least one peer set; and how many sharded tensors had no peer."""
+    counts = dict.fromkeys(KINDS, 0)
+    alone = set(unpaired_columns(peers))
+    for j, e in enumerate(entries):
+        if j not in alone:
+            counts[e.kind] += 1
+    return counts, len(alone)
+
+
+def sharded_notes(counts: dict[str, int], unpaired: int, params_held: int, params_wanted: bool) -> list[str]:
+    """One summary note for the shards nobody else holds, and one when no parameter was compared."""
+    notes = []
+    if unpaired:
+        notes.append(
+            f"{unpaired} {COMPARED_NOTES[1]}: each is held by one rank only (a pure "
+            "FSDP shard, a Partial placement); see docs/sharded.md"
+        )
+    if params_wanted and params_held and not counts["param"]:
+        notes.append(f"{COMPARED_NOTES[0]}: no rank holds a replica of any parameter shard")
+    return notes
