@@ -59,3 +59,67 @@ def test_dp_tp_mesh_compares_dp_only_and_tp_replicated_params_across_tp_peers_an
     assert all(0 < m["max_abs_diff"] < 1e-3 for m in params.values())
     assert not any(m["name"].startswith("tp_") for m in drift["mismatches"])
     print("\n".join(str(m) for m in drift["mismatches"] if m["kind"] == "param"))
+
+
+def _hsdp(rank: int, world: int) -> dict[str, Any]:
+    model, _ = hsdp_model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 2, seed=0)  # the same batches everywhere: buffers agree too
+    clean = audit(model, opt, step=2).to_dict()
+    with torch.no_grad():
+        if rank == 3:
+            model.fc1.weight.to_local().add_(1e-3)
+            opt.state[model.fc1.weight]["exp_avg"].to_local().add_(1.0)
+        if rank == 1:
+            model.bn.running_mean.add_(0.5)
+        if rank == 2:
+            opt.param_groups[0]["lr"] = 0.5
+    planted = audit(model, opt, step=3).to_dict()
+    resync(model, opt, src=0)
+    after = audit(model, opt, step=4).to_dict()
+    # Bit-identical to its peer: rank 3 holds the same fc1.weight shard as rank 1.
+    mine = model.fc1.weight.to_local().clone()
+    held = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(held, mine)
+    return {"clean": clean, "planted": planted, "after": after, "same_as_peer": torch.equal(held[1], held[3])}
+
+
+def test_hsdp_world_wide_audit_finds_one_rank_shard_exp_avg_buffer_and_lr_then_resync_repairs_the_shard() -> None:
+    out = run_ranks(_hsdp, 4, timeout=120)
+    clean = _same_everywhere([o["clean"] for o in out])
+    assert clean["in_sync"] and clean["checked"]["param"] == 6, clean
+    planted = _same_everywhere([o["planted"] for o in out])
+    got = {m["name"]: m for m in planted["mismatches"]}
+    assert set(got) == {"fc1.weight", "fc1.weight.exp_avg", "bn.running_mean", "param_groups.0.lr"}, got
+    # replicate x shard = [[0, 1], [2, 3]]: rank 3 holds shard 1, as rank 1 does.
+    for name in ("fc1.weight", "fc1.weight.exp_avg"):
+        assert got[name]["ranks"] == [3] and got[name]["reference_ranks"] == [1]
+        assert got[name]["shard"] == {"shard": 1}
+    assert got["bn.running_mean"]["ranks"] == [1] and "shard" not in got["bn.running_mean"]
+    assert got["param_groups.0.lr"]["ranks"] == [2]
+    assert any("FSDP2" in h and "buffers" in h for h in planted["hints"])
+    after = _same_everywhere([o["after"] for o in out])
+    assert after["in_sync"], after
+    assert all(o["same_as_peer"] for o in out)
+
+
+def _pure_fsdp(rank: int, world: int) -> dict[str, Any]:
+    model = fsdp_model(world)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 2, seed=rank)  # each rank its own batches: BatchNorm statistics differ per rank
+    return audit(model, opt, step=2).to_dict()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pure_fsdp2_gives_no_false_alarm_on_params_and_reports_per_rank_batchnorm_stats(world: int) -> None:
+    rec = _same_everywhere(run_ranks(_pure_fsdp, world, timeout=120))
+    kinds = {m["kind"] for m in rec["mismatches"]}
+    assert kinds == {"buffer"}, rec["mismatches"]
+    assert {m["name"] for m in rec["mismatches"]} == {"bn.running_mean", "bn.running_var"}
+    assert rec["mismatches"][0]["ranks"] == list(range(1, world))
+    assert rec["checked"]["param"] == 0
+    # 6 params and their exp_avg, exp_avg_sq: 18 shards with no replica, said once.
+    assert "18 sharded tensors have no replica to compare" in " ".join(rec["notes"])
+    assert any(n.startswith("no parameters were compared") for n in rec["notes"])
+    assert not any("still agree" in h for h in rec["hints"])
+    assert any("FSDP2" in h for h in rec["hints"])

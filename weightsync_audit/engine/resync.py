@@ -23,6 +23,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.digest import structure_digest
 from weightsync_audit.engine.hostbytes import host_bytes
 from weightsync_audit.engine.manifest import Entry, as_optimizers, build_manifest
+from weightsync_audit.engine.shard_resync import resync_shards
 
 __all__ = ["resync"]
 
@@ -91,6 +92,8 @@ def resync(
     """Broadcast params, buffers and optimizer state (or only ``names``) from rank ``src``, in place.
 
     Collective over ``group``. ``src`` is a rank of ``group``. Without a process group it does nothing.
+    A sharded tensor (DTensor) is copied shard by shard within its peer set, from ``src`` when it holds
+    that shard, else from the rank holding the shard's majority value (see docs/sharded.md).
 
     >>> import torch
     >>> model = torch.nn.Linear(4, 2)
@@ -128,6 +131,11 @@ def resync(
         for e in entries
         if e.dtype != "none" and (e.container is None or isinstance(e.container[e.key], torch.Tensor))
     ]
+    # The structures agree here, and a DTensor's layout is part of them: every rank splits alike.
+    shard_entries = [e for e in tensor_entries if e.shard is not None]
+    if shard_entries:
+        tensor_entries = [e for e in tensor_entries if e.shard is None]
+        resync_shards(comm, shard_entries, src)
     src_global = comm.global_ranks[src]
     comm.setup()
     cpu_group = comm.audit_pg()
