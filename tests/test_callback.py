@@ -335,7 +335,7 @@ def test_sharded_strategies_are_not_compared_as_replicas() -> None:
     # Lightning's FSDP needs a GPU to build a Trainer; the decision only reads the strategy.
     from pytorch_lightning.strategies import FSDPStrategy
 
-    assert "does not compare shards" in sharded_strategy_reason(FSDPStrategy())
+    assert "not audited" in sharded_strategy_reason(FSDPStrategy())
     assert sharded_strategy_reason(DDPStrategy()) is None
 
 

@@ -6,15 +6,21 @@ records must be the same on every rank.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from lightning_helpers import records
 from mesh_models import dp_tp_model, fsdp_model, hsdp_model, train
 from ranks import run_ranks
 
 from weightsync_audit import audit, resync
+from weightsync_audit.integrations.lightning.audit_callback import sharded_strategy_reason
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -45,7 +51,7 @@ def test_dp_tp_mesh_compares_dp_only_and_tp_replicated_params_across_tp_peers_an
     # ln.weight/bias, dp1.weight/bias (DP-only) and tp_row.bias (replicated over tp) have TP peers;
     # tp_col.* and tp_row.weight are sharded over both dims: no replica anywhere.
     assert clean["checked"]["param"] == 5
-    assert any("3 sharded tensors have no replica" in n or "9 sharded tensors" in n for n in clean["notes"])
+    assert any(n.startswith("9 sharded tensors have no replica to compare") for n in clean["notes"])
 
     drift = _same_everywhere([o["drift"] for o in out])
     assert not drift["in_sync"]
@@ -98,6 +104,7 @@ def test_hsdp_world_wide_audit_finds_one_rank_shard_exp_avg_buffer_and_lr_then_r
     assert got["bn.running_mean"]["ranks"] == [1] and "shard" not in got["bn.running_mean"]
     assert got["param_groups.0.lr"]["ranks"] == [2]
     assert any("FSDP2" in h and "buffers" in h for h in planted["hints"])
+    assert any(h.startswith("Shards of fc1.weight differ") for h in planted["hints"])
     after = _same_everywhere([o["after"] for o in out])
     assert after["in_sync"], after
     assert all(o["same_as_peer"] for o in out)
@@ -123,3 +130,43 @@ def test_pure_fsdp2_gives_no_false_alarm_on_params_and_reports_per_rank_batchnor
     assert any(n.startswith("no parameters were compared") for n in rec["notes"])
     assert not any("still agree" in h for h in rec["hints"])
     assert any("FSDP2" in h for h in rec["hints"])
+
+
+def _model_parallel_run(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    script = Path(__file__).parent / "scripts" / "model_parallel_run.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=240)
+    ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return records(tmp_path / "audit.jsonl"), ends + [{"rc": proc.returncode, "stderr": proc.stderr[-3000:]}]
+
+
+def test_model_parallel_strategy_fsdp2_is_audited_in_sync_and_a_planted_lr_is_reported(tmp_path: Path) -> None:
+    recs, ends = _model_parallel_run(tmp_path, "fsdp")
+    assert ends[2]["rc"] == 0 and ends[0]["ended"] == ends[1]["ended"] == "ok", ends
+    steps = {r["step"]: r for r in recs if r["hook"] == "on_train_batch_end"}
+    assert steps[1]["in_sync"] and steps[2]["in_sync"]
+    assert "18 sharded tensors have no replica to compare" in " ".join(steps[2]["notes"])
+    assert [(m["name"], m["ranks"]) for m in steps[3]["mismatches"]] == [("param_groups.0.lr", [1])]
+    assert steps[3]["action"] == "warned"
+
+
+def test_model_parallel_strategy_tp_is_audited_and_raise_raises_on_every_rank(tmp_path: Path) -> None:
+    recs, ends = _model_parallel_run(tmp_path, "tp")
+    assert ends[2]["rc"] != 0
+    assert [e["ended"] for e in ends[:2]] == ["WeightDivergenceError"] * 2, ends
+    assert ends[0]["step"] == ends[1]["step"] == 3
+    steps = {r["step"]: r for r in recs if r["hook"] == "on_train_batch_end"}
+    assert steps[1]["in_sync"] and steps[2]["in_sync"] and steps[2]["checked"]["param"] == 3
+    # The RowwiseParallel bias is Replicate on the tp mesh: compared on both ranks, and no shard to name.
+    assert [(m["name"], m["ranks"], m.get("shard")) for m in steps[3]["mismatches"]] == [("down.bias", [1], None)]
+    assert steps[3]["action"] == "raised"
+
+
+def test_only_strategies_without_dtensors_are_refused() -> None:
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+    from lightning.pytorch.strategies import ModelParallelStrategy as TrainerModelParallel
+    from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy
+
+    assert sharded_strategy_reason(FabricModelParallel(lambda m, _: m)) is None
+    assert sharded_strategy_reason(TrainerModelParallel()) is None
+    assert sharded_strategy_reason(DDPStrategy()) is None
+    assert "not audited" in sharded_strategy_reason(FSDPStrategy())

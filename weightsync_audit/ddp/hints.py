@@ -121,6 +121,16 @@ def explain(
             )
             explained.update(skipped)
 
+    sharded = [m.name for m in by_kind.get("param", []) if m.shard and m.name not in explained]
+    if sharded:
+        hints.append(
+            f"Shards of {brief_names(list(dict.fromkeys(sharded)))} differ between ranks that hold the same shard "
+            "(replicas across the data-parallel / replicate dimension, or the tensor-parallel peers of a "
+            "DP-only weight, which nothing keeps equal): likely non-deterministic kernels on some ranks "
+            "(pytorch#160169), per-rank initialisation, or a checkpoint loaded on some ranks only."
+        )
+        explained.update(sharded)
+
     if "structure" in by_kind:
         hints.append(
             f"The model or optimizer differs in structure between ranks ({brief_names([m.name for m in by_kind['structure']])}: "

@@ -59,7 +59,8 @@ def shard_names(comm: Comm, diffs: Sequence[ValueDiff], by_uid: dict[str, Entry]
     blobs = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the shard coordinates")]
     for k, i in enumerate(sharded):
         coords = blobs[diffs[i].peer_set[0]][k]
-        out[i] = {str(name): int(c) for name, c in coords.items()} if coords is not None else None
+        # A DTensor replicated on every mesh dimension has no coordinates to name: it is no shard.
+        out[i] = {str(name): int(c) for name, c in coords.items()} if coords else None
     return out
 
 

@@ -47,8 +47,10 @@ AUDIT_HOOKS: tuple[str, ...] = (
 )
 
 
-#: Strategies whose ranks hold shards, not replicas: comparing them as replicas would be wrong.
-_SHARDED_STRATEGIES = ("FSDP", "DeepSpeed", "ModelParallel", "XLAFSDP")
+#: Strategies whose ranks hold shards the audit cannot see as DTensors (FSDP1's flat parameters,
+#: DeepSpeed's partitions): comparing them as replicas would be wrong. ``ModelParallelStrategy``
+#: (Trainer and Fabric) builds FSDP2 / tensor parallel DTensors, which are compared among their peers.
+_SHARDED_STRATEGIES = ("FSDP", "DeepSpeed", "XLAFSDP")
 
 _STATE_VERSION = 1
 
@@ -56,10 +58,11 @@ _STATE_VERSION = 1
 def sharded_strategy_reason(strategy: Any) -> str | None:
     """Why a strategy's ranks cannot be compared as replicas, or ``None`` when they can."""
     name = type(strategy).__name__
-    if any(s in name for s in _SHARDED_STRATEGIES):
+    if "ModelParallel" not in name and any(s in name for s in _SHARDED_STRATEGIES):
         return (
-            f"{name} shards parameters across ranks; weightsync audits replicas and does not compare "
-            "shards yet, so this run is not audited"
+            f"{name} shards parameters across ranks in a form weightsync cannot compare (only DTensors, "
+            "as built by ModelParallelStrategy / FSDP2 / tensor parallel, are compared shard by shard); "
+            "this run is not audited"
         )
     return None
 
