@@ -10,7 +10,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-
 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
 
 

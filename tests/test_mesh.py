@@ -18,9 +18,13 @@ import torch.distributed as dist
 from lightning_helpers import records
 from mesh_models import dp_tp_model, fsdp_model, hsdp_model, train
 from ranks import run_ranks
+from rich.console import Console
 
-from weightsync_audit import audit, resync
+from weightsync_audit import AuditResult, Mismatch, audit, resync
+from weightsync_audit.cli import main
+from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.integrations.lightning.audit_callback import sharded_strategy_reason
+from weightsync_audit.reporting.jsonl import ReportWriter
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -134,9 +138,11 @@ def test_pure_fsdp2_gives_no_false_alarm_on_params_and_reports_per_rank_batchnor
 
 def _model_parallel_run(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     script = Path(__file__).parent / "scripts" / "model_parallel_run.py"
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=240
+    )
     ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    return records(tmp_path / "audit.jsonl"), ends + [{"rc": proc.returncode, "stderr": proc.stderr[-3000:]}]
+    return records(tmp_path / "audit.jsonl"), [*ends, {"rc": proc.returncode, "stderr": proc.stderr[-3000:]}]
 
 
 def test_model_parallel_strategy_fsdp2_is_audited_in_sync_and_a_planted_lr_is_reported(tmp_path: Path) -> None:
@@ -170,3 +176,31 @@ def test_only_strategies_without_dtensors_are_refused() -> None:
     assert sharded_strategy_reason(TrainerModelParallel()) is None
     assert sharded_strategy_reason(DDPStrategy()) is None
     assert "not audited" in sharded_strategy_reason(FSDPStrategy())
+
+
+def test_shard_is_in_the_record_table_check_and_show_and_old_records_still_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    m = Mismatch("ln.weight", "param", [1], [0], [8], "float32", 3.3e-6, None, {"dp": 0})
+    notes = ["18 sharded tensors have no replica to compare: ...", "no parameters were compared: ..."]
+    r = AuditResult(in_sync=False, step=5, world_size=4, mismatches=[m], notes=notes)
+    d = r.to_dict()
+    assert d["mismatches"][0]["shard"] == {"dp": 0}
+    assert AuditResult.from_dict(d).mismatches[0].shard == {"dp": 0}
+    plain = AuditResult(in_sync=False, step=5, mismatches=[Mismatch("w", "param", [1], [0])]).to_dict()
+    assert "shard" not in plain["mismatches"][0] and AuditResult.from_dict(plain).mismatches[0].shard is None
+    with pytest.raises(ReportFormatError, match="shard"):
+        Mismatch.from_dict({**d["mismatches"][0], "shard": {"dp": "zero"}})
+    console = Console(width=200, record=True)
+    console.print(r)
+    assert "weight [shard dp=0]" in console.export_text()
+    report = tmp_path / "audit.jsonl"
+    with ReportWriter(report) as w:
+        w.write(r)
+    assert main(["check", str(report)]) == 1
+    out = capsys.readouterr().out
+    assert "ln.weight (param, shard dp=0" in out
+    assert "note: no parameters were compared" in out and "18 sharded tensors have no replica" in out
+    assert main(["show", str(report)]) == 0
+    assert "weight@dp=0" in capsys.readouterr().out

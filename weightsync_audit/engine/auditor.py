@@ -218,7 +218,8 @@ class Auditor:
             value_diffs = compare_digest_table([e.uid for e in entries], dtable)
         elif verdict.status == "structure":
             rows = [
-                [e.kind, e.name, e.dtype, list(e.shape), int(d)] + ([] if e.shard is None else [e.shard.layout, e.shard.key])
+                [e.kind, e.name, e.dtype, list(e.shape), int(d)]
+                + ([] if e.shard is None else [e.shard.layout, e.shard.key])
                 for e, d in zip(entries, digests.tolist())
             ]
             blobs = comm.exchange_bytes(json.dumps(rows).encode(), "the manifests")

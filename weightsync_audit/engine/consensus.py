@@ -124,9 +124,7 @@ class StructureDiff:
     detail: str
 
 
-def compare_digest_table(
-    uids: Sequence[str], table: np.ndarray, peers: np.ndarray | None = None
-) -> list[ValueDiff]:
+def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarray | None = None) -> list[ValueDiff]:
     """Phase (b): ``table`` is ``[world, n]`` per-tensor digests in the shared manifest order.
 
     ``peers`` (same shape) holds each rank's peer key per tensor (:mod:`weightsync_audit.engine.peers`);
