@@ -11,7 +11,7 @@ from typing import Iterable, Mapping, Sequence
 __all__ = ["COMPARED_NOTES", "brief_names", "fmt_ranks", "fmt_shard", "layer_of"]
 
 #: Openings of the notes that say what an audit could not compare (``check`` prints them).
-COMPARED_NOTES = ("no parameters were compared", "sharded tensors have no replica to compare")
+COMPARED_NOTES = ("no parameters were compared", "no replica to compare")
 
 
 def brief_names(names: Iterable[str], limit: int = 6) -> str:

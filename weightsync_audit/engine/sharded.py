@@ -8,6 +8,7 @@ each decision below comes from gathered data, never from what one rank holds alo
 from __future__ import annotations
 
 import json
+from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
@@ -23,7 +24,7 @@ __all__ = ["has_shards", "peer_keys", "compare_sharded", "shard_names", "compare
 
 def has_shards(entries: Sequence[Entry]) -> bool:
     """Whether any entry is a DTensor (equal on every rank when the structures agree)."""
-    return any(e.shard is not None for e in entries)
+    return any(map(attrgetter("shard"), entries))
 
 
 def peer_keys(entries: Sequence[Entry]) -> np.ndarray:
@@ -67,10 +68,11 @@ def shard_names(comm: Comm, diffs: Sequence[ValueDiff], by_uid: dict[str, Entry]
 def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple[dict[str, int], int]:
     """Per kind, the tensors compared on at least one peer set; and how many sharded tensors had no peer."""
     counts = dict.fromkeys(KINDS, 0)
-    alone = set(unpaired_columns(peers))
-    for j, e in enumerate(entries):
-        if j not in alone:
-            counts[e.kind] += 1
+    for e in entries:
+        counts[e.kind] += 1
+    alone = unpaired_columns(peers)
+    for j in alone:
+        counts[entries[j].kind] -= 1
     return counts, len(alone)
 
 
@@ -79,8 +81,8 @@ def sharded_notes(counts: dict[str, int], unpaired: int, params_held: int, param
     notes = []
     if unpaired:
         notes.append(
-            f"{unpaired} {COMPARED_NOTES[1]}: each is held by one rank only (a pure "
-            "FSDP shard, a Partial placement); see docs/sharded.md"
+            f"{unpaired} sharded tensor{' has' if unpaired == 1 else 's have'} {COMPARED_NOTES[1]}: each is held by "
+            "one rank only (a pure FSDP shard, a Partial placement); see docs/sharded.md"
         )
     if params_wanted and params_held and not counts["param"]:
         notes.append(f"{COMPARED_NOTES[0]}: no rank holds a replica of any parameter shard")
