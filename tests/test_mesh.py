@@ -22,6 +22,7 @@ from rich.console import Console
 
 from weightsync_audit import AuditResult, Mismatch, audit, resync
 from weightsync_audit.cli import main
+from weightsync_audit.engine.consensus import compare_manifests
 from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.integrations.lightning.audit_callback import sharded_strategy_reason
 from weightsync_audit.reporting.jsonl import ReportWriter
@@ -204,3 +205,17 @@ def test_shard_is_in_the_record_table_check_and_show_and_old_records_still_read(
     assert "note: no parameters were compared" in out and "18 sharded tensors have no replica" in out
     assert main(["show", str(report)]) == 0
     assert "weight@dp=0" in capsys.readouterr().out
+
+
+def test_a_structure_difference_does_not_hide_a_shard_that_differs_within_its_peer_set() -> None:
+    # Rows [kind, name, dtype, global shape, digest, layout, peer key]; ranks 0, 2 hold one shard, 1, 3 the other.
+    lay = "(dp):(Shard(dim=0),)"
+    rows = [
+        [["param", "w", "float32", [8], 5, lay, 10], ["buffer", "b", "float32", [2], 1]],
+        [["param", "w", "float32", [8], 6, lay, 14], ["buffer", "b", "float32", [2], 1]],
+        [["param", "w", "float32", [8], 5, lay, 10], ["buffer", "b", "float32", [2], 1]],
+        [["param", "w", "float32", [8], 7, lay, 14]],
+    ]
+    structure, values = compare_manifests(rows)
+    assert [(d.name, d.ranks) for d in structure] == [("b", (3,))]
+    assert [(d.uid, d.ranks, d.reference_ranks, d.peer_set) for d in values] == [("param:w", (3,), (1,), (1, 3))]
