@@ -154,6 +154,9 @@ def test_model_parallel_strategy_fsdp2_is_audited_in_sync_and_a_planted_lr_is_re
     assert "18 sharded tensors have no replica to compare" in " ".join(steps[2]["notes"])
     assert [(m["name"], m["ranks"]) for m in steps[3]["mismatches"]] == [("param_groups.0.lr", [1])]
     assert steps[3]["action"] == "warned"
+    # No parameter had a replica, so no hint may claim the parameters still agree.
+    assert not any("still agree" in h for h in steps[3]["hints"])
+    assert any("no parameter could be compared" in h for h in steps[3]["hints"])
 
 
 def test_model_parallel_strategy_tp_is_audited_and_raise_raises_on_every_rank(tmp_path: Path) -> None:
