@@ -137,10 +137,17 @@ class Auditor:
         """Open the audit channel now (collective); otherwise the first audit does it."""
         self.comm.setup()
 
+    def use_channel_of(self, other: Auditor) -> None:
+        """Talk over ``other``'s audit channel (auditors that run in turn at the same points share one)."""
+        self._comm = other.comm
+
     def _manifest(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> Manifest:
-        ddp = find_ddp(module) if module is not None else None
+        broadcast = self.config.ddp_broadcast_buffers
+        if broadcast is None:
+            ddp = find_ddp(module) if module is not None else None
+            broadcast = ddp is not None and getattr(ddp, "broadcast_buffers", False)
         skip = None
-        if ddp is not None and getattr(ddp, "broadcast_buffers", False) and not self.config.compare_broadcast_buffers:
+        if broadcast and not self.config.compare_broadcast_buffers:
             skip = (
                 "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
             )

@@ -70,6 +70,9 @@ class AuditConfig:
     """Tensors larger than this get no ``max_abs_diff``."""
     compare_broadcast_buffers: bool = False
     """Compare buffers even when DDP overwrites them from rank 0 at every forward (false alarms)."""
+    ddp_broadcast_buffers: bool | None = None
+    """Whether DDP overwrites the buffers from its first rank at every forward, for a caller that audits
+    the unwrapped module (a Hugging Face callback); ``None``: read it from the DDP wrapper in ``module``."""
 
     def __post_init__(self) -> None:
         self.include = check_include(self.include)

@@ -9,28 +9,19 @@ the report, prints, and logs.
 
 from __future__ import annotations
 
-import logging
-import sys
-import time
 import warnings
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
-from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
-from weightsync_audit.engine.history import AuditHistory
-from weightsync_audit.engine.resync import resync
-from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
-from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
+from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.integrations.runner import AuditRunner, check_every_n
 from weightsync_audit.reporting.record import AuditResult
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
-
-log = logging.getLogger("weightsync_audit")
 
 #: Hooks that may trigger an audit, besides the step cadence.
 AUDIT_HOOKS: tuple[str, ...] = (
@@ -107,29 +98,24 @@ class WeightSyncAuditMixin:
         verbose: bool = True,
     ) -> None:
         super().__init__()
-        if every_n_train_steps is not None and (
-            isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 1
-        ):
-            raise ValueError(
-                f"every_n_train_steps={every_n_train_steps!r}: must be an integer >= 1, or None to turn the cadence off"
-            )
+        check_every_n(every_n_train_steps, "every_n_train_steps")
         if isinstance(hooks, str):
             hooks = (hooks,)
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
         if unknown:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
-        # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
-        self.config = AuditConfig(
-            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
-            exclude=exclude if isinstance(exclude, str) else tuple(exclude),  # type: ignore[arg-type]
+        # The options every callback shares are validated (errors name the argument) and run by the runner.
+        self.runner = AuditRunner(
+            include=include,
+            exclude=exclude,
+            on_mismatch=on_mismatch,
+            resync_src=resync_src,
+            report_path=report_path,
             timeout_s=timeout_s,
-            slices=parse_coverage(coverage),
+            coverage=coverage,
+            verbose=verbose,
         )
-        check_on_mismatch(on_mismatch)
-        if isinstance(resync_src, bool) or not isinstance(resync_src, int) or resync_src < 0:
-            raise ValueError(f"resync_src={resync_src!r}: must be a rank number >= 0")
-        if report_path is not None:
-            check_report_path(report_path, "report_path")
+        self.config = self.runner.config
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
         self.include = self.config.include
@@ -137,20 +123,14 @@ class WeightSyncAuditMixin:
         self.slices = self.config.slices
         self.on_mismatch = on_mismatch
         self.resync_src = resync_src
-        self.report_path = None if report_path is None else str(report_path)
+        self.report_path = self.runner.report_path
         self.timeout_s = timeout_s
         self.coverage = coverage
         self.verbose = verbose
-        self.history = AuditHistory()
-        self.console: Any = None
-        """A ``rich.console.Console`` for reports on rank zero (stderr when ``None``)."""
-        self._auditor: Auditor | None = None
-        self._grad_auditor: Auditor | None = None
-        self._confirm_auditor: Auditor | None = None
-        self._writer: ReportWriter | None = None
+        self.history = self.runner.history
+        self._opened = False
         self._disabled: str | None = None
         self._last_step_audited: int | None = None
-        self._last_reported: tuple[str, ...] = ()
         self._trainable = TrainableSetWatch()
         self.from_env = False
         """Set when the callback was added by the WEIGHTSYNC_AUDIT variable (zero-code activation)."""
@@ -173,24 +153,21 @@ class WeightSyncAuditMixin:
             if trainer.is_global_zero:
                 warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
             return
-        world = trainer.world_size
-        if self.on_mismatch == "resync" and self.resync_src >= world:
-            raise ValueError(f"resync_src={self.resync_src}: the run has only {world} rank(s)")
-        main_include = tuple(k for k in self.include if k != "grads")
-        self._auditor = Auditor(config=replace(self.config, include=main_include or ("params",)))
-        self._auditor.history = self.history
-        if "grads" in self.include:
-            self._grad_auditor = Auditor(config=replace(self.config, include=("grads",), slices=1))
-        if trainer.is_global_zero and self.report_path is not None:
-            self._writer = ReportWriter(self.report_path)
-        # Open the audit channel now, while every rank is known to be here (it is collective).
-        self._auditor.setup()
+        self.runner.open(world_size=trainer.world_size, is_main=trainer.is_global_zero)
+        self._opened = True
+
+    @property
+    def console(self) -> Any:
+        """A ``rich.console.Console`` for reports on rank zero (stderr when ``None``)."""
+        return self.runner.console
+
+    @console.setter
+    def console(self, value: Any) -> None:
+        self.runner.console = value
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self.runner.close()
 
     # -- triggers ------------------------------------------------------------------------------
 
@@ -224,7 +201,7 @@ class WeightSyncAuditMixin:
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if not self._disabled:
             self._trainable.check(trainer.strategy.model, trainer.global_step, warn=trainer.is_global_zero)
-        if self._grad_auditor is None:
+        if self.runner.grad_auditor is None or self._disabled:
             return
         upcoming = trainer.global_step + 1
         on_cadence = self.every_n_train_steps is not None and upcoming % self.every_n_train_steps == 0
@@ -256,8 +233,8 @@ class WeightSyncAuditMixin:
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_fit_end")
-        if trainer.is_global_zero and self.verbose and self._auditor is not None:
-            self._print(self.summary())
+        if trainer.is_global_zero and self.verbose and self._opened:
+            self.runner.print(self.summary())
 
     def _maybe_hook(self, trainer: Any, hook: str) -> None:
         if getattr(trainer, "sanity_checking", False):
@@ -268,117 +245,29 @@ class WeightSyncAuditMixin:
     # -- the audit -----------------------------------------------------------------------------
 
     def _run(self, trainer: Any, hook: str, grads: bool = False, step: int | None = None) -> AuditResult | None:
-        auditor = self._grad_auditor if grads else self._auditor
-        if auditor is None or self._disabled:
+        if not self._opened or self._disabled:
             return None
-        if grads and self._auditor is not None:
-            auditor._comm = self._auditor.comm  # one audit channel for both
-        model = trainer.strategy.model
-        optimizers = [] if grads else list(trainer.optimizers)
-        step = trainer.global_step if step is None else step
-        epoch = trainer.current_epoch
-        t0 = time.perf_counter()
-        result = auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
-        if grads:
-            self._note_grad_result(result)
-        if result.in_sync:
-            result.action = "none"
-            self._last_reported = ()
-        elif self.on_mismatch == "raise":
-            result.action = "raised"
-        elif self.on_mismatch == "resync":
-            self._resync(trainer, result, model, optimizers, step, epoch, hook)
-        else:
-            result.action = "warned"
-        result.duration_ms = (time.perf_counter() - t0) * 1e3
-        self._publish(trainer, result)
-        if not result.in_sync and result.action == "raised":
-            raise WeightDivergenceError(result)
-        return result
+        loggers = list(trainer.loggers) if trainer.is_global_zero else []
 
-    def _note_grad_result(self, result: AuditResult) -> None:
-        # The gradient auditor keeps its own history (its audits interleave with the main ones); a
-        # divergence it finds first is still the run's first divergence.
-        if not result.in_sync:
-            self.history.diverged_audits += 1
-            if self.history.first_divergence_step is None:
-                self.history.first_divergence_step = result.step
-                self.history.first_divergence_tensors = result.diverged_names
-        result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
+        def log_metrics(metrics: dict[str, float]) -> None:
+            for logger in loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
 
-    def _resync(
-        self, trainer: Any, result: AuditResult, model: Any, optimizers: list[Any], step: int, epoch: int, hook: str
-    ) -> None:
-        structural = [m.name for m in result.mismatches if m.kind == "structure"]
-        if structural:
-            result.action = "raised"
-            result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
-            return
-        names = [m.name for m in result.mismatches if m.kind != "grad"]
-        if names:
-            resync(model, optimizers or None, src=self.resync_src, names=names, timeout_s=self.timeout_s)
-        if self._confirm_auditor is None:
-            assert self._auditor is not None
-            cfg = self._auditor.config
-            self._confirm_auditor = Auditor(include=cfg.include, exclude=cfg.exclude, timeout_s=cfg.timeout_s)
-            self._confirm_auditor._comm = self._auditor.comm
-        confirm = self._confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
-        if confirm.in_sync:
-            result.action = "resynced"
-            result.notes.append(
-                f"resynced {len(names)} tensor(s) from rank {self.resync_src}; a full audit confirmed the replicas are in sync"
-            )
-            self.history.resyncs += 1
-            self.history.last_in_sync_step = step
-        else:
-            result.action = "raised"
-            result.notes.append(f"resync from rank {self.resync_src} did not restore agreement: {confirm.summary()}")
-
-    def _publish(self, trainer: Any, result: AuditResult) -> None:
-        """Report on rank zero: the record, metrics, and a printed report when the divergence changes."""
-        if not trainer.is_global_zero:
-            if not result.in_sync:
-                self._last_reported = tuple(result.diverged_names)
-            return
-        if self._writer is not None:
-            self._writer.write(result)
-        metrics = {
-            "weightsync/in_sync": float(result.in_sync),
-            "weightsync/diverged_tensors": float(len(result.mismatches)),
-            "weightsync/audit_ms": float(result.duration_ms),
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        if not result.in_sync:
-            names = tuple(result.diverged_names)
-            if names != self._last_reported or result.action in ("raised", "resynced"):
-                if self.verbose:
-                    self._print(result)
-                else:
-                    log.warning("weightsync audit: %s", result.summary())
-            self._last_reported = names
-
-    def _print(self, renderable: Any) -> None:
-        from rich.console import Console
-
-        console = self.console or Console(file=sys.stderr)
-        console.print(renderable)
+        return self.runner.run(
+            trainer.strategy.model,
+            [] if grads else list(trainer.optimizers),
+            step=trainer.global_step if step is None else step,
+            epoch=trainer.current_epoch,
+            hook=hook,
+            is_main=trainer.is_global_zero,
+            grads=grads,
+            log_metrics=log_metrics,
+        )
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
     def summary(self) -> str:
-        h = self.history
-        if self._disabled:
-            return f"weightsync audit: not audited ({self._disabled})"
-        if h.diverged_audits == 0:
-            last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
-            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}"
-        first = ", ".join(h.first_divergence_tensors[:5])
-        return (
-            f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
-            f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "
-            f"{h.resyncs} resync(s)"
-        )
+        return self.runner.summary(self._disabled)
 
     @property
     @override
@@ -405,11 +294,11 @@ class WeightSyncAuditMixin:
         return {
             "version": _STATE_VERSION,
             "history": self.history.state_dict(),
-            "last_reported": list(self._last_reported),
+            "last_reported": list(self.runner.last_reported),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Old or partial checkpoints keep the defaults for what they lack.
         self.history.load_state_dict(state_dict.get("history", {}))
-        self._last_reported = tuple(state_dict.get("last_reported", ()))
+        self.runner.last_reported = tuple(state_dict.get("last_reported", ()))

@@ -1,0 +1,265 @@
+"""What every audit callback does, whatever the framework: validate its options, run an audit, act on it.
+
+:class:`AuditRunner` holds the auditors (the main one, one for gradients, one to confirm a resync, all
+over one audit channel), the run's :class:`~weightsync_audit.AuditHistory` and the report writer. The
+Lightning and Hugging Face callbacks are adapters: they say *when* to audit and *what* (model,
+optimizers, step, epoch), and where metrics go. Every decision that leads to a collective is taken from
+data that is equal on every rank (the step, the gathered result); the main process only writes the
+report and prints.
+
+It imports no framework.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import replace
+from typing import Any, Callable, Optional, Sequence
+
+from weightsync_audit.engine.auditor import Auditor
+from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
+from weightsync_audit.engine.history import AuditHistory
+from weightsync_audit.engine.resync import resync
+from weightsync_audit.errors import WeightDivergenceError
+from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["AuditRunner", "audit_metrics", "check_every_n"]
+
+log = logging.getLogger("weightsync_audit")
+
+
+def check_every_n(value: object, argument: str) -> Optional[int]:
+    """Validate an audit cadence (``every_n_train_steps``, ``every_n_steps``): an integer >= 1 or ``None``.
+
+    >>> check_every_n(50, "every_n_steps")
+    50
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{argument}={value!r}: must be an integer >= 1, or None to turn the cadence off")
+    return value
+
+
+def audit_metrics(result: AuditResult) -> dict[str, float]:
+    """The numbers a callback logs per audit: ``weightsync/in_sync``, ``diverged_tensors``, ``audit_ms``."""
+    return {
+        "weightsync/in_sync": float(result.in_sync),
+        "weightsync/diverged_tensors": float(len(result.mismatches)),
+        "weightsync/audit_ms": float(result.duration_ms),
+    }
+
+
+class AuditRunner:
+    """Run audits for a callback and act on them: ``warn``, ``raise`` (on every rank) or ``resync``.
+
+    The arguments are the callbacks' own, validated here so that every callback's errors name them alike.
+
+    >>> import torch
+    >>> runner = AuditRunner(on_mismatch="raise")
+    >>> runner.open(world_size=1, is_main=True)
+    >>> model = torch.nn.Linear(2, 2)
+    >>> runner.run(model, [], step=0, epoch=0, hook="example", is_main=True).in_sync
+    True
+    >>> runner.close()
+    """
+
+    def __init__(
+        self,
+        *,
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
+        on_mismatch: OnMismatch = "warn",
+        resync_src: int = 0,
+        report_path: Optional[str] = None,
+        timeout_s: Optional[float] = 600.0,
+        coverage: float | str = 1,
+        verbose: bool = True,
+    ) -> None:
+        # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
+        self.config = AuditConfig(
+            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
+            exclude=exclude if isinstance(exclude, str) else tuple(exclude),  # type: ignore[arg-type]
+            timeout_s=timeout_s,
+            slices=parse_coverage(coverage),
+        )
+        self.on_mismatch = check_on_mismatch(on_mismatch)
+        if isinstance(resync_src, bool) or not isinstance(resync_src, int) or resync_src < 0:
+            raise ValueError(f"resync_src={resync_src!r}: must be a rank number >= 0")
+        if report_path is not None:
+            check_report_path(report_path, "report_path")
+        self.include = self.config.include
+        self.exclude = self.config.exclude
+        self.slices = self.config.slices
+        self.resync_src = resync_src
+        self.report_path = None if report_path is None else str(report_path)
+        self.timeout_s = timeout_s
+        self.coverage = coverage
+        self.verbose = verbose
+        self.history = AuditHistory()
+        self.console: Any = None
+        """A ``rich.console.Console`` for reports on the main process (stderr when ``None``)."""
+        self.auditor: Auditor | None = None
+        self.grad_auditor: Auditor | None = None
+        self.confirm_auditor: Auditor | None = None
+        self.writer: ReportWriter | None = None
+        self.last_reported: tuple[str, ...] = ()
+        """The diverged names last reported, so a divergence is printed when it appears or changes."""
+
+    # -- set-up and teardown -------------------------------------------------------------------
+
+    def open(
+        self,
+        *,
+        world_size: int,
+        is_main: bool,
+        ddp_broadcast_buffers: bool | None = None,
+        grads_with_optimizer: bool = False,
+    ) -> None:
+        """Build the auditors and open the audit channel (collective: every rank calls it).
+
+        ``ddp_broadcast_buffers``: the DDP buffer policy when the callback is handed the unwrapped model
+        (``None``: read it from the wrapper). ``grads_with_optimizer``: the gradient audit also compares
+        the optimizer (its state and each group's ``lr``), as it stands right before the step.
+        """
+        if self.on_mismatch == "resync" and self.resync_src >= world_size:
+            raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
+        base = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers)
+        main_include = tuple(k for k in self.include if k != "grads") or ("params",)
+        self.auditor = Auditor(config=replace(base, include=main_include))
+        self.auditor.history = self.history
+        if "grads" in self.include:
+            with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
+            self.grad_auditor = Auditor(config=replace(base, include=("grads", *with_opt), slices=1))
+            self.grad_auditor.use_channel_of(self.auditor)
+        # A resync is confirmed by a full audit (every slice) of what the main auditor compares.
+        self.confirm_auditor = Auditor(config=replace(base, include=main_include, slices=1))
+        self.confirm_auditor.use_channel_of(self.auditor)
+        if is_main and self.report_path is not None:
+            self.writer = ReportWriter(self.report_path)
+        # Open the audit channel now, while every rank is known to be here (it is collective).
+        self.auditor.setup()
+
+    def close(self) -> None:
+        """Close the report (idempotent). The audit channel stays cached for the process's next run."""
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    # -- the audit -----------------------------------------------------------------------------
+
+    def run(
+        self,
+        model: Any,
+        optimizers: Sequence[Any],
+        *,
+        step: int,
+        epoch: int | None,
+        hook: str,
+        is_main: bool,
+        grads: bool = False,
+        log_metrics: Callable[[dict[str, float]], None] | None = None,
+    ) -> AuditResult | None:
+        """Audit, act on the result, report it on the main process; raise on every rank if asked.
+
+        ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise.
+        """
+        auditor = self.grad_auditor if grads else self.auditor
+        if auditor is None:
+            return None
+        t0 = time.perf_counter()
+        result = auditor.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+        if grads:
+            self._note_grad_result(result)
+        if result.in_sync:
+            result.action = "none"
+        elif self.on_mismatch == "raise":
+            result.action = "raised"
+        elif self.on_mismatch == "resync":
+            self._resync(result, model, list(optimizers), step, epoch, hook)
+        else:
+            result.action = "warned"
+        result.duration_ms = (time.perf_counter() - t0) * 1e3
+        self._publish(result, is_main, log_metrics)
+        if not result.in_sync and result.action == "raised":
+            raise WeightDivergenceError(result)
+        return result
+
+    def _note_grad_result(self, result: AuditResult) -> None:
+        # The gradient auditor keeps its own history (its audits interleave with the main ones); a
+        # divergence it finds first is still the run's first divergence.
+        if not result.in_sync:
+            self.history.diverged_audits += 1
+            if self.history.first_divergence_step is None:
+                self.history.first_divergence_step = result.step
+                self.history.first_divergence_tensors = result.diverged_names
+        result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
+
+    def _resync(
+        self, result: AuditResult, model: Any, optimizers: list[Any], step: int, epoch: int | None, hook: str
+    ) -> None:
+        structural = [m.name for m in result.mismatches if m.kind == "structure"]
+        if structural:
+            result.action = "raised"
+            result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
+            return
+        names = [m.name for m in result.mismatches if m.kind != "grad"]
+        if names:
+            resync(model, optimizers or None, src=self.resync_src, names=names, timeout_s=self.timeout_s)
+        assert self.confirm_auditor is not None
+        confirm = self.confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
+        if confirm.in_sync:
+            result.action = "resynced"
+            result.notes.append(
+                f"resynced {len(names)} tensor(s) from rank {self.resync_src}; a full audit confirmed the replicas are in sync"
+            )
+            self.history.resyncs += 1
+            self.history.last_in_sync_step = step
+        else:
+            result.action = "raised"
+            result.notes.append(f"resync from rank {self.resync_src} did not restore agreement: {confirm.summary()}")
+
+    def _publish(
+        self, result: AuditResult, is_main: bool, log_metrics: Callable[[dict[str, float]], None] | None
+    ) -> None:
+        """Report on the main process: the record, metrics, and a printed report when the divergence changes."""
+        if not is_main:
+            self.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
+            return
+        if self.writer is not None:
+            self.writer.write(result)
+        if log_metrics is not None:
+            log_metrics(audit_metrics(result))
+        if result.in_sync:
+            self.last_reported = ()
+            return
+        names = tuple(result.diverged_names)
+        if names != self.last_reported or result.action in ("raised", "resynced"):
+            if self.verbose:
+                self.print(result)
+            else:
+                log.warning("weightsync audit: %s", result.summary())
+        self.last_reported = names
+
+    def print(self, renderable: Any) -> None:
+        """Print with rich on the main process's console (stderr unless ``console`` is set)."""
+        from rich.console import Console
+
+        console = self.console or Console(file=sys.stderr)
+        console.print(renderable)
+
+    def summary(self, disabled: str | None = None) -> str:
+        """One line over the whole run: audits, the first divergence, resyncs."""
+        h = self.history
+        if disabled:
+            return f"weightsync audit: not audited ({disabled})"
+        if h.diverged_audits == 0:
+            last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
+            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}"
+        first = ", ".join(h.first_divergence_tensors[:5])
+        return (
+            f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
+            f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "
+            f"{h.resyncs} resync(s)"
+        )
