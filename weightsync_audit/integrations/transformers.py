@@ -1,0 +1,197 @@
+"""``WeightSyncAuditCallback``: the weight audit as a Hugging Face ``transformers.TrainerCallback``.
+
+A thin adapter over :class:`~weightsync_audit.integrations.runner.AuditRunner` (the same engine and the
+same options as the Lightning callback). What is particular to the Trainer:
+
+* callback events receive the *unwrapped* model, so DDP's buffer policy cannot be read from a wrapper:
+  it comes from ``args.ddp_broadcast_buffers`` (``None`` is DDP's default, on);
+* the optimizer as it stands right before the step is only visible at ``on_pre_optimizer_step``: an
+  ``lr`` set differently on one rank is gone again by ``on_step_end`` (the scheduler resets it), so the
+  gradient audit there also compares the optimizer;
+* ``state.global_step`` counts optimizer steps, so gradient accumulation does not repeat an audit.
+
+Import it as ``from weightsync_audit.transformers import WeightSyncAuditCallback``; this module is the
+only one in the package that imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Literal, Optional, Sequence
+
+from transformers import TrainerCallback
+
+from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["WeightSyncAuditCallback"]
+
+
+def sharded_reason(args: Any) -> str | None:
+    """Why the Trainer's ranks cannot be compared as replicas (FSDP, DeepSpeed), or ``None``."""
+    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
+        which = "FSDP" if getattr(args, "fsdp", None) else "DeepSpeed"
+        return (
+            f"{which} shards parameters across ranks; weightsync audits replicas and does not compare shards "
+            "in the Trainer yet, so this run is not audited"
+        )
+    return None
+
+
+def buffer_policy(args: Any) -> bool | None:
+    """Whether the Trainer's DDP overwrites buffers from rank 0 at every forward (``None``: not under DDP)."""
+    if getattr(args, "world_size", 1) <= 1:
+        return None
+    value = getattr(args, "ddp_broadcast_buffers", None)
+    return True if value is None else bool(value)
+
+
+def epoch_of(state: Any) -> int:
+    """The epoch as a whole number: the Trainer's ``state.epoch`` reaches ``1.0`` at the end of epoch 0."""
+    return max(0, math.ceil(state.epoch or 0) - 1)
+
+
+class WeightSyncAuditCallback(TrainerCallback):
+    """Audit that every rank holds the same weights while a ``transformers.Trainer`` trains.
+
+    Audits at ``on_train_begin``, after every ``every_n_steps`` optimizer steps (``on_step_end``) and at
+    ``on_train_end``; with ``"grads"`` in ``include``, gradients and the optimizer (its ``lr`` included)
+    at ``on_pre_optimizer_step`` of those steps.
+
+    Args:
+        every_n_steps: audit after every N optimizer steps (``state.global_step``); ``None`` audits only
+            at train begin and end.
+        include: ``params``, ``buffers``, ``optimizer``, ``grads``.
+        exclude: glob patterns over names to leave out.
+        on_mismatch: ``warn`` (report on the main process), ``raise`` (``WeightDivergenceError`` on every
+            rank at the same point), ``resync`` (broadcast the diverged tensors from ``resync_src``, then
+            confirm with a full audit).
+        resync_src: the rank whose values win in ``resync``.
+        report_path: JSONL file that the main process appends one record per audit to.
+        timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
+        coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
+        verbose: print a divergence and the train-end summary (rich) on the main process.
+
+    The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
+    go into the next entry of the Trainer's logs (``state.log_history``).
+
+    Example::
+
+        trainer = Trainer(model=model, args=args, train_dataset=data,
+                          callbacks=[WeightSyncAuditCallback(every_n_steps=50, on_mismatch="raise")])
+    """
+
+    def __init__(
+        self,
+        every_n_steps: Optional[int] = 100,
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
+        on_mismatch: Literal["warn", "raise", "resync"] = "warn",
+        resync_src: int = 0,
+        report_path: Optional[str] = None,
+        timeout_s: Optional[float] = 600.0,
+        coverage: float | str = 1,
+        verbose: bool = True,
+    ) -> None:
+        self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
+        self.runner = AuditRunner(
+            include=include,
+            exclude=exclude,
+            on_mismatch=on_mismatch,
+            resync_src=resync_src,
+            report_path=report_path,
+            timeout_s=timeout_s,
+            coverage=coverage,
+            verbose=verbose,
+        )
+        self.history = self.runner.history
+        self.last_result: AuditResult | None = None
+        """The latest audit's result (the same on every rank)."""
+        self._opened = False
+        self._disabled: str | None = None
+        self._last_step_audited: int | None = None
+        self._unlogged: dict[str, float] = {}
+
+    # -- Trainer events ------------------------------------------------------------------------
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        self._disabled = sharded_reason(args)
+        if self._disabled:
+            if state.is_world_process_zero:
+                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
+            return
+        self.runner.open(
+            world_size=args.world_size,
+            is_main=state.is_world_process_zero,
+            ddp_broadcast_buffers=buffer_policy(args),
+            grads_with_optimizer=True,
+        )
+        self._opened = True
+        self._last_step_audited = state.global_step
+        self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.runner.grad_auditor is None or not self._opened:
+            return
+        upcoming = state.global_step + 1
+        if self.every_n_steps is not None and upcoming % self.every_n_steps == 0:
+            self._run(state, model, kwargs.get("optimizer"), "on_pre_optimizer_step", upcoming, grads=True)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        step = state.global_step
+        if self.every_n_steps is None or step == self._last_step_audited or step % self.every_n_steps:
+            return
+        self._last_step_audited = step
+        self._run(state, model, kwargs.get("optimizer"), "on_step_end", step)
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        # Into the entry being logged and the one the Trainer keeps: callbacks after this one (and
+        # `trainer.state.log_history`, saved with checkpoints) see the latest audit's figures.
+        if not self._unlogged or logs is None:
+            return
+        logs.update(self._unlogged)
+        if state.log_history and state.log_history[-1].get("step") == state.global_step:
+            state.log_history[-1].update(self._unlogged)
+        self._unlogged = {}
+
+    def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if not self._opened:
+            if self._disabled and state.is_world_process_zero and self.runner.verbose:
+                self.runner.print(self.summary())
+            return
+        try:
+            if state.global_step != self._last_step_audited:
+                self._last_step_audited = state.global_step
+                self._run(state, model, kwargs.get("optimizer"), "on_train_end", state.global_step)
+            if state.is_world_process_zero and self.runner.verbose:
+                self.runner.print(self.summary())
+        finally:
+            self.runner.close()
+            self._opened = False
+
+    # -- the audit -----------------------------------------------------------------------------
+
+    def _run(
+        self, state: Any, model: Any, optimizer: Any, hook: str, step: int, grads: bool = False
+    ) -> AuditResult | None:
+        if model is None:
+            raise ValueError(f"weightsync audit: the Trainer passed no model to {hook}")
+        result = self.runner.run(
+            model,
+            [optimizer] if optimizer is not None else [],
+            step=step,
+            epoch=epoch_of(state),
+            hook=hook,
+            is_main=state.is_world_process_zero,
+            grads=grads,
+        )
+        if result is not None:
+            self.last_result = result
+            self._unlogged = audit_metrics(result)
+        return result
+
+    def summary(self) -> str:
+        """One line over the run so far: audits, the first divergence, resyncs."""
+        return self.runner.summary(self._disabled)
