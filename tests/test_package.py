@@ -54,3 +54,13 @@ def test_the_core_imports_no_lightning() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_core_and_the_lightning_adapter_import_no_transformers() -> None:
+    code = (
+        "import sys, weightsync_audit; weightsync_audit.audit(None);"
+        "import weightsync_audit.integrations.lightning.pytorch_lightning, weightsync_audit.integrations.activation;"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate')];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

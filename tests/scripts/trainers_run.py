@@ -1,12 +1,14 @@
-"""Run under ``torchrun --nproc_per_node=2``: the Hugging Face Trainer callback and a Fabric loop, for real.
+"""Run under ``torchrun`` on 2 ranks: the Hugging Face Trainer callback, Fabric, Accelerate and a bare DDP loop.
 
 One launch runs every scenario in turn (importing ``transformers`` is the slow part, paid once); each
 rank writes ``OUT/<scenario>.rank<r>.json`` with what it saw, and tests/test_integrations.py judges.
-Usage: torchrun --nproc_per_node=2 trainers_run.py OUT_DIR [SCENARIO ...]
+The tests launch it as two one-process "nodes" (every local rank 0), so global ranks are checked too.
+Usage: torchrun --nnodes=2 --nproc_per_node=1 --node-rank=N ... trainers_run.py OUT_DIR [SCENARIO ...]
 """
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -14,20 +16,23 @@ import sys
 import time
 import traceback
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_DISABLED", "true")
-warnings.filterwarnings("ignore")
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+# No hub, no trackers: set before `transformers` is imported (the test sets them too).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
 from weightsync_audit import WeightDivergenceError
 from weightsync_audit.transformers import WeightSyncAuditCallback
+
+warnings.filterwarnings("ignore")
 
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -77,7 +82,9 @@ def features() -> list[dict[str, torch.Tensor]]:
 class At(__import__("transformers").TrainerCallback):
     """Does ``act(model, optimizer)`` on ``ranks`` at one event of one step: a planted fault, or a clock."""
 
-    def __init__(self, event: str, step: int, act: Callable[[nn.Module, Any], None], ranks: tuple[int, ...] = (1,)) -> None:
+    def __init__(
+        self, event: str, step: int, act: Callable[[nn.Module, Any], None], ranks: tuple[int, ...] = (1,)
+    ) -> None:
         self.step = step
         self.act = act
 
@@ -136,7 +143,9 @@ def nudge_head(model: nn.Module, optimizer: Any) -> None:
 @scenario
 def hf_healthy() -> dict[str, Any]:
     path = OUT / "hf_healthy.jsonl"
-    cb = WeightSyncAuditCallback(every_n_steps=1, include=("params", "buffers", "optimizer", "grads"), report_path=str(path))
+    cb = WeightSyncAuditCallback(
+        every_n_steps=1, include=("params", "buffers", "optimizer", "grads"), report_path=str(path)
+    )
     trainer = train(gpt2(), tokens(), [cb])
     logged = [e for e in trainer.state.log_history if "weightsync/in_sync" in e]
     return {"records": records(path), "logged": logged, "summary": cb.summary()}
@@ -192,18 +201,22 @@ def hf_lr() -> dict[str, Any]:
     return {"records": records(path)}
 
 
-# -- Lightning Fabric -----------------------------------------------------------------------------
+# -- plain loops: Lightning Fabric, Accelerate, bare torchrun ------------------------------------------
 
 
-class Backbone(nn.Module):
+class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.encoder = nn.Linear(8, 16)
-        self.classifier = nn.Linear(16, 2)
+        self.backbone = nn.Linear(8, 16)
+        self.head = nn.Linear(16, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.relu(self.encoder(x)))
+        return self.head(torch.relu(self.backbone(x)))
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * RANK + step))
 
 
 @scenario
@@ -212,33 +225,85 @@ def fabric_loop() -> dict[str, Any]:
 
     from weightsync_audit import audit
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    fabric = Fabric(accelerator="cpu", devices=per_node, num_nodes=dist.get_world_size() // per_node, strategy="ddp")
     fabric.launch()
-    net = Backbone()
+    net = Net()
     model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(fabric.global_rank))
     results = []
     for step in range(4):
-        loss = model(x).pow(2).mean()
-        fabric.backward(loss)
+        fabric.backward(model(batch(step)).pow(2).mean())
         optimizer.step()
         optimizer.zero_grad()
         if step == 2 and fabric.global_rank == 1:
             with torch.no_grad():
-                model.classifier.bias[0] += 1e-3
-        results.append(audit(model, optimizer, step=step).to_dict())
-    return {"results": results}
+                model.head.bias[0] += 1e-3
+        results.append(audit(model, optimizer, step=step, timeout_s=60).to_dict())
+    return {"results": results, "wrapper": type(model).__name__}
+
+
+@scenario
+def accelerate_loop() -> dict[str, Any]:
+    from accelerate import Accelerator
+
+    from weightsync_audit import audit
+
+    accelerator = Accelerator(cpu=True)
+    net = Net()
+    model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
+    results = []
+    for step in range(4):
+        accelerator.backward(model(batch(step)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2 and accelerator.process_index == 1:
+            with torch.no_grad():
+                net.backbone.bias[0] += 1e-3
+        results.append(audit(model, optimizer, step=step, timeout_s=60).to_dict())
+    return {"results": results, "wrapper": type(model).__name__}
+
+
+@scenario
+def torchrun_loop() -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from weightsync_audit import Auditor
+
+    model = DDP(Net())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    auditor = Auditor(model, optimizer, timeout_s=60)
+    results = []
+    for step in range(4):
+        model(batch(step)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2 and RANK == 1:
+            with torch.no_grad():
+                model.module.backbone.weight[0, 0] += 1e-3
+        results.append(auditor.audit(step=step).to_dict())
+    return {"results": results, "wrapper": type(model).__name__}
 
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
+    faulthandler.dump_traceback_later(
+        float(os.environ.get("TRAINERS_RUN_DEADLINE_S", "240")), exit=True
+    )  # a hang shows where
+    # One process group for every scenario; the Trainer, Accelerate and Fabric all find it initialised.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    where = {
+        "rank": dist.get_rank(),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "node": int(os.environ["GROUP_RANK"]),
+    }
     chosen = sys.argv[2:] or list(SCENARIOS)
     for name in chosen:
         t0 = time.monotonic()
         try:
             out = SCENARIOS[name]()
-        except Exception as exc:  # reported to the test, which names the scenario
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which names the scenario
             out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        out["seconds"] = time.monotonic() - t0
+        out.update(where, seconds=time.monotonic() - t0)
         (OUT / f"{name}.rank{RANK}.json").write_text(json.dumps(out, default=str))
     dist.barrier()
+    dist.destroy_process_group()

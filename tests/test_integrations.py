@@ -1,0 +1,192 @@
+"""The Hugging Face Trainer callback, Fabric, Accelerate and bare torchrun loops, on 2 real gloo ranks.
+
+One launch runs every scenario (tests/scripts/trainers_run.py): ``torchrun`` twice, as two one-process
+"nodes" rendezvousing on 127.0.0.1, so every local rank is 0 while the global ranks are 0 and 1. Tiny
+models built locally (a 2-layer GPT-2 of width 32), no hub downloads, no reporting integrations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from ranks import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "trainers_run.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("trainers")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "WANDB_DISABLED": "true",
+        "OMP_NUM_THREADS": "1",
+    }
+    port = free_port()
+
+    def launch(node: int) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
+        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(SCRIPT), str(out)]
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    launchers = [launch(0), launch(1)]
+    logs, codes = [], []
+    try:
+        for p in launchers:
+            logs.append(p.communicate(timeout=280)[0])
+            codes.append(p.returncode)
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+    results: dict[str, Any] = {"codes": codes, "log": "\n".join(logs)[-6000:]}
+    for f in out.glob("*.rank*.json"):
+        scenario, rank = f.name.removesuffix(".json").split(".rank")
+        results.setdefault(scenario, {})[int(rank)] = json.loads(f.read_text())
+    return results
+
+
+def scenario(runs: dict[str, Any], name: str) -> dict[int, Any]:
+    got = runs.get(name)
+    assert got is not None and set(got) == {0, 1}, f"{name}: not every rank reported\n{runs['log']}"
+    for rank, out in got.items():
+        assert "error" not in out, f"{name} on rank {rank}: {out['error']}\n{out.get('traceback')}"
+    return got
+
+
+def test_every_rank_exits_0_and_global_ranks_are_right_though_both_local_ranks_are_0(runs: dict[str, Any]) -> None:
+    assert runs["codes"] == [0, 0], runs["log"]
+    for rank, out in scenario(runs, "torchrun_loop").items():
+        assert (out["rank"], out["local_rank"], out["node"]) == (rank, 0, rank)
+
+
+def test_hf_trainer_healthy_run_every_record_in_sync_with_params_and_optimizer_state_compared(
+    runs: dict[str, Any],
+) -> None:
+    got = scenario(runs, "hf_healthy")
+    records = got[0]["records"]
+    hooks = [r["hook"] for r in records]
+    assert (
+        hooks[0] == "on_train_begin" and hooks.count("on_step_end") == 6 and hooks.count("on_pre_optimizer_step") == 6
+    )
+    assert all(r["in_sync"] and r["world_size"] == 2 for r in records)
+    after_first_step = [r for r in records if r["hook"] == "on_step_end"]
+    # Adam's exp_avg, exp_avg_sq and step for each of the 28 parameters, plus the group's settings.
+    assert all(r["checked"]["param"] == 28 and r["checked"]["optimizer"] > 3 * 28 for r in after_first_step)
+    assert all(r["checked"]["grad"] == 28 for r in records if r["hook"] == "on_pre_optimizer_step")
+    for out in got.values():
+        assert [e["step"] for e in out["logged"]] == [1, 2, 3, 4, 5, 6]  # one metric line per logged step
+        assert all(e["weightsync/in_sync"] == 1.0 and e["weightsync/diverged_tensors"] == 0 for e in out["logged"])
+        assert "in sync throughout" in out["summary"]
+
+
+def test_hf_trainer_weight_nudged_on_rank_1_makes_every_rank_raise_naming_it_within_seconds(
+    runs: dict[str, Any],
+) -> None:
+    for out in scenario(runs, "hf_raise").values():
+        assert out["raised"] == "WeightDivergenceError"
+        assert out["step"] == 3 and out["names"] == ["transformer.h.1.mlp.c_fc.weight"] and out["ranks"] == [[1]]
+        assert "transformer.h.1.mlp.c_fc.weight" in out["message"]
+        assert out["seconds_after_the_nudge"] < 10
+
+
+def test_hf_trainer_resync_repairs_the_nudge_and_ends_bit_identical(runs: dict[str, Any]) -> None:
+    got = scenario(runs, "hf_resync")
+    records = got[0]["records"]
+    assert [r["action"] for r in records if not r["in_sync"]] == ["resynced"]
+    assert all(r["in_sync"] for r in records if r["step"] > 3)
+    assert got[0]["digests"][0] == got[0]["digests"][1]
+
+
+def test_hf_trainer_batchnorm_no_false_alarm_under_default_ddp_and_real_buffers_without_broadcast(
+    runs: dict[str, Any],
+) -> None:
+    got = scenario(runs, "hf_batchnorm")[0]
+    default, no_broadcast = got["default"], got["no_broadcast"]
+    assert all(r["in_sync"] for r in default)
+    assert all("broadcast_buffers=True" in " ".join(r["notes"]) for r in default)
+    diverged = [r for r in no_broadcast if not r["in_sync"]]
+    assert diverged and diverged[0]["step"] == 1
+    assert {(m["name"], m["kind"], tuple(m["ranks"])) for m in diverged[0]["mismatches"]} == {
+        ("body.1.running_mean", "buffer", (1,)),
+        ("body.1.running_var", "buffer", (1,)),
+    }
+
+
+def test_hf_trainer_lr_changed_on_one_rank_is_reported_by_the_grads_time_audit(runs: dict[str, Any]) -> None:
+    records = scenario(runs, "hf_lr")[0]["records"]
+    first = next(r for r in records if not r["in_sync"])
+    assert (first["hook"], first["step"]) == ("on_pre_optimizer_step", 3)
+    assert [(m["name"], m["kind"], m["ranks"]) for m in first["mismatches"]] == [
+        ("param_groups.0.lr", "optimizer", [1])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("loop", "wrapper", "planted"),
+    [
+        ("fabric_loop", "_FabricModule", "head.bias"),
+        ("accelerate_loop", "DistributedDataParallel", "backbone.bias"),
+        ("torchrun_loop", "DistributedDataParallel", "backbone.weight"),
+    ],
+)
+def test_plain_loops_in_sync_then_a_planted_change_named_with_the_users_names(
+    runs: dict[str, Any], loop: str, wrapper: str, planted: str
+) -> None:
+    for out in scenario(runs, loop).values():
+        assert out["wrapper"] == wrapper
+        results = out["results"]
+        assert [r["in_sync"] for r in results] == [True, True, False, False]
+        assert results[1]["checked"]["optimizer"] > 0
+        for r in results[2:]:
+            assert [(m["name"], m["ranks"], m["reference_ranks"]) for m in r["mismatches"]] == [(planted, [1], [0])]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"every_n_steps": 0}, "every_n_steps=0"),
+        ({"every_n_steps": True}, "every_n_steps=True"),
+        ({"include": ("params", "weights")}, "include="),
+        ({"on_mismatch": "ignore"}, "on_mismatch='ignore'"),
+        ({"resync_src": -1}, "resync_src=-1"),
+        ({"timeout_s": 0}, "timeout_s=0"),
+        ({"coverage": 0.3}, "coverage=0.3"),
+        ({"report_path": "/no/such/dir/audit.jsonl"}, "report_path"),
+    ],
+)
+def test_hf_callback_checks_its_arguments_at_construction_naming_them(kwargs: dict[str, Any], named: str) -> None:
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    with pytest.raises((ValueError, TypeError)) as info:
+        WeightSyncAuditCallback(**kwargs)
+    assert named in str(info.value)
+
+
+def test_hf_callback_is_a_trainer_callback_with_the_lightning_callbacks_options() -> None:
+    import inspect
+
+    from transformers import TrainerCallback
+
+    from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    assert issubclass(WeightSyncAuditCallback, TrainerCallback)
+    hf = list(inspect.signature(WeightSyncAuditCallback.__init__).parameters)
+    pl = list(inspect.signature(WeightSyncAuditMixin.__init__).parameters)
+    assert hf[1] == "every_n_steps" and pl[1] == "every_n_train_steps"
+    assert [p for p in pl if p not in ("self", "every_n_train_steps", "hooks")] == hf[2:]
