@@ -110,6 +110,7 @@ def test_pages_exist() -> None:
         "index.md",
         "quickstart.md",
         "callback.md",
+        "integrations.md",
         "cli.md",
         "ci.md",
         "how-it-works.md",

@@ -56,11 +56,24 @@ def test_the_core_imports_no_lightning() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_core_and_the_lightning_adapter_import_no_transformers() -> None:
+def test_the_core_imports_no_transformers_and_only_the_hf_adapter_names_it() -> None:
     code = (
         "import sys, weightsync_audit; weightsync_audit.audit(None);"
-        "import weightsync_audit.integrations.lightning.pytorch_lightning, weightsync_audit.integrations.activation;"
         "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate')];"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+    # pytorch_lightning itself imports transformers when it is installed, so the Lightning adapter is
+    # checked by what it imports, as is every other module of the package.
+    import ast
+    from pathlib import Path
+
+    root = Path(weightsync_audit.__file__).parent
+    importers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            if any(n.split(".")[0] in ("transformers", "accelerate") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"integrations/transformers.py"}
