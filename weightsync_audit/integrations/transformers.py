@@ -21,6 +21,7 @@ import warnings
 from typing import Any, Literal, Optional, Sequence
 
 from transformers import TrainerCallback
+from typing_extensions import override
 
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n
@@ -116,6 +117,7 @@ class WeightSyncAuditCallback(TrainerCallback):
 
     # -- Trainer events ------------------------------------------------------------------------
 
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._disabled = sharded_reason(args)
         if self._disabled:
@@ -132,6 +134,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         self._last_step_audited = state.global_step
         self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step)
 
+    @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.runner.grad_auditor is None or not self._opened:
             return
@@ -139,6 +142,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         if self.every_n_steps is not None and upcoming % self.every_n_steps == 0:
             self._run(state, model, kwargs.get("optimizer"), "on_pre_optimizer_step", upcoming, grads=True)
 
+    @override
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         step = state.global_step
         if self.every_n_steps is None or step == self._last_step_audited or step % self.every_n_steps:
@@ -146,6 +150,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         self._last_step_audited = step
         self._run(state, model, kwargs.get("optimizer"), "on_step_end", step)
 
+    @override
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
         # Into the entry being logged and the one the Trainer keeps: callbacks after this one (and
         # `trainer.state.log_history`, saved with checkpoints) see the latest audit's figures.
@@ -156,6 +161,7 @@ class WeightSyncAuditCallback(TrainerCallback):
             state.log_history[-1].update(self._unlogged)
         self._unlogged = {}
 
+    @override
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if not self._opened:
             if self._disabled and state.is_world_process_zero and self.runner.verbose:
