@@ -14,6 +14,7 @@ __all__ = [
     "ReportFormatError",
     "WeightSyncWarning",
     "TrainableSetMismatchError",
+    "ResyncError",
 ]
 
 
@@ -97,4 +98,21 @@ class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
 
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         self.ranks = list(ranks)
+        super().__init__(message)
+
+
+class ResyncError(WeightSyncAuditError, RuntimeError):
+    """``resync`` could not finish: a rank (named in the message and ``.failed_rank``) died, stopped or
+    lost its connection while tensors were moving.
+
+    ``.partial`` lists this rank's tensors that may hold a mix of old and new values; ``.untouched``
+    the ones not written at all. Call ``resync`` again (or restore a checkpoint) before training on.
+    """
+
+    def __init__(
+        self, message: str, failed_rank: int | None, partial: Sequence[str] = (), untouched: Sequence[str] = ()
+    ) -> None:
+        self.failed_rank = failed_rank
+        self.partial = list(partial)
+        self.untouched = list(untouched)
         super().__init__(message)

@@ -8,8 +8,9 @@ An audit runs in phases so the healthy case costs one tiny message per rank:
     each tensor's majority value found;
 (c) only when the structures differ, each rank's manifest (names, kinds, shapes, dtypes, digests) is
     gathered as JSON and compared name by name;
-(d) for at most ``max_diff_tensors`` diverged tensors, the reference rank's copy is shared so that
-    every rank can measure ``max_abs_diff``.
+(d) for at most ``max_diff_tensors`` diverged tensors, the reference rank's copy goes in chunks
+    straight to the ranks that differ (the data plane), which measure ``max_abs_diff``; best effort
+    (:mod:`~weightsync_audit.engine.remote_gaps`).
 
 Every rank computes every decision from the same gathered data, so all of them take the same path and
 no collective is ever entered by some ranks only.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,10 +46,9 @@ from weightsync_audit.engine.consensus import (
     judge_summaries,
 )
 from weightsync_audit.engine.digest import digest_entries, overall_digest, structure_digest
-from weightsync_audit.engine.gaps import max_abs_diff
 from weightsync_audit.engine.history import AuditHistory
-from weightsync_audit.engine.hostbytes import host_bytes
 from weightsync_audit.engine.manifest import Entry, Manifest, as_optimizers, build_manifest
+from weightsync_audit.engine.remote_gaps import measure_gaps
 from weightsync_audit.engine.sharded import compare_sharded, compared_counts, has_shards, shard_names, sharded_notes
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.reporting.record import AuditResult, Mismatch
@@ -337,38 +336,7 @@ class Auditor:
 
     def _measure_gaps(self, comm: Comm, mismatches: list[Mismatch], entries: list[Entry]) -> None:
         """Phase (d): max |diff| against the reference rank for the first few diverged tensors."""
-        cfg = self.config
-        chosen = []
-        for i, e in enumerate(entries):
-            if len(chosen) >= cfg.max_diff_tensors:
-                break
-            if e.dtype in ("none", "object") or e.tensor.numel() == 0:
-                continue
-            if e.tensor.numel() * e.tensor.element_size() > cfg.max_diff_bytes:
-                mismatches[i].detail = mismatches[i].detail or "too large for max_abs_diff"
-                continue
-            chosen.append(i)
-        if not chosen:
-            return
-        local = np.full(len(chosen), np.nan, dtype=np.float64)
-        for k, i in enumerate(chosen):
-            e, m = entries[i], mismatches[i]
-            ref = m.reference_ranks[0]
-            t = e.tensor.detach()
-            mine = host_bytes(t) if comm.rank == ref else None
-            blob = comm.share_bytes(ref, mine, f"the reference copy of {e.name}")
-            if comm.rank not in m.ranks:
-                continue  # only the differing ranks' values are read (another shard may have another shape)
-            theirs = torch.frombuffer(bytearray(blob), dtype=t.dtype).reshape(t.shape) if blob else t.cpu()
-            local[k] = max_abs_diff(t.cpu(), theirs)
-        gathered = comm.exchange(local.view(np.int64), "the max |diff| values").view(np.float64)
-        for k, i in enumerate(chosen):
-            m = mismatches[i]
-            vals = [gathered[r, k] for r in m.ranks]
-            worst = max(vals, key=lambda v: (math.isnan(v), v))
-            m.max_abs_diff = None if math.isnan(worst) else float(worst)
-            if math.isnan(worst) or math.isinf(worst):
-                m.detail = m.detail or "NaN or inf where the reference rank holds another value"
+        measure_gaps(comm, self.config, mismatches, entries)
 
 
 def audit(

@@ -68,6 +68,10 @@ class AuditConfig:
     """How many diverged tensors get a ``max_abs_diff`` (each costs sharing one tensor)."""
     max_diff_bytes: int = 1 << 30
     """Tensors larger than this get no ``max_abs_diff``."""
+    gap_budget_s: float = 60.0
+    """Seconds that measuring gaps may add to a divergent audit. Reference copies move at an assumed
+    32 MiB/s at worst, plus the grace; a tensor whose copy would not fit gets ``detail`` "gap not
+    measured: ..." instead of a ``max_abs_diff`` (60 s: about 1.7 GiB of copies)."""
     compare_broadcast_buffers: bool = False
     """Compare buffers even when DDP overwrites them from rank 0 at every forward (false alarms)."""
     ddp_broadcast_buffers: bool | None = None
@@ -90,6 +94,8 @@ class AuditConfig:
             raise ValueError(f"method={self.method!r}: choose from {list(get_args(Method))}")
         if self.slices < 1:
             raise ValueError(f"slices={self.slices!r}: must be >= 1")
+        if not (isinstance(self.gap_budget_s, (int, float)) and self.gap_budget_s > 0):
+            raise ValueError(f"gap_budget_s={self.gap_budget_s!r}: must be a positive number of seconds")
         if self.max_diff_tensors < 0:
             raise ValueError(f"max_diff_tensors={self.max_diff_tensors!r}: must be >= 0")
 

@@ -1,4 +1,8 @@
-"""How large a divergence is: ``max_abs_diff`` between two copies of a tensor.
+"""How large a divergence is: ``max_abs_diff`` between two copies of a tensor, measured piece by piece.
+
+:class:`GapMeter` takes the two copies a chunk at a time (as the data plane delivers them) and keeps
+only two numbers, max |a - b| and max |reference|, so measuring a tensor of any size costs a bounded
+amount of memory: the float64 temporaries cover at most ``STEP`` elements at once.
 
 Kept apart from the engine so that ``weightsync-audit diff`` measures checkpoints without loading the
 audit channel.
@@ -10,21 +14,76 @@ import math
 
 import torch
 
-__all__ = ["max_abs_diff"]
+__all__ = ["GapMeter", "STEP", "max_abs_diff"]
+
+STEP = 1 << 18
+"""Elements per float64 temporary (2 MiB each): the memory bound of a measurement."""
 
 
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+class GapMeter:
+    """Running max |a - b| and max |reference| over chunks of two copies of one tensor.
+
+    NaN against NaN and an infinity against the same infinity count as equal; NaN or inf against any
+    other value counts as an infinite gap.
+
+    >>> import torch
+    >>> m = GapMeter()
+    >>> m.update(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.5]))
+    >>> m.max_abs_diff, m.max_reference
+    (0.5, 2.5)
+    """
+
+    __slots__ = ("max_abs_diff", "max_reference")
+
+    def __init__(self) -> None:
+        self.max_abs_diff = 0.0
+        self.max_reference = 0.0
+
+    def update(self, mine: torch.Tensor, reference: torch.Tensor) -> None:
+        """Fold in one chunk: ``mine`` and ``reference`` hold the same elements, same shape and dtype."""
+        a, b = mine.reshape(-1), reference.reshape(-1)
+        if a.numel() != b.numel():
+            raise ValueError(f"chunks differ in size: {a.numel()} and {b.numel()} elements")
+        for i in range(0, a.numel(), STEP):
+            d, r = _piece(a[i : i + STEP], b[i : i + STEP])
+            self.max_abs_diff = max(self.max_abs_diff, d)
+            self.max_reference = max(self.max_reference, r)
+
+    @property
+    def rel_diff(self) -> float | None:
+        """max |a - b| over max |reference|; ``None`` when the reference is all zeros and they differ."""
+        if self.max_abs_diff == 0:
+            return 0.0
+        if self.max_reference == 0 or math.isinf(self.max_abs_diff):
+            return None
+        return self.max_abs_diff / self.max_reference
+
+
+def _piece(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(max |a - b|, max |b|) of two small pieces, computed in float64 / complex128."""
+    if a.numel() == 0:
+        return 0.0, 0.0
     if a.dtype == torch.bool:
-        return float((a != b).any())
+        return float((a != b).any()), float(b.any())
     if a.is_complex():
-        d = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
-    elif a.is_floating_point():
+        a64, b64 = a.to(torch.complex128), b.to(torch.complex128)
+        d = (a64 - b64).abs()
+        ref = b64.abs()
+    else:
         a64, b64 = a.to(torch.float64), b.to(torch.float64)
         d = (a64 - b64).abs()
+        ref = b64.abs()
+    if a.is_floating_point() or a.is_complex():
         both_nan = torch.isnan(a64) & torch.isnan(b64)
         same_inf = torch.isinf(a64) & (a64 == b64)
         d = torch.where(both_nan | same_inf, torch.zeros_like(d), d)
         d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
-    else:
-        d = (a.to(torch.float64) - b.to(torch.float64)).abs()
-    return float(d.max()) if d.numel() else 0.0
+        ref = ref[torch.isfinite(ref)]
+    return float(d.max()), float(ref.max()) if ref.numel() else 0.0
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| over two host tensors of the same shape (see :class:`GapMeter` for NaN and inf)."""
+    meter = GapMeter()
+    meter.update(a.detach().reshape(-1), b.detach().reshape(-1))
+    return meter.max_abs_diff

@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["CHUNK", "contiguous_blocks", "host_bytes", "host_view"]
+__all__ = ["CHUNK", "chunk_views", "contiguous_blocks", "host_bytes", "host_chunk", "host_view"]
 
 CHUNK = 8 << 20
 """Bytes per leaf of the xxh3 tree hash, and the bound on any temporary copy of a non-contiguous tensor."""
@@ -66,3 +66,48 @@ def contiguous_blocks(t: torch.Tensor) -> Iterator[torch.Tensor]:
     else:
         for i in range(t.shape[0]):
             yield from contiguous_blocks(t[i])
+
+
+def chunk_views(t: torch.Tensor, max_elems: int) -> Iterator[torch.Tensor]:
+    """Views (never copies) of ``t`` in logical order, each of at most ``max_elems`` elements.
+
+    The cut depends on the shape only, not on strides or device, so two ranks holding the same shape in
+    different layouts (channels_last on one, contiguous on the other) cut it at the same elements, and
+    a view can be written through (``view.copy_(...)``) as well as read.
+
+    >>> import torch
+    >>> [v.tolist() for v in chunk_views(torch.arange(6).reshape(2, 3).t(), 4)]
+    [[[0, 3], [1, 4]], [[2, 5]]]
+    """
+    if max_elems < 1:
+        raise ValueError(f"max_elems={max_elems!r}: must be >= 1")
+    if t.dim() == 0 or t.numel() <= max_elems:
+        if t.numel():
+            yield t
+        return
+    if t.dim() == 1:
+        for i in range(0, t.shape[0], max_elems):
+            yield t[i : i + max_elems]
+        return
+    row = t[0].numel()
+    rows = max_elems // row if row else t.shape[0]
+    if rows >= 1:
+        for i in range(0, t.shape[0], rows):
+            yield t[i : i + rows]
+    else:
+        for i in range(t.shape[0]):
+            yield from chunk_views(t[i], max_elems)
+
+
+def host_chunk(view: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with the logical values of ``view`` (bounded by the view's size).
+
+    The view itself when it already is one (zero-copy); otherwise an owned copy, made through the
+    tensor's own ``.to("cpu")`` so that an accelerator tensor is read by its device, never by pointer.
+    """
+    v = view.detach()
+    if v.is_conj() or v.is_neg():
+        v = v.resolve_conj().resolve_neg()
+    if not v.is_cpu:
+        v = v.to("cpu")
+    return v if v.is_contiguous() else v.contiguous()

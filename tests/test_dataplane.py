@@ -1,0 +1,84 @@
+"""The data plane on real gloo ranks: gaps measured from owned memory, in chunks, within bounded
+memory and a time bound that grows with the bytes; best effort when a transfer fails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+from harness import peak_extra_bytes
+from ranks import RankDied, RankFailed, run_ranks
+from torch import nn
+
+from weightsync_audit import Auditor, audit
+from weightsync_audit.engine.digest import digest_tensors
+
+
+class FakeDevice(torch.Tensor):
+    """Stands in for an accelerator tensor: not on the CPU, and ``.cpu()`` / ``.to("cpu")`` return a
+    fresh host copy (a temporary, as a real device copy is)."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is torch.Tensor.is_cpu:
+            return False
+        if func in (torch.Tensor.cpu, torch.Tensor.to):
+            with torch._C.DisableTorchFunctionSubclass():
+                plain = args[0].as_subclass(torch.Tensor)
+                return func(plain, *args[1:], **kwargs).clone()
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _weights_plus_half(rank: int, world: int, layout: str) -> list[tuple[str, float | None, str | None]]:
+    torch.manual_seed(0)
+    if layout == "channels_last":
+        model: nn.Module = nn.Conv2d(64, 64, 3).to(memory_format=torch.channels_last)
+    else:
+        model = nn.Linear(96, 64)
+        with torch.no_grad():  # a transposed (non-contiguous) weight
+            model.weight = nn.Parameter(torch.randn(96, 64).t())
+    if rank == 1:
+        with torch.no_grad():
+            model.weight += 0.5
+    result = audit(model, include=("params",), timeout_s=30)
+    return [(m.name, m.max_abs_diff, m.detail) for m in result.mismatches]
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+def test_non_contiguous_weight_shifted_by_half_reports_a_gap_of_half_on_every_rank(layout: str) -> None:
+    for got in run_ranks(_weights_plus_half, 2, layout):
+        assert len(got) == 1
+        name, diff, detail = got[0]
+        assert name == "weight" and detail is None
+        assert diff == pytest.approx(0.5, abs=1e-6)
+
+
+def _fake_device(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    host = torch.randn(300, 70)
+    bf16 = torch.randn(33, 5).to(torch.bfloat16)
+    if rank == 1:
+        host[7, 3] += 0.25
+    fake = host.as_subclass(FakeDevice)
+    assert not fake.is_cpu
+    methods = ("xxh3", "device", "auto")
+    digests = {m: list(digest_tensors([fake, bf16.t().as_subclass(FakeDevice)], method=m)) for m in methods}
+    plain = {m: list(digest_tensors([host, bf16.t()], method=m)) for m in methods}
+    model = nn.Module()
+    model.register_buffer("w", fake)
+    result = audit(model, include=("buffers",), timeout_s=30, method="xxh3")
+    # "auto" digests an accelerator tensor on its device: the same value as "device" on the host copy.
+    same = digests["xxh3"] == plain["xxh3"] and digests["device"] == plain["device"] == digests["auto"]
+    return {"same": same, "mismatches": [(m.name, m.max_abs_diff) for m in result.mismatches]}
+
+
+def test_simulated_accelerator_tensor_digests_and_gap_are_right_and_do_not_crash() -> None:
+    for got in run_ranks(_fake_device, 2):
+        assert got["same"]
+        assert len(got["mismatches"]) == 1
+        assert got["mismatches"][0][1] == pytest.approx(0.25, abs=1e-6)

@@ -1,0 +1,153 @@
+"""Phase (d) of an audit: how far each diverged tensor is from its reference value, measured over the
+data plane, best effort.
+
+For each chosen tensor the reference rank (the lowest rank holding the reference value) sends its copy
+in chunks straight to the ranks that differ (:mod:`~weightsync_audit.channel.dataplane`); each of those
+folds chunk after chunk into a :class:`~weightsync_audit.engine.gaps.GapMeter`, so no rank holds more
+than a chunk of a copy, whatever the tensor's size. Every rank then shares, over the star, its numbers
+and a status code per tensor, and every rank fills the mismatches from that gathered table: a transfer
+that failed or ran out of time leaves ``detail = "gap not measured: <why>"`` on every rank alike, and
+the audit returns its verdict as usual.
+
+What may be moved is bounded up front (``max_diff_tensors``, ``max_diff_bytes``, ``gap_budget_s``), and
+the same plan is made on every rank, so the deadlines agree too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure, exchange_within
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.config import AuditConfig
+from weightsync_audit.engine.gaps import GapMeter
+from weightsync_audit.engine.hostbytes import host_chunk
+from weightsync_audit.engine.manifest import Entry
+from weightsync_audit.engine.transfer import Sink, receive_tensor, send_tensor, tensor_bytes
+from weightsync_audit.reporting.record import Mismatch
+
+__all__ = ["measure_gaps"]
+
+_OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _EARLIER, _LOCAL = range(6)
+_FIELDS = 4  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer
+
+
+def _choose(cfg: AuditConfig, mismatches: list[Mismatch], entries: list[Entry], grace_s: float) -> list[int]:
+    """Which tensors to measure: the same list on every rank (from shapes, dtypes and settings only)."""
+    chosen: list[int] = []
+    planned = 0
+    for i, e in enumerate(entries):
+        if len(chosen) >= cfg.max_diff_tensors:
+            break
+        if e.dtype in ("none", "object") or e.tensor.numel() == 0:
+            continue
+        nbytes = tensor_bytes(e.tensor)
+        if nbytes > cfg.max_diff_bytes:
+            mismatches[i].detail = mismatches[i].detail or "too large for max_abs_diff"
+            continue
+        moved = nbytes * len(mismatches[i].ranks)
+        if Schedule.bound_s(planned + moved, grace_s) > cfg.gap_budget_s:
+            mismatches[i].detail = mismatches[i].detail or (
+                f"gap not measured: moving its reference copy ({moved / 2**20:.0f} MiB) would not fit "
+                f"in gap_budget_s={cfg.gap_budget_s:g}"
+            )
+            continue
+        planned += moved
+        chosen.append(i)
+    return chosen
+
+
+def _measure_into(meter: GapMeter) -> Sink:
+    return lambda mine, theirs: meter.update(host_chunk(mine), theirs)
+
+
+def _f2i(x: float) -> int:
+    return int(np.array([x], dtype=np.float64).view(np.int64)[0])
+
+
+def _i2f(x: int) -> float:
+    return float(np.array([x], dtype=np.int64).view(np.float64)[0])
+
+
+def _why(code: int, rank: int, peer: int) -> str:
+    if code == _TIMED_OUT:
+        return f"the transfer between rank {rank} and rank {peer} ran past its deadline"
+    if code == _BROKEN:
+        return f"the connection between rank {rank} and rank {peer} failed"
+    if code == _NO_PLANE:
+        return f"the data plane could not be opened on rank {rank}"
+    if code == _EARLIER:
+        return f"an earlier transfer failed on rank {rank}"
+    return f"rank {rank} could not compare the two copies"
+
+
+def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entries: list[Entry]) -> None:
+    """Fill ``max_abs_diff`` (and ``rel_diff`` where the record has it) of value mismatches, in place.
+
+    Collective over ``comm``: every rank calls it with the same mismatches (ranks as positions in the
+    group) and its own entries for them. Never raises for a failed transfer; a failure of the star
+    itself (a rank gone) raises as every exchange does.
+    """
+    chosen = _choose(cfg, mismatches, entries, comm.grace_s)
+    if not chosen or not comm.distributed:
+        return
+    plane = DataPlane(comm)
+    sched = Schedule(comm.grace_s)
+    total = sum(tensor_bytes(entries[i].tensor) * len(mismatches[i].ranks) for i in chosen)
+    row = np.zeros(_FIELDS * len(chosen), dtype=np.int64)
+    row[2::_FIELDS] = _OK
+    row[3::_FIELDS] = -1
+    failed: tuple[int, int] | None = None  # (code, peer) of this rank's first transfer failure
+    try:
+        plane.open(Schedule.bound_s(0, comm.grace_s) + (comm.timeout_s or 0.0))
+    except TransferFailure:
+        failed = (_NO_PLANE, -1)
+    before = 0
+    for k, i in enumerate(chosen):
+        e, m = entries[i], mismatches[i]
+        ref, t = m.reference_ranks[0], e.tensor.detach()
+        moved = tensor_bytes(t) * len(m.ranks)
+        involved = comm.rank == ref or comm.rank in m.ranks
+        if involved and failed is not None:
+            row[_FIELDS * k + 2] = _EARLIER if failed[0] != _NO_PLANE else _NO_PLANE
+        elif comm.rank == ref:
+            f = send_tensor(plane, t, m.ranks, sched, before)
+            if f is not None:
+                failed = (_TIMED_OUT if f.timed_out else _BROKEN, -1 if f.peer is None else f.peer)
+                row[_FIELDS * k + 2 : _FIELDS * k + 4] = failed
+        elif comm.rank in m.ranks:
+            meter = GapMeter()
+            f, _, local = receive_tensor(plane, t, ref, sched, before, len(m.ranks), _measure_into(meter))
+            if f is not None:
+                failed = (_TIMED_OUT if f.timed_out else _BROKEN, ref)
+                row[_FIELDS * k + 2 : _FIELDS * k + 4] = failed
+            elif local is not None:
+                row[_FIELDS * k + 2] = _LOCAL
+            else:
+                row[_FIELDS * k] = _f2i(meter.max_abs_diff)
+                row[_FIELDS * k + 1] = _f2i(meter.max_reference)
+        before += moved
+    table = exchange_within(comm, row, "the max |diff| values", sched.left_s(total))
+    if (table[:, 2::_FIELDS] != _OK).any():
+        plane.discard()  # every rank sees the same table, so every rank retires the group alike
+    g = comm.global_ranks
+    for k, i in enumerate(chosen):
+        m = mismatches[i]
+        codes = table[:, _FIELDS * k + 2]
+        bad = [int(r) for r in np.nonzero(codes != _OK)[0]]
+        if bad:
+            r = bad[0]
+            peer = int(table[r, _FIELDS * k + 3])
+            m.detail = "gap not measured: " + _why(int(codes[r]), g[r], g[peer] if peer >= 0 else -1)
+            continue
+        diffs = [_i2f(int(table[r, _FIELDS * k])) for r in m.ranks]
+        worst = max(diffs, key=lambda v: (math.isnan(v), v))
+        reference = max(_i2f(int(table[r, _FIELDS * k + 1])) for r in m.ranks)
+        m.max_abs_diff = None if math.isnan(worst) else float(worst)
+        if hasattr(m, "rel_diff"):
+            rel = 0.0 if worst == 0 else (worst / reference if reference > 0 and math.isfinite(worst) else None)
+            m.rel_diff = rel
+        if math.isnan(worst) or math.isinf(worst):
+            m.detail = m.detail or "NaN or inf where the reference rank holds another value"

@@ -1,0 +1,82 @@
+"""One tensor over the data plane: sent from its logical chunks, received chunk by chunk into a sink.
+
+Both sides cut the tensor with :func:`~weightsync_audit.engine.hostbytes.chunk_views`, which depends
+on the shape and dtype only, so every chunk is received into a buffer of exactly the size sent (gloo
+aborts the process on a size mismatch), whatever the layouts and devices on either side. A rank never
+holds more than one chunk of the copy.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from weightsync_audit.channel.dataplane import CHUNK_BYTES, DataPlane, Schedule, TransferFailure
+from weightsync_audit.engine.hostbytes import chunk_views, host_chunk
+
+__all__ = ["Sink", "receive_tensor", "send_tensor", "tensor_bytes"]
+
+Sink = Callable[[torch.Tensor, torch.Tensor], None]
+"""Called with (this rank's view of the chunk, the received chunk as a CPU tensor of the same shape)."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _step(t: torch.Tensor) -> int:
+    return max(1, CHUNK_BYTES // t.element_size())
+
+
+def send_tensor(
+    plane: DataPlane, t: torch.Tensor, dsts: Sequence[int], sched: Schedule, before: int
+) -> TransferFailure | None:
+    """Send ``t`` to each of ``dsts``; a receiver that fails is dropped, the others still get it all.
+
+    ``before`` is how many bytes of the plan precede this transfer (for the deadlines). Returns the
+    first failure, if any.
+    """
+    alive = list(dsts)
+    first: TransferFailure | None = None
+    done = 0
+    for view in chunk_views(t.detach(), _step(t)):
+        chunk = host_chunk(view).reshape(-1).view(torch.uint8)
+        done += chunk.numel() * len(dsts)
+        for dst, f in plane.send(chunk, alive, sched.deadline(before + done)).items():
+            first = first or f
+            alive.remove(dst)
+        if not alive:
+            break
+    return first
+
+
+def receive_tensor(
+    plane: DataPlane, t: torch.Tensor, src: int, sched: Schedule, before: int, fan_out: int, sink: Sink
+) -> tuple[TransferFailure | None, int, BaseException | None]:
+    """Receive ``src``'s copy of ``t`` chunk by chunk, handing each to ``sink``.
+
+    ``fan_out`` is how many ranks the sender serves (its bytes count against the deadlines). Returns
+    (the transfer failure, chunks handed to the sink, the sink's first error). After a sink error the
+    remaining chunks are still taken, so that the sender is never left waiting.
+    """
+    esize = t.element_size()
+    step = _step(t)
+    buf = torch.empty(min(step, t.numel()) * esize, dtype=torch.uint8)
+    done = sunk = 0
+    error: BaseException | None = None
+    for view in chunk_views(t.detach(), step):
+        n = view.numel() * esize
+        done += n * fan_out
+        try:
+            plane.recv(buf[:n], src, sched.deadline(before + done))
+        except TransferFailure as f:
+            return f, sunk, error
+        if error is not None:
+            continue
+        try:
+            sink(view, buf[:n].view(t.dtype).reshape(view.shape))
+            sunk += 1
+        except Exception as exc:  # noqa: BLE001 - returned to the caller, which reports it
+            error = exc
+    return None, sunk, error
