@@ -30,7 +30,7 @@ from weightsync_audit.reporting.record import Mismatch
 
 __all__ = ["measure_gaps"]
 
-_OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _EARLIER, _LOCAL = range(6)
+_OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL = range(5)
 _FIELDS = 4  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer
 
 
@@ -78,8 +78,6 @@ def _why(code: int, rank: int, peer: int) -> str:
         return f"the connection between rank {rank} and rank {peer} failed"
     if code == _NO_PLANE:
         return f"the data plane could not be opened on rank {rank}"
-    if code == _EARLIER:
-        return f"an earlier transfer failed on rank {rank}"
     return f"rank {rank} could not compare the two copies"
 
 
@@ -99,36 +97,33 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
     row = np.zeros(_FIELDS * len(chosen), dtype=np.int64)
     row[2::_FIELDS] = _OK
     row[3::_FIELDS] = -1
-    failed: tuple[int, int] | None = None  # (code, peer) of this rank's first transfer failure
+    opened = True
     try:
         plane.open(Schedule.bound_s(0, comm.grace_s) + (comm.timeout_s or 0.0))
     except TransferFailure:
-        failed = (_NO_PLANE, -1)
+        opened = False
     before = 0
     for k, i in enumerate(chosen):
         e, m = entries[i], mismatches[i]
         ref, t = m.reference_ranks[0], e.tensor.detach()
-        moved = tensor_bytes(t) * len(m.ranks)
-        involved = comm.rank == ref or comm.rank in m.ranks
-        if involved and failed is not None:
-            row[_FIELDS * k + 2] = _EARLIER if failed[0] != _NO_PLANE else _NO_PLANE
+        at = _FIELDS * k
+        if not opened and (comm.rank == ref or comm.rank in m.ranks):
+            row[at + 2] = _NO_PLANE
         elif comm.rank == ref:
-            f = send_tensor(plane, t, m.ranks, sched, before)
-            if f is not None:
-                failed = (_TIMED_OUT if f.timed_out else _BROKEN, -1 if f.peer is None else f.peer)
-                row[_FIELDS * k + 2 : _FIELDS * k + 4] = failed
+            # A failed peer fails this transfer only; after a timeout the data plane refuses at once.
+            for peer, f in send_tensor(plane, t, list(m.ranks), sched, before).items():
+                row[at + 2 : at + 4] = (_TIMED_OUT if f.timed_out else _BROKEN, peer)
+                break
         elif comm.rank in m.ranks:
             meter = GapMeter()
             f, _, local = receive_tensor(plane, t, ref, sched, before, len(m.ranks), _measure_into(meter))
             if f is not None:
-                failed = (_TIMED_OUT if f.timed_out else _BROKEN, ref)
-                row[_FIELDS * k + 2 : _FIELDS * k + 4] = failed
+                row[at + 2 : at + 4] = (_TIMED_OUT if f.timed_out else _BROKEN, ref)
             elif local is not None:
-                row[_FIELDS * k + 2] = _LOCAL
+                row[at + 2] = _LOCAL
             else:
-                row[_FIELDS * k] = _f2i(meter.max_abs_diff)
-                row[_FIELDS * k + 1] = _f2i(meter.max_reference)
-        before += moved
+                row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
+        before += tensor_bytes(t) * len(m.ranks)
     table = exchange_within(comm, row, "the max |diff| values", sched.left_s(total))
     if (table[:, 2::_FIELDS] != _OK).any():
         plane.discard()  # every rank sees the same table, so every rank retires the group alike

@@ -1,8 +1,10 @@
 """Making replicas equal again: broadcast parameters, buffers and optimizer state from one rank.
 
-Tensors travel with ``broadcast`` on the training group (so CUDA tensors use NCCL), coalesced per
-device and dtype into buckets; CPU tensors under an NCCL job travel on the audit's gloo group. Python
-values (learning rates, betas) are read back from the source's exact encoding. Before anything moves,
+Tensors travel over the audit's data plane (:mod:`~weightsync_audit.engine.resync_transfer`): in
+chunks from the source straight to every other rank, every wait bounded by a deadline that grows with
+the bytes, so a source that dies or stops makes the others raise :class:`~weightsync_audit.ResyncError`
+naming it, with the tensors that may be left partial, instead of waiting out the process group's
+timeout. Python values (learning rates, betas) are read back from the source's exact encoding. Before anything moves,
 the ranks compare what they hold; a tensor whose shape differs is refused on every rank alike, and
 optimizer state that exists on the source only is created on the others, so that afterwards every
 replica is bit-identical to the source.
@@ -16,18 +18,16 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.digest import structure_digest
 from weightsync_audit.engine.hostbytes import host_bytes
 from weightsync_audit.engine.manifest import Entry, as_optimizers, build_manifest
+from weightsync_audit.engine.resync_transfer import move_tensors
 from weightsync_audit.engine.shard_resync import resync_shards
 
 __all__ = ["resync"]
-
-_BUCKET_BYTES = 64 << 20
 
 
 def _decode_value(entry: Entry, blob: bytes) -> Any:
@@ -50,34 +50,6 @@ def _decode_value(entry: Entry, blob: bytes) -> Any:
     if isinstance(old, (tuple, list)):
         return type(old)(values)
     return values[0] if isinstance(values, list) else values
-
-
-def _broadcast_tensors(tensors: list[torch.Tensor], src_global: int, group: Any, cpu_group: Any) -> None:
-    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    for t in tensors:
-        lst = buckets.setdefault((t.device, t.dtype), [[]])
-        if (
-            lst[-1]
-            and sum(x.numel() * x.element_size() for x in lst[-1]) + t.numel() * t.element_size() > _BUCKET_BYTES
-        ):
-            lst.append([])
-        lst[-1].append(t)
-    backend = str(dist.get_backend(group)) if group is not None else str(dist.get_backend())
-    for (device, _), chunks in buckets.items():
-        pg = group if (device.type != "cpu" or "gloo" in backend) else cpu_group
-        for chunk in chunks:
-            flat = (
-                torch.cat([t.detach().reshape(-1) for t in chunk])
-                if len(chunk) > 1
-                else chunk[0].detach().reshape(-1).clone()
-            )
-            dist.broadcast(flat, src=src_global, group=pg)
-            pos = 0
-            with torch.no_grad():
-                for t in chunk:
-                    n = t.numel()
-                    t.copy_(flat[pos : pos + n].view_as(t))
-                    pos += n
 
 
 def resync(
@@ -136,11 +108,8 @@ def resync(
     if shard_entries:
         tensor_entries = [e for e in tensor_entries if e.shard is None]
         resync_shards(comm, shard_entries, src)
-    src_global = comm.global_ranks[src]
-    comm.setup()
-    cpu_group = comm.audit_pg()
     if tensor_entries:
-        _broadcast_tensors([e.tensor for e in tensor_entries], src_global, group, cpu_group)
+        move_tensors(comm, src, [(e.name, e.tensor) for e in tensor_entries])
     if value_entries:
         blob = json.dumps([host_bytes(e.tensor).hex() for e in value_entries]).encode() if comm.rank == src else None
         values = json.loads(comm.share_bytes(src, blob, "the resync values"))

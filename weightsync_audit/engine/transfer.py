@@ -8,7 +8,7 @@ holds more than one chunk of the copy.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -30,25 +30,24 @@ def _step(t: torch.Tensor) -> int:
 
 
 def send_tensor(
-    plane: DataPlane, t: torch.Tensor, dsts: Sequence[int], sched: Schedule, before: int
-) -> TransferFailure | None:
-    """Send ``t`` to each of ``dsts``; a receiver that fails is dropped, the others still get it all.
-
-    ``before`` is how many bytes of the plan precede this transfer (for the deadlines). Returns the
-    first failure, if any.
+    plane: DataPlane, t: torch.Tensor, alive: list[int], sched: Schedule, before: int
+) -> dict[int, TransferFailure]:
+    """Send ``t`` to each rank in ``alive``; a receiver that fails is removed from ``alive`` (in place)
+    and the others still get it all. ``before`` is how many bytes of the plan precede this transfer
+    (for the deadlines). Returns the failures by receiver.
     """
-    alive = list(dsts)
-    first: TransferFailure | None = None
+    failures: dict[int, TransferFailure] = {}
+    fan_out = len(alive)
     done = 0
     for view in chunk_views(t.detach(), _step(t)):
-        chunk = host_chunk(view).reshape(-1).view(torch.uint8)
-        done += chunk.numel() * len(dsts)
-        for dst, f in plane.send(chunk, alive, sched.deadline(before + done)).items():
-            first = first or f
-            alive.remove(dst)
         if not alive:
             break
-    return first
+        chunk = host_chunk(view).reshape(-1).view(torch.uint8)
+        done += chunk.numel() * fan_out
+        for dst, f in plane.send(chunk, alive, sched.deadline(before + done)).items():
+            failures[dst] = f
+            alive.remove(dst)
+    return failures
 
 
 def receive_tensor(
