@@ -109,3 +109,47 @@ def test_256_mib_divergence_gets_its_gap_on_both_ranks_without_timeout_in_bounde
         assert got["gaps"] == [("big", 2.5, None)]
         if got["extra"] is not None:
             assert got["extra"] < 64 << 20, f"{got['extra'] / 2**20:.0f} MiB extra for a 256 MiB tensor"
+
+
+def _resync_source_fails(rank: int, world: int, how: str) -> dict[str, Any]:
+    from weightsync_audit import ResyncError, resync
+    from weightsync_audit.channel.dataplane import DataPlane
+
+    torch.manual_seed(rank)  # every rank holds its own values
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 1024))  # 16 MiB in all
+    src = 1
+    if rank == src:
+        sent = DataPlane.send
+
+        def send_then_fail(self: DataPlane, *args: Any, **kwargs: Any) -> Any:
+            out = sent(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            return out
+
+        DataPlane.send = send_then_fail  # type: ignore[method-assign]
+        import torch.distributed as dist
+
+        dist.distributed_c10d._get_default_store().set("source_pid", str(os.getpid()))
+    t0 = time.monotonic()
+    try:
+        resync(model, src=src, timeout_s=3)
+    except ResyncError as exc:
+        return {"seconds": time.monotonic() - t0, "failed": exc.failed_rank, "message": str(exc), "partial": exc.partial}
+    finally:
+        if rank != src and how == "stop":  # the stopped source is ended by its peer once that one is done
+            import torch.distributed as dist
+
+            os.kill(int(dist.distributed_c10d._get_default_store().get("source_pid")), signal.SIGKILL)
+    return {"seconds": time.monotonic() - t0, "failed": None}
+
+
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_resync_whose_source_dies_or_stops_raises_resync_error_naming_it_within_the_deadline(how: str) -> None:
+    results = run_ranks(_resync_source_fails, 2, how, may_die=[1], timeout=60)
+    assert isinstance(results[1], RankDied)
+    got = results[0]
+    assert got["failed"] == 1, got
+    assert "rank 1 failed" in got["message"] and "may be left partial: 0.weight" in got["message"]
+    assert got["partial"] == ["0.weight"]
+    # timeout_s=3, grace 5 s: the chunks' deadline, then the closing exchange's; a kill is seen at once.
+    assert got["seconds"] < (3 if how == "kill" else 3 + 2 * 5 + 3), got
