@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 from harness import peak_extra_bytes
-from ranks import RankDied, RankFailed, run_ranks
+from ranks import RankDied, run_ranks
 from torch import nn
 
-from weightsync_audit import Auditor, audit
+from weightsync_audit import audit
 from weightsync_audit.engine.digest import digest_tensors
 
 
@@ -134,7 +134,12 @@ def _resync_source_fails(rank: int, world: int, how: str) -> dict[str, Any]:
     try:
         resync(model, src=src, timeout_s=3)
     except ResyncError as exc:
-        return {"seconds": time.monotonic() - t0, "failed": exc.failed_rank, "message": str(exc), "partial": exc.partial}
+        return {
+            "seconds": time.monotonic() - t0,
+            "failed": exc.failed_rank,
+            "message": str(exc),
+            "partial": exc.partial,
+        }
     finally:
         if rank != src and how == "stop":  # the stopped source is ended by its peer once that one is done
             import torch.distributed as dist

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -22,7 +23,7 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.history import AuditHistory
 from weightsync_audit.engine.resync import resync
-from weightsync_audit.errors import WeightDivergenceError
+from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
@@ -106,6 +107,9 @@ class AuditRunner:
         self.writer: ReportWriter | None = None
         self.last_reported: tuple[str, ...] = ()
         """The diverged names last reported, so a divergence is printed when it appears or changes."""
+        self.failures: list[str] = []
+        """Audits that failed under ``warn``, noted in the next record written."""
+        self._warned_failures: set[str] = set()
 
     # -- set-up and teardown -------------------------------------------------------------------
 
@@ -137,7 +141,8 @@ class AuditRunner:
         self.confirm_auditor = Auditor(config=replace(base, include=main_include, slices=1))
         self.confirm_auditor.use_channel_of(self.auditor)
         if is_main and self.report_path is not None:
-            self.writer = ReportWriter(self.report_path)
+            # A report that cannot be written (full disk) warns and keeps records: it never ends the run.
+            self.writer = ReportWriter(self.report_path, keep_on_error=True)
         # Open the audit channel now, while every rank is known to be here (it is collective).
         self.auditor.setup()
 
@@ -169,7 +174,14 @@ class AuditRunner:
         if auditor is None:
             return None
         t0 = time.perf_counter()
-        result = auditor.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+        try:
+            result = auditor.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+        except Exception as exc:
+            if self.on_mismatch != "warn":
+                raise
+            self._audit_failed(hook, step, exc, is_main)
+            return None
+        result.notes[:0], self.failures = self.failures, []
         if grads:
             self._note_grad_result(result)
         if result.in_sync:
@@ -185,6 +197,20 @@ class AuditRunner:
         if not result.in_sync and result.action == "raised":
             raise WeightDivergenceError(result)
         return result
+
+    def _audit_failed(self, hook: str, step: int, exc: Exception, is_main: bool) -> None:
+        """Under ``warn`` a failed audit (a rank late or gone, a broken channel) is reported and training
+        goes on; once the channel is broken every later audit fails at once, with a message saying so."""
+        text = f"{type(exc).__name__}: {exc}"
+        self.failures = [*self.failures[-19:], f"the audit at step {step} ({hook}) failed: {text}"]
+        kind = type(exc).__name__ + (" (channel gone)" if "unusable after an earlier failure" in text else "")
+        if is_main and kind not in self._warned_failures:
+            self._warned_failures.add(kind)
+            warnings.warn(
+                f"weightsync audit at step {step} ({hook}) failed; training goes on (on_mismatch='warn'): {text}",
+                WeightSyncWarning,
+                stacklevel=4,
+            )
 
     def _note_grad_result(self, result: AuditResult) -> None:
         # The gradient auditor keeps its own history (its audits interleave with the main ones); a

@@ -1,7 +1,8 @@
 """Where records go: an append-only JSONL report, one record a line, each flushed and fsynced.
 
-Writing: a record is one ``write`` of one line followed by ``flush`` and ``fsync``, so a crash loses at
-most the record being written, never an earlier one. A resumed run appends to the same file; if the
+Writing: a record is one line appended with ``os.write`` and followed by ``fsync``, so a crash loses
+at most the record being written, never an earlier one. A write that fails (a full disk) can keep the
+record for the next write instead of raising (``keep_on_error``). A resumed run appends to the same file; if the
 file ends in a torn line (a crash mid-write), a newline is written first so the torn line stays alone
 and every later record stays readable.
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from weightsync_audit.errors import ReportFormatError
+from weightsync_audit.errors import ReportFormatError, WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["ReportWriter", "ReportContents", "read_report", "check_report_path"]
@@ -44,6 +47,13 @@ def check_report_path(path: str | os.PathLike[str], argument: str = "report_path
 class ReportWriter:
     """Append records to a JSONL file; each record is durable before ``write`` returns.
 
+    With ``keep_on_error=True`` (what the callbacks use) a write that fails (a full disk, a removed
+    directory) does not raise: it warns once (:class:`~weightsync_audit.WeightSyncWarning`) and keeps
+    the record in memory; every later ``write`` (and ``close``) first retries the kept ones, in order,
+    so they return to the file once space does. A failed write leaves no torn line: the file is cut
+    back to where the record began. At most ``max_kept`` records are kept (the oldest go first, and the
+    next successful write says how many were lost).
+
     >>> import tempfile, os
     >>> from weightsync_audit import AuditResult
     >>> path = os.path.join(tempfile.mkdtemp(), "audit.jsonl")
@@ -53,35 +63,120 @@ class ReportWriter:
     1
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        fsync: bool = True,
+        keep_on_error: bool = False,
+        max_kept: int = 10_000,
+    ) -> None:
         self.path = check_report_path(path)
         self.fsync = fsync
-        self._file: Any = None
+        self.keep_on_error = keep_on_error
+        self.max_kept = max_kept
+        self._fd: int | None = None
+        self._kept: deque[bytes] = deque()
+        self._lost = 0
+        self._failing = False
 
-    def _open(self) -> Any:
-        if self._file is None:
-            f = open(self.path, "ab")
-            if f.tell() > 0:
-                with open(self.path, "rb") as r:
-                    r.seek(-1, os.SEEK_END)
-                    if r.read(1) != b"\n":
-                        f.write(b"\n")  # isolate a torn line left by a crash
-            self._file = f
-        return self._file
+    @property
+    def kept(self) -> int:
+        """Records waiting in memory for the file to be writable again."""
+        return len(self._kept)
+
+    def _open(self) -> int:
+        if self._fd is None:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                if os.fstat(fd).st_size > 0:
+                    with open(self.path, "rb") as r:
+                        r.seek(-1, os.SEEK_END)
+                        if r.read(1) != b"\n":
+                            self._write_line(fd, b"\n")  # isolate a torn line left by a crash
+            except OSError:
+                os.close(fd)
+                raise
+            self._fd = fd
+        return self._fd
+
+    def _write_line(self, fd: int, data: bytes) -> None:
+        """Write all of ``data`` at the end of the file (the one place bytes reach the disk)."""
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    def _append(self, line: bytes) -> None:
+        fd = self._open()
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            self._write_line(fd, line)
+            if self.fsync:
+                os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, start)  # no torn line: cut back to where this record began
+            except OSError:
+                pass
+            self._close_fd()
+            raise
+
+    def _drain(self) -> None:
+        while self._kept:
+            try:
+                self._append(self._kept[0])
+            except OSError as exc:
+                if not self.keep_on_error:
+                    self._kept.clear()
+                    raise
+                if not self._failing:
+                    self._failing = True
+                    warnings.warn(
+                        f"weightsync audit: cannot write the report {str(self.path)!r} ({exc.strerror or exc}); "
+                        f"keeping the record(s) in memory and writing them once it is writable again",
+                        WeightSyncWarning,
+                        stacklevel=4,
+                    )
+                return
+            self._kept.popleft()
+        if self._failing:
+            self._failing = False
+            lost = f"; {self._lost} older record(s) were dropped" if self._lost else ""
+            warnings.warn(
+                f"weightsync audit: the report {str(self.path)!r} is writable again; the kept records are in it{lost}",
+                WeightSyncWarning,
+                stacklevel=4,
+            )
+            self._lost = 0
 
     def write(self, record: AuditResult | Mapping[str, Any]) -> None:
         d = record.to_dict() if isinstance(record, AuditResult) else dict(record)
         line = json.dumps(d, ensure_ascii=True, allow_nan=False, separators=(",", ":")) + "\n"
-        f = self._open()
-        f.write(line.encode("ascii"))
-        f.flush()
-        if self.fsync:
-            os.fsync(f.fileno())
+        self._kept.append(line.encode("ascii"))
+        while len(self._kept) > self.max_kept:
+            self._kept.popleft()
+            self._lost += 1
+        self._drain()
+
+    def _close_fd(self) -> None:
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Write what is kept (when possible) and close the file."""
+        if self._kept:
+            self._drain()
+            if self._kept:
+                warnings.warn(
+                    f"weightsync audit: {len(self._kept)} record(s) could not be written to {str(self.path)!r}",
+                    WeightSyncWarning,
+                    stacklevel=2,
+                )
+        self._close_fd()
 
     def __enter__(self) -> ReportWriter:
         return self
