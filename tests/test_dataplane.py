@@ -4,6 +4,7 @@ memory and a time bound that grows with the bytes; best effort when a transfer f
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from typing import Any
@@ -158,3 +159,44 @@ def test_resync_whose_source_dies_or_stops_raises_resync_error_naming_it_within_
     assert got["partial"] == ["0.weight"]
     # timeout_s=3, grace 5 s: the chunks' deadline, then the closing exchange's; a kill is seen at once.
     assert got["seconds"] < (3 if how == "kill" else 3 + 2 * 5 + 3), got
+
+
+def _gap_transfer_fails(rank: int, world: int) -> list[Any]:
+    from weightsync_audit.channel.dataplane import DataPlane
+    from weightsync_audit.channel.star import Comm
+
+    model = nn.Linear(64, 64)
+    with torch.no_grad():
+        model.weight.fill_(1.0 if rank == 0 else 1.25)
+    auditor = Auditor(model, include=("params",), timeout_s=5)
+    auditor._comm = Comm(None, 5, grace_s=1.0)
+    sent = DataPlane.send
+    if rank == 0:
+
+        def late_send(self: DataPlane, *args: Any, **kwargs: Any) -> Any:
+            time.sleep(2.5)  # past the chunk's deadline (1 s grace + its bytes at 32 MiB/s)
+            return sent(self, *args, **kwargs)
+
+        DataPlane.send = late_send  # type: ignore[method-assign]
+    out = []
+    first = auditor.audit(step=1)
+    DataPlane.send = sent  # type: ignore[method-assign]
+    out.append([(m.name, m.max_abs_diff, m.detail) for m in first.mismatches])
+    second = auditor.audit(step=2)  # a fresh data plane: measured again
+    out.append([(m.name, m.max_abs_diff, m.detail) for m in second.mismatches])
+    auditor.config.gap_budget_s = 0.5  # less than the grace alone: nothing fits
+    third = auditor.audit(step=3)
+    out.append([(m.name, m.max_abs_diff, m.detail) for m in third.mismatches])
+    return out
+
+
+def test_a_gap_transfer_that_fails_leaves_gap_not_measured_on_every_rank_and_the_next_audit_measures_again() -> None:
+    ranks = run_ranks(_gap_transfer_fails, 2, timeout=60)
+    assert ranks[0] == ranks[1], "every rank returns the same record"
+    first, second, third = ranks[0]
+    assert [(n, d) for n, d, _ in first] == [("weight", None)]
+    assert re.fullmatch(
+        r"gap not measured: the \w+ between rank [01] and rank [01] (ran past its deadline|failed)", first[0][2]
+    )
+    assert second == [("weight", 0.25, None)]
+    assert third[0][1] is None and third[0][2].startswith("gap not measured: ") and "gap_budget_s=0.5" in third[0][2]

@@ -50,7 +50,7 @@ def _choose(cfg: AuditConfig, mismatches: list[Mismatch], entries: list[Entry], 
         moved = nbytes * len(mismatches[i].ranks)
         if Schedule.bound_s(planned + moved, grace_s) > cfg.gap_budget_s:
             mismatches[i].detail = mismatches[i].detail or (
-                f"gap not measured: moving its reference copy ({moved / 2**20:.0f} MiB) would not fit "
+                f"gap not measured: moving its reference copy ({moved / 2**20:.1f} MiB) would not fit "
                 f"in gap_budget_s={cfg.gap_budget_s:g}"
             )
             continue
@@ -133,7 +133,7 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
         codes = table[:, _FIELDS * k + 2]
         bad = [int(r) for r in np.nonzero(codes != _OK)[0]]
         if bad:
-            r = bad[0]
+            r = next((r for r in bad if codes[r] == _TIMED_OUT), bad[0])  # the cause, not its echo
             peer = int(table[r, _FIELDS * k + 3])
             m.detail = "gap not measured: " + _why(int(codes[r]), g[r], g[peer] if peer >= 0 else -1)
             continue
