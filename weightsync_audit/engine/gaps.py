@@ -2,7 +2,8 @@
 
 :class:`GapMeter` takes the two copies a chunk at a time (as the data plane delivers them) and keeps
 only two numbers, max |a - b| and max |reference|, so measuring a tensor of any size costs a bounded
-amount of memory: the float64 temporaries cover at most ``STEP`` elements at once.
+amount of memory: the float64 temporaries cover at most ``STEP`` elements at once (measured: float64
+is no slower here than float32, and exact for every real dtype up to 53-bit integers).
 
 Kept apart from the engine so that ``weightsync-audit diff`` measures checkpoints without loading the
 audit channel.
@@ -60,25 +61,26 @@ class GapMeter:
 
 
 def _piece(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
-    """(max |a - b|, max |b|) of two small pieces, computed in float64 / complex128."""
+    """(max |a - b|, max |b|) of two small pieces."""
     if a.numel() == 0:
         return 0.0, 0.0
     if a.dtype == torch.bool:
         return float((a != b).any()), float(b.any())
     if a.is_complex():
         a64, b64 = a.to(torch.complex128), b.to(torch.complex128)
-        d = (a64 - b64).abs()
-        ref = b64.abs()
     else:
         a64, b64 = a.to(torch.float64), b.to(torch.float64)
-        d = (a64 - b64).abs()
-        ref = b64.abs()
+    d = (a64 - b64).abs()
+    worst = float(d.max())
+    if math.isfinite(worst):  # the common case: no NaN or inf on either side (they would show here)
+        return worst, float(b64.abs().max())
     if a.is_floating_point() or a.is_complex():
         both_nan = torch.isnan(a64) & torch.isnan(b64)
         same_inf = torch.isinf(a64) & (a64 == b64)
         d = torch.where(both_nan | same_inf, torch.zeros_like(d), d)
         d = torch.where(torch.isnan(d), torch.full_like(d, math.inf), d)
-        ref = ref[torch.isfinite(ref)]
+    ref = b64.abs()
+    ref = ref[torch.isfinite(ref)]
     return float(d.max()), float(ref.max()) if ref.numel() else 0.0
 
 
