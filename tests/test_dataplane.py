@@ -15,7 +15,8 @@ from harness import peak_extra_bytes
 from ranks import RankDied, run_ranks
 from torch import nn
 
-from weightsync_audit import audit
+from weightsync_audit import Auditor, audit
+from weightsync_audit.compat import default_store
 from weightsync_audit.engine.digest import digest_tensors
 
 
@@ -128,9 +129,7 @@ def _resync_source_fails(rank: int, world: int, how: str) -> dict[str, Any]:
             return out
 
         DataPlane.send = send_then_fail  # type: ignore[method-assign]
-        import torch.distributed as dist
-
-        dist.distributed_c10d._get_default_store().set("source_pid", str(os.getpid()))
+        default_store().set("source_pid", str(os.getpid()))
     t0 = time.monotonic()
     try:
         resync(model, src=src, timeout_s=3)
@@ -143,9 +142,7 @@ def _resync_source_fails(rank: int, world: int, how: str) -> dict[str, Any]:
         }
     finally:
         if rank != src and how == "stop":  # the stopped source is ended by its peer once that one is done
-            import torch.distributed as dist
-
-            os.kill(int(dist.distributed_c10d._get_default_store().get("source_pid")), signal.SIGKILL)
+            os.kill(int(default_store().get("source_pid")), signal.SIGKILL)
     return {"seconds": time.monotonic() - t0, "failed": None}
 
 

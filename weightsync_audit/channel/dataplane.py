@@ -37,6 +37,7 @@ __all__ = [
     "Schedule",
     "TransferFailure",
     "exchange_within",
+    "forget_data_groups",
 ]
 
 CHUNK_BYTES = 4 << 20
@@ -211,3 +212,17 @@ def exchange_within(comm: Comm, payload: np.ndarray, what: str, extra_s: float) 
         return comm.exchange(payload, what)
     finally:
         comm.timeout_s = saved
+
+
+def forget_data_groups() -> None:
+    """Drop the data groups (current and retired), e.g. after ``destroy_process_group``; the next
+    transfer opens a new one. Destroys what it can; the default group may already be gone."""
+    with _lock:
+        groups = [g for _, g in _groups.values()] + _retired
+        _groups.clear()
+        _retired.clear()
+    for group in groups:
+        try:
+            dist.destroy_process_group(group.pg)
+        except Exception:  # noqa: BLE001 - already destroyed with the default group
+            pass
