@@ -197,3 +197,37 @@ def test_a_gap_transfer_that_fails_leaves_gap_not_measured_on_every_rank_and_the
     )
     assert second == [("weight", 0.25, None)]
     assert third[0][1] is None and third[0][2].startswith("gap not measured: ") and "gap_budget_s=0.5" in third[0][2]
+
+
+def _reference_killed_mid_transfer(rank: int, world: int) -> dict[str, Any]:
+    from weightsync_audit import AuditTimeoutError
+    from weightsync_audit.channel.dataplane import DataPlane
+
+    t = torch.zeros(16 << 18)  # 16 MiB: four chunks
+    if rank == 2:
+        t[3] = 1.0  # ranks 0 and 1 hold the reference; rank 0 sends it to rank 2
+    model = nn.Module()
+    model.register_buffer("w", t)
+    if rank == 0:
+        sent = DataPlane.send
+
+        def send_then_die(self: DataPlane, *args: Any, **kwargs: Any) -> Any:
+            out = sent(self, *args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+            return out
+
+        DataPlane.send = send_then_die  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        audit(model, include=("buffers",), timeout_s=5)
+    except AuditTimeoutError as exc:
+        return {"seconds": time.monotonic() - t0, "missing": exc.missing_ranks}
+    return {"seconds": time.monotonic() - t0, "missing": None}
+
+
+def test_the_coordinator_killed_while_it_sends_a_reference_copy_is_named_by_every_survivor_at_once() -> None:
+    results = run_ranks(_reference_killed_mid_transfer, 3, may_die=[0], timeout=60)
+    assert isinstance(results[0], RankDied)
+    for got in results[1:]:
+        assert got["missing"] == [0], got
+        assert got["seconds"] < 5, got  # a closed connection, not a deadline
