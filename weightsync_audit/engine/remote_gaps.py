@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import xxhash
 
 from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure, exchange_within
 from weightsync_audit.channel.star import Comm
@@ -34,22 +35,43 @@ _OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL = range(5)
 _FIELDS = 4  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer
 
 
-def _choose(cfg: AuditConfig, mismatches: list[Mismatch], entries: list[Entry], grace_s: float) -> list[int]:
-    """Which tensors to measure: the same list on every rank (from shapes, dtypes and settings only)."""
+def _layouts(comm: Comm, entries: list[Entry]) -> np.ndarray:
+    """``[world, 2n]``: each rank's bytes and dtype-and-shape digest of each tensor, gathered.
+
+    Planned from this table, every rank makes the same plan even where local tensors differ (a
+    DTensor's shard on a rank outside the peer set), and a copy only goes to a rank whose tensor has
+    the reference's layout, so that every chunk is received into a buffer of the size sent.
+    """
+    row = np.zeros(2 * len(entries), dtype=np.int64)
+    for j, e in enumerate(entries):
+        if e.dtype not in ("none", "object"):
+            t = e.tensor
+            row[2 * j] = tensor_bytes(t)
+            row[2 * j + 1] = xxhash.xxh3_64_intdigest(f"{t.dtype}{tuple(t.shape)}".encode()) >> 1
+    return comm.exchange(row, "the layouts of the diverged tensors")
+
+
+def _receivers(layouts: np.ndarray, m: Mismatch, i: int) -> list[int]:
+    ref = m.reference_ranks[0]
+    return [r for r in m.ranks if (layouts[r, 2 * i : 2 * i + 2] == layouts[ref, 2 * i : 2 * i + 2]).all()]
+
+
+def _choose(cfg: AuditConfig, mismatches: list[Mismatch], layouts: np.ndarray, grace_s: float) -> list[int]:
+    """Which tensors to measure: the same list on every rank (from the gathered layouts and settings)."""
     chosen: list[int] = []
     planned = 0
-    for i, e in enumerate(entries):
+    for i, m in enumerate(mismatches):
         if len(chosen) >= cfg.max_diff_tensors:
             break
-        if e.dtype in ("none", "object") or e.tensor.numel() == 0:
+        nbytes = int(layouts[m.reference_ranks[0], 2 * i])
+        if nbytes == 0:
             continue
-        nbytes = tensor_bytes(e.tensor)
         if nbytes > cfg.max_diff_bytes:
-            mismatches[i].detail = mismatches[i].detail or "too large for max_abs_diff"
+            m.detail = m.detail or "too large for max_abs_diff"
             continue
-        moved = nbytes * len(mismatches[i].ranks)
+        moved = nbytes * len(_receivers(layouts, m, i))
         if Schedule.bound_s(planned + moved, grace_s) > cfg.gap_budget_s:
-            mismatches[i].detail = mismatches[i].detail or (
+            m.detail = m.detail or (
                 f"gap not measured: moving its reference copy ({moved / 2**20:.1f} MiB) would not fit "
                 f"in gap_budget_s={cfg.gap_budget_s:g}"
             )
@@ -88,12 +110,17 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
     group) and its own entries for them. Never raises for a failed transfer; a failure of the star
     itself (a rank gone) raises as every exchange does.
     """
-    chosen = _choose(cfg, mismatches, entries, comm.grace_s)
-    if not chosen or not comm.distributed:
+    if not comm.distributed or all(e.dtype in ("none", "object") for e in entries):
+        return
+    layouts = _layouts(comm, entries)
+    chosen = _choose(cfg, mismatches, layouts, comm.grace_s)
+    if not chosen:
         return
     plane = DataPlane(comm)
     sched = Schedule(comm.grace_s)
-    total = sum(tensor_bytes(entries[i].tensor) * len(mismatches[i].ranks) for i in chosen)
+    sizes = {i: int(layouts[mismatches[i].reference_ranks[0], 2 * i]) for i in chosen}
+    fan_out = {i: _receivers(layouts, mismatches[i], i) for i in chosen}
+    total = sum(sizes[i] * len(fan_out[i]) for i in chosen)
     row = np.zeros(_FIELDS * len(chosen), dtype=np.int64)
     row[2::_FIELDS] = _OK
     row[3::_FIELDS] = -1
@@ -105,25 +132,27 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
     before = 0
     for k, i in enumerate(chosen):
         e, m = entries[i], mismatches[i]
-        ref, t = m.reference_ranks[0], e.tensor.detach()
+        ref, t, receivers = m.reference_ranks[0], e.tensor.detach(), fan_out[i]
         at = _FIELDS * k
-        if not opened and (comm.rank == ref or comm.rank in m.ranks):
+        if comm.rank in m.ranks and comm.rank not in receivers:
+            row[at + 2] = _LOCAL  # this rank's tensor has another layout than the reference's
+        elif not opened and (comm.rank == ref or comm.rank in receivers):
             row[at + 2] = _NO_PLANE
         elif comm.rank == ref:
             # A failed peer fails this transfer only; after a timeout the data plane refuses at once.
-            for peer, f in send_tensor(plane, t, list(m.ranks), sched, before).items():
+            for peer, f in send_tensor(plane, t, list(receivers), sched, before).items():
                 row[at + 2 : at + 4] = (_TIMED_OUT if f.timed_out else _BROKEN, peer)
                 break
-        elif comm.rank in m.ranks:
+        elif comm.rank in receivers:
             meter = GapMeter()
-            f, _, local = receive_tensor(plane, t, ref, sched, before, len(m.ranks), _measure_into(meter))
+            f, _, local = receive_tensor(plane, t, ref, sched, before, len(receivers), _measure_into(meter))
             if f is not None:
                 row[at + 2 : at + 4] = (_TIMED_OUT if f.timed_out else _BROKEN, ref)
             elif local is not None:
                 row[at + 2] = _LOCAL
             else:
                 row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
-        before += tensor_bytes(t) * len(m.ranks)
+        before += sizes[i] * len(receivers)
     table = exchange_within(comm, row, "the max |diff| values", sched.left_s(total))
     if (table[:, 2::_FIELDS] != _OK).any():
         plane.discard()  # every rank sees the same table, so every rank retires the group alike
