@@ -104,7 +104,7 @@ class FailedAuditProbe(pl.Callback):
 def test_a_failed_audit_under_warn_is_reported_and_training_goes_on_and_later_audits_say_the_channel_is_gone(
     tmp_path: Path,
 ) -> None:
-    audit = WeightSyncAudit(every_n_train_steps=1, timeout_s=20)
+    audit = WeightSyncAudit(every_n_train_steps=1, timeout_s=3)
     fit(tmp_path, SmallModel(), [FailedAuditProbe(tmp_path, audit), audit], max_epochs=1)
     assert rank_end(tmp_path, 0)["ended"] == rank_end(tmp_path, 1)["ended"] == "ok"
     for r in (0, 1):
