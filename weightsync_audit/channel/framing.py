@@ -4,7 +4,9 @@ A message larger than the receive buffer aborts the receiving *process* in gloo,
 points of the protocol would send messages of different sizes; so every message starts with a frame of
 ``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body length,
 and up to ``INLINE_BYTES`` of the body), and a longer body is received into a buffer of exactly the
-announced length.
+announced length. The coordinator's reply is framed the same way in ``REPLY_WORDS`` words (magic,
+exchange number, status, body length, and up to ``INLINE_BYTES`` of the body): 160 bytes whatever the
+number of ranks, so a healthy audit sends a fixed number of bytes per rank.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ __all__ = [
     "MISSING",
     "OK",
     "OUT_OF_STEP",
+    "REPLY_WORDS",
     "REQ_WORDS",
+    "RULE_FAILED",
     "WHAT_BYTES",
     "as_u8",
+    "join_parts",
     "split_parts",
     "what_words",
     "words_text",
@@ -31,8 +36,9 @@ MAGIC = 0x5753_4146  # 'WSAF'
 WHAT_BYTES = 48
 INLINE_BYTES = 128
 REQ_WORDS = 4 + WHAT_BYTES // 8 + INLINE_BYTES // 8  # magic, seq, what hash, nbytes, what, inline
+REPLY_WORDS = 4 + INLINE_BYTES // 8  # magic, seq, status, nbytes, inline
 
-OK, MISSING, OUT_OF_STEP = 0, 1, 2
+OK, MISSING, OUT_OF_STEP, RULE_FAILED = 0, 1, 2, 3
 
 
 def what_words(what: str) -> tuple[int, np.ndarray]:
@@ -52,6 +58,11 @@ def as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
     if not len(data):
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def join_parts(parts: list[bytes]) -> bytes:
+    """Every rank's bytes in one message: their lengths (int64 each), then the bytes in rank order."""
+    return np.array([len(p) for p in parts], dtype=np.int64).tobytes() + b"".join(parts)
 
 
 def split_parts(data: bytes, world: int) -> list[bytes]:

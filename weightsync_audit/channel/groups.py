@@ -1,11 +1,17 @@
 """The audit channel's process groups: a dedicated gloo group per set of ranks, opened once.
 
 Opening one is collective; before ``new_group`` the ranks meet in the job's store with a deadline, so a
-rank that never reaches its first audit is named instead of hanging the others.
+rank that never reaches its first audit is named instead of hanging the others. Every store call is
+bounded (:mod:`~weightsync_audit.channel.storelink`).
+
+Lifetime: the groups are destroyed by :func:`forget_groups`, which also runs at interpreter exit (before
+torch's own teardown: atexit runs last-registered first), whether or not the user destroyed the process
+group; gloo contexts left to static destructors can abort the process at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import threading
 from datetime import timedelta
@@ -13,6 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from weightsync_audit.channel.storelink import StoreLink, StoreUnreachable
 from weightsync_audit.compat import default_process_group, default_store
 from weightsync_audit.errors import AuditTimeoutError
 
@@ -22,15 +29,21 @@ __all__ = ["AuditGroup", "forget_groups", "open_group"]
 class AuditGroup:
     """A gloo process group for audit messages, shared by every Comm over the same ranks."""
 
-    def __init__(self, pg: Any, ranks: tuple[int, ...], store: Any) -> None:
+    def __init__(self, pg: Any, ranks: tuple[int, ...], store: StoreLink) -> None:
         self.pg = pg
         self.ranks = ranks
         self.store = store
-        """The job's store under a prefix unique to this group: where failure verdicts go."""
+        """The job's store under a prefix unique to this group, calls bounded: where failure verdicts go."""
+        self.sent_bytes = 0
+        """Bytes this rank has sent over the group (frames and bodies), for benchmarks."""
+        self.sent_messages = 0
         self.seq = 0
         """Exchanges done so far; every rank counts the same, so it names an exchange across ranks."""
         self.broken: str | None = None
         self.broken_kind: type[Exception] = AuditTimeoutError
+        self.pending: tuple[dict[str, Any], frozenset[int]] | None = None
+        """On the coordinator: a failure verdict (and the ranks it cannot reach) to deliver at the next
+        exchange, when it could not answer some rank after the others had their answer."""
         # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
         self.lock = threading.Lock()
@@ -61,9 +74,9 @@ def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s:
         # many times this process opened one) names the same attempt on every rank.
         generation = _generations.get(ranks, 0)
         _generations[ranks] = generation + 1
-        store = dist.PrefixStore(_store_prefix(ranks, generation), default_store())
+        store = StoreLink(default_store(), _store_prefix(ranks, generation), deadline_s + grace_s)
         try:
-            _meet(store, ranks, my_rank, deadline_s)
+            _meet(store, ranks, my_rank, deadline_s, grace_s)
             # Only the member ranks take part in creating the group (use_local_synchronization), so an
             # audit over a subgroup never waits on ranks outside it.
             pg = dist.new_group(
@@ -87,26 +100,34 @@ def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s:
         return group
 
 
-def _meet(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -> None:
+def _meet(link: StoreLink, ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> None:
     """Store-side rendezvous with a deadline: the last to arrive says 'ok', the first to give up says
     who is missing, and whichever is written first is what every rank acts on."""
     me = ranks[my_rank]
     try:
-        store.set(f"arrived/{my_rank}", "1")
-        if store.add("count", 1) == len(ranks):
-            store.compare_set("decision", "", "ok")
-        try:
-            store.wait(["decision"], timedelta(seconds=deadline_s))
-            decision = store.get("decision").decode()
-        except Exception:  # noqa: BLE001 - DistStoreError on timeout
-            missing = [ranks[r] for r in range(len(ranks)) if not store.check([f"arrived/{r}"])]
-            decision = store.compare_set("decision", "", "missing " + json.dumps(missing)).decode()
-    except Exception as exc:
+        decision = link.call(lambda store: _meet_in(store, ranks, my_rank, deadline_s), deadline_s + grace_s)
+    except StoreUnreachable as exc:
         raise AuditTimeoutError(
             f"weightsync audit: the job's store stopped answering while the ranks met to open the audit "
-            f"channel (this is rank {me}): {exc}; its host, usually global rank 0, died",
+            f"channel (this is rank {me}): {exc}; its host, usually global rank 0, died or is stopped",
             [0],
         ) from exc
+    _check_decision(decision, ranks, me, deadline_s)
+
+
+def _meet_in(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -> str:
+    store.set(f"arrived/{my_rank}", "1")
+    if store.add("count", 1) == len(ranks):
+        store.compare_set("decision", "", "ok")
+    try:
+        store.wait(["decision"], timedelta(seconds=deadline_s))
+        return store.get("decision").decode()
+    except Exception:  # noqa: BLE001 - DistStoreError on timeout
+        missing = [ranks[r] for r in range(len(ranks)) if not store.check([f"arrived/{r}"])]
+        return store.compare_set("decision", "", "missing " + json.dumps(missing)).decode()
+
+
+def _check_decision(decision: str, ranks: tuple[int, ...], me: int, deadline_s: float) -> None:
     if decision == "ok":
         return
     missing = json.loads(decision.split(" ", 1)[1]) if decision.startswith("missing ") else []
@@ -122,12 +143,17 @@ def _meet(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -
 
 
 def forget_groups() -> None:
-    """Drop cached audit groups (after ``destroy_process_group``); the next audit makes new ones."""
+    """Drop cached audit groups (after ``destroy_process_group``, and at exit); the next audit makes new ones."""
     with _groups_lock:
         for _, group in _groups.values():
+            group.broken = group.broken or "the audit channel was closed"
             try:
-                dist.destroy_process_group(group.pg)
+                if dist.is_initialized():
+                    dist.destroy_process_group(group.pg)
             except Exception:  # noqa: BLE001 - the default group may already be gone
                 pass
         _groups.clear()
         _failed_opens.clear()
+
+
+atexit.register(forget_groups)

@@ -4,7 +4,12 @@ Why not ``all_gather``: a collective that a rank never joins blocks the others u
 own timeout (30 minutes by default) and then fails without saying who was missing. Here every message
 goes through the group's first rank (the coordinator) with point-to-point sends whose waits carry a
 deadline. The coordinator knows exactly which ranks arrived and tells the others, so every rank raises
-:class:`~weightsync_audit.AuditTimeoutError` naming the same missing ranks. A dedicated gloo group keeps
+:class:`~weightsync_audit.AuditTimeoutError` naming the same missing ranks.
+
+One exchange is a *round*: each rank sends its bytes to the coordinator, which applies a rule to the list
+(a pure function, the same on any rank) and sends every rank the same answer. The healthy audit's rule
+answers a fixed-size verdict, so rank 0 sends 160 bytes per peer and every other rank 368 bytes in all,
+whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to everyone. A dedicated gloo group keeps
 these small CPU messages apart from the training traffic (which may be NCCL) and gives per-call timeouts.
 
 What gloo does on failure shapes the protocol (measured with torch 2.13):
@@ -14,6 +19,11 @@ What gloo does on failure shapes the protocol (measured with torch 2.13):
   the punctual ones over gloo. The verdict therefore also goes through the job's key-value store (the
   one ``init_process_group`` set up), under a key per exchange; a rank whose gloo reply fails reads it
   there. Only failures touch the store: a healthy exchange is one gloo message up and one down per rank.
+  Every store call is bounded (:mod:`~weightsync_audit.channel.storelink`): a stopped store host
+  cannot hold a rank past ``timeout_s`` + grace.
+* When the coordinator cannot answer a rank after the others already have their answer (that rank died
+  or gave up), the answer stands for this exchange on every rank that has it, and the coordinator
+  delivers the failure verdict at the next exchange, so the survivors all name the same rank.
 * A message larger than the receive buffer aborts the receiving *process* (``gloo::EnforceNotMet`` in a
   background thread, ``terminate``). Ranks at different points of the protocol would send messages of
   different sizes, so every message starts with a fixed-size frame that announces the exchange's
@@ -36,7 +46,7 @@ from __future__ import annotations
 import json
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,34 +58,39 @@ from weightsync_audit.channel.framing import (
     MISSING,
     OK,
     OUT_OF_STEP,
+    REPLY_WORDS,
     REQ_WORDS,
+    RULE_FAILED,
     WHAT_BYTES,
     as_u8,
+    join_parts,
     split_parts,
     what_words,
     words_text,
 )
 from weightsync_audit.channel.groups import AuditGroup, forget_groups, open_group
+from weightsync_audit.channel.verdicts import (
+    WaitFailure,
+    Who,
+    gave_up,
+    no_answer,
+    out_of_step_error,
+    post_verdict,
+    verdict_error,
+)
 from weightsync_audit.compat import is_timeout_text
-from weightsync_audit.errors import AuditOutOfStepError, AuditTimeoutError
+from weightsync_audit.errors import AuditPreparationError
 
-__all__ = ["DEFAULT_GRACE_S", "Comm", "forget_groups"]
+__all__ = ["DEFAULT_GRACE_S", "Comm", "Rule", "forget_groups"]
 
 DEFAULT_GRACE_S = 5.0
 """Extra seconds a rank waits for the coordinator's answer beyond ``timeout_s``: the coordinator may
 itself spend up to ``timeout_s`` waiting for a late rank before it answers."""
 
 _NO_DEADLINE_S = 30 * 60.0
-_STORE_WAIT_S = 2.0
-"""How long a rank whose gloo reply failed looks for the coordinator's verdict in the store."""
 
-
-class WaitFailure(Exception):
-    """A wait failed: ``timed_out`` (the deadline passed) or the peer closed the connection."""
-
-    def __init__(self, timed_out: bool, why: str) -> None:
-        self.timed_out = timed_out
-        super().__init__(why)
+Rule = Callable[[list[bytes]], bytes]
+"""What the coordinator computes from every rank's bytes (in rank order): the answer every rank gets."""
 
 
 class Comm:
@@ -83,6 +98,8 @@ class Comm:
 
     >>> Comm().exchange(np.array([7], dtype=np.int64)).tolist()
     [[7]]
+    >>> Comm().decide(b"abc", lambda parts: max(parts))
+    b'abc'
     """
 
     def __init__(self, group: Any = None, timeout_s: float | None = None, grace_s: float = DEFAULT_GRACE_S) -> None:
@@ -103,12 +120,18 @@ class Comm:
         else:
             self.world_size, self.rank, self.global_ranks = 1, 0, (0,)
         self._group: AuditGroup | None = None
+        self._who = Who(self.rank, self.world_size, self.global_ranks, timeout_s)
 
     # -- set-up --------------------------------------------------------------------------------
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes this rank has sent over the audit group so far (every Comm over the same ranks counts)."""
+        return self._group.sent_bytes if self._group is not None else 0
 
     def _deadline_s(self) -> float:
         return self.timeout_s if self.timeout_s is not None else _NO_DEADLINE_S
@@ -122,15 +145,11 @@ class Comm:
         """The dedicated gloo process group once opened, else ``None``."""
         return self._group.pg if self._group is not None else None
 
-    def _pg(self) -> AuditGroup:
-        self.setup()
-        assert self._group is not None
-        if self._group.broken:
-            raise self._group.broken_kind(
-                f"weightsync audit: the audit channel is unusable after an earlier failure ({self._group.broken}); "
-                "ranks can no longer be compared in this process group"
-            )
-        return self._group
+    def _broken_error(self, group: AuditGroup) -> Exception:
+        return group.broken_kind(
+            f"weightsync audit: the audit channel is unusable after an earlier failure ({group.broken}); "
+            "ranks can no longer be compared in this process group"
+        )
 
     # -- point-to-point with deadlines ---------------------------------------------------------
 
@@ -148,106 +167,33 @@ class Comm:
                 timed_out, text.strip().splitlines()[-1][:200] if text.strip() else type(exc).__name__
             ) from exc
 
-    def _send(self, group: AuditGroup, t: torch.Tensor, dst: int, deadline: float) -> None:
+    def _post(self, group: AuditGroup, t: torch.Tensor, peer: int, send: bool) -> Any:
         try:
-            work = dist.isend(t, dst=self.global_ranks[dst], group=group.pg)
+            if send:
+                group.sent_bytes += t.numel() * t.element_size()
+                group.sent_messages += 1
+                return dist.isend(t, dst=self.global_ranks[peer], group=group.pg)
+            return dist.irecv(t, src=self.global_ranks[peer], group=group.pg)
         except Exception as exc:
             raise WaitFailure(False, str(exc)[:200]) from exc
-        self._wait(group, work, t, deadline)
 
-    def _recv(self, group: AuditGroup, t: torch.Tensor, src: int, deadline: float) -> None:
-        try:
-            work = dist.irecv(t, src=self.global_ranks[src], group=group.pg)
-        except Exception as exc:
-            raise WaitFailure(False, str(exc)[:200]) from exc
-        self._wait(group, work, t, deadline)
+    # -- the round: every rank's bytes to the coordinator, one answer back -------------------------
 
-    # -- failure verdicts ----------------------------------------------------------------------
-
-    def _limit(self) -> str:
-        return f"within {self.timeout_s:g}s" if self.timeout_s is not None else "before the deadline"
-
-    def _timeout_error(
-        self, group: AuditGroup, missing_global: Sequence[int], what: str, why: str = ""
-    ) -> AuditTimeoutError:
-        missing_global = sorted(set(missing_global))
-        me = self.global_ranks[self.rank]
-        group.broken = f"rank(s) {missing_global} did not arrive at {what}"
-        group.broken_kind = AuditTimeoutError
-        if not why:
-            why = (
-                "this rank arrived after the others had given up waiting for it"
-                if me in missing_global
-                else "a rank is stuck, dead, or auditing at a different point"
-            )
-        return AuditTimeoutError(
-            f"weightsync audit: rank(s) {missing_global} did not arrive at {what} {self._limit()} "
-            f"(this is rank {me} of {self.world_size}); {why}",
-            missing_global,
-        )
-
-    def _out_of_step_error(self, group: AuditGroup, positions: dict[int, str], what: str) -> AuditOutOfStepError:
-        group.broken = f"ranks were at different points of the audit protocol at {what}"
-        group.broken_kind = AuditOutOfStepError
-        text = "; ".join(f"rank {r}: {p}" for r, p in sorted(positions.items()))
-        return AuditOutOfStepError(
-            "weightsync audit: ranks are at different points of the audit protocol (one audits while another "
-            f"resyncs, or one audited more often than the others), so nothing was compared: {text}",
-            positions,
-        )
-
-    def _verdict_error(self, group: AuditGroup, verdict: dict[str, Any], what: str) -> Exception:
-        if verdict.get("missing"):
-            return self._timeout_error(group, verdict["missing"], verdict.get("what", what))
-        positions = {int(r): p for r, p in verdict.get("positions", {}).items()}
-        return self._out_of_step_error(group, positions, what)
-
-    def _post_verdict(self, group: AuditGroup, seq: int, verdict: dict[str, Any]) -> None:
-        try:
-            group.store.set(f"verdict/{seq}", json.dumps(verdict))
-        except Exception:  # noqa: BLE001 - the store may be gone with its host; the gloo reply may still work
-            pass
-
-    def _read_verdict(self, group: AuditGroup, seq: int, wait_s: float) -> dict[str, Any] | None:
-        try:
-            group.store.wait([f"verdict/{seq}"], timedelta(seconds=wait_s))
-            return json.loads(group.store.get(f"verdict/{seq}"))
-        except Exception:  # noqa: BLE001 - no verdict: the coordinator did not decide (stuck or dead)
-            return None
-
-    def _no_answer(self, group: AuditGroup, seq: int, what: str, failure: WaitFailure) -> Exception:
-        """A non-coordinator lost contact with the coordinator: the store may say why, else blame it."""
-        if failure.timed_out:
-            # Say so before anything else: a coordinator that turns up late and finds this rank's
-            # connection closed must learn that it was the late one, not this rank.
-            try:
-                group.store.set(f"gave_up/{seq}/{self.rank}", "1")
-            except Exception:  # noqa: BLE001
-                pass
-        # A closed connection means the coordinator decided (its verdict follows within moments) or died;
-        # after a plain timeout a verdict is unlikely, so only look.
-        verdict = self._read_verdict(group, seq, 0.2 if failure.timed_out else _STORE_WAIT_S)
-        if verdict is not None:
-            return self._verdict_error(group, verdict, what)
-        how = "did not answer in time" if failure.timed_out else "closed the connection"
-        return self._timeout_error(
-            group,
-            [self.global_ranks[0]],
-            what,
-            f"the coordinator (rank {self.global_ranks[0]}) {how}; it is stuck, dead, or auditing at a different point",
-        )
-
-    # -- the star exchange ---------------------------------------------------------------------
-
-    def _gather(self, payload: bytes | bytearray | memoryview | np.ndarray, what: str) -> list[bytes]:
-        """Every rank's bytes on every rank, through the coordinator, every wait bounded."""
-        group = self._pg()
+    def _round(self, payload: bytes | bytearray | memoryview | np.ndarray, rule: Rule, what: str) -> bytes:
+        self.setup()
+        group = self._group
+        assert group is not None
         with group.lock:
+            pending = None
+            if group.broken:
+                pending, group.pending = group.pending, None
+                if pending is None or self.rank != 0:
+                    raise self._broken_error(group)
             seq = group.seq
             group.seq += 1
             body = as_u8(payload)
             if self.rank == 0:
-                return self._coordinate(group, seq, body, what)
+                return self._coordinate(group, seq, body, rule, what, pending)
             return self._participate(group, seq, body, what)
 
     def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
@@ -259,67 +205,65 @@ class Comm:
             frame.view(np.uint8)[(4 + len(name_words)) * 8 :][: body.numel()] = body.numpy()
         return torch.from_numpy(frame)
 
-    def _reply_words(self) -> tuple[int, int]:
-        # Room for the whole phase-(a) table inline (64 bytes a rank, plus the 8-byte length of each rank's
-        # part that precedes the table): a healthy audit is one message each way.
-        inline = max(INLINE_BYTES, 72 * self.world_size)
-        return 4 + self.world_size, inline
-
-    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
+    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
         deadline = time.monotonic() + self._deadline_s() + self.grace_s
-        head, inline = self._reply_words()
-        reply = torch.empty(head + inline // 8, dtype=torch.int64)
+        reply = torch.empty(REPLY_WORDS, dtype=torch.int64)
         try:
-            self._send(group, self._request_frame(seq, body, what), 0, deadline)
+            answer = self._post(group, reply, 0, send=False)  # posted first: the answer may come at once
+            frame = self._request_frame(seq, body, what)
+            self._wait(group, self._post(group, frame, 0, send=True), frame, deadline)
             if body.numel() > INLINE_BYTES:
-                self._send(group, body, 0, deadline)
-            self._recv(group, reply, 0, deadline)
+                self._wait(group, self._post(group, body, 0, send=True), body, deadline)
+            self._wait(group, answer, reply, deadline)
             r = reply.numpy()
             if r[0] != MAGIC or r[1] != seq:
                 raise WaitFailure(False, "the coordinator answered another exchange")
-            status, nbytes, codes = int(r[2]), int(r[3]), r[4:head]
-            if nbytes <= inline:
-                data = r[head:].view(np.uint8)[:nbytes].tobytes()
+            status, nbytes = int(r[2]), int(r[3])
+            if nbytes <= INLINE_BYTES:
+                data = r[4:].view(np.uint8)[:nbytes].tobytes()
             else:
                 big = torch.empty(nbytes, dtype=torch.uint8)
-                self._recv(group, big, 0, deadline)
+                self._wait(group, self._post(group, big, 0, send=False), big, deadline)
                 data = big.numpy().tobytes()
         except WaitFailure as failure:
-            raise self._no_answer(group, seq, what, failure) from None
-        if status != OK:
-            verdict = json.loads(data)
-            if not verdict.get("missing") and status == MISSING:
-                verdict["missing"] = [self.global_ranks[i] for i in np.nonzero(codes == MISSING)[0].tolist()]
-            raise self._verdict_error(group, verdict, what)
-        return split_parts(data, self.world_size)
+            raise no_answer(self._who, group, seq, what, failure) from None
+        if status == OK:
+            return data
+        verdict = json.loads(data)
+        if status == RULE_FAILED:
+            raise AuditPreparationError(verdict["error"], {self.global_ranks[0]: verdict["error"]})
+        raise verdict_error(self._who, group, verdict, what)
 
-    def _coordinate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> list[bytes]:
+    def _gather_frames(
+        self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, skip: frozenset[int]
+    ) -> tuple[list[bytes], dict[int, WaitFailure], dict[int, str]]:
+        """The coordinator's half of the way up: every rank's bytes, the ranks lost, the ranks elsewhere."""
         w = self.world_size
         deadline = time.monotonic() + self._deadline_s()
         what_hash, _ = what_words(what)
-        frames = [torch.empty(REQ_WORDS, dtype=torch.int64) for _ in range(w)]
-        works: list[Any] = [None] * w
-        failures: dict[int, WaitFailure] = {}
+        frames = {r: torch.empty(REQ_WORDS, dtype=torch.int64) for r in range(1, w)}
+        works: dict[int, Any] = {}
+        failures: dict[int, WaitFailure] = {r: WaitFailure(False, "lost at an earlier exchange") for r in skip}
         for r in range(1, w):
+            if r not in failures:
+                try:
+                    works[r] = self._post(group, frames[r], r, send=False)
+                except WaitFailure as f:
+                    failures[r] = f
+        for r, work in works.items():
             try:
-                works[r] = dist.irecv(frames[r], src=self.global_ranks[r], group=group.pg)
-            except Exception as exc:  # noqa: BLE001
-                failures[r] = WaitFailure(False, str(exc)[:200])
-        for r in range(1, w):
-            if r in failures:
-                continue
-            try:
-                self._wait(group, works[r], frames[r], deadline)
+                self._wait(group, work, frames[r], deadline)
             except WaitFailure as f:
                 failures[r] = f
         positions: dict[int, str] = {}
         datas: list[bytes] = [body.numpy().tobytes()] + [b""] * (w - 1)
+        bodies: dict[int, tuple[Any, torch.Tensor]] = {}
         for r in range(1, w):
             if r in failures:
                 continue
             f = frames[r].numpy()
-            text = words_text(f[4 : 4 + WHAT_BYTES // 8])
             if f[0] != MAGIC or f[1] != seq or f[2] != what_hash:
+                text = words_text(f[4 : 4 + WHAT_BYTES // 8])
                 positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
             nbytes = int(f[3])
             if nbytes <= INLINE_BYTES:
@@ -327,92 +271,135 @@ class Comm:
             else:  # exactly the announced size: a frame from elsewhere in the protocol cannot crash gloo
                 big = torch.empty(nbytes, dtype=torch.uint8)
                 try:
-                    self._recv(group, big, r, max(deadline, time.monotonic() + self.grace_s))
-                    datas[r] = big.numpy().tobytes()
+                    bodies[r] = (self._post(group, big, r, send=False), big)
                 except WaitFailure as fail:
                     failures[r] = fail
+        body_deadline = max(deadline, time.monotonic() + self.grace_s)
+        for r, (work, big) in bodies.items():
+            try:
+                self._wait(group, work, big, body_deadline)
+                datas[r] = big.numpy().tobytes()
+            except WaitFailure as fail:
+                failures[r] = fail
+        return datas, failures, positions
 
-        if failures:
+    def _coordinate(
+        self,
+        group: AuditGroup,
+        seq: int,
+        body: torch.Tensor,
+        rule: Rule,
+        what: str,
+        pending: tuple[dict[str, Any], frozenset[int]] | None,
+    ) -> bytes:
+        datas, failures, positions = self._gather_frames(group, seq, body, what, pending[1] if pending else frozenset())
+        if pending is not None:
+            verdict: dict[str, Any] = pending[0]
+        elif failures:
             # Ranks that dropped the connection because they gave up on *this* rank make it the late one.
-            gave_up = [r for r, f in failures.items() if not f.timed_out and self._gave_up(group, seq, r)]
-            missing = [self.global_ranks[0]] if gave_up else [self.global_ranks[r] for r in sorted(failures)]
-            verdict: dict[str, Any] = {"missing": missing, "what": what}
+            late = [r for r, f in failures.items() if not f.timed_out and gave_up(group, seq, r)]
+            missing = [self.global_ranks[0]] if late else [self.global_ranks[r] for r in sorted(failures)]
+            verdict = {"missing": missing, "what": what}
         elif positions:
             positions[self.global_ranks[0]] = f"at {what} (exchange #{seq})"
             verdict = {"positions": {str(k): v for k, v in positions.items()}}
         else:
             verdict = {}
 
-        send_deadline = time.monotonic() + self.grace_s
-        head, inline = self._reply_words()
+        status = OK
         if verdict:
-            self._post_verdict(group, seq, verdict)
+            post_verdict(group, seq, verdict)
             status = MISSING if verdict.get("missing") else OUT_OF_STEP
             data = json.dumps(verdict).encode()
         else:
-            status = OK
-            lengths = np.array([len(d) for d in datas], dtype=np.int64)
-            data = lengths.tobytes() + b"".join(datas)
-        frame = np.zeros(head + inline // 8, dtype=np.int64)
+            try:
+                data = rule(datas)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it alike
+                status = RULE_FAILED
+                text = f"weightsync audit: the coordinator could not decide {what}: {type(exc).__name__}: {exc}"
+                data = json.dumps({"error": text}).encode()
+        lost = self._answer(group, seq, status, data, failures)
+        if verdict:
+            raise verdict_error(self._who, group, verdict, what)
+        if lost:
+            # Every rank but these has its answer, so it stands for this exchange; the survivors learn at
+            # the next one, all naming the same rank(s).
+            late = [r for r in lost if gave_up(group, seq, r)]
+            missing = [self.global_ranks[0]] if late else [self.global_ranks[r] for r in sorted(lost)]
+            verdict = {"missing": missing, "what": what}
+            post_verdict(group, seq, verdict)
+            group.broken = f"rank(s) {missing} did not take the answer at {what}"
+            group.pending = (verdict, frozenset(lost))
+        if status == RULE_FAILED:
+            error = json.loads(data)["error"]
+            raise AuditPreparationError(error, {self.global_ranks[0]: error})
+        return data
+
+    def _answer(
+        self, group: AuditGroup, seq: int, status: int, data: bytes, failures: dict[int, WaitFailure]
+    ) -> list[int]:
+        """Send the same answer to every reachable rank at once; the ranks it could not reach."""
+        frame = np.zeros(REPLY_WORDS, dtype=np.int64)
         frame[:4] = (MAGIC, seq, status, len(data))
-        for r in failures:
-            frame[4 + r] = MISSING
-        for r in range(1, w):
-            if self.global_ranks[r] in positions:
-                frame[4 + r] = OUT_OF_STEP
-        if len(data) <= inline:
-            frame.view(np.uint8)[head * 8 :][: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        if len(data) <= INLINE_BYTES:
+            frame.view(np.uint8)[32:][: len(data)] = np.frombuffer(data, dtype=np.uint8)
         reply = torch.from_numpy(frame)
-        big = as_u8(data) if len(data) > inline else None
-        for r in range(1, w):
+        big = as_u8(data) if len(data) > INLINE_BYTES else None
+        deadline = time.monotonic() + self.grace_s
+        works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+        lost = []
+        for r in range(1, self.world_size):
             if r in failures:
                 continue
             try:
-                self._send(group, reply, r, send_deadline)
+                works[r] = [(self._post(group, reply, r, send=True), reply)]
                 if big is not None:
-                    self._send(group, big, r, send_deadline)
-            except WaitFailure as fail:
-                if verdict:
-                    continue  # they read the verdict from the store
-                failures[r] = fail
-        if failures and not verdict:
-            # Every rank arrived but one could not be answered: it learns this from the store.
-            verdict = {"missing": [self.global_ranks[r] for r in sorted(failures)], "what": what}
-            self._post_verdict(group, seq, verdict)
-        if verdict:
-            raise self._verdict_error(group, verdict, what)
-        return datas
-
-    def _gave_up(self, group: AuditGroup, seq: int, r: int) -> bool:
-        # The peer closes its connection just before it writes the marker: allow it a moment.
-        try:
-            group.store.wait([f"gave_up/{seq}/{r}"], timedelta(seconds=0.5))
-            return True
-        except Exception:  # noqa: BLE001 - no marker: the peer died or never came
-            return False
+                    works[r].append((self._post(group, big, r, send=True), big))
+            except WaitFailure:
+                lost.append(r)
+        for r, pairs in works.items():
+            try:
+                for work, t in pairs:
+                    self._wait(group, work, t, deadline)
+            except WaitFailure:
+                lost.append(r)
+        return sorted(lost)
 
     # -- public exchanges ----------------------------------------------------------------------
+
+    def decide(self, payload: bytes | np.ndarray, rule: Rule, what: str = "the audit") -> bytes:
+        """``rule`` of every rank's bytes, computed once by the coordinator, on every rank.
+
+        Every rank must pass the same ``rule`` (a pure function of the list of every rank's bytes, in
+        rank order); only the coordinator runs it, so the answer is one message whatever the number of
+        ranks. If it raises, every rank raises :class:`~weightsync_audit.AuditPreparationError`.
+        """
+        if not self.distributed:
+            return rule([as_u8(payload).numpy().tobytes()])
+        return self._round(payload, rule, what)
 
     def exchange(self, payload: np.ndarray, what: str = "the audit") -> np.ndarray:
         """Every rank's fixed-length int64 vector, as a ``[world, L]`` array, on every rank."""
         row = np.ascontiguousarray(payload, dtype=np.int64).reshape(-1)
         if not self.distributed:
             return row.reshape(1, -1).copy()
-        parts = self._gather(row, what)
+        parts = split_parts(self._round(row, join_parts, what), self.world_size)
         if any(len(p) != row.nbytes for p in parts):
             group = self._group
             assert group is not None
             sizes = {self.global_ranks[r]: f"{len(p) // 8} value(s) at {what}" for r, p in enumerate(parts)}
-            raise self._out_of_step_error(group, sizes, what)
+            raise out_of_step_error(group, sizes, what)
         return np.frombuffer(b"".join(parts), dtype=np.int64).reshape(self.world_size, row.size).copy()
 
     def exchange_bytes(self, payload: bytes, what: str = "the audit") -> list[bytes]:
         """Every rank's byte string, of any length, on every rank."""
         if not self.distributed:
             return [bytes(payload)]
-        return self._gather(payload, what)
+        return split_parts(self._round(payload, join_parts, what), self.world_size)
 
     def share_bytes(self, src: int, payload: bytes | None, what: str = "the audit") -> bytes:
-        """Rank ``src``'s bytes on every rank (the others pass ``None``)."""
+        """Rank ``src``'s bytes on every rank (the others pass ``None``); only those bytes come back."""
         data = payload if self.rank == src else b""
-        return self.exchange_bytes(data or b"", what)[src]
+        if not self.distributed:
+            return bytes(data or b"")
+        return self._round(data or b"", lambda parts: parts[src], what)

@@ -3,17 +3,18 @@
 An audit runs in phases so the healthy case costs one tiny message per rank:
 
 (a) every rank contributes a 64-byte summary (protocol, step, epoch, tensor count, structure digest,
-    overall digest, settings digest, sample slice); all equal means in sync;
-(b) only when the overall digests differ, the per-tensor digests (8 bytes a tensor) are gathered and
-    each tensor's majority value found;
-(c) only when the structures differ, each rank's manifest (names, kinds, shapes, dtypes, digests) is
-    gathered as JSON and compared name by name;
+    overall digest, settings digest, sample slice); the coordinator compares them and answers every rank
+    a fixed-size verdict; all equal means in sync;
+(b) only when the overall digests differ, the per-tensor digests (8 bytes a tensor) go to the
+    coordinator, which finds each tensor's majority value and answers only the differing tensors;
+(c) only when the structures differ, each rank's manifest (names, kinds, shapes, dtypes, digests) goes
+    to the coordinator as JSON, compared name by name there (:mod:`~weightsync_audit.engine.agreement`);
 (d) for at most ``max_diff_tensors`` diverged tensors, the reference rank's copy goes in chunks
     straight to the ranks that differ (the data plane), which measure ``max_abs_diff``; best effort
     (:mod:`~weightsync_audit.engine.remote_gaps`).
 
-Every rank computes every decision from the same gathered data, so all of them take the same path and
-no collective is ever entered by some ranks only.
+Every rank receives every decision computed once from the same gathered data, so all of them take the
+same path and no collective is ever entered by some ranks only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import self_check
 from weightsync_audit.ddp.hints import explain
 from weightsync_audit.ddp.inspect import find_ddp
+from weightsync_audit.engine.agreement import agree, compare_columns, compare_structures
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.consensus import (
     PROTOCOL,
@@ -41,9 +43,6 @@ from weightsync_audit.engine.consensus import (
     SUMMARY_FIELDS,
     StructureDiff,
     ValueDiff,
-    compare_digest_table,
-    compare_manifests,
-    judge_summaries,
 )
 from weightsync_audit.engine.digest import digest_entries, overall_digest, structure_digest
 from weightsync_audit.engine.history import AuditHistory
@@ -204,10 +203,10 @@ class Auditor:
             ],
             dtype=np.int64,
         )
-        table = comm.exchange(summary, "the audit summary")
-        if (table[:, 0] == PROTOCOL_FAILED).any():
+        agreed = agree(comm, summary)
+        if agreed.failed:
             self._raise_failed(comm, failure)
-        verdict = judge_summaries(table)
+        verdict = agreed.verdict
 
         if verdict.status == "out_of_step":
             self._raise_out_of_step(comm, step, epoch, hook, verdict.differing_fields)
@@ -220,16 +219,14 @@ class Auditor:
             # differ by design, so the overall digests say nothing; compare within each peer set.
             value_diffs, peers = compare_sharded(comm, entries, digests)
         elif verdict.status == "values":
-            dtable = comm.exchange(digests, "the per-tensor digests")
-            value_diffs = compare_digest_table([e.uid for e in entries], dtable)
+            value_diffs = compare_columns(comm, [e.uid for e in entries], digests)
         elif verdict.status == "structure":
             rows = [
                 [e.kind, e.name, e.dtype, list(e.shape), int(d)]
                 + ([] if e.shard is None else [e.shard.layout, e.shard.key])
                 for e, d in zip(entries, digests.tolist())
             ]
-            blobs = comm.exchange_bytes(json.dumps(rows).encode(), "the manifests")
-            structure_diffs, value_diffs = compare_manifests([json.loads(b) for b in blobs])
+            structure_diffs, value_diffs = compare_structures(comm, rows)
 
         by_uid = {e.uid: e for e in entries} if value_diffs else {}  # only on divergence: it costs per tensor
         mismatches = [

@@ -1,0 +1,110 @@
+"""The audit channel's link to the job's key-value store, every call bounded in time.
+
+The store is where failure verdicts go when gloo cannot carry them (a timed-out gloo wait closes every
+pair of its context). In a standard launch the store is served from global rank 0's process; when that
+process is stopped (SIGSTOP, a debugger, swapped out), a TCPStore client blocks in *every* call, even
+``wait`` with a timeout and after ``set_timeout`` (measured, torch 2.13: ``check`` and ``wait`` on a
+stopped server never return). So each call here runs in a daemon thread and is abandoned after its
+bound; after one abandoned call the link is dead and later calls fail at once, so no rank ever waits on
+the store past ``timeout_s`` + grace, wherever the store lives.
+
+The link uses its own client connection to a TCPStore when it can find one, so that a call left
+blocked on a stopped server holds only the audit's connection, never the job's.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any, Callable, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["StoreLink", "StoreUnreachable"]
+
+T = TypeVar("T")
+
+
+class StoreUnreachable(Exception):
+    """The store did not answer within the bound (its host is stopped or gone) or raised."""
+
+
+def _own_client(store: Any, timeout_s: float) -> Any:
+    """A fresh client of the TCPStore under ``store``'s prefixes, else ``store`` itself."""
+    base = store
+    while isinstance(base, dist.PrefixStore):
+        base = base.underlying_store
+    if not isinstance(base, dist.TCPStore):
+        return store  # FileStore, HashStore: served in this process or from a file, never by a stopped peer
+    try:
+        return dist.TCPStore(
+            base.host,
+            base.port,
+            is_master=False,
+            timeout=timedelta(seconds=max(timeout_s, 1.0)),
+            wait_for_workers=False,
+        )
+    except Exception:  # noqa: BLE001 - fall back on the job's own connection
+        return store
+
+
+class StoreLink:
+    """Bounded calls into a prefixed view of the job's store.
+
+    >>> link = StoreLink(dist.HashStore(), "demo")
+    >>> link.call(lambda s: s.set("k", "v"), 1.0); link.call(lambda s: s.get("k"), 1.0)
+    b'v'
+    """
+
+    def __init__(self, store: Any, prefix: str, timeout_s: float = 60.0) -> None:
+        self._job_store = store
+        self._prefix = prefix
+        self._timeout_s = timeout_s
+        self.store: Any = None
+        """The prefixed store, made on the first call (inside its bound: connecting may block too)."""
+        self.dead: str | None = None
+
+    def call(self, fn: Callable[[Any], T], bound_s: float) -> T:
+        """``fn(store)`` within ``bound_s`` seconds, else :class:`StoreUnreachable`."""
+        if self.dead:
+            raise StoreUnreachable(self.dead)
+        box: list[Any] = []
+
+        def run() -> None:
+            try:
+                if self.store is None:
+                    self.store = dist.PrefixStore(self._prefix, _own_client(self._job_store, self._timeout_s))
+                box.append((True, fn(self.store)))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+
+        thread = threading.Thread(target=run, name="weightsync-store", daemon=True)
+        thread.start()
+        thread.join(max(bound_s, 0.01))
+        if not box:
+            self.dead = f"the job's store did not answer within {bound_s:.3g}s (its host is stopped or gone)"
+            raise StoreUnreachable(self.dead)
+        ok, value = box[0]
+        if not ok:
+            raise StoreUnreachable(str(value).strip().splitlines()[-1][:200] if str(value).strip() else "store error")
+        return value
+
+    def set(self, key: str, value: str, bound_s: float = 2.0) -> bool:
+        """Best effort: whether the value was written."""
+        try:
+            self.call(lambda s: s.set(key, value), bound_s)
+            return True
+        except StoreUnreachable:
+            return False
+
+    def wait_get(self, key: str, wait_s: float, bound_s: float) -> bytes | None:
+        """The key's value once it exists (waiting up to ``wait_s``), else ``None``; ``bound_s`` overall."""
+
+        def fetch(s: Any) -> bytes:
+            s.wait([key], timedelta(seconds=max(wait_s, 0.001)))
+            return s.get(key)
+
+        try:
+            return self.call(fetch, bound_s)
+        except StoreUnreachable:
+            return None

@@ -1,0 +1,132 @@
+"""Failure verdicts of the audit channel: who was missing or out of step, said alike on every rank.
+
+A failure verdict is a small JSON object, ``{"missing": [global ranks], "what": ...}`` or
+``{"positions": {global rank: where}}``. The coordinator decides it and sends it over gloo; it also
+writes it into the job's store (bounded calls), where a rank whose gloo reply failed reads it. Once a
+rank has raised, its group is marked broken and later exchanges raise at once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from weightsync_audit.channel.groups import AuditGroup
+from weightsync_audit.errors import AuditOutOfStepError, AuditTimeoutError
+
+__all__ = [
+    "GAVE_UP_WAIT_S",
+    "STORE_WAIT_S",
+    "WaitFailure",
+    "Who",
+    "gave_up",
+    "no_answer",
+    "out_of_step_error",
+    "post_verdict",
+    "timeout_error",
+    "verdict_error",
+]
+
+STORE_WAIT_S = 2.0
+"""How long a rank whose gloo reply failed (closed connection) looks for the coordinator's verdict."""
+
+GAVE_UP_WAIT_S = 0.5
+"""How long the coordinator looks for a peer's 'gave up on you' marker after its connection closed."""
+
+_STORE_SLACK_S = 0.5
+"""Beyond its own wait, how long a store call may take before the store counts as unreachable."""
+
+
+class WaitFailure(Exception):
+    """A wait failed: ``timed_out`` (the deadline passed) or the peer closed the connection."""
+
+    def __init__(self, timed_out: bool, why: str) -> None:
+        self.timed_out = timed_out
+        super().__init__(why)
+
+
+class Who:
+    """What a verdict needs to know of the rank that raises it."""
+
+    __slots__ = ("global_ranks", "rank", "timeout_s", "world_size")
+
+    def __init__(self, rank: int, world_size: int, global_ranks: tuple[int, ...], timeout_s: float | None) -> None:
+        self.rank, self.world_size, self.global_ranks, self.timeout_s = rank, world_size, global_ranks, timeout_s
+
+    def limit(self) -> str:
+        return f"within {self.timeout_s:g}s" if self.timeout_s is not None else "before the deadline"
+
+
+def timeout_error(
+    who: Who, group: AuditGroup, missing_global: Sequence[int], what: str, why: str = ""
+) -> AuditTimeoutError:
+    missing_global = sorted(set(missing_global))
+    me = who.global_ranks[who.rank]
+    group.broken = f"rank(s) {missing_global} did not arrive at {what}"
+    group.broken_kind = AuditTimeoutError
+    if not why:
+        why = (
+            "this rank arrived after the others had given up waiting for it"
+            if me in missing_global
+            else "a rank is stuck, dead, or auditing at a different point"
+        )
+    return AuditTimeoutError(
+        f"weightsync audit: rank(s) {missing_global} did not arrive at {what} {who.limit()} "
+        f"(this is rank {me} of {who.world_size}); {why}",
+        missing_global,
+    )
+
+
+def out_of_step_error(group: AuditGroup, positions: dict[int, str], what: str) -> AuditOutOfStepError:
+    group.broken = f"ranks were at different points of the audit protocol at {what}"
+    group.broken_kind = AuditOutOfStepError
+    text = "; ".join(f"rank {r}: {p}" for r, p in sorted(positions.items()))
+    return AuditOutOfStepError(
+        "weightsync audit: ranks are at different points of the audit protocol (one audits while another "
+        f"resyncs, or one audited more often than the others), so nothing was compared: {text}",
+        positions,
+    )
+
+
+def verdict_error(who: Who, group: AuditGroup, verdict: dict[str, Any], what: str) -> Exception:
+    if verdict.get("missing"):
+        return timeout_error(who, group, verdict["missing"], verdict.get("what", what))
+    positions = {int(r): p for r, p in verdict.get("positions", {}).items()}
+    return out_of_step_error(group, positions, what)
+
+
+def post_verdict(group: AuditGroup, seq: int, verdict: dict[str, Any]) -> None:
+    # Best effort: the store may be gone with its host; the gloo reply may still work.
+    group.store.set(f"verdict/{seq}", json.dumps(verdict), _STORE_SLACK_S + 1.5)
+
+
+def read_verdict(group: AuditGroup, seq: int, wait_s: float) -> dict[str, Any] | None:
+    raw = group.store.wait_get(f"verdict/{seq}", wait_s, wait_s + _STORE_SLACK_S)
+    return json.loads(raw) if raw is not None else None
+
+
+def gave_up(group: AuditGroup, seq: int, r: int) -> bool:
+    """Whether group rank ``r`` wrote that it gave up waiting on the coordinator at exchange ``seq``."""
+    # The peer closes its connection just before it writes the marker: allow it a moment.
+    return group.store.wait_get(f"gave_up/{seq}/{r}", GAVE_UP_WAIT_S, GAVE_UP_WAIT_S + _STORE_SLACK_S) is not None
+
+
+def no_answer(who: Who, group: AuditGroup, seq: int, what: str, failure: WaitFailure) -> Exception:
+    """A non-coordinator lost contact with the coordinator: the store may say why, else blame it."""
+    if failure.timed_out:
+        # Say so before anything else: a coordinator that turns up late and finds this rank's
+        # connection closed must learn that it was the late one, not this rank.
+        group.store.set(f"gave_up/{seq}/{who.rank}", "1", _STORE_SLACK_S)
+    # A closed connection means the coordinator decided (its verdict follows within moments) or died;
+    # after a plain timeout a verdict is unlikely, so only look.
+    verdict = read_verdict(group, seq, 0.2 if failure.timed_out else STORE_WAIT_S)
+    if verdict is not None:
+        return verdict_error(who, group, verdict, what)
+    how = "did not answer in time" if failure.timed_out else "closed the connection"
+    return timeout_error(
+        who,
+        group,
+        [who.global_ranks[0]],
+        what,
+        f"the coordinator (rank {who.global_ranks[0]}) {how}; it is stuck, dead, or auditing at a different point",
+    )
