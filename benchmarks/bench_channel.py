@@ -3,15 +3,16 @@
     python benchmarks/bench_channel.py                    # 2, 4, 8, 16 and 32 ranks (about 3 minutes on 2 cores)
     python benchmarks/bench_channel.py --worlds 2 4 --reps 20
 
-For each number of gloo ranks (forked on this machine, each with its own copy of a model of 1,000 tensors
-of 16 floats), between barriers, slowest rank per repetition, median repetition:
+For each number of gloo ranks (forked on this machine), between barriers, slowest rank per repetition,
+median repetition:
 
 - ``all_gather 64 B`` / ``all_reduce 64 B``: bare gloo collectives of one audit summary, on the job's group;
 - ``round``: the channel's healthy round alone (every rank's 64-byte summary to the coordinator, a
   fixed-size verdict back: ``engine.agreement.agree``);
-- ``audit``: ``Auditor(model).audit()`` in sync (manifest, digests, the round);
-- ``diverged``: the same with one of the 1,000 tensors different on the last rank (digest columns
-  compared by the coordinator, the gap measured);
+- ``audit``: ``Auditor(model).audit()`` in sync on a small model (two ``Linear(8, 8)``: 4 tensors), so that
+  the channel, not the hashing of 2 cores shared by up to 32 ranks, is what is measured;
+- ``diverged``: an audit of 1,000 tensors of 16 floats, one of them different on the last rank (digest
+  columns compared by the coordinator, the gap measured);
 - ``all_gather 8 KB``: bare gloo all_gather of one rank's per-tensor digests (the diverged case's bytes).
 
 Bytes are counted by the channel itself (``Comm.sent_bytes``): what rank 0 and the other ranks send per
@@ -40,15 +41,20 @@ from weightsync_audit.engine.agreement import agree
 N_TENSORS = 1000
 
 
-def _model() -> torch.nn.Module:
+def _many() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.ParameterList([torch.nn.Parameter(torch.randn(16)) for _ in range(N_TENSORS)])
 
 
+def _small() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+
 def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    model = _model()
-    auditor = Auditor(model, timeout_s=300)
+    model = _many()
+    auditor = Auditor(_small(), timeout_s=300)
     comm = auditor.comm
     dist.barrier()
     t0 = time.perf_counter()
@@ -74,6 +80,9 @@ def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
     out["cpu"] = time.process_time() - cpu
     out["healthy_sent"] = comm.sent_bytes - sent
 
+    auditor = Auditor(model, timeout_s=300)
+    comm = auditor.comm
+    comm.setup()  # the same audit group as above (one per set of ranks), counted from here
     if rank == world - 1:
         with torch.no_grad():
             model[N_TENSORS // 2].add_(1.0)
@@ -100,7 +109,10 @@ def main() -> None:
     for world in args.worlds:
         reps = args.reps or max(5, 80 // world)
         res = launch(_rank, world, reps, timeout=900)
-        ms = {k: max(r[k] for r in res) * 1e3 for k in ("open", "all_gather", "all_reduce", "all_gather_8k", "round", "audit", "diverged")}
+        ms = {
+            k: max(r[k] for r in res) * 1e3
+            for k in ("open", "all_gather", "all_reduce", "all_gather_8k", "round", "audit", "diverged")
+        }
         sent0, others = res[0]["healthy_sent"], max(r["healthy_sent"] for r in res[1:])
         # Every rank but the coordinator talks only to it: rank 0 receives what the others send.
         through0 = res[0]["diverged_sent"] + sum(r["diverged_sent"] for r in res[1:])
