@@ -78,7 +78,7 @@ def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s:
         # many times this process opened one) names the same attempt on every rank.
         generation = _generations.get(ranks, 0)
         _generations[ranks] = generation + 1
-        store = StoreLink(default_store(), _store_prefix(ranks, generation), deadline_s + grace_s)
+        store = StoreLink(default_store(), _store_prefix(ranks, generation))
         try:
             _meet(store, ranks, my_rank, deadline_s, grace_s)
             # Only the member ranks take part in creating the group (use_local_synchronization), so an

@@ -8,8 +8,9 @@ stopped server never return). So each call here runs in a daemon thread and is a
 bound; after one abandoned call the link is dead and later calls fail at once, so no rank ever waits on
 the store past ``timeout_s`` + grace, wherever the store lives.
 
-The link uses its own client connection to a TCPStore when it can find one, so that a call left
-blocked on a stopped server holds only the audit's connection, never the job's.
+The link uses the job's own client connection: a call left blocked on a stopped server only waits where
+any other call to that server would wait too. (A second client per rank was tried and dropped: 32 ranks
+connecting at once took 5 s on 2 cores.)
 """
 
 from __future__ import annotations
@@ -29,25 +30,6 @@ class StoreUnreachable(Exception):
     """The store did not answer within the bound (its host is stopped or gone) or raised."""
 
 
-def _own_client(store: Any, timeout_s: float) -> Any:
-    """A fresh client of the TCPStore under ``store``'s prefixes, else ``store`` itself."""
-    base = store
-    while isinstance(base, dist.PrefixStore):
-        base = base.underlying_store
-    if not isinstance(base, dist.TCPStore):
-        return store  # FileStore, HashStore: served in this process or from a file, never by a stopped peer
-    try:
-        return dist.TCPStore(
-            base.host,
-            base.port,
-            is_master=False,
-            timeout=timedelta(seconds=max(timeout_s, 1.0)),
-            wait_for_workers=False,
-        )
-    except Exception:  # noqa: BLE001 - fall back on the job's own connection
-        return store
-
-
 class StoreLink:
     """Bounded calls into a prefixed view of the job's store.
 
@@ -56,12 +38,8 @@ class StoreLink:
     b'v'
     """
 
-    def __init__(self, store: Any, prefix: str, timeout_s: float = 60.0) -> None:
-        self._job_store = store
-        self._prefix = prefix
-        self._timeout_s = timeout_s
-        self.store: Any = None
-        """The prefixed store, made on the first call (inside its bound: connecting may block too)."""
+    def __init__(self, store: Any, prefix: str) -> None:
+        self.store = dist.PrefixStore(prefix, store)
         self.dead: str | None = None
 
     def call(self, fn: Callable[[Any], T], bound_s: float) -> T:
@@ -72,8 +50,6 @@ class StoreLink:
 
         def run() -> None:
             try:
-                if self.store is None:
-                    self.store = dist.PrefixStore(self._prefix, _own_client(self._job_store, self._timeout_s))
                 box.append((True, fn(self.store)))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 box.append((False, exc))
