@@ -1,0 +1,64 @@
+"""The channel's rounds: decided once by the coordinator, the same answer on every rank, bytes bounded.
+
+Real forked gloo ranks. Byte counts are the protocol's sizes (deterministic), not timings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from ranks import RankFailed, run_ranks
+
+from weightsync_audit import Auditor, AuditPreparationError
+from weightsync_audit.engine.agreement import compare_columns
+
+
+def _healthy_bytes(rank: int, world: int) -> int:
+    torch.manual_seed(0)
+    auditor = Auditor(torch.nn.Linear(4, 4))
+    assert auditor.audit(step=0).in_sync
+    before = auditor.comm.sent_bytes
+    assert auditor.audit(step=1).in_sync
+    return auditor.comm.sent_bytes - before
+
+
+def test_healthy_audit_sends_a_fixed_size_per_rank_whatever_the_world() -> None:
+    sent = run_ranks(_healthy_bytes, 4)
+    assert sent[0] == 3 * 160  # one 160-byte verdict per peer
+    assert sent[1:] == [208, 208, 208]  # one request frame each
+
+
+def _columns(rank: int, world: int) -> list[Any]:
+    from weightsync_audit.channel.star import Comm
+
+    comm = Comm(timeout_s=30)
+    digests = np.arange(10, dtype=np.int64)
+    if rank in (1, 3):
+        digests[5] = -1
+    if rank == 2:
+        digests[7] = -2
+        digests[5] = -3
+    diffs = compare_columns(comm, [f"t{i}" for i in range(10)], digests)
+    out: list[Any] = [(d.uid, d.reference_ranks, d.ranks) for d in diffs]
+    out.append(comm.share_bytes(2, b"from two" if rank == 2 else None, "the share"))
+    try:
+        comm.decide(b"", lambda parts: (_ for _ in ()).throw(ValueError("bad rule")), "a failing rule")
+    except AuditPreparationError as exc:
+        out.append(str(exc))
+    out.append(comm.decide(str(rank).encode(), lambda parts: b"".join(parts), "after the failure"))
+    return out
+
+
+def test_differing_columns_rule_failures_and_shares_come_back_alike_on_every_rank() -> None:
+    results = run_ranks(_columns, 4)
+    assert not any(isinstance(r, RankFailed) for r in results)
+    first = results[0]
+    # column 5: values {0: 5, 1: -1, 2: -3, 3: -1}: the reference is the biggest group, {1, 3}
+    assert first[0] == ("t5", (1, 3), (0, 2))
+    assert first[1] == ("t7", (0, 1, 3), (2,))
+    assert first[2] == b"from two"
+    assert "could not decide a failing rule" in first[3] and "bad rule" in first[3]
+    assert first[4] == b"0123"  # a rule that raised leaves the channel usable
+    assert all(r == first for r in results)
