@@ -183,6 +183,7 @@ class Comm:
         self.setup()
         group = self._group
         assert group is not None
+        self._who.timeout_s = self.timeout_s  # a caller may lengthen it for one exchange
         with group.lock:
             pending = None
             if group.broken:
