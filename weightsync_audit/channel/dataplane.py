@@ -18,6 +18,7 @@ destroyed mid-run, so that a new group's name (and store keys) can never collide
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from datetime import timedelta
@@ -223,6 +224,11 @@ def forget_data_groups() -> None:
         _retired.clear()
     for group in groups:
         try:
-            dist.destroy_process_group(group.pg)
+            if dist.is_initialized():
+                dist.destroy_process_group(group.pg)
         except Exception:  # noqa: BLE001 - already destroyed with the default group
             pass
+
+
+# Torn down at exit like the audit groups (channel/groups.py), before torch's own teardown runs.
+atexit.register(forget_data_groups)
