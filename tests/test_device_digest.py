@@ -12,6 +12,7 @@ from unittest import mock
 
 import pytest
 import torch
+from dtypes import ALL_DTYPES
 from harness import peak_extra_bytes
 from ranks import run_ranks
 from torch import nn
@@ -112,6 +113,18 @@ def test_step_size_and_staging_size_do_not_change_the_result(words: int, chunk: 
 def test_small_batches_are_split_by_size_without_changing_results() -> None:
     ts = [rand_bytes(n, seed=n) for n in range(1, 300, 7)]
     with mock.patch.object(D, "_DEVICE_BATCH_LIMIT", 100):
+        assert device_digests(ts) == [reference(logical(t)) for t in ts]
+
+
+def test_a_batch_of_every_dtype_and_size_is_one_flatten_per_dtype_and_exact() -> None:
+    ts = []
+    for k, dtype in enumerate(ALL_DTYPES):
+        for n in (0, 1, 3, 8, 17):
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            raw = rand_bytes(n * itemsize, seed=k * 31 + n)
+            ts.append((raw & 1 if dtype == torch.bool else raw).view(dtype))
+    ts.append(torch.tensor([1 + 2j, 3 - 1j]).conj())  # a conjugate view: digested on its own, resolved
+    with mock.patch.object(D, "_DEVICE_PAD_LIMIT", 40):  # several padded batches
         assert device_digests(ts) == [reference(logical(t)) for t in ts]
 
 

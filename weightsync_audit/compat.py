@@ -9,7 +9,7 @@ only costs a hint (DDP's reducer buckets, its logging data) return ``None`` inst
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,9 @@ __all__ = [
     "default_process_group",
     "default_store",
     "is_dtensor",
+    "flatten_tensors",
     "is_timeout_text",
+    "layout_guard",
     "lightning_ddp_factory",
     "lightning_reset_static_graph",
     "peel_wrapper",
@@ -139,6 +141,45 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (by class name first: a failed ``hasattr`` on a plain tensor is slow)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tensors of one dtype, flattened and concatenated in one C++ call (``torch._utils._flatten_dense_tensors``).
+
+    Falls back to a Python loop of ``reshape`` and one ``cat`` where this torch lacks it.
+    """
+    from torch import _utils
+
+    flatten = getattr(_utils, "_flatten_dense_tensors", None)
+    if flatten is not None:
+        return flatten(list(tensors))
+    return torch.cat([t.contiguous().reshape(-1) for t in tensors])
+
+
+def layout_guard(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], bool] | None:
+    """A check, in one C++ loop, that ``tensors`` keep their dtype, device, shape, strides and autograd keys.
+
+    Relies on ``torch._C._dynamo.guards.TensorGuards`` (what ``torch.compile`` guards tensors with);
+    ``None`` when this torch lacks it or it does not accept these tensors: callers then compare the same
+    properties in Python.
+    """
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+
+        guard = TensorGuards(
+            *tensors,
+            dynamic_dims_sizes=[list(t.shape) for t in tensors],
+            dynamic_dims_strides=[list(t.stride()) for t in tensors],
+        )
+        if not guard.check(*tensors):
+            return None
+    except Exception:  # noqa: BLE001 - an optional accelerator of a check that also runs without it
+        return None
+
+    def check(current: Sequence[torch.Tensor]) -> bool:
+        return bool(guard.check(*current))
+
+    return check
 
 
 # -- Lightning strategies ----------------------------------------------------------------------

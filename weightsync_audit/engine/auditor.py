@@ -44,11 +44,12 @@ from weightsync_audit.engine.consensus import (
     StructureDiff,
     ValueDiff,
 )
-from weightsync_audit.engine.digest import digest_entries, overall_digest, structure_digest
+from weightsync_audit.engine.digest import overall_digest
 from weightsync_audit.engine.history import AuditHistory
 from weightsync_audit.engine.manifest import Entry, Manifest, as_optimizers, build_manifest
+from weightsync_audit.engine.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.remote_gaps import measure_gaps
-from weightsync_audit.engine.sharded import compare_sharded, compared_counts, has_shards, shard_names, sharded_notes
+from weightsync_audit.engine.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
@@ -121,6 +122,7 @@ class Auditor:
         """The settings, validated once; callbacks build one :class:`AuditConfig` and pass it whole."""
         self.history = AuditHistory()
         self._comm: Comm | None = None
+        self._manifests = ManifestCache()
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -139,16 +141,25 @@ class Auditor:
         """Talk over ``other``'s audit channel (auditors that run in turn at the same points share one)."""
         self._comm = other.comm
 
-    def _manifest(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> Manifest:
+    def _skip_buffers_reason(self, module: nn.Module | None) -> str | None:
         broadcast = self.config.ddp_broadcast_buffers
         if broadcast is None:
             ddp = find_ddp(module) if module is not None else None
             broadcast = ddp is not None and getattr(ddp, "broadcast_buffers", False)
-        skip = None
         if broadcast and not self.config.compare_broadcast_buffers:
-            skip = (
+            return (
                 "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
             )
+        return None
+
+    def _prepare(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> PreparedManifest:
+        """This audit's manifest: built once and reused while the audited structure holds (see manifest_cache)."""
+        cfg = self.config
+        key = (cfg.include, cfg.exclude, self._skip_buffers_reason(module), self.comm.global_ranks)
+        return self._manifests.prepare(module, optimizers, key=key, build=lambda: self._manifest(module, optimizers))
+
+    def _manifest(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> Manifest:
+        skip = self._skip_buffers_reason(module)
         return build_manifest(
             module,
             optimizers,
@@ -181,21 +192,20 @@ class Auditor:
         failure: BaseException | None = None
         try:
             with _gc_paused():
-                manifest = self._manifest(module, optimizers)
-                entries = manifest.entries
-                digests = digest_entries(entries, slice_index=slice_index, slices=cfg.slices, method=cfg.method)
-                structure = structure_digest(entries)
+                prepared = self._prepare(module, optimizers)
+                digests = prepared.digests(slice_index=slice_index, slices=cfg.slices, method=cfg.method)
+                structure = prepared.structure
                 overall = overall_digest(digests, structure)
         except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
             failure = exc
-            manifest, entries, digests, structure, overall = Manifest(), [], np.zeros(0, np.int64), 0, 0
+            prepared, digests, structure, overall = PreparedManifest.uncached(Manifest()), np.zeros(0, np.int64), 0, 0
         position = f"hook={hook} {cfg.fingerprint()}"
         summary = np.array(
             [
                 PROTOCOL if failure is None else PROTOCOL_FAILED,
                 -1 if step is None else int(step),
                 -1 if epoch is None else int(epoch),
-                len(entries),
+                prepared.size,
                 structure,
                 overall,
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
@@ -214,7 +224,10 @@ class Auditor:
         value_diffs: list[ValueDiff] = []
         structure_diffs: list[StructureDiff] = []
         peers = None
-        if verdict.status != "structure" and has_shards(entries):
+        # The entries themselves are needed only off the healthy path (or for DTensors, never cached).
+        diverged = verdict.status in ("values", "structure")
+        entries = prepared.manifest.entries if diverged or prepared.sharded else []
+        if verdict.status != "structure" and prepared.sharded:
             # Equal structures hold the same DTensors everywhere: every rank takes this step. Shards
             # differ by design, so the overall digests say nothing; compare within each peer set.
             value_diffs, peers = compare_sharded(comm, entries, digests)
@@ -261,9 +274,9 @@ class Auditor:
                 m.reference_ranks = [comm.global_ranks[r] for r in m.reference_ranks]
 
         hints: list[str] = []
-        checked, unpaired = compared_counts(entries, peers)
-        notes = list(manifest.notes) + sharded_notes(
-            checked, unpaired, sum(e.kind == "param" for e in entries), "params" in cfg.include
+        checked, unpaired = compared_counts(entries, peers) if peers is not None else (prepared.counts(), 0)
+        notes = list(prepared.notes) + sharded_notes(
+            checked, unpaired, prepared.counts()["param"], "params" in cfg.include
         )
         if mismatches:
             hints = explain(

@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from weightsync_audit.compat import flatten_tensors
 from weightsync_audit.engine.hostbytes import CHUNK, contiguous_blocks
 from weightsync_audit.engine.sampling import sample_pieces
 
@@ -29,6 +30,8 @@ _DEVICE_BATCH_BYTES = 1 << 20
 """Accelerator tensors up to this size are digested together, in one batch of kernels, not one by one."""
 _DEVICE_BATCH_LIMIT = 64 << 20
 """Bytes per batch of small accelerator tensors (bounds the batch's scratch space)."""
+_DEVICE_PAD_LIMIT = 4 << 20
+"""Bytes per batch of small tensors whose sizes are not whole words (their scatter index is 8x that)."""
 
 
 def _as_signed(x: int) -> int:
@@ -177,6 +180,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A tensor's logical bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if t.is_conj() or t.is_neg():  # a lazy view: its logical values are the resolved ones (as on the host)
+        t = t.resolve_conj().resolve_neg()
     flat = t.contiguous().reshape(-1)
     if flat.stride(0) != 1:  # one element with an odd stride counts as contiguous, but cannot change dtype
         flat = flat.as_strided((1,), (1,))
@@ -191,31 +196,61 @@ def _device_stream(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     return stream.finish()
 
 
+def _flat_bytes(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """The logical bytes of ``tensors`` end to end, one flatten (a single C++ call) per dtype, and their order.
+
+    Tensors of one dtype are flattened together by :func:`~weightsync_audit.compat.flatten_tensors`
+    (contiguous, reshape and concatenate in one call): a batch costs one launch per dtype group, not one per tensor.
+    """
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    order: list[int] = []
+    parts: list[torch.Tensor] = []
+    for idx in by_dtype.values():
+        order.extend(idx)
+        flat = flatten_tensors([tensors[i] for i in idx])
+        if flat.numel():
+            flat = flat.reshape(-1)
+            if flat.stride(0) != 1:  # one element with an odd stride counts as contiguous, but cannot change dtype
+                flat = flat.as_strided((1,), (1,))
+            parts.append(flat.view(torch.uint8))
+    if not parts:
+        return torch.empty(0, dtype=torch.uint8, device=tensors[0].device), order
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if not _aligned(out):
+        out = out.clone()
+    return out, order
+
+
 def _device_batch(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Digests of many small tensors on one device with a fixed number of kernels, not a few per tensor.
 
     Each tensor's bytes are zero-padded to whole words and laid end to end; positions restart at every
-    tensor and each tensor's word sum is a difference of one prefix sum (exact integer arithmetic).
+    tensor and each tensor's word sum is a difference of one prefix sum (exact integer arithmetic). The
+    bytes are gathered by one flatten per dtype; when some sizes are not whole words, one scatter moves
+    them to their padded places.
     """
     device = tensors[0].device
-    pad = torch.zeros(8, dtype=torch.uint8, device=device)
-    parts: list[torch.Tensor] = []
-    words: list[int] = []
-    sizes: list[int] = []
-    for t in tensors:
-        u8 = _as_bytes(t)
-        n = u8.numel()
-        parts.append(u8)
-        if n % 8:
-            parts.append(pad[: 8 - n % 8])
-        words.append((n + 7) // 8)
-        sizes.append(n)
+    flat, order = _flat_bytes(tensors)
+    sizes = [tensors[i].nbytes for i in order]
+    words = [(n + 7) // 8 for n in sizes]
     total = sum(words)
     counts = torch.tensor(words, dtype=torch.int64, device=device)
     ends = counts.cumsum(0)
     starts = ends - counts
     if total:
-        w = torch.cat(parts).view(torch.int64)
+        if total * 8 == flat.numel():
+            w = flat.view(torch.int64)
+        else:  # pad each tensor to whole words: move byte k of tensor i by its padding so far
+            nbytes = torch.tensor(sizes, dtype=torch.int64, device=device)
+            shift = starts * 8 - (nbytes.cumsum(0) - nbytes)
+            dest = torch.arange(flat.numel(), dtype=torch.int64, device=device)
+            dest += torch.repeat_interleave(shift, nbytes, output_size=flat.numel())
+            padded = torch.zeros(total * 8, dtype=torch.uint8, device=device)
+            padded[dest] = flat
+            del dest
+            w = padded.view(torch.int64)
         x = torch.arange(total, dtype=torch.int64, device=device)
         x.sub_(torch.repeat_interleave(starts, counts, output_size=total))
         x.mul_(_GOLD).add_(w)
@@ -225,7 +260,10 @@ def _device_batch(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         acc = prefix[ends] - prefix[starts]
     else:
         acc = torch.zeros(len(tensors), dtype=torch.int64, device=device)
-    return _mix64(acc ^ _mix64(torch.tensor(sizes, dtype=torch.int64, device=device)))
+    digests = _mix64(acc ^ _mix64(torch.tensor(sizes, dtype=torch.int64, device=device)))
+    out = torch.empty_like(digests)
+    out[torch.tensor(order, dtype=torch.int64, device=device)] = digests
+    return out
 
 
 def digest_streams(items: Sequence[Sequence[torch.Tensor]]) -> list[int]:
@@ -237,24 +275,30 @@ def digest_streams(items: Sequence[Sequence[torch.Tensor]]) -> list[int]:
     for i, pieces in enumerate(items):
         by_device.setdefault(pieces[0].device, []).append(i)
     for idx in by_device.values():
-        # Small single-piece tensors go in batches of at most _DEVICE_BATCH_LIMIT bytes; the rest stream.
-        batches: list[list[int]] = [[]]
-        batch_bytes = 0
+        # Small single-piece tensors go in batches of at most _DEVICE_BATCH_LIMIT bytes (sizes of whole
+        # words) or _DEVICE_PAD_LIMIT bytes (others: their padding scatter needs 8 bytes of index a byte).
+        batches: dict[bool, list[list[int]]] = {True: [[]], False: [[]]}
+        batch_bytes = {True: 0, False: 0}
         streamed: list[int] = []
         for i in idx:
             pieces = items[i]
             size = sum(p.nbytes for p in pieces)
-            if len(pieces) == 1 and size <= _DEVICE_BATCH_BYTES:
-                if batch_bytes + size > _DEVICE_BATCH_LIMIT and batches[-1]:
-                    batches.append([])
-                    batch_bytes = 0
-                batches[-1].append(i)
-                batch_bytes += size
+            if len(pieces) == 1 and size <= _DEVICE_BATCH_BYTES and not (pieces[0].is_conj() or pieces[0].is_neg()):
+                whole = size % 8 == 0
+                if (
+                    batch_bytes[whole] + size > (_DEVICE_BATCH_LIMIT if whole else _DEVICE_PAD_LIMIT)
+                    and batches[whole][-1]
+                ):
+                    batches[whole].append([])
+                    batch_bytes[whole] = 0
+                batches[whole][-1].append(i)
+                batch_bytes[whole] += size
             else:
                 streamed.append(i)
-        results = [_device_batch([items[i][0] for i in b]) for b in batches if b]
+        batched = [b for b in (*batches[True], *batches[False]) if b]
+        results = [_device_batch([items[i][0] for i in b]) for b in batched]
         results += [_device_stream(items[i]).reshape(1) for i in streamed]
-        order = [i for b in batches for i in b] + streamed
+        order = [i for b in batched for i in b] + streamed
         values = torch.cat(results).cpu().tolist()  # the one device-to-host transfer
         for i, v in zip(order, values):
             out[i] = v

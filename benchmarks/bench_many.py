@@ -1,0 +1,141 @@
+"""Cost per audited entry for models of many small tensors, with and without Adam's state.
+
+    python benchmarks/bench_many.py                       # 1,000 / 20,000 / 100,000 entries, one process
+    python benchmarks/bench_many.py --entries 20000 --worlds 1,2
+
+Each model is a stack of ``Linear(16, 16)`` (a 1 KiB weight and a 64-byte bias). "+ Adam" means one
+Adam step has run, so every parameter also has ``exp_avg``, ``exp_avg_sq`` and ``step`` and the param
+group's hyper-parameters are audited: 4 entries per parameter plus the group's. The number of layers is
+chosen so that the audited entries come to about the asked-for count (20,011 for 2,500 layers + Adam).
+
+In the same run, on the same ranks, between barriers (the slowest rank counts, median of the repetitions):
+
+- ``audit``: ``Auditor(model, opt).audit()`` on a warmed-up auditor (the steady state of a training run);
+- ``first audit``: a new ``Auditor`` per call (what one ``audit()`` call, or any structure change, costs);
+- ``seed``: the seed's sha256 check (``benchmarks/baselines.py``) over the parameters alone;
+- on one rank, also the CPU time of both (``time.thread_time``): on a machine shared with other work,
+  wall time swings with the load, CPU time much less.
+
+The floor of issue 16: with 20,011 entries (2,500 layers + Adam), ``audit`` no slower than ``seed``
+over the 5,000 parameters, and under 1.5 us per entry from 20,000 entries on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+from baselines import seed_check
+from harness import launch, machine, median, own_copy, table, timed
+from torch import nn
+
+from weightsync_audit import Auditor
+
+_CASE: tuple[nn.Module, torch.optim.Optimizer | None] | None = None  # built in the parent, inherited by ranks
+
+
+def build(entries: int, adam: bool) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Layers of ``Linear(16, 16)`` making about ``entries`` audited entries; with one Adam step if asked."""
+    layers = max(1, entries // (8 if adam else 2))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(layers)))
+    if not adam:
+        return model, None
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    return model, opt
+
+
+def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
+    assert _CASE is not None
+    model, opt = _CASE
+    if world > 1:
+        own_copy(model)  # each rank reads its own memory (the optimizer state stays shared copy-on-write)
+    auditor = Auditor(model, opt)
+    result = auditor.audit()
+    assert result.in_sync
+    entries = sum(result.checked.values())
+    out: dict[str, Any] = {"entries": entries, "params": len(list(model.parameters()))}
+    out["audit"] = median(timed(lambda: auditor.audit(), reps))
+    out["first"] = median(timed(lambda: Auditor(model, opt).audit(), max(3, reps // 2)))
+    out["seed"] = median(timed(lambda: seed_check(model), reps))
+    if world == 1:  # CPU time of this thread: steadier than wall time on a machine shared with other work
+        out["audit_cpu"] = median(cpu_timed(lambda: auditor.audit(), reps))
+        out["seed_cpu"] = median(cpu_timed(lambda: seed_check(model), reps))
+    return out
+
+
+def cpu_timed(fn: Any, reps: int) -> list[float]:
+    """This thread's CPU seconds per call of ``fn`` (one process only: no barrier, no other rank)."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.thread_time()
+        fn()
+        out.append(time.thread_time() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    global _CASE
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--entries", default="1000,20000,100000")
+    p.add_argument("--optimizer", default="none,adam", help="comma-separated: none, adam")
+    p.add_argument("--worlds", default="1")
+    p.add_argument("--reps", type=int, default=9)
+    p.add_argument("--json", type=Path, help="write the raw figures here")
+    args = p.parse_args(argv)
+    print(f"# {machine()}", flush=True)
+    rows = []
+    for n in [int(x) for x in args.entries.split(",")]:
+        for opt_name in args.optimizer.split(","):
+            t0 = time.perf_counter()
+            _CASE = build(n, opt_name == "adam")
+            built = time.perf_counter() - t0
+            for world in [int(w) for w in args.worlds.split(",")]:
+                r = launch(_rank, world, args.reps)[0] if world > 1 else _rank(0, 1, args.reps)
+                r.update(world=world, optimizer=opt_name, built_s=built)
+                rows.append(r)
+                print(
+                    f"  {r['entries']} entries ({opt_name}), {world} rank(s): audit {r['audit'] * 1e3:.2f} ms, "
+                    f"first audit {r['first'] * 1e3:.1f} ms, seed {r['seed'] * 1e3:.2f} ms",
+                    flush=True,
+                )
+            _CASE = None
+    headers = ["entries", "state", "ranks", "params", "audit ms", "per entry", "first audit ms", "per entry (first)"]
+    headers += ["seed ms (params only)", "seed/audit", "CPU ms: audit / seed"]
+    body = [
+        [
+            f"{r['entries']:,}",
+            "Adam" if r["optimizer"] == "adam" else "none",
+            str(r["world"]),
+            f"{r['params']:,}",
+            f"{r['audit'] * 1e3:.2f}",
+            f"{r['audit'] / r['entries'] * 1e6:.2f} us",
+            f"{r['first'] * 1e3:.1f}",
+            f"{r['first'] / r['entries'] * 1e6:.2f} us",
+            f"{r['seed'] * 1e3:.2f}",
+            f"{r['seed'] / r['audit']:.2f}x",
+            f"{r['audit_cpu'] * 1e3:.2f} / {r['seed_cpu'] * 1e3:.2f}" if "audit_cpu" in r else "",
+        ]
+        for r in rows
+    ]
+    print()
+    print(table(headers, body))
+    if args.json:
+        args.json.write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,325 @@
+"""A cached manifest is never stale: after any structure change the next audit sees exactly what a fresh
+build sees (names, kinds, dtypes, shapes, digests), values are re-read at every audit, and the cache keeps
+no tensor alive."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import torch
+from dtypes import ALL_DTYPES
+from ranks import run_ranks
+from torch import nn
+
+from weightsync_audit import Auditor
+from weightsync_audit.engine.digest import digest_entries, structure_digest
+from weightsync_audit.engine.manifest import build_manifest
+from weightsync_audit.engine import manifest_cache
+from weightsync_audit.engine.manifest_cache import ManifestCache
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4))
+        self.big = nn.Parameter(torch.randn(130, 130))  # over 64 KiB: hashed through the general path
+        self.register_buffer("strided", torch.arange(24.0).reshape(4, 6).t())  # non-contiguous
+        self.register_buffer("empty", torch.zeros(0))
+        for i, dtype in enumerate(ALL_DTYPES):
+            self.register_buffer(f"d{i}", torch.ones(3, 5, dtype=dtype))
+
+
+def adam_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.full_like(p, 0.01)
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+
+
+class Oracle:
+    """Runs the cache as the auditor does and compares every answer with a fresh build."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer | None, **build_kw: Any) -> None:
+        self.model, self.opt, self.build_kw = model, opt, build_kw
+        self.cache = ManifestCache()
+
+    def check(self, **kw: Any) -> np.ndarray:
+        opts = [self.opt] if self.opt is not None else []
+
+        def build():
+            return build_manifest(self.model, opts, **self.build_kw)
+
+        prepared = self.cache.prepare(self.model, opts, key=(), build=build)
+        fresh = build()
+        assert prepared.structure == structure_digest(fresh.entries)
+        assert prepared.size == len(fresh.entries)
+        assert prepared.counts() == fresh.counts()
+        got = prepared.digests(**kw)
+        assert np.array_equal(got, digest_entries(fresh.entries, **kw))
+        return got
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"method": "xxh3"},
+        {"method": "device"},
+        {"slices": 4, "slice_index": 0},
+        {"slices": 4, "slice_index": 3},
+        {"slices": 4, "slice_index": 1, "method": "device"},
+    ],
+)
+def test_cached_digests_equal_a_fresh_builds_for_every_dtype_method_and_slice(kw: dict) -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    oracle = Oracle(model, opt)
+    for _ in range(3):
+        oracle.check(**kw)
+    adam_step(model, opt)
+    for _ in range(3):
+        oracle.check(**kw)
+    assert oracle.cache.builds == 3  # used once (not kept), kept at the second build, rebuilt after the step
+
+
+def _swap_param(m: Net, o: Any) -> None:
+    m.a.weight = nn.Parameter(m.a.weight.detach().clone() + 1)
+
+
+def _new_storage(m: Net, o: Any) -> None:
+    m.a.weight.data = m.a.weight.data.clone()
+
+
+def _transpose_in_place(m: Net, o: Any) -> None:
+    m.a.weight.data = m.a.weight.data.t()  # same address, same shape, other logical order
+
+
+def _reshape_same_bytes(m: Net, o: Any) -> None:
+    m.a.weight.data = m.a.weight.data.view(4, 16)  # same address, same bytes, another shape
+
+
+def _half(m: Net, o: Any) -> None:
+    m.b.half()
+
+
+def _requires_grad(m: Net, o: Any) -> None:
+    m.a.bias.requires_grad_(False)
+
+
+def _reassign_buffer(m: Net, o: Any) -> None:
+    m.b[1].running_mean = torch.full((4,), 3.0)
+
+
+def _add_layer(m: Net, o: Any) -> None:
+    m.c = nn.Linear(2, 2)
+
+
+def _tie(m: Net, o: Any) -> None:
+    m.b[1].weight = m.b[1].bias
+
+
+def _lr(m: Net, o: torch.optim.Optimizer) -> None:
+    o.param_groups[0]["lr"] = 0.5
+
+
+def _betas(m: Net, o: torch.optim.Optimizer) -> None:
+    o.param_groups[0]["betas"] = (0.8, 0.9)
+
+
+def _lr_tensor(m: Net, o: torch.optim.Optimizer) -> None:
+    o.param_groups[0]["lr"] = torch.tensor(0.25)
+
+
+def _step_value(m: Net, o: torch.optim.Optimizer) -> None:
+    adam_step(m, o)  # values change in place, Adam's 0-d ``step`` included
+
+
+def _load_state(m: Net, o: torch.optim.Optimizer) -> None:
+    o.load_state_dict(copy.deepcopy(o.state_dict()))  # new state tensors, equal values
+
+
+def _python_state(m: Net, o: torch.optim.Optimizer) -> None:
+    o.state[m.a.weight]["count"] = 7
+
+
+def _python_state_value(m: Net, o: torch.optim.Optimizer) -> None:
+    o.state[m.a.bias]["count"] += 1  # set up as 7 before the first audit
+
+
+def _drop_state(m: Net, o: torch.optim.Optimizer) -> None:
+    del o.state[m.a.weight]
+
+
+def _replace_state_tensor(m: Net, o: torch.optim.Optimizer) -> None:
+    st = o.state[m.a.weight]
+    st["exp_avg"] = st["exp_avg"].clone() + 1
+
+
+def _add_group(m: Net, o: torch.optim.Optimizer) -> None:
+    extra = nn.Parameter(torch.ones(3))
+    m.extra = extra
+    o.add_param_group({"params": [extra], "lr": 0.1})
+
+
+def _flip_bit(m: Net, o: Any) -> None:
+    m.a.bias.data.view(torch.int32)[2] ^= 1 << 7
+
+
+CHANGES: dict[str, Callable[[Net, Any], None]] = {
+    "swap a parameter": _swap_param,
+    "give a parameter new storage": _new_storage,
+    "transpose a parameter in place": _transpose_in_place,
+    "reshape a parameter over the same bytes": _reshape_same_bytes,
+    "model.half() on a submodule": _half,
+    "change requires_grad": _requires_grad,
+    "re-assign a buffer": _reassign_buffer,
+    "add a layer": _add_layer,
+    "tie two parameters": _tie,
+    "change a param group's lr": _lr,
+    "change a param group's betas": _betas,
+    "make lr a tensor": _lr_tensor,
+    "take an optimizer step": _step_value,
+    "load the optimizer's state dict": _load_state,
+    "add a Python value to a parameter's state": _python_state,
+    "change a Python value in the state": _python_state_value,
+    "drop a parameter's state": _drop_state,
+    "replace a state tensor": _replace_state_tensor,
+    "add a param group": _add_group,
+    "flip one bit of a parameter": _flip_bit,
+}
+
+
+@pytest.mark.parametrize("guard", ["C++ layout guard", "Python layout check"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_the_next_audit_sees_every_change(change: str, guard: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if guard == "Python layout check":  # what runs where torch lacks the compiler's tensor guards
+        monkeypatch.setattr(manifest_cache, "layout_guard", lambda tensors: None)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)  # the first step creates exp_avg, exp_avg_sq and step: a structure change
+    opt.state[model.a.bias]["count"] = 7
+    oracle = Oracle(model, opt)
+    before = oracle.check()
+    oracle.check()
+    builds = oracle.cache.builds
+    CHANGES[change](model, opt)
+    after = oracle.check()  # equal to a fresh build's names, kinds, dtypes, shapes and digests
+    oracle.check()
+    if change in VALUES_ONLY:
+        assert oracle.cache.builds == builds, "a change of values only must not rebuild the manifest"
+        assert not np.array_equal(before, after)
+    elif change not in ("change requires_grad",):
+        assert oracle.cache.builds > builds
+
+
+#: Changes of values only: re-read from the cached structure, no rebuild.
+VALUES_ONLY = {
+    "change a param group's lr",
+    "change a param group's betas",
+    "take an optimizer step",
+    "change a Python value in the state",
+    "flip one bit of a parameter",
+}
+
+
+@pytest.mark.parametrize(
+    "build_kw",
+    [{"exclude": ("b.*", "*.exp_avg_sq")}, {"include": ("params",)}, {"include": ("optimizer",)}],
+    ids=["exclude", "params only", "optimizer only"],
+)
+def test_a_partial_manifest_is_cached_exactly(build_kw: dict) -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    oracle = Oracle(model, opt, **build_kw)
+    for change in (_step_value, _flip_bit, _half):
+        oracle.check()
+        oracle.check()
+        change(model, opt)
+        oracle.check()
+    assert oracle.cache.builds == 3  # first use, kept, after half()
+
+
+def test_values_are_re_read_without_a_rebuild() -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    auditor = Auditor(model, opt)
+    auditor.audit()
+    auditor.audit()
+    builds = auditor._manifests.builds
+    for lr in (0.1, 0.2):
+        opt.param_groups[0]["lr"] = lr
+        adam_step(model, opt)
+        with torch.no_grad():
+            model.a.weight.add_(1)
+        assert auditor.audit().in_sync
+    assert auditor._manifests.builds == builds
+
+
+def test_the_cache_keeps_no_replaced_tensor_alive() -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    auditor = Auditor(model, opt)
+    auditor.audit()
+    auditor.audit()
+    old_state = weakref.ref(opt.state[model.a.weight]["exp_avg"])
+    old_weight = model.a.weight.data
+    old_storage = weakref.ref(old_weight)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    model.a.weight.data = model.a.weight.data.clone()
+    del old_weight
+    gc.collect()
+    assert old_state() is None and old_storage() is None  # before any further audit
+
+
+def _diverge_after_cached_audits(rank: int, world: int, how: str) -> list[dict]:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(50)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    auditor = Auditor(model, opt)
+    results = [auditor.audit(step=0).to_dict()]
+    results.append(auditor.audit(step=1).to_dict())
+    if rank == 1:
+        if how == "value":
+            with torch.no_grad():
+                model[7].bias[1] += 1e-3
+        elif how == "state":
+            opt.state[model[3].weight]["exp_avg"][0, 0] += 1
+        elif how == "dtype":
+            model[5].half()
+        elif how == "lr":
+            opt.param_groups[0]["lr"] = 0.5
+    results.append(auditor.audit(step=2).to_dict())
+    return results
+
+
+@pytest.mark.parametrize(
+    "how, name, kind",
+    [
+        ("value", "7.bias", "param"),
+        ("state", "3.weight.exp_avg", "optimizer"),
+        ("dtype", "5.weight", "structure"),
+        ("lr", "param_groups.0.lr", "optimizer"),
+    ],
+)
+def test_two_ranks_find_a_divergence_after_cached_audits(how: str, name: str, kind: str) -> None:
+    results = run_ranks(_diverge_after_cached_audits, 2, how)
+    for per_rank in results:
+        assert per_rank[0]["in_sync"] and per_rank[1]["in_sync"]
+        last = per_rank[2]
+        assert not last["in_sync"]
+        found = {(m["name"], m["kind"]) for m in last["mismatches"]}
+        assert (name, kind) in found, found
+        assert all(m["ranks"] == [1] for m in last["mismatches"])

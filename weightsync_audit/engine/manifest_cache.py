@@ -1,0 +1,457 @@
+"""A manifest built once and reused while the audited structure holds: :class:`ManifestCache`.
+
+Building a manifest costs a few microseconds per entry (names, one ``Entry`` per tensor); a model with
+Adam's state has four entries per parameter, so on models of many small tensors the build, not the
+hashing, was the cost of an audit. The cache keeps what a build found as flat lists (no ``Entry``
+objects, no strong reference to any tensor, module or optimizer) and, at each audit, checks that the
+structure still holds, with C-level passes over what the module and optimizers hold *now*:
+
+- the module tree: the same module objects, and in each one the same keys and the same objects in
+  ``_modules``, ``_parameters`` and ``_buffers`` (a swapped parameter, a re-assigned buffer, an added or
+  replaced layer all change this);
+- each optimizer: the same ``state`` mapping, the same state dicts with the same keys and objects (the
+  first step that creates ``exp_avg`` changes it; so does ``load_state_dict``), the same param groups
+  with the same keys and parameters;
+- every audited tensor: the same dtype and byte size, and for those hashed in place the same data
+  pointer and contiguity (``model.half()``, ``.to()`` and ``p.data = ...`` all change these). Tensors
+  hashed through the general path (large or non-contiguous ones) have their full shape checked.
+
+Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses),
+means a rebuild with :func:`~weightsync_audit.engine.manifest.build_manifest`: never a stale manifest.
+Values are never cached: tensors are hashed where they live at every audit, and Python values
+(learning rates, betas, integer steps) are re-read from their dicts at every audit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from weightsync_audit.compat import layout_guard
+from weightsync_audit.engine.digest import structure_digest
+from weightsync_audit.engine.digest_plan import DigestPlan
+from weightsync_audit.engine.manifest import KINDS, Manifest, dtype_name, unwrap_module, value_as_tensor
+from weightsync_audit.engine.sharded import has_shards
+
+__all__ = ["ManifestCache", "PreparedManifest"]
+
+_chain = itertools.chain.from_iterable
+_MODULES = operator.attrgetter("_modules")
+_PARAMETERS = operator.attrgetter("_parameters")
+_BUFFERS = operator.attrgetter("_buffers")
+_PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN_SET = frozenset(_PLAIN)
+_T = torch.Tensor
+# The tensor's C getters: map() over them runs without a Python frame per tensor.
+_DTYPE = _T.dtype.__get__  # type: ignore[attr-defined]
+_NBYTES = _T.nbytes.__get__  # type: ignore[attr-defined]
+_SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
+_IS_CPU = _T.is_cpu.__get__  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class PreparedManifest:
+    """What one audit needs from its manifest: sizes, the structure digest, the value digests.
+
+    The full :class:`Manifest` (one ``Entry`` per value) is built only when asked for, which the
+    auditor does only on divergence. It holds this audit's tensors; drop it when the audit is over.
+    """
+
+    size: int
+    structure: int
+    notes: list[str]
+    kind_counts: dict[str, int]
+    plan: DigestPlan
+    build: Callable[[], Manifest]
+    built: Manifest | None = None
+    sources: Sequence[torch.Tensor] = ()
+    slow_mask: Sequence[bool] = ()
+    dynamic: Sequence[torch.Tensor] = ()
+    sharded: bool = False
+    """Whether any entry is a DTensor (such manifests are never cached, so only an uncached one is)."""
+
+    @property
+    def manifest(self) -> Manifest:
+        if self.built is None:
+            self.built = self.build()
+        return self.built
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.kind_counts)
+
+    def digests(self, *, slice_index: int = 0, slices: int = 1, method: str = "auto") -> np.ndarray:
+        """Every entry's value digest, in manifest order (the same as ``digest_entries`` gives)."""
+        if method == "device":
+            everything = [s.detach() for s in self.sources]
+            slow: list[torch.Tensor] = []
+        else:
+            everything = None
+            slow = (
+                [s.detach() for s in itertools.compress(self.sources, self.slow_mask)]
+                if len(self.plan.slow_index)
+                else []
+            )
+        return self.plan.digests(
+            slow=slow,
+            dynamic=self.dynamic,
+            everything=everything,
+            slice_index=slice_index,
+            slices=slices,
+            method=method,
+        )
+
+    @classmethod
+    def uncached(cls, manifest: Manifest) -> PreparedManifest:
+        """A prepared manifest around one that was just built (used once, cached nowhere)."""
+        entries = manifest.entries
+        return cls(
+            size=len(entries),
+            structure=structure_digest(entries),
+            notes=list(manifest.notes),
+            kind_counts=manifest.counts(),
+            plan=DigestPlan.of_entries(entries),
+            build=lambda: manifest,
+            built=manifest,
+            dynamic=[e.tensor for e in entries],
+            sharded=has_shards(entries),
+        )
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    """The structure one build found, as flat lists of ints and strings (no strong references)."""
+
+    key: Hashable
+    root: Callable[[], Any]
+    user: Callable[[], Any]
+    modules: list[weakref.ref]
+    module_fingerprint: list[Any]
+    optimizers: list[weakref.ref]
+    optimizer_lists: list[list[Any]]
+    # For each source, its index in the chain of every module's _parameters (_buffers) values, or of every
+    # optimizer's state values; None when that chain, in order, is exactly the sources.
+    param_pos: list[int] | None
+    buffer_pos: list[int] | None
+    state_pos: list[int] | None
+    guard: Callable[[Sequence[torch.Tensor]], bool] | None  # dtypes, devices, shapes, strides in one C++ pass
+    layouts: list[Any]  # without the guard: each tensor's (dtype, shape, stride), compared in Python
+    fast_ptrs: list[int]
+    slow_mask: list[bool]
+    all_fast: bool
+    groups: list[tuple[int, int, Any, str, tuple[int, ...]]]  # re-read: (optimizer, group, key, label, shape)
+    state_values: list[tuple[int, int, Any, str, tuple[int, ...]]]  # (optimizer, state dict, key, ...)
+    size: int
+    structure: int
+    notes: list[str]
+    kind_counts: dict[str, int]
+    plan: DigestPlan
+
+
+def _walk(mods: Sequence[nn.Module]) -> tuple[list[Any], list[Any], list[Any]]:
+    """The module tree's fingerprint (dict sizes, keys, value ids), and its parameter and buffer values.
+
+    Only non-empty dicts are iterated: a model of many small layers has mostly empty ``_modules`` and
+    ``_buffers``, and what costs here is touching each dict.
+    """
+    dicts = [list(map(_MODULES, mods)), list(map(_PARAMETERS, mods)), list(map(_BUFFERS, mods))]
+    full = [list(filter(None, d)) for d in dicts]
+    children, params, buffers = (list(_chain(map(dict.values, f))) for f in full)
+    fingerprint = [
+        *(list(map(len, d)) for d in dicts),
+        *(list(_chain(f)) for f in full),
+        list(map(id, children)),
+        list(map(id, params)),
+        list(map(id, buffers)),
+    ]
+    return fingerprint, params, buffers
+
+
+def _optimizer_fingerprint(opt: torch.optim.Optimizer) -> list[Any]:
+    # Which parameters have state, under which keys, and which parameters each group holds. The state
+    # tensors themselves are fetched by position at every audit and checked by layout and address.
+    state = opt.state
+    dicts = list(state.values())
+    groups = opt.param_groups
+    return [
+        list(map(id, state)),
+        list(map(len, dicts)),
+        list(_chain(dicts)),
+        list(map(len, groups)),
+        list(_chain(groups)),
+        list(map(id, _chain(g["params"] for g in groups))),
+    ]
+
+
+def _state_values(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
+    return list(_chain(map(dict.values, _chain(opt.state.values() for opt in optimizers))))
+
+
+def _layouts(tensors: Sequence[torch.Tensor]) -> list[Any]:
+    return list(zip(map(_DTYPE, tensors), map(_SHAPE, tensors), map(_T.stride, tensors), map(_IS_CPU, tensors)))  # type: ignore[attr-defined]
+
+
+def _reread(value: Any) -> tuple[torch.Tensor, str, tuple[int, ...]] | None:
+    """A Python value (or a plain tensor) re-read for this audit, encoded as the manifest encodes it."""
+    if isinstance(value, torch.Tensor):
+        if type(value) not in _PLAIN or value.layout is not torch.strided or value.is_meta:
+            return None
+        t = value.detach()
+        return t, dtype_name(t.dtype), tuple(t.shape)
+    t, label = value_as_tensor(value)
+    return t, label, (tuple(t.shape) if label not in ("none", "object") else ())
+
+
+def _unless_all(positions: list[int], n: int) -> list[int] | None:
+    return None if n and positions == list(range(n)) else positions
+
+
+def _no_object() -> None:
+    return None
+
+
+class ManifestCache:
+    """Hands out a :class:`PreparedManifest`, rebuilding only when the audited structure changed.
+
+    >>> import torch
+    >>> from weightsync_audit.engine.manifest import build_manifest
+    >>> model = torch.nn.Linear(4, 2)
+    >>> cache = ManifestCache()
+    >>> first = cache.prepare(model, [], key=(), build=lambda: build_manifest(model))
+    >>> again = cache.prepare(model, [], key=(), build=lambda: build_manifest(model))
+    >>> third = cache.prepare(model, [], key=(), build=lambda: build_manifest(model))
+    >>> (first.size, third.size, cache.builds)  # the first use builds; the second builds and keeps it
+    (2, 2, 2)
+    """
+
+    def __init__(self) -> None:
+        self._snap: _Snapshot | None = None
+        self.builds = 0
+        """How many times a manifest was built (for tests and benchmarks)."""
+        self._used = False
+
+    def clear(self) -> None:
+        """Forget the cached structure: the next :meth:`prepare` builds."""
+        self._snap = None
+
+    def prepare(
+        self,
+        module: nn.Module | None,
+        optimizers: Sequence[torch.optim.Optimizer],
+        *,
+        key: Hashable,
+        build: Callable[[], Manifest],
+    ) -> PreparedManifest:
+        """The manifest for this audit: the cached one when the structure holds, else ``build()``.
+
+        ``key`` holds every setting the manifest depends on (include, exclude, ...); ``build`` builds
+        the manifest of ``module`` and ``optimizers`` with those settings.
+        """
+        snap = self._snap
+        if snap is not None:
+            try:
+                prepared = _check(snap, module, optimizers, key, build)
+            except Exception:  # noqa: BLE001 - anything odd is a miss: the build reports it properly
+                prepared = None
+            if prepared is not None:
+                return prepared
+        self._snap = None
+        self.builds += 1
+        manifest = build()
+        if not self._used:  # a one-shot audit (a fresh Auditor) would pay for a snapshot it never uses
+            self._used = True
+            return PreparedManifest.uncached(manifest)
+        try:
+            self._snap = _snapshot(module, optimizers, key, manifest)
+        except Exception:  # noqa: BLE001 - a structure this cache does not understand is simply not cached
+            self._snap = None
+        if self._snap is None:
+            return PreparedManifest.uncached(manifest)
+        try:
+            prepared = _check(self._snap, module, optimizers, key, build)
+        except Exception:  # noqa: BLE001
+            prepared = None
+        if prepared is None:  # the structure moved under the build (it cannot, but never trust a cache)
+            self._snap = None
+            return PreparedManifest.uncached(manifest)
+        prepared.built = manifest
+        return prepared
+
+
+def _check(
+    snap: _Snapshot,
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    key: Hashable,
+    build: Callable[[], Manifest],
+) -> PreparedManifest | None:
+    """This audit's prepared manifest when everything ``snap`` recorded still holds, else ``None``."""
+    if key != snap.key or snap.root() is not module or len(optimizers) != len(snap.optimizers):
+        return None
+    if any(r() is not o for r, o in zip(snap.optimizers, optimizers)):
+        return None
+    if snap.user() is not (unwrap_module(module) if module is not None else None):
+        return None
+    mods = list(map(weakref.ref.__call__, snap.modules))
+    if None in mods:
+        return None
+    fingerprint, params, buffers = _walk(mods)  # type: ignore[arg-type]
+    if fingerprint != snap.module_fingerprint:
+        return None
+    if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists:
+        return None
+    sources: list[Any] = []
+    for positions, values in (
+        (snap.param_pos, lambda: params),
+        (snap.buffer_pos, lambda: buffers),
+        (snap.state_pos, lambda: _state_values(optimizers)),
+    ):
+        if positions is None:  # every value is audited, in order: the list itself is the sources
+            sources.extend(values())
+        elif positions:
+            sources.extend(map(values().__getitem__, positions))
+    # The same objects (checked above) with the same dtype, device, shape and strides, and the tensors
+    # hashed in place still at the same address: then each cached wrapper covers exactly its tensor.
+    if not (snap.guard(sources) if snap.guard is not None else _layouts(sources) == snap.layouts):
+        return None
+    fast = sources if snap.all_fast else itertools.compress(sources, snap.plan.fast_mask)
+    if list(map(_T.data_ptr, fast)) != snap.fast_ptrs:
+        return None
+    # Python values (and param-group tensors) are re-read: their values change, their encoding must not.
+    values: list[torch.Tensor] = []
+    for oi, gi, k, label, shape in snap.groups:
+        got = _reread(optimizers[oi].param_groups[gi][k])
+        if got is None or got[1] != label or got[2] != shape:
+            return None
+        values.append(got[0])
+    if snap.state_values:
+        dicts = [list(opt.state.values()) for opt in optimizers]
+        for oi, si, k, label, shape in snap.state_values:
+            got = _reread(dicts[oi][si][k])
+            if got is None or got[1] != label or got[2] != shape:
+                return None
+            values.append(got[0])
+    return PreparedManifest(
+        size=snap.size,
+        structure=snap.structure,
+        notes=list(snap.notes),
+        kind_counts=snap.kind_counts,
+        plan=snap.plan,
+        build=build,
+        sources=sources,
+        slow_mask=snap.slow_mask,
+        dynamic=values,
+    )
+
+
+def _snapshot(
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    key: Hashable,
+    manifest: Manifest,
+) -> _Snapshot | None:
+    """What :func:`_check` compares against; ``None`` when this manifest cannot be cached."""
+    entries = manifest.entries
+    if has_shards(entries) or any(e.kind == "grad" or e.note for e in entries):
+        return None  # grads come and go every step; DTensors (noted entries) are rebuilt every audit
+    user = unwrap_module(module) if module is not None else None
+    named = list(user.named_modules()) if user is not None else []
+    mods = [m for _, m in named]
+    # Where each parameter / buffer sits in the chain of module dict values (first name wins, as in the build).
+    at: dict[str, dict[str, int]] = {"_parameters": {}, "_buffers": {}}
+    for attr, where in at.items():
+        pos = 0
+        seen: set[int] = set()
+        for prefix, mod in named:
+            for k, v in getattr(mod, attr).items():
+                if v is not None and id(v) not in seen:
+                    seen.add(id(v))
+                    where[f"{prefix}.{k}" if prefix else k] = pos
+                pos += 1
+    state_at: dict[tuple[int, Any], int] = {}
+    dict_at: dict[int, tuple[int, int]] = {}
+    group_at: dict[int, tuple[int, int]] = {}
+    pos = 0
+    for oi, opt in enumerate(optimizers):
+        for si, state in enumerate(opt.state.values()):
+            dict_at[id(state)] = (oi, si)
+            for k in state:
+                state_at[(id(state), k)] = pos
+                pos += 1
+        for gi, group in enumerate(opt.param_groups):
+            group_at[id(group)] = (oi, gi)
+    positions: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
+    index: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
+    groups, state_values, group_index, state_index = [], [], [], []
+    for i, e in enumerate(entries):
+        if e.kind == "param":
+            positions["param"].append(at["_parameters"][e.name])
+        elif e.kind == "buffer":
+            positions["buffer"].append(at["_buffers"][e.name])
+        elif id(e.container) in group_at:
+            groups.append((*group_at[id(e.container)], e.key, e.dtype, e.shape))
+            group_index.append(i)
+            continue
+        elif id(e.container) in dict_at and isinstance(e.container.get(e.key), torch.Tensor):
+            positions["optimizer"].append(state_at[(id(e.container), e.key)])
+        elif id(e.container) in dict_at:
+            state_values.append((*dict_at[id(e.container)], e.key, e.dtype, e.shape))
+            state_index.append(i)
+            continue
+        else:
+            return None
+        index[e.kind].append(i)
+    dyn_index = group_index + state_index  # the order in which _check re-reads them
+    for kind in positions:  # sources in the order of their chain: most often the chain is the sources
+        pairs = sorted(zip(positions[kind], index[kind]))
+        positions[kind], index[kind] = [p for p, _ in pairs], [i for _, i in pairs]
+    fingerprint, params, buffers = _walk(mods)
+    states = _state_values(optimizers)
+    sources = (
+        [params[p] for p in positions["param"]]
+        + [buffers[p] for p in positions["buffer"]]
+        + [states[p] for p in positions["optimizer"]]
+    )
+    src_index = index["param"] + index["buffer"] + index["optimizer"]
+    if not set(map(type, sources)) <= _PLAIN_SET:
+        return None
+    built = [entries[i].tensor for i in src_index]  # the build and this walk must agree on every tensor
+    for prop in (_T.data_ptr, _DTYPE, _NBYTES, _SHAPE):
+        if list(map(prop, sources)) != list(map(prop, built)):
+            return None
+    plan = DigestPlan(size=len(entries), sources=sources, source_index=src_index, dynamic_index=dyn_index)
+    slow_mask = [not f for f in plan.fast_mask]
+    guard = layout_guard(sources)
+    counts = dict.fromkeys(KINDS, 0)
+    for e in entries:
+        counts[e.kind] += 1
+    return _Snapshot(
+        key=key,
+        root=weakref.ref(module) if module is not None else _no_object,
+        user=weakref.ref(user) if user is not None else _no_object,
+        modules=[weakref.ref(m) for m in mods],
+        module_fingerprint=fingerprint,
+        optimizers=[weakref.ref(o) for o in optimizers],
+        optimizer_lists=list(map(_optimizer_fingerprint, optimizers)),
+        param_pos=_unless_all(positions["param"], len(params)),
+        buffer_pos=_unless_all(positions["buffer"], len(buffers)),
+        state_pos=_unless_all(positions["optimizer"], len(states)),
+        guard=guard,
+        layouts=_layouts(sources) if guard is None else [],
+        fast_ptrs=list(map(_T.data_ptr, itertools.compress(sources, plan.fast_mask))),
+        slow_mask=slow_mask,
+        all_fast=all(plan.fast_mask),
+        groups=groups,
+        state_values=state_values,
+        size=len(entries),
+        structure=structure_digest(entries),
+        notes=list(manifest.notes),
+        kind_counts=counts,
+        plan=plan,
+    )
