@@ -1,4 +1,5 @@
-"""Value digests of a cached manifest: small tensors hashed in place by one C-level loop, no per-entry objects.
+"""Value digests of a cached manifest: small tensors hashed in place by one C-level loop, no per-entry objects;
+and :class:`PreparedManifest`, what one audit needs from its manifest.
 
 :func:`~weightsync_audit.engine.digest.digest_tensors` hashes a small contiguous CPU tensor by wrapping
 its memory in a fresh ``ctypes`` array (about a microsecond each). A :class:`DigestPlan` makes those
@@ -19,17 +20,18 @@ from __future__ import annotations
 import ctypes
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
-from weightsync_audit.engine.digest import digest_tensors
-from weightsync_audit.engine.manifest import Entry
+from weightsync_audit.engine.digest import digest_tensors, structure_digest
+from weightsync_audit.engine.manifest import Entry, Manifest
 from weightsync_audit.engine.sampling import SMALL
+from weightsync_audit.engine.sharded import has_shards
 
-__all__ = ["DigestPlan"]
+__all__ = ["DigestPlan", "PreparedManifest"]
 
 _xxh = xxhash.xxh3_64_intdigest
 
@@ -112,3 +114,71 @@ class DigestPlan:
         if len(self.dyn_index):
             out[self.dyn_index] = digest_tensors(dynamic, **kw)  # type: ignore[arg-type]
         return out
+
+
+@dataclass(slots=True)
+class PreparedManifest:
+    """What one audit needs from its manifest: sizes, the structure digest, the value digests.
+
+    The full :class:`Manifest` (one ``Entry`` per value) is built only when asked for, which the
+    auditor does only on divergence. It holds this audit's tensors; drop it when the audit is over.
+    """
+
+    size: int
+    structure: int
+    notes: list[str]
+    kind_counts: dict[str, int]
+    plan: DigestPlan
+    build: Callable[[], Manifest]
+    built: Manifest | None = None
+    sources: Sequence[torch.Tensor] = ()
+    slow_mask: Sequence[bool] = ()
+    dynamic: Sequence[torch.Tensor] = ()
+    sharded: bool = False
+    """Whether any entry is a DTensor (such manifests are never cached, so only an uncached one is)."""
+
+    @property
+    def manifest(self) -> Manifest:
+        if self.built is None:
+            self.built = self.build()
+        return self.built
+
+    def counts(self) -> dict[str, int]:
+        return dict(self.kind_counts)
+
+    def digests(self, *, slice_index: int = 0, slices: int = 1, method: str = "auto") -> np.ndarray:
+        """Every entry's value digest, in manifest order (the same as ``digest_entries`` gives)."""
+        if method == "device":
+            everything = [s.detach() for s in self.sources]
+            slow: list[torch.Tensor] = []
+        else:
+            everything = None
+            slow = (
+                [s.detach() for s in itertools.compress(self.sources, self.slow_mask)]
+                if len(self.plan.slow_index)
+                else []
+            )
+        return self.plan.digests(
+            slow=slow,
+            dynamic=self.dynamic,
+            everything=everything,
+            slice_index=slice_index,
+            slices=slices,
+            method=method,
+        )
+
+    @classmethod
+    def uncached(cls, manifest: Manifest) -> PreparedManifest:
+        """A prepared manifest around one that was just built (used once, cached nowhere)."""
+        entries = manifest.entries
+        return cls(
+            size=len(entries),
+            structure=structure_digest(entries),
+            notes=list(manifest.notes),
+            kind_counts=manifest.counts(),
+            plan=DigestPlan.of_entries(entries),
+            build=lambda: manifest,
+            built=manifest,
+            dynamic=[e.tensor for e in entries],
+            sharded=has_shards(entries),
+        )

@@ -30,13 +30,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from weightsync_audit.compat import layout_guard
 from weightsync_audit.engine.digest import structure_digest
-from weightsync_audit.engine.digest_plan import DigestPlan
+from weightsync_audit.engine.digest_plan import DigestPlan, PreparedManifest
 from weightsync_audit.engine.manifest import KINDS, Manifest, dtype_name, unwrap_module, value_as_tensor
 from weightsync_audit.engine.sharded import has_shards
 
@@ -54,74 +53,6 @@ _DTYPE = _T.dtype.__get__  # type: ignore[attr-defined]
 _NBYTES = _T.nbytes.__get__  # type: ignore[attr-defined]
 _SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
 _IS_CPU = _T.is_cpu.__get__  # type: ignore[attr-defined]
-
-
-@dataclass(slots=True)
-class PreparedManifest:
-    """What one audit needs from its manifest: sizes, the structure digest, the value digests.
-
-    The full :class:`Manifest` (one ``Entry`` per value) is built only when asked for, which the
-    auditor does only on divergence. It holds this audit's tensors; drop it when the audit is over.
-    """
-
-    size: int
-    structure: int
-    notes: list[str]
-    kind_counts: dict[str, int]
-    plan: DigestPlan
-    build: Callable[[], Manifest]
-    built: Manifest | None = None
-    sources: Sequence[torch.Tensor] = ()
-    slow_mask: Sequence[bool] = ()
-    dynamic: Sequence[torch.Tensor] = ()
-    sharded: bool = False
-    """Whether any entry is a DTensor (such manifests are never cached, so only an uncached one is)."""
-
-    @property
-    def manifest(self) -> Manifest:
-        if self.built is None:
-            self.built = self.build()
-        return self.built
-
-    def counts(self) -> dict[str, int]:
-        return dict(self.kind_counts)
-
-    def digests(self, *, slice_index: int = 0, slices: int = 1, method: str = "auto") -> np.ndarray:
-        """Every entry's value digest, in manifest order (the same as ``digest_entries`` gives)."""
-        if method == "device":
-            everything = [s.detach() for s in self.sources]
-            slow: list[torch.Tensor] = []
-        else:
-            everything = None
-            slow = (
-                [s.detach() for s in itertools.compress(self.sources, self.slow_mask)]
-                if len(self.plan.slow_index)
-                else []
-            )
-        return self.plan.digests(
-            slow=slow,
-            dynamic=self.dynamic,
-            everything=everything,
-            slice_index=slice_index,
-            slices=slices,
-            method=method,
-        )
-
-    @classmethod
-    def uncached(cls, manifest: Manifest) -> PreparedManifest:
-        """A prepared manifest around one that was just built (used once, cached nowhere)."""
-        entries = manifest.entries
-        return cls(
-            size=len(entries),
-            structure=structure_digest(entries),
-            notes=list(manifest.notes),
-            kind_counts=manifest.counts(),
-            plan=DigestPlan.of_entries(entries),
-            build=lambda: manifest,
-            built=manifest,
-            dynamic=[e.tensor for e in entries],
-            sharded=has_shards(entries),
-        )
 
 
 @dataclass(slots=True)
