@@ -17,9 +17,9 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor
+from weightsync_audit.engine import manifest_cache
 from weightsync_audit.engine.digest import digest_entries, structure_digest
 from weightsync_audit.engine.manifest import build_manifest
-from weightsync_audit.engine import manifest_cache
 from weightsync_audit.engine.manifest_cache import ManifestCache
 
 
