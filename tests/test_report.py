@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weightsync_audit import AuditResult
+from weightsync_audit import AuditResult, Mismatch
 from weightsync_audit.reporting.jsonl import ReportWriter, read_report
 
 
@@ -37,10 +37,11 @@ def test_a_resumed_run_after_a_crash_keeps_the_torn_line_apart(tmp_path: Path) -
     path = tmp_path / "a.jsonl"
     path.write_bytes(b'{"schema":"weightsync-audit/1"')  # only a torn line
     with ReportWriter(path) as w:
-        w.write(AuditResult(in_sync=False, step=9))
+        w.write(AuditResult(in_sync=False, step=9, mismatches=[Mismatch("w", "param", [1], [0])]))
     contents = read_report(path)
     assert [r.step for _, r in contents.records] == [9]
     assert [e.line for e in contents.errors] == [1] and not contents.torn_last_line
+    assert contents.errors[0].torn, "a torn line before a resumed run's records is still named torn"
 
 
 def test_an_invalid_line_in_the_middle_is_named_with_its_number_and_reason(tmp_path: Path) -> None:

@@ -8,10 +8,22 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["COMPARED_NOTES", "brief_names", "fmt_ranks", "fmt_shard", "layer_of"]
+__all__ = ["COMPARED_NOTES", "TIE_PREFIX", "brief_names", "fmt_ranks", "fmt_shard", "is_tie", "layer_of"]
 
 #: Openings of the notes that say what an audit could not compare (``check`` prints them).
 COMPARED_NOTES = ("no parameters were compared", "no replica to compare")
+
+TIE_PREFIX = "tie vote"
+"""How a mismatch's ``detail`` begins when its reference was decided by a tie, not a majority."""
+
+
+def is_tie(detail: str | None) -> bool:
+    """Whether a mismatch ``detail`` names a tie vote (wherever in the detail it stands).
+
+    >>> is_tie("tie vote: ranks [0, 1] vs ranks [2, 3] hold different values in equal numbers")
+    True
+    """
+    return bool(detail) and TIE_PREFIX + ":" in str(detail)
 
 
 def brief_names(names: Iterable[str], limit: int = 6) -> str:

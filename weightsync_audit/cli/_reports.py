@@ -12,18 +12,19 @@ from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_shard
+from weightsync_audit.reporting.render import log_console
+from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard
 
 
 def _errors(console: Console, summary: ReportSummary) -> None:
     for e in summary.errors:
-        forgiven = summary.allow_torn and e is summary.errors[-1] and e.torn
+        forgiven = summary.allow_torn and e.torn
         style = "yellow" if forgiven else "bold red"
         label = "warning" if forgiven else "invalid"
         console.print(Text(f"{label}: {summary.path}: {e}", style=style))
     if summary.status == "invalid":
         torn_only = all(e.torn for e in summary.blocking_errors)
-        extra = " (pass --allow-torn to accept a torn last line)" if torn_only else ""
+        extra = " (pass --allow-torn to skip torn lines, left by a crash mid-write)" if torn_only else ""
         console.print(Text(f"{summary.path} is not a valid report: exit 2{extra}", style="bold red"))
 
 
@@ -44,6 +45,16 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     out.append(Text("  tensors: " + ", ".join(parts) + (f" and {more} more" if more > 0 else "")))
     refs = sorted({x for m in r.mismatches for x in m.reference_ranks})
     out.append(Text(f"  ranks: {diverged_ranks(r.mismatches)} differ from the reference held by {refs}"))
+    ties = [m for m in r.mismatches if m.tie]
+    if ties:
+        sides = sorted({x for m in ties for x in m.reference_ranks}), diverged_ranks(ties)
+        out.append(
+            Text(
+                f"  TIE: {brief_names([m.name for m in ties], 4)}: {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])} "
+                "in equal numbers, no majority: the side called the reference may be the diverged one",
+                style="bold yellow",
+            )
+        )
     if r.last_in_sync_step is not None:
         out.append(Text(f"  last in sync: step {r.last_in_sync_step}"))
     for h in r.hints:
@@ -54,7 +65,7 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
 def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, console: Console | None = None) -> int:
     """Summarise a report; 0 all in sync, 1 any divergence, 2 unreadable or invalid."""
     summary = ReportSummary.read(path, allow_torn)
-    console = console or Console()
+    console = console or log_console()
     if as_json:
         console.file.write(json.dumps(summary.to_json(), indent=2) + "\n")
         return summary.exit_code
@@ -66,11 +77,25 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
         )
     elif not summary.diverged and rs:
         valid = " valid" if summary.errors else ""
-        console.print(
-            Text(
-                f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights", style="bold green"
+        sampled = [r for r in rs if r.sampled]
+        if not sampled:
+            console.print(
+                Text(
+                    f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
+                    style="bold green",
+                )
             )
-        )
+        else:
+            shares = "/".join(sorted({f"1/{r.coverage.split('/')[1]}" for r in sampled if r.coverage}))
+            full = rs[-1].last_full_sync_step
+            console.print(
+                Text(
+                    f"IN SYNC as far as read: all {len(rs)}{valid} audit(s) agreed, but {len(sampled)} of them were "
+                    f"sampled and read {shares} of each large tensor; last full verification in sync: "
+                    + ("never" if full is None else f"step {full}"),
+                    style="bold green",
+                )
+            )
     elif rs:
         console.print(
             Text(
@@ -93,18 +118,26 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
     return summary.exit_code
 
 
+#: Timeline characters, distinct without colour: in sync, in sync on a sample only, diverged.
+STRIP_CHARS = {"in_sync": "=", "sampled": "~", "diverged": "X"}
+
+
 def _strip(summary: ReportSummary, width: int) -> Text:
-    """One block per audit (or per bucket of audits): green in sync, red diverged."""
+    """One character per audit (or per bucket of audits): ``=`` in sync, ``~`` sampled, ``X`` diverged."""
     rs = summary.results
     n = len(rs)
     buckets = min(n, max(10, width))
     text = Text("timeline: ")
     for b in range(buckets):
         chunk = rs[b * n // buckets : (b + 1) * n // buckets] or [rs[min(n - 1, b * n // buckets)]]
-        bad = any(not r.in_sync for r in chunk)
-        text.append("█", style="red" if bad else "green")
+        if any(not r.in_sync for r in chunk):
+            text.append(STRIP_CHARS["diverged"], style="bold red")
+        elif any(r.sampled for r in chunk):
+            text.append(STRIP_CHARS["sampled"], style="yellow")
+        else:
+            text.append(STRIP_CHARS["in_sync"], style="green")
     first, last = rs[0].step, rs[-1].step
-    text.append(f"  steps {first} .. {last}", style="dim")
+    text.append(f"  steps {first} .. {last}  (= in sync, ~ in sync on a sample, X diverged)", style="dim")
     return text
 
 
@@ -175,10 +208,10 @@ def cmd_show(
 ) -> int:
     """Lay a report out in the terminal (and optionally draw it); 0 shown, 2 unreadable or invalid."""
     summary = ReportSummary.read(path, allow_torn)
-    console = console or Console()
+    console = console or log_console()
     console.print(Text(summary.headline(), style="bold"))
     if summary.records:
-        console.print(_strip(summary, min(80, console.width - 30)))
+        console.print(_strip(summary, max(10, min(80, console.width - 30))))
         console.print(_timeline_table(summary))
         layers = _layer_table(summary)
         if layers is not None:
@@ -186,7 +219,9 @@ def cmd_show(
         else:
             checked: dict[str, Any] = summary.results[-1].checked
             what = ", ".join(f"{n} {k}" for k, n in checked.items() if n)
-            console.print(Text(f"every audit in sync ({what or 'nothing'} checked in the last)", style="green"))
+            sampled = sum(r.sampled for r in summary.results)
+            share = f"; {sampled} sampled audit(s) read a share of each large tensor only" if sampled else ""
+            console.print(Text(f"every audit in sync ({what or 'nothing'} checked in the last{share})", style="green"))
         for h in summary.hints():
             console.print(Text("hint: " + h, style="yellow"))
         notes = dict.fromkeys(n for r in summary.results for n in r.notes)

@@ -87,9 +87,9 @@ class ReportSummary:
 
     @property
     def blocking_errors(self) -> list[ReportFormatError]:
-        """Invalid lines that make the report unreadable (a torn last line is forgiven with allow_torn)."""
-        if self.allow_torn and self.errors and self.errors[-1].torn:
-            return self.errors[:-1]
+        """Invalid lines that make the report unreadable (torn lines, anywhere, are forgiven with allow_torn)."""
+        if self.allow_torn:
+            return [e for e in self.errors if not e.torn]
         return list(self.errors)
 
     @property
@@ -190,6 +190,8 @@ class ReportSummary:
             "last_step": rs[-1].step if rs else None,
             "resynced_audits": sum(r.action == "resynced" for r in rs),
             "in_sync_at_end": rs[-1].in_sync if rs else None,
+            "sampled_audits": sum(r.sampled for r in rs),
+            "last_full_sync_step": rs[-1].last_full_sync_step if rs else None,
             "first_divergence": None,
             "errors": [{"line": e.line, "torn": e.torn, "message": str(e)} for e in self.errors],
         }
@@ -205,6 +207,7 @@ class ReportSummary:
                 "tensors": r.diverged_names,
                 "ranks": diverged_ranks(r.mismatches),
                 "reference_ranks": sorted({x for m in r.mismatches for x in m.reference_ranks}),
+                "tie": any(m.tie for m in r.mismatches),
                 "hints": list(r.hints),
                 "mismatches": [m.to_dict() for m in r.mismatches],
             }

@@ -1,9 +1,11 @@
 """Why replicas differ: root-cause hints drawn from the mismatches and the wrapper.
 
 A hint states a cause as fact only when the wrapper proves it (DDP's reducer does not cover the
-diverged parameters, or DDP was told to ignore them, or runs with ``broadcast_buffers=False``);
-everything inferred from the pattern of mismatches says "likely". Hints come most specific first,
-and each mismatch feeds at most one parameter hint.
+diverged parameters, or DDP was told to ignore them, or runs with ``forward_sync_buffers=False``,
+formerly ``broadcast_buffers=False``); everything inferred from the pattern of mismatches says "likely".
+Hints come most specific first, each mismatch feeds at most one parameter hint, and a cause stays named
+while its mismatches remain (an optimizer cause is not dropped once the parameters follow it). The
+wrapper read is the live one: a wrapper a re-wrap retired is followed to its successor, or not read.
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.ddp.inspect import remembered_flags, synced_parameter_names
+from weightsync_audit.ddp.inspect import live_ddp, remembered_flags, synced_parameter_names, syncs_buffers
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names
 
 __all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain", "uses_fsdp2"]
+
+#: Name parts that mark an averaged copy of the weights (EMA, Polyak, target networks).
+_EMA_MARKS = ("ema", "ewm", "shadow", "average", "averaged", "swa", "polyak", "target", "momentum_encoder")
 
 _FIX = (
     "Fix: re-create the DDP wrapper whenever the trainable set changes: add "
@@ -27,14 +32,30 @@ _FIX = (
 )
 
 
-def ddp_unsynced_hint(unsynced: Sequence[str]) -> str:
-    """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer."""
+_RESYNC_TOO = (
+    " Re-wrapping stops new drift but does not undo what already differs: resync it once, optimizer state "
+    "included (the Adam moments stepped from local gradients differ too, and bring the drift back a few "
+    "steps later): WeightSyncAudit(on_mismatch='resync'), or weightsync_audit.resync(model, optimizer, "
+    "src='majority') on every rank right after the re-wrap."
+)
+
+
+def ddp_unsynced_hint(unsynced: Sequence[str], *, drifted: bool = False) -> str:
+    """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer.
+
+    ``drifted``: the replicas already differ, so the fix must also resync them, optimizer state included.
+    """
     return (
         f"{brief_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
         "gradients: they became trainable after DDP wrapped the model (DDP builds its gradient reducer "
         "once, over the parameters that required grad then; BackboneFinetuning's unfreeze is one way), so "
-        f"each rank steps them with its own local gradient. {_FIX}"
+        f"each rank steps them with its own local gradient. {_FIX}" + (_RESYNC_TOO if drifted else "")
     )
+
+
+def _looks_averaged(name: str) -> bool:
+    parts = name.lower().replace("-", "_").split(".")
+    return any(p in _EMA_MARKS or p.startswith(("ema_", "ewm_")) or p.endswith("_ema") for p in parts)
 
 
 def ddp_frozen_hint(left: Sequence[str]) -> str:
@@ -84,6 +105,7 @@ def explain(
     """
     if not mismatches:
         return []
+    ddp = live_ddp(ddp)  # a retired wrapper proves nothing about the reduction that runs now
     hints: list[str] = []
     by_kind: dict[str, list[Mismatch]] = {}
     for m in mismatches:
@@ -102,8 +124,12 @@ def explain(
                 n for n in diverged if n in named and named[n].requires_grad and n not in covered and n not in ignored
             ]
             if unsynced:
-                hints.append(ddp_unsynced_hint(unsynced))
+                hints.append(ddp_unsynced_hint(unsynced, drifted=True))
                 explained.update(unsynced)
+                # Their optimizer state was stepped from local gradients too: the same cause.
+                explained.update(
+                    m.name for m in by_kind.get("optimizer", []) if m.name.rsplit(".", 1)[0] in set(unsynced)
+                )
             # With find_unused_parameters=True the reducer marks a frozen parameter unused at each
             # forward and its bucket completes; only without it does freezing after the wrap hurt.
             left = [n for n, p in named.items() if n in covered and n not in ignored and not p.requires_grad]
@@ -147,42 +173,47 @@ def explain(
                 "most likely). Reduce them yourself (e.g. all_reduce the running stats before evaluation or "
                 "a checkpoint) if they should agree; exclude them if per-rank statistics are intended."
             )
-        elif ddp is not None and not getattr(ddp, "broadcast_buffers", True):
+        elif ddp is not None and not syncs_buffers(ddp):
             hints.append(
                 f"Buffers {brief_names(names)} differ and DistributedDataParallel runs with "
-                "broadcast_buffers=False, so each rank's own batches update them (BatchNorm running "
-                "statistics, most likely). Use broadcast_buffers=True or SyncBatchNorm if they should agree; "
-                "exclude them if per-rank statistics are intended."
+                "forward_sync_buffers=False (broadcast_buffers=False before torch 2.13), so each rank's own "
+                "batches update them (BatchNorm running statistics, most likely). Use forward_sync_buffers=True "
+                "or SyncBatchNorm if they should agree; exclude them if per-rank statistics are intended."
             )
         else:
             hints.append(
                 f"Buffers {brief_names(names)} differ: likely statistics updated from each rank's local data "
-                "(BatchNorm running stats without buffer broadcast or SyncBatchNorm, an EMA or target network "
-                "updated locally), or a buffer set differently per rank."
+                "(BatchNorm running stats without buffer sync, i.e. forward_sync_buffers / broadcast_buffers, "
+                "or SyncBatchNorm; an EMA or target network updated locally), or a buffer set differently per rank."
             )
 
-    opt = by_kind.get("optimizer", [])
-    agree = (
-        "while the parameters still agree"
-        if params_compared
-        else "(no parameter could be compared: every parameter shard is held by one rank only)"
-    )
-    if opt and not params:
+    opt = [m for m in by_kind.get("optimizer", []) if m.name not in explained]
+    followers = [n for n in params if n not in explained]
+    if opt:
+        # Named while its mismatches remain: once the parameters follow, they are its consequence.
+        if followers:
+            state = f" and the parameters have followed ({brief_names(followers)})"
+            then = " The differing parameters most likely follow from it."
+        elif params_compared:
+            state = " while the parameters still agree"
+            then = " The parameters will diverge at the next optimizer step."
+        else:
+            state = " (no parameter could be compared: every parameter shard is held by one rank only)"
+            then = " The parameters will diverge at the next optimizer step."
         lrs = [m.name for m in opt if m.name.rsplit(".", 1)[-1] in ("lr", "initial_lr")]
         if lrs:
             hints.append(
-                f"The learning rate differs ({brief_names(lrs)}) {agree}: likely a "
-                "scheduler stepped a different number of times on some ranks, or was built per rank. The "
-                "parameters will diverge at the next optimizer step."
+                f"The learning rate differs ({brief_names(lrs)}){state}: likely a scheduler stepped a different "
+                f"number of times on some ranks, or was built per rank.{then}"
             )
         if len(lrs) < len(opt):
             others = [m.name for m in opt if m.name not in set(lrs)]
             hints.append(
-                f"Optimizer state differs ({brief_names(others)}) {agree}: likely the "
-                "optimizer state was loaded or reset on some ranks only (a checkpoint loaded on one rank), or "
-                "a step was skipped on some ranks (e.g. a GradScaler that saw inf on one rank only). The "
-                "parameters will diverge at the next optimizer step."
+                f"Optimizer state differs ({brief_names(others)}){state}: likely the optimizer state was loaded or "
+                "reset on some ranks only (a checkpoint loaded on one rank), or a step was skipped on some "
+                f"ranks (e.g. a GradScaler that saw inf on one rank only).{then}"
             )
+        explained.update(followers)
 
     rest_grads = [n for n in grads if n not in explained]
     if rest_grads:
@@ -193,6 +224,15 @@ def explain(
         )
 
     rest = [n for n in params if n not in explained]
+    averaged = [n for n in rest if _looks_averaged(n)]
+    if averaged:
+        hints.append(
+            f"{brief_names(averaged)} differ and look like an averaged copy of the weights (EMA, SWA or a "
+            "target network): likely each rank updates it from its own values (local batches, or before "
+            "the gradients are all-reduced), and DDP never syncs it. Update it after optimizer.step() from "
+            "the synced parameters, keep it on one rank only, or exclude it if per-rank copies are intended."
+        )
+        rest = [n for n in rest if n not in set(averaged)]
     if rest and ddp is not None:
         named = dict(ddp.module.named_parameters())
         frozen = [n for n in rest if n in named and not named[n].requires_grad]

@@ -26,9 +26,13 @@ __all__ = [
     "TrainableChange",
     "ddp_settings",
     "find_ddp",
+    "is_retired",
+    "live_ddp",
+    "mark_retired",
     "remember_flags",
     "remembered_flags",
     "synced_parameter_names",
+    "syncs_buffers",
     "trainable_flags",
     "trainable_names",
     "watched_parameters",
@@ -42,15 +46,47 @@ _MIB = 1024 * 1024
 #: was built over. Set by :func:`rewrap_ddp` (known at construction) or, once, by :func:`maybe_rewrap`.
 _FLAGS_ATTR = "_weightsync_trainable_flags"
 _PARAMS_ATTR = "_weightsync_parameters"
+#: Attribute on a retired wrapper: True, or the wrapper that replaced it (see :func:`live_ddp`).
+_SUCCESSOR_ATTR = "_weightsync_replaced_by"
+
+
+def live_ddp(ddp: DistributedDataParallel | None) -> DistributedDataParallel | None:
+    """The wrapper in use now: ``ddp``, or the one :func:`rewrap_ddp` put in its place (followed to the end).
+
+    ``None`` when ``ddp`` was retired and what replaced it is not known: nothing it says about gradient
+    reduction holds any more.
+    """
+    seen = 0
+    while ddp is not None and seen < 1000:
+        nxt = getattr(ddp, _SUCCESSOR_ATTR, None)
+        if nxt is None:
+            return ddp
+        ddp = nxt if isinstance(nxt, DistributedDataParallel) else None
+        seen += 1
+    return ddp
+
+
+def mark_retired(ddp: DistributedDataParallel, replaced_by: DistributedDataParallel | None = None) -> None:
+    """Mark ``ddp`` retired, linked to the wrapper that replaced it once that is known."""
+    setattr(ddp, _SUCCESSOR_ATTR, replaced_by if replaced_by is not None else True)
+
+
+def is_retired(ddp: DistributedDataParallel) -> bool:
+    """``ddp`` was retired (its reducer detached) by :func:`retire` or a re-wrap."""
+    return getattr(ddp, _SUCCESSOR_ATTR, None) is not None
 
 
 def find_ddp(module: Any) -> DistributedDataParallel | None:
-    """The DistributedDataParallel wrapper in ``module``'s wrapper chain, if any."""
+    """The live DistributedDataParallel wrapper for ``module``'s wrapper chain, if any.
+
+    A wrapper that a re-wrap retired is followed to the one that replaced it (:func:`live_ddp`), so an
+    ``Auditor`` bound to the old wrapper reads what reduces gradients now, never a retired reducer.
+    """
     seen = 0
     while module is not None and seen < 16:
         seen += 1
         if isinstance(module, DistributedDataParallel):
-            return module
+            return live_ddp(module)
         nxt = None
         for attr in ("_forward_module", "_orig_mod", "module"):
             cand = getattr(module, attr, None) if attr != "module" or isinstance(module, nn.DataParallel) else None
@@ -99,6 +135,17 @@ def synced_parameter_names(ddp: DistributedDataParallel) -> frozenset[str]:
     if ids is None:
         raise RuntimeError("this torch's DistributedDataParallel does not expose its reducer's buckets")
     return frozenset(n for n, p in ddp.module.named_parameters() if id(p) in ids)
+
+
+def syncs_buffers(ddp: DistributedDataParallel) -> bool:
+    """Whether DDP overwrites buffers from its first rank at each forward.
+
+    torch 2.13 names the setting ``forward_sync_buffers`` (``broadcast_buffers`` is its deprecated alias).
+    """
+    value = getattr(ddp, "forward_sync_buffers", None)
+    if value is None:
+        value = getattr(ddp, "broadcast_buffers", True)
+    return bool(value)
 
 
 def synced_count(ddp: DistributedDataParallel) -> int | None:

@@ -34,6 +34,7 @@ from weightsync_audit.ddp.inspect import (
     covered_flags,
     ddp_settings,
     flags_change,
+    mark_retired,
     remember_flags,
     trainable_flags,
     watched_parameters,
@@ -94,8 +95,13 @@ def _register_hooks(ddp: DistributedDataParallel, hooks: list[tuple[Callable[...
 
 
 def retire(ddp: DistributedDataParallel) -> None:
-    """Detach an outgoing wrapper's reducer from the parameters, so it reduces nothing any more."""
+    """Detach an outgoing wrapper's reducer from the parameters, so it reduces nothing any more.
+
+    The wrapper is marked retired, so whatever still holds it (an ``Auditor``) reads the wrapper that
+    replaced it (:func:`~weightsync_audit.ddp.inspect.live_ddp`), never this one.
+    """
     remove_ddp_autograd_hooks(ddp)
+    mark_retired(ddp)
 
 
 def rewrap_ddp(
@@ -137,6 +143,7 @@ def rewrap_ddp(
     if not comm_hooks(new):  # a factory may register its own; DDP accepts one hook only
         _register_hooks(new, hooks)
     remember_flags(new, trainable_flags(new.module))
+    mark_retired(ddp, new)
     return new
 
 

@@ -28,7 +28,9 @@ from weightsync_audit.engine.consensus import (
     compare_digest_table,
     compare_manifests,
     judge_summaries,
+    union_counts,
 )
+from weightsync_audit.engine.manifest import KINDS
 
 __all__ = ["Agreement", "agree", "compare_columns", "compare_structures"]
 
@@ -71,7 +73,7 @@ def _columns(parts: list[bytes]) -> bytes:
     diffs = compare_digest_table(range(table.shape[1]), table)  # type: ignore[arg-type]
     # Each set of differing ranks is written once, however many columns share it.
     sets: dict[tuple[int, ...], int] = {}
-    cols = [[int(d.uid), sets.setdefault(d.ranks, len(sets))] for d in diffs]
+    cols = [[int(d.uid), sets.setdefault(d.ranks, len(sets)), [list(g) for g in d.tie] or None] for d in diffs]
     return json.dumps({"sets": [list(s) for s in sets], "cols": cols}).encode()
 
 
@@ -85,35 +87,53 @@ def compare_columns(comm: Comm, uids: Sequence[str], digests: np.ndarray) -> lis
     answer = json.loads(comm.decide(row, _columns, "the per-tensor digests"))
     sets = [tuple(s) for s in answer["sets"]]
     out = []
-    for j, k in answer["cols"]:
+    for j, k, tie in answer["cols"]:
         odd = set(sets[k])
         ref = tuple(r for r in range(comm.world_size) if r not in odd)
-        out.append(ValueDiff(uids[j], ref, sets[k]))
+        out.append(ValueDiff(uids[j], ref, sets[k], tie=tuple(tuple(g) for g in tie or ())))
     return out
 
 
 def _structures(parts: list[bytes]) -> bytes:
-    structure, values = compare_manifests([json.loads(p) for p in parts])
+    manifests = [json.loads(p) for p in parts]
+    structure, values = compare_manifests(manifests)
     return json.dumps(
         {
-            "s": [[d.uid, d.kind, d.name, d.reference_ranks, d.ranks, d.shape, d.dtype, d.detail] for d in structure],
-            "v": [[d.uid, d.reference_ranks, d.ranks, d.peer_set] for d in values],
+            "s": [
+                [d.uid, d.kind, d.name, d.reference_ranks, d.ranks, d.shape, d.dtype, d.detail, d.tie]
+                for d in structure
+            ],
+            "v": [[d.uid, d.reference_ranks, d.ranks, d.peer_set, d.tie] for d in values],
+            "c": union_counts(manifests, KINDS),  # counted over the union: the same ``checked`` everywhere
         }
     ).encode()
 
 
-def compare_structures(comm: Comm, rows: list[list[Any]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
+def compare_structures(
+    comm: Comm, rows: list[list[Any]]
+) -> tuple[list[StructureDiff], list[ValueDiff], dict[str, int]]:
     """Phase (c): each rank's manifest rows ``[kind, name, dtype, shape, digest]`` compared by the
-    coordinator; every rank receives the differences only."""
+    coordinator; every rank receives the differences only, and the tensors per kind over the union of
+    the manifests (the same ``checked`` on every rank)."""
     answer = json.loads(comm.decide(json.dumps(rows).encode(), _structures, "the manifests"))
     structure = [
         StructureDiff(
-            uid, kind, name, tuple(ref), tuple(odd), tuple(shape) if shape is not None else None, dtype, detail
+            uid,
+            kind,
+            name,
+            tuple(ref),
+            tuple(odd),
+            tuple(shape) if shape is not None else None,
+            dtype,
+            detail,
+            tuple(tuple(g) for g in tie),
         )
-        for uid, kind, name, ref, odd, shape, dtype, detail in answer["s"]
+        for uid, kind, name, ref, odd, shape, dtype, detail, tie in answer["s"]
     ]
     values = [
-        ValueDiff(uid, tuple(ref), tuple(odd), tuple(peer_set) if peer_set is not None else None)
-        for uid, ref, odd, peer_set in answer["v"]
+        ValueDiff(
+            uid, tuple(ref), tuple(odd), tuple(peer_set) if peer_set is not None else None, tuple(map(tuple, tie))
+        )
+        for uid, ref, odd, peer_set, tie in answer["v"]
     ]
-    return structure, values
+    return structure, values, answer["c"]

@@ -34,7 +34,7 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import self_check
 from weightsync_audit.ddp.hints import explain
-from weightsync_audit.ddp.inspect import find_ddp
+from weightsync_audit.ddp.inspect import find_ddp, syncs_buffers
 from weightsync_audit.engine.agreement import agree, compare_columns, compare_structures
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.consensus import (
@@ -43,6 +43,7 @@ from weightsync_audit.engine.consensus import (
     SUMMARY_FIELDS,
     StructureDiff,
     ValueDiff,
+    tie_detail,
 )
 from weightsync_audit.engine.digest import overall_digest
 from weightsync_audit.engine.history import AuditHistory
@@ -123,6 +124,7 @@ class Auditor:
         self.history = AuditHistory()
         self._comm: Comm | None = None
         self._manifests = ManifestCache()
+        self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -145,10 +147,11 @@ class Auditor:
         broadcast = self.config.ddp_broadcast_buffers
         if broadcast is None:
             ddp = find_ddp(module) if module is not None else None
-            broadcast = ddp is not None and getattr(ddp, "broadcast_buffers", False)
+            broadcast = ddp is not None and syncs_buffers(ddp)
         if broadcast and not self.config.compare_broadcast_buffers:
             return (
-                "DistributedDataParallel(broadcast_buffers=True) overwrites them from its first rank at every forward"
+                "DistributedDataParallel(forward_sync_buffers=True, formerly broadcast_buffers=True) overwrites "
+                "them from its first rank at every forward"
             )
         return None
 
@@ -169,6 +172,17 @@ class Auditor:
             audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
         )
 
+    def slice_for(self, step: int | None) -> int:
+        """The sample slice this audit hashes: by audit count, or by ``step`` in the one-shot API.
+
+        Every rank computes it from values that must agree (the audit count, the step), and the slice
+        is part of the gathered summary, so ranks that disagree are reported out of step.
+        """
+        slices = self.config.slices
+        if self._rotate_by_step and step is not None:
+            return int(step) % slices
+        return self.history.audits % slices
+
     # -- the audit -----------------------------------------------------------------------------
 
     def audit(
@@ -186,7 +200,7 @@ class Auditor:
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         comm = self.comm
         cfg = self.config
-        slice_index = self.history.audits % cfg.slices
+        slice_index = self.slice_for(step)
         # A rank that cannot prepare its audit (a meta tensor, say) still takes part in the exchange,
         # flagged, so that every rank raises together instead of the others waiting for it.
         failure: BaseException | None = None
@@ -223,6 +237,7 @@ class Auditor:
 
         value_diffs: list[ValueDiff] = []
         structure_diffs: list[StructureDiff] = []
+        union: dict[str, int] | None = None
         peers = None
         # The entries themselves are needed only off the healthy path (or for DTensors, never cached).
         diverged = verdict.status in ("values", "structure")
@@ -239,7 +254,7 @@ class Auditor:
                 + ([] if e.shard is None else [e.shard.layout, e.shard.key])
                 for e, d in zip(entries, digests.tolist())
             ]
-            structure_diffs, value_diffs = compare_structures(comm, rows)
+            structure_diffs, value_diffs, union = compare_structures(comm, rows)
 
         by_uid = {e.uid: e for e in entries} if value_diffs else {}  # only on divergence: it costs per tensor
         mismatches = [
@@ -251,7 +266,7 @@ class Auditor:
                 list(d.shape) if d.shape else None,
                 d.dtype,
                 None,
-                d.detail,
+                tie_detail(d.tie, comm.global_ranks, d.detail),
             )
             for d in structure_diffs
         ]
@@ -259,9 +274,10 @@ class Auditor:
         shards = shard_names(comm, value_diffs, by_uid)
         for d, shard in zip(value_diffs, shards):
             e = by_uid[d.uid]
+            tie = tie_detail(d.tie, comm.global_ranks)
             value_mismatches.append(
                 Mismatch(
-                    e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, None, shard
+                    e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, tie, shard
                 )
             )
         if value_mismatches:
@@ -275,18 +291,31 @@ class Auditor:
 
         hints: list[str] = []
         checked, unpaired = compared_counts(entries, peers) if peers is not None else (prepared.counts(), 0)
+        if union is not None:
+            checked = union  # not this rank's own count: the same on every rank
         notes = list(prepared.notes) + sharded_notes(
             checked, unpaired, prepared.counts()["param"], "params" in cfg.include
         )
         if mismatches:
-            hints = explain(
-                mismatches,
-                ddp=find_ddp(module),
-                grads_checked="grads" in cfg.include,
-                params_compared=checked["param"] > 0,
-                module=module,
-            )
+            # Hints read a wrapper and notes a manifest: the first rank's are everyone's, so the record
+            # is the same on every rank (one small message, on divergence only). Nothing here may raise
+            # on that rank alone, or the others would wait for it.
+            mine = None
+            if comm.rank == 0:
+                try:
+                    hints = explain(
+                        mismatches,
+                        ddp=find_ddp(module),
+                        grads_checked="grads" in cfg.include,
+                        params_compared=checked["param"] > 0,
+                        module=module,
+                    )
+                except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
+                    notes.append(f"no hint: {type(exc).__name__}: {exc}")
+                mine = json.dumps([hints, notes]).encode()
+            hints, notes = json.loads(comm.share_bytes(0, mine, "the hints"))
         in_sync = not mismatches
+        full = cfg.slices == 1
         result = AuditResult(
             in_sync=in_sync,
             step=step,
@@ -298,8 +327,9 @@ class Auditor:
             hook=hook,
             action="none",
             last_in_sync_step=step if in_sync else self.history.last_in_sync_step,
+            last_full_sync_step=step if in_sync and full else self.history.last_full_sync_step,
             notes=notes,
-            coverage=f"{slice_index + 1}/{cfg.slices}" if cfg.slices > 1 else None,
+            coverage=None if full else f"{slice_index + 1}/{cfg.slices}",
         )
         self.history.record(result)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
@@ -325,7 +355,7 @@ class Auditor:
                 "epoch": epoch,
                 "hook": hook,
                 "config": self.config.fingerprint(),
-                "slice": self.history.audits % self.config.slices,
+                "slice": self.slice_for(step),
             }
         )
         positions = [json.loads(b) for b in comm.exchange_bytes(mine.encode(), "the out-of-step report")]
@@ -364,6 +394,9 @@ def audit(
 ) -> AuditResult:
     """Compare parameters, buffers and optimizer state across ranks, once. Collective.
 
+    With ``coverage="1/n"`` the slice of every large tensor it hashes rotates with ``step``
+    (``step % n``), so successive calls read every byte; without a step it reads slice 0.
+
     >>> import torch
     >>> from weightsync_audit import audit
     >>> model = torch.nn.Linear(4, 2)
@@ -371,7 +404,7 @@ def audit(
     >>> result.in_sync, result.checked["param"]
     (True, 2)
     """
-    return Auditor(
+    auditor = Auditor(
         module,
         optimizer,
         group=group,
@@ -380,7 +413,9 @@ def audit(
         timeout_s=timeout_s,
         coverage=coverage,
         method=method,
-    ).audit(step=step, epoch=epoch)
+    )
+    auditor._rotate_by_step = True
+    return auditor.audit(step=step, epoch=epoch)
 
 
 # The summary layout is part of the protocol: keep its length in one place.

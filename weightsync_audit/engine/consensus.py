@@ -2,7 +2,8 @@
 
 Every rank runs these on the same gathered tables, so every rank reaches the same decision and takes
 the same next step; nothing here talks to other ranks. The reference value of a tensor is the one most
-ranks hold; a tie goes to the group holding the lowest rank.
+ranks hold; a tie goes to the group holding the lowest rank, and is named as a tie (:func:`tie_groups`,
+:func:`tie_detail`) so that no one mistakes it for a verdict.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Hashable, Literal, Sequence
 import numpy as np
 
 from weightsync_audit.engine.peers import ALL, column_peers, peer_sets
-from weightsync_audit.text import fmt_ranks
+from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 
 __all__ = [
     "PROTOCOL",
@@ -23,6 +24,10 @@ __all__ = [
     "SummaryVerdict",
     "majority",
     "majority_within",
+    "tie_groups",
+    "tie_detail",
+    "tie_within",
+    "union_counts",
     "judge_summaries",
     "compare_digest_table",
     "compare_manifests",
@@ -84,6 +89,56 @@ def majority_within(values: Sequence[Hashable], ranks: Sequence[int]) -> tuple[l
     return [ranks[i] for i in ref], [ranks[i] for i in other]
 
 
+def tie_groups(values: Sequence[Hashable]) -> tuple[tuple[int, ...], ...]:
+    """The groups of ranks tied for the largest group, reference first; empty when one group leads.
+
+    >>> tie_groups([5, 5, 7, 7])
+    ((0, 1), (2, 3))
+    >>> tie_groups([5, 5, 7, 5])
+    ()
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    top = max(len(g) for g in groups.values())
+    tied = sorted((tuple(g) for g in groups.values() if len(g) == top), key=lambda g: g[0])
+    return tuple(tied) if len(tied) > 1 else ()
+
+
+def tie_within(values: Sequence[Hashable], ranks: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """:func:`tie_groups` among ``ranks`` only (a peer set), in those ranks.
+
+    >>> tie_within([5, 9, 7, 9, 7], [1, 2, 3, 4])
+    ((1, 3), (2, 4))
+    """
+    return tuple(tuple(ranks[i] for i in g) for g in tie_groups([values[r] for r in ranks]))
+
+
+def tie_detail(
+    tie: Sequence[Sequence[int]], global_ranks: Sequence[int] | None = None, detail: str | None = None
+) -> str | None:
+    """``detail`` with the words a mismatch carries when its vote was a tie (in global ranks) added.
+
+    >>> tie_detail([(0, 1), (2, 3)])
+    'tie vote: ranks [0, 1] vs ranks [2, 3], no majority (the reference is the side holding the lowest rank)'
+    """
+    g = (lambda r: r) if global_ranks is None else (lambda r: global_ranks[r])
+    sides = " vs ".join(fmt_ranks([g(r) for r in grp]) for grp in tie)
+    if not tie:
+        return detail
+    note = f"{TIE_PREFIX}: {sides}, no majority (the reference is the side holding the lowest rank)"
+    return f"{detail}; {note}" if detail else note
+
+
+def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[str]) -> dict[str, int]:
+    """Tensors per kind over the union of every rank's manifest: the same ``checked`` on every rank."""
+    seen: dict[str, set[str]] = {k: set() for k in kinds}
+    for rows in manifests:
+        for row in rows:
+            seen.setdefault(row[0], set()).add(row[1])
+    return {k: len(seen.get(k, ())) for k in kinds}
+
+
 def judge_summaries(table: np.ndarray) -> SummaryVerdict:
     """Phase (a): ``table`` is ``[world, len(SUMMARY_FIELDS)]``; one row per rank."""
     table = np.asarray(table)
@@ -108,6 +163,8 @@ class ValueDiff:
     ranks: tuple[int, ...]
     peer_set: tuple[int, ...] | None = None
     """For a sharded tensor, the ranks holding this shard (compared among themselves); ``None``: all ranks."""
+    tie: tuple[tuple[int, ...], ...] = ()
+    """The groups tied for the majority (reference first), when the vote was a tie."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +179,7 @@ class StructureDiff:
     shape: tuple[int, ...] | None
     dtype: str | None
     detail: str
+    tie: tuple[tuple[int, ...], ...] = ()
 
 
 def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarray | None = None) -> list[ValueDiff]:
@@ -147,14 +205,14 @@ def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarr
         column = table[:, j].tolist()
         if peers is None or (np.asarray(peers)[:, j] == ALL).all():
             ref, other = majority(column)
-            out.append(ValueDiff(uids[j], tuple(ref), tuple(other)))
+            out.append(ValueDiff(uids[j], tuple(ref), tuple(other), tie=tie_groups(column)))
             continue
         for members in column_peers(peers, j, world):
             if len(members) < 2:
                 continue
             ref, other = majority_within(column, members)
             if other:
-                out.append(ValueDiff(uids[j], tuple(ref), tuple(other), tuple(members)))
+                out.append(ValueDiff(uids[j], tuple(ref), tuple(other), tuple(members), tie_within(column, members)))
     return out
 
 
@@ -212,6 +270,7 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
                     ref_sig[1] if ref_sig else None,
                     ref_sig[0] if ref_sig else None,
                     f"{kind} {'; '.join(parts)}",
+                    tie_groups(sigs),
                 )
             )
             continue
@@ -220,11 +279,13 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
         if all(k == ALL for k in keys):
             vref, vother = majority(digests)
             if vother:
-                values.append(ValueDiff(uid, tuple(vref), tuple(vother)))
+                values.append(ValueDiff(uid, tuple(vref), tuple(vother), tie=tie_groups(digests)))
             continue
         for members in peer_sets(keys):
             if len(members) > 1:
                 vref, vother = majority_within(digests, members)
                 if vother:
-                    values.append(ValueDiff(uid, tuple(vref), tuple(vother), tuple(members)))
+                    values.append(
+                        ValueDiff(uid, tuple(vref), tuple(vother), tuple(members), tie_within(digests, members))
+                    )
     return structure, values

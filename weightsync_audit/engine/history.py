@@ -18,6 +18,8 @@ class AuditHistory:
     diverged_audits: int = 0
     resyncs: int = 0
     last_in_sync_step: int | None = None
+    last_full_sync_step: int | None = None
+    """The last step at which an audit read every byte (no sampling) and found the ranks in sync."""
     first_divergence_step: int | None = None
     first_divergence_tensors: list[str] = field(default_factory=list)
     last_diverged_tensors: list[str] = field(default_factory=list)
@@ -26,13 +28,17 @@ class AuditHistory:
         self.audits += 1
         if result.in_sync:
             self.last_in_sync_step = result.step
+            if not result.coverage:
+                self.last_full_sync_step = result.step
             self.last_diverged_tensors = []
         else:
             self.diverged_audits += 1
+            # Parameters first: the summary names a diverged parameter before optimizer entries.
+            names = [m.name for m in sorted(result.mismatches, key=lambda m: m.kind != "param")]
             if self.first_divergence_step is None and not self.first_divergence_tensors:
                 self.first_divergence_step = result.step
-                self.first_divergence_tensors = result.diverged_names
-            self.last_diverged_tensors = result.diverged_names
+                self.first_divergence_tensors = names
+            self.last_diverged_tensors = names
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -40,6 +46,7 @@ class AuditHistory:
             "diverged_audits": self.diverged_audits,
             "resyncs": self.resyncs,
             "last_in_sync_step": self.last_in_sync_step,
+            "last_full_sync_step": self.last_full_sync_step,
             "first_divergence_step": self.first_divergence_step,
             "first_divergence_tensors": list(self.first_divergence_tensors),
             "last_diverged_tensors": list(self.last_diverged_tensors),

@@ -67,13 +67,14 @@ def _choose(cfg: AuditConfig, mismatches: list[Mismatch], layouts: np.ndarray, g
         if nbytes == 0:
             continue
         if nbytes > cfg.max_diff_bytes:
-            m.detail = m.detail or "too large for max_abs_diff"
+            _note(m, "too large for max_abs_diff")
             continue
         moved = nbytes * len(_receivers(layouts, m, i))
         if Schedule.bound_s(planned + moved, grace_s) > cfg.gap_budget_s:
-            m.detail = m.detail or (
+            _note(
+                m,
                 f"gap not measured: moving its reference copy ({moved / 2**20:.1f} MiB) would not fit "
-                f"in gap_budget_s={cfg.gap_budget_s:g}"
+                f"in gap_budget_s={cfg.gap_budget_s:g}",
             )
             continue
         planned += moved
@@ -164,7 +165,7 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
         if bad:
             r = next((r for r in bad if codes[r] == _TIMED_OUT), bad[0])  # the cause, not its echo
             peer = int(table[r, _FIELDS * k + 3])
-            m.detail = "gap not measured: " + _why(int(codes[r]), g[r], g[peer] if peer >= 0 else -1)
+            _note(m, "gap not measured: " + _why(int(codes[r]), g[r], g[peer] if peer >= 0 else -1))
             continue
         diffs = [_i2f(int(table[r, _FIELDS * k])) for r in m.ranks]
         worst = max(diffs, key=lambda v: (math.isnan(v), v))
@@ -174,4 +175,9 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
             rel = 0.0 if worst == 0 else (worst / reference if reference > 0 and math.isfinite(worst) else None)
             m.rel_diff = rel
         if math.isnan(worst) or math.isinf(worst):
-            m.detail = m.detail or "NaN or inf where the reference rank holds another value"
+            _note(m, "NaN or inf where the reference rank holds another value")
+
+
+def _note(m: Mismatch, text: str) -> None:
+    """Add to a mismatch's detail, keeping what is there (a tie vote, a structure note)."""
+    m.detail = f"{text}; {m.detail}" if m.detail else text

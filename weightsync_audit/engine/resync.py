@@ -21,9 +21,11 @@ import torch
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.digest import structure_digest
 from weightsync_audit.engine.hostbytes import host_bytes
 from weightsync_audit.engine.manifest import Entry, as_optimizers, build_manifest
+from weightsync_audit.engine.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.resync_transfer import move_tensors
 from weightsync_audit.engine.shard_resync import resync_shards
 
@@ -56,14 +58,16 @@ def resync(
     module: nn.Module | None,
     optimizer: Any = None,
     *,
-    src: int = 0,
+    src: ResyncSource = 0,
     group: Any = None,
     names: Sequence[str] | None = None,
     timeout_s: float | None = None,
 ) -> None:
     """Broadcast params, buffers and optimizer state (or only ``names``) from rank ``src``, in place.
 
-    Collective over ``group``. ``src`` is a rank of ``group``. Without a process group it does nothing.
+    Collective over ``group``. ``src`` is a rank of ``group``, or ``"majority"``: the ranks audit first
+    and each diverged tensor comes from a rank holding its reference value (see
+    :mod:`weightsync_audit.engine.resync_plan`). Without a process group it does nothing.
     A sharded tensor (DTensor) is copied shard by shard within its peer set, from ``src`` when it holds
     that shard, else from the rank holding the shard's majority value (see docs/sharded.md).
 
@@ -71,6 +75,10 @@ def resync(
     >>> model = torch.nn.Linear(4, 2)
     >>> resync(model)   # no process group: nothing to do
     """
+    src = check_resync_src(src, "src")
+    if src == "majority":
+        _resync_by_majority(module, optimizer, group=group, names=names, timeout_s=timeout_s)
+        return
     comm = Comm(group, timeout_s)
     if not 0 <= src < comm.world_size:
         raise ValueError(f"src={src}: must be a rank of the group (0..{comm.world_size - 1})")
@@ -213,3 +221,19 @@ def _install_state(
             opt.state[p][key] = t.to(device)
         else:
             opt.state[p][key] = ast.literal_eval(spec["v"])
+
+
+def _resync_by_majority(
+    module: nn.Module | None, optimizer: Any, *, group: Any, names: Sequence[str] | None, timeout_s: float | None
+) -> None:
+    """Audit, then resync each diverged tensor from a rank holding its reference value."""
+    auditor = Auditor(module, optimizer, group=group, timeout_s=timeout_s)
+    result = auditor.audit()
+    structural = [m.name for m in result.mismatches if m.kind == "structure"]
+    if structural:
+        raise ValueError(f"cannot resync by majority: the structure differs ({', '.join(structural[:5])})")
+    wanted = set(names) if names is not None else None
+    chosen = [m for m in result.mismatches if wanted is None or m.name in wanted]
+    position = {g: i for i, g in enumerate(auditor.comm.global_ranks)}
+    for source, tensors in plan_resync(chosen, "majority").sources.items():
+        resync(module, optimizer, src=position[source], group=group, names=tensors, timeout_s=timeout_s)

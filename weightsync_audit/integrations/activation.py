@@ -34,6 +34,8 @@ def _convert(key: str, text: str) -> Any:
         return tuple(v for v in text.split("+") if v)
     if text.lower() == "none":
         return None
+    if key == "resync_src" and text == "majority":
+        return text
     if key in ("every_n_train_steps", "resync_src"):
         try:
             return int(text)

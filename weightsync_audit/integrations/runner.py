@@ -23,7 +23,9 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.history import AuditHistory
 from weightsync_audit.engine.resync import resync
+from weightsync_audit.engine.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
+from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
@@ -72,7 +74,7 @@ class AuditRunner:
         include: Sequence[str] = ("params", "buffers", "optimizer"),
         exclude: Sequence[str] = (),
         on_mismatch: OnMismatch = "warn",
-        resync_src: int = 0,
+        resync_src: ResyncSource = 0,
         report_path: Optional[str] = None,
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
@@ -86,8 +88,7 @@ class AuditRunner:
             slices=parse_coverage(coverage),
         )
         self.on_mismatch = check_on_mismatch(on_mismatch)
-        if isinstance(resync_src, bool) or not isinstance(resync_src, int) or resync_src < 0:
-            raise ValueError(f"resync_src={resync_src!r}: must be a rank number >= 0")
+        resync_src = check_resync_src(resync_src)
         if report_path is not None:
             check_report_path(report_path, "report_path")
         self.include = self.config.include
@@ -110,6 +111,10 @@ class AuditRunner:
         self.failures: list[str] = []
         """Audits that failed under ``warn``, noted in the next record written."""
         self._warned_failures: set[str] = set()
+        self.handoff = HistoryHandoff()
+        """The main process's history back to the process that built the runner (ddp_fork/ddp_spawn)."""
+        self.is_main = False
+        self.from_workers = False
 
     # -- set-up and teardown -------------------------------------------------------------------
 
@@ -127,7 +132,8 @@ class AuditRunner:
         (``None``: read it from the wrapper). ``grads_with_optimizer``: the gradient audit also compares
         the optimizer (its state and each group's ``lr``), as it stands right before the step.
         """
-        if self.on_mismatch == "resync" and self.resync_src >= world_size:
+        self.is_main = is_main
+        if self.on_mismatch == "resync" and self.resync_src != "majority" and self.resync_src >= world_size:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
         base = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers)
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
@@ -147,10 +153,14 @@ class AuditRunner:
         self.auditor.setup()
 
     def close(self) -> None:
-        """Close the report (idempotent). The audit channel stays cached for the process's next run."""
+        """Close the report (idempotent), and leave the history for the process that built the runner
+        when that is another one (the parent of ddp_fork/ddp_spawn workers). The audit channel stays
+        cached for the process's next run."""
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.is_main and self.auditor is not None:
+            self.handoff.put(self.history.state_dict())
 
     # -- the audit -----------------------------------------------------------------------------
 
@@ -219,8 +229,10 @@ class AuditRunner:
             self.history.diverged_audits += 1
             if self.history.first_divergence_step is None:
                 self.history.first_divergence_step = result.step
-                self.history.first_divergence_tensors = result.diverged_names
+                ordered = sorted(result.mismatches, key=lambda m: m.kind != "param")  # parameters first
+                self.history.first_divergence_tensors = [m.name for m in ordered]
         result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
+        result.last_full_sync_step = self.history.last_full_sync_step
 
     def _resync(
         self, result: AuditResult, model: Any, optimizers: list[Any], step: int, epoch: int | None, hook: str
@@ -230,21 +242,23 @@ class AuditRunner:
             result.action = "raised"
             result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
             return
-        names = [m.name for m in result.mismatches if m.kind != "grad"]
-        if names:
-            resync(model, optimizers or None, src=self.resync_src, names=names, timeout_s=self.timeout_s)
+        # Each tensor from a rank holding its reference value (engine/resync_plan.py): the same plan on
+        # every rank, from the same record; one broadcast per source rank.
+        plan = plan_resync(result.mismatches, self.resync_src)
+        result.notes.extend(plan.notes)
+        for source, tensors in plan.sources.items():
+            resync(model, optimizers or None, src=source, names=tensors, timeout_s=self.timeout_s)
         assert self.confirm_auditor is not None
         confirm = self.confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
         if confirm.in_sync:
             result.action = "resynced"
-            result.notes.append(
-                f"resynced {len(names)} tensor(s) from rank {self.resync_src}; a full audit confirmed the replicas are in sync"
-            )
+            result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")
             self.history.resyncs += 1
             self.history.last_in_sync_step = step
+            self.history.last_full_sync_step = step
         else:
             result.action = "raised"
-            result.notes.append(f"resync from rank {self.resync_src} did not restore agreement: {confirm.summary()}")
+            result.notes.append(f"resync ({plan.describe()}) did not restore agreement: {confirm.summary()}")
 
     def _publish(
         self, result: AuditResult, is_main: bool, log_metrics: Callable[[dict[str, float]], None] | None
@@ -269,23 +283,35 @@ class AuditRunner:
         self.last_reported = names
 
     def print(self, renderable: Any) -> None:
-        """Print with rich on the main process's console (stderr unless ``console`` is set)."""
-        from rich.console import Console
+        """Print with rich on the main process's console (stderr unless ``console`` is set); off a
+        terminal (CI logs) one line per verdict, never wrapped at 80 columns."""
+        from weightsync_audit.reporting.render import log_console
 
-        console = self.console or Console(file=sys.stderr)
+        console = self.console or log_console(sys.stderr)
         console.print(renderable)
 
     def summary(self, disabled: str | None = None) -> str:
-        """One line over the whole run: audits, the first divergence, resyncs."""
+        """One line over the whole run: audits, the first divergence, resyncs.
+
+        In a process that ran no audit itself (the parent of ddp_fork/ddp_spawn workers) it is the main
+        worker's history, handed back; failing that, the report read back, or a plain statement.
+        """
         h = self.history
         if disabled:
             return f"weightsync audit: not audited ({disabled})"
+        if self.auditor is None and h.audits == 0:
+            state = self.handoff.take()
+            if state is None:
+                return summary_outside_workers(self.report_path)
+            h.load_state_dict(state)
+            self.from_workers = True
+        where = " (audited in the worker processes; this is rank 0's history)" if self.from_workers else ""
         if h.diverged_audits == 0:
             last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
-            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}"
+            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}{where}"
         first = ", ".join(h.first_divergence_tensors[:5])
         return (
             f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
             f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "
-            f"{h.resyncs} resync(s)"
+            f"{h.resyncs} resync(s){where}"
         )

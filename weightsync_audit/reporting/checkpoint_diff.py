@@ -3,7 +3,10 @@
 Accepted inputs: a Lightning ``.ckpt``, a file written by ``torch.save`` (a ``state_dict``, or any
 nesting of dicts, lists and tensors), or a folder of such files (one per rank, say). Files are loaded
 with ``torch.load(..., weights_only=True)``: a file whose unpickling would need to import and call code
-is refused with :class:`UnsafeCheckpointError`, and nothing in it runs.
+is refused with :class:`UnsafeCheckpointError`, and nothing in it runs. Only regular files are opened
+(a FIFO or device is refused, never waited on), and a tensor whose strides make it expand past
+:data:`MAX_EXPANDED_BYTES` beyond its stored bytes (a stride-0 tensor of 2^28 elements in a 1.6 KB file)
+is refused by name instead of being allocated.
 
 Nested containers are flattened to dotted names (``state_dict.backbone.weight``,
 ``optimizer_states.0.state.0.exp_avg``). When exactly one side is a Lightning checkpoint and the other
@@ -52,6 +55,9 @@ CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar")
 
 _STATUSES = ("missing", "extra", "shape", "dtype", "values")
 
+MAX_EXPANDED_BYTES = 256 << 20
+"""How far past its stored bytes a tensor may expand (overlapping strides) before it is refused."""
+
 
 class CheckpointError(ValueError):
     """A checkpoint could not be read (the message says which file and why)."""
@@ -75,6 +81,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"{p}: no such file or folder")
     if p.is_dir():
         raise CheckpointError(f"{p}: is a folder, expected a checkpoint file")
+    if not p.is_file():
+        raise CheckpointError(f"{p}: not a regular file (a FIFO, socket or device); give a checkpoint file")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal below says it all
@@ -233,7 +241,28 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(t.numel(), size)
 
 
+def check_expansion(name: str, t: torch.Tensor, limit: int = MAX_EXPANDED_BYTES) -> None:
+    """Refuse a tensor whose elements take far more bytes than its storage holds (stride tricks).
+
+    Comparing it would materialise every element; a hostile file can ask for gigabytes that way.
+    """
+    if t.layout != torch.strided:
+        return
+    need = t.numel() * t.element_size()
+    try:
+        stored = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        stored = 0
+    if need - stored > limit:
+        raise CheckpointError(
+            f"tensor {name!r}: {t.numel()} elements ({need / 2**30:.1f} GiB) over {stored} stored bytes "
+            f"(strides {list(t.stride())}): expanding it would exceed the limit of {limit >> 20} MiB; refused"
+        )
+
+
 def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None) -> EntryDiff | None:
+    check_expansion(name, a)
+    check_expansion(name, b)
     if a.layout != torch.strided or b.layout != torch.strided:
         a, b = a.to_dense(), b.to_dense()
     if tuple(a.shape) != tuple(b.shape):

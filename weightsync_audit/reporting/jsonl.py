@@ -7,8 +7,10 @@ file ends in a torn line (a crash mid-write), a newline is written first so the 
 and every later record stays readable.
 
 Reading: :func:`read_report` parses every line and never evaluates content (``json.loads`` only). A
-line that is not a valid record is reported with its number and why; a torn last line is said to be
-torn.
+line that is not a valid record is reported with its number and the field that is wrong
+(:mod:`~weightsync_audit.reporting.validate`); no line, however malformed, escapes as another error. A
+torn line (a record cut short by a crash: an object or string left open) is said to be torn wherever it
+is, including before the records of a resumed run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any, Mapping
 
 from weightsync_audit.errors import ReportFormatError, WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.validate import loads_record
 
 __all__ = ["ReportWriter", "ReportContents", "read_report", "check_report_path"]
 
@@ -196,7 +199,39 @@ class ReportContents:
 
     @property
     def torn_last_line(self) -> bool:
-        return bool(self.errors) and self.errors[-1].torn
+        """The file ends in a torn line (no record after it)."""
+        if not self.errors or not self.errors[-1].torn:
+            return False
+        return not self.records or self.records[-1][0] < (self.errors[-1].line or 0)
+
+
+def cut_short(text: str) -> bool:
+    """Whether ``text`` reads as the start of a JSON object cut off mid-way (a string or bracket left open).
+
+    >>> cut_short('{"schema":"weightsync-audit/1","step":4,"mism'), cut_short('{"a": 1}}')
+    (True, False)
+    """
+    stripped = text.strip()
+    if not stripped.startswith("{"):
+        return False
+    depth, in_str, escaped = 0, False, False
+    for ch in stripped:
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth <= 0:
+                return False  # closed (or over-closed) before the end: corrupt, not cut short
+    return in_str or depth > 0
 
 
 def read_report(path: str | os.PathLike[str]) -> ReportContents:
@@ -218,14 +253,26 @@ def read_report(path: str | os.PathLike[str]) -> ReportContents:
             out.errors.append(ReportFormatError(f"line {i}: not UTF-8 text ({exc.reason})", i, torn))
             continue
         try:
-            obj = json.loads(text)
+            obj = loads_record(text)
+        except ReportFormatError as exc:
+            out.errors.append(ReportFormatError(f"line {i}: not a valid record: {exc}", i, False))
+            continue
         except json.JSONDecodeError as exc:
+            torn = torn or cut_short(text)
+            later = "" if last else "; later records follow (the run resumed)"
             why = (
-                "torn (cut short, most likely by a crash while writing)"
+                f"torn (cut short, most likely by a crash while writing{later})"
                 if torn
                 else f"not JSON ({exc.msg} at column {exc.colno})"
             )
             out.errors.append(ReportFormatError(f"line {i}: {why}", i, torn))
+            continue
+        except RecursionError:
+            out.errors.append(ReportFormatError(f"line {i}: not a valid record: nested too deeply", i, False))
+            continue
+        except ValueError as exc:  # e.g. an integer of more than 4300 digits
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            out.errors.append(ReportFormatError(f"line {i}: not a valid record: {first}", i, False))
             continue
         try:
             out.records.append((i, AuditResult.from_dict(obj)))

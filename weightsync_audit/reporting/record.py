@@ -1,7 +1,8 @@
 """What is reported: :class:`AuditResult` and :class:`Mismatch`, and the JSON record they make.
 
 The record (``schema: "weightsync-audit/1"``) is the public contract: one JSON object per audit.
-``from_dict`` validates a record and says which field is wrong, so a report reader can name the line.
+``from_dict`` validates a record (:mod:`weightsync_audit.reporting.validate`) and says which field is
+wrong, so a report reader can name the line.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Iterable, Literal, Mapping, get_args
 
-from weightsync_audit.errors import ReportFormatError
-from weightsync_audit.text import brief_names
+from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
+from weightsync_audit.reporting.validate import CHECKED_KINDS, validate_mismatch, validate_record
+from weightsync_audit.reporting.validate import MISMATCH_KINDS as VALID_KINDS
+from weightsync_audit.text import brief_names, fmt_ranks, is_tie
 
 __all__ = ["ACTIONS", "MISMATCH_KINDS", "SCHEMA", "Action", "AuditResult", "Kind", "Mismatch"]
 
@@ -23,7 +26,8 @@ Kind = Literal["param", "buffer", "optimizer", "grad", "structure"]
 """What a mismatched tensor is; ``structure`` when it is missing or has another shape or dtype somewhere."""
 ACTIONS: tuple[str, ...] = get_args(Action)
 MISMATCH_KINDS: tuple[str, ...] = get_args(Kind)
-_CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
+_CHECKED_KINDS = CHECKED_KINDS
+assert ACTIONS == VALID_ACTIONS and MISMATCH_KINDS == VALID_KINDS, "one list of actions and kinds"
 
 
 def _now() -> str:
@@ -71,37 +75,19 @@ class Mismatch:
             d["shard"] = dict(self.shard)
         return d
 
+    @property
+    def tie(self) -> bool:
+        """The reference was decided by a tie vote, not a majority (``detail`` names the sides)."""
+        return is_tie(self.detail)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Mismatch:
-        _require(d, "mismatch", {"name": str, "kind": str, "ranks": list, "reference_ranks": list})
-        if d["kind"] not in MISMATCH_KINDS:
-            raise ReportFormatError(f"mismatch kind {d['kind']!r} is not one of {list(MISMATCH_KINDS)}")
-        for key in ("ranks", "reference_ranks"):
-            if not all(isinstance(r, int) and not isinstance(r, bool) for r in d[key]):
-                raise ReportFormatError(f"mismatch {key} must be a list of integers, got {d[key]!r}")
-        shape = d.get("shape")
-        if shape is not None and not (isinstance(shape, list) and all(isinstance(s, int) for s in shape)):
-            raise ReportFormatError(f"mismatch shape must be a list of integers or null, got {shape!r}")
-        diff = d.get("max_abs_diff")
-        if diff is not None and (isinstance(diff, bool) or not isinstance(diff, (int, float))):
-            raise ReportFormatError(f"mismatch max_abs_diff must be a number or null, got {diff!r}")
-        shard = d.get("shard")
-        if shard is not None and not (
-            isinstance(shard, dict)
-            and all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in shard.items())
-        ):
-            raise ReportFormatError(f"mismatch shard must be an object of mesh dimension -> integer, got {shard!r}")
-        return cls(
-            name=d["name"],
-            kind=d["kind"],
-            ranks=list(d["ranks"]),
-            reference_ranks=list(d["reference_ranks"]),
-            shape=list(shape) if shape is not None else None,
-            dtype=d.get("dtype"),
-            max_abs_diff=float(diff) if diff is not None else None,
-            detail=d.get("detail"),
-            shard=dict(shard) if shard is not None else None,
-        )
+        """Rebuild a mismatch; :class:`ReportFormatError` names the field that is wrong."""
+        return cls._from_valid(validate_mismatch(dict(d) if isinstance(d, Mapping) else d))
+
+    @classmethod
+    def _from_valid(cls, v: dict[str, Any]) -> Mismatch:
+        return cls(**{k: v[k] for k in _MISMATCH_ARGS})
 
 
 @dataclass(slots=True)
@@ -128,6 +114,18 @@ class AuditResult:
     notes: list[str] = field(default_factory=list)
     coverage: str | None = None
     """``"k/n"`` in sampled mode: this audit hashed slice k of n of every large tensor."""
+    last_full_sync_step: int | None = None
+    """The last step at which an audit read every byte (no sampling) and found the ranks in sync."""
+
+    @property
+    def sampled(self) -> bool:
+        """This audit read a share of each large tensor only (``coverage`` says which)."""
+        return bool(self.coverage)
+
+    @property
+    def lead_mismatch(self) -> Mismatch | None:
+        """The mismatch to name first: a parameter where one differs, else the first listed."""
+        return next((m for m in self.mismatches if m.kind == "param"), self.mismatches[0] if self.mismatches else None)
 
     @property
     def diverged_names(self) -> list[str]:
@@ -154,63 +152,58 @@ class AuditResult:
             d["notes"] = list(self.notes)
         if self.coverage:
             d["coverage"] = self.coverage
+        if self.coverage or self.last_full_sync_step is not None:
+            d["last_full_sync_step"] = self.last_full_sync_step
         return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> AuditResult:
-        """Rebuild a result from a record; :class:`ReportFormatError` names what is wrong."""
-        if not isinstance(d, Mapping):
-            raise ReportFormatError(f"a record must be a JSON object, got {type(d).__name__}")
-        if d.get("schema") != SCHEMA:
-            raise ReportFormatError(f"schema is {d.get('schema')!r}, expected {SCHEMA!r}")
-        _require(
-            d,
-            "record",
-            {"in_sync": bool, "world_size": int, "mismatches": list, "hints": list, "checked": dict, "action": str},
-        )
-        for key in ("step", "epoch", "last_in_sync_step"):
-            v = d.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ReportFormatError(f"{key} must be an integer or null, got {v!r}")
-        if d["action"] not in ACTIONS:
-            raise ReportFormatError(f"action {d['action']!r} is not one of {list(ACTIONS)}")
-        mismatches = [Mismatch.from_dict(m) if isinstance(m, Mapping) else _bad_mismatch(m) for m in d["mismatches"]]
-        if d["in_sync"] and mismatches:
-            raise ReportFormatError("in_sync is true but mismatches are listed")
+        """Rebuild a result from a record; :class:`ReportFormatError` names the field that is wrong."""
+        v = validate_record(dict(d) if isinstance(d, Mapping) else d)
         return cls(
-            in_sync=d["in_sync"],
-            step=d.get("step"),
-            epoch=d.get("epoch"),
-            world_size=d["world_size"],
-            mismatches=mismatches,
-            hints=[str(h) for h in d["hints"]],
-            checked={k: int(d["checked"].get(k, 0)) for k in _CHECKED_KINDS},
-            hook=d.get("hook"),
-            action=d["action"],
-            last_in_sync_step=d.get("last_in_sync_step"),
-            duration_ms=float(d.get("duration_ms") or 0.0),
-            time=str(d.get("time") or ""),
-            notes=[str(n) for n in d.get("notes", [])],
-            coverage=d.get("coverage"),
+            in_sync=v["in_sync"],
+            step=v["step"],
+            epoch=v["epoch"],
+            world_size=v["world_size"],
+            mismatches=[Mismatch._from_valid(m) for m in v["mismatches"]],
+            hints=v["hints"],
+            checked={k: v["checked"][k] for k in _CHECKED_KINDS},
+            hook=v["hook"],
+            action=v["action"],
+            last_in_sync_step=v["last_in_sync_step"],
+            duration_ms=v["duration_ms"],
+            time=v["time"],
+            notes=v["notes"],
+            coverage=v["coverage"],
+            last_full_sync_step=v["last_full_sync_step"],
         )
 
     def summary(self) -> str:
-        """One line: what was checked and what differs."""
+        """One line: what was checked and what differs (and, when sampled, what share was read)."""
         where = f"step {self.step}" if self.step is not None else "audit"
         if self.epoch is not None:
             where += f" (epoch {self.epoch})"
         n = sum(self.checked.values())
+        share = f", sampled: read {self.coverage} of each large tensor" if self.coverage else ""
         if self.in_sync:
-            return f"{where}: in sync across {self.world_size} rank(s), {n} tensors checked"
+            return f"{where}: in sync across {self.world_size} rank(s), {n} tensors checked{share}"
         ranks = sorted({r for m in self.mismatches for r in m.ranks})
+        lead = self.lead_mismatch
+        assert lead is not None
+        ties = [m for m in self.mismatches if m.tie]
+        tie = ""
+        if ties:
+            sides = sorted({r for m in ties for r in m.reference_ranks}), sorted({r for m in ties for r in m.ranks})
+            tie = f"; TIE vote on {len(ties)}: {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])}, no majority"
         return (
             f"{where}: DIVERGED, {len(self.mismatches)} of {n} tensors differ on rank(s) {ranks}"
-            f" (first: {self.mismatches[0].name})"
+            f" (first: {lead.name}){tie}{share}"
         )
 
     def divergence_message(self) -> str:
         """The message of the :class:`~weightsync_audit.WeightDivergenceError` this result raises."""
-        names = brief_names((m.name for m in self.mismatches), 5)
+        ordered = sorted(self.mismatches, key=lambda m: m.kind != "param")
+        names = brief_names((m.name for m in ordered), 5)
         message = (
             f"weights diverged across ranks at step {self.step}: {len(self.mismatches)} tensor(s) differ ({names})"
         )
@@ -224,15 +217,4 @@ class AuditResult:
         yield from render_result(self)
 
 
-def _bad_mismatch(m: Any) -> Mismatch:
-    raise ReportFormatError(f"each mismatch must be a JSON object, got {m!r}")
-
-
-def _require(d: Mapping[str, Any], what: str, fields: Mapping[str, type]) -> None:
-    for key, typ in fields.items():
-        if key not in d:
-            raise ReportFormatError(f"{what} lacks the field {key!r}")
-        v = d[key]
-        ok = isinstance(v, typ) and not (typ is int and isinstance(v, bool))
-        if not ok:
-            raise ReportFormatError(f"{what} field {key!r} must be {typ.__name__}, got {v!r}")
+_MISMATCH_ARGS = ("name", "kind", "ranks", "reference_ranks", "shape", "dtype", "max_abs_diff", "detail", "shard")

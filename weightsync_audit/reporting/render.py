@@ -6,16 +6,35 @@ It draws anything shaped like a record (the protocols below), so the record can 
 
 from __future__ import annotations
 
-from typing import Iterator, Protocol, Sequence
+import sys
+from typing import IO, Iterator, Protocol, Sequence
 
-from rich.console import Group, RenderableType
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.text import fmt_shard, layer_of
+from weightsync_audit.text import fmt_ranks, fmt_shard, is_tie, layer_of
 
-__all__ = ["MismatchLike", "ResultLike", "mismatch_table", "render_group", "render_result"]
+__all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render_group", "render_result"]
+
+_NO_WRAP_WIDTH = 10_000
+"""Console width off a terminal: wide enough that no verdict, table row or hint is ever wrapped."""
+
+
+def log_console(file: IO[str] | None = None) -> Console:
+    """A console for reports: as usual on a terminal; elsewhere (CI logs, pipes, files) one line per
+    verdict, never wrapped at 80 columns, so a log line can be grepped whole.
+
+    >>> import io
+    >>> log_console(io.StringIO()).width
+    10000
+    """
+    file = file if file is not None else sys.stdout
+    console = Console(file=file)
+    if console.is_terminal:
+        return console
+    return Console(file=file, soft_wrap=True, width=_NO_WRAP_WIDTH)
 
 
 class MismatchLike(Protocol):
@@ -37,6 +56,8 @@ class ResultLike(Protocol):
 
     in_sync: bool
     last_in_sync_step: int | None
+    last_full_sync_step: int | None
+    coverage: str | None
     hints: list[str]
     notes: list[str]
 
@@ -48,6 +69,14 @@ class ResultLike(Protocol):
 
 def _fmt_diff(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+def _untied(detail: str | None) -> str | None:
+    """A detail without its tie words: the table marks a tie in the ranks column instead."""
+    if not is_tie(detail):
+        return detail
+    kept = [p for p in str(detail).split("; ") if not is_tie(p)]
+    return "; ".join(kept) or None
 
 
 def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
@@ -75,11 +104,11 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
                 # Names and details are data: escaped, so a name like "w[red]" is shown, never styled.
                 escape(short)
                 + (f" [magenta]\\[shard {escape(fmt_shard(m.shard))}][/magenta]" if m.shard else "")
-                + (f"  [dim]({escape(m.detail)})[/dim]" if m.detail else ""),
+                + (f"  [dim]({escape(detail)})[/dim]" if (detail := _untied(m.detail)) else ""),
                 m.kind,
                 "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
                 m.dtype or "-",
-                ",".join(map(str, m.ranks)),
+                ",".join(map(str, m.ranks)) + (" (tie)" if is_tie(m.detail) else ""),
                 ",".join(map(str, m.reference_ranks)),
                 _fmt_diff(m.max_abs_diff),
             )
@@ -92,6 +121,21 @@ def render_result(result: ResultLike) -> Iterator[RenderableType]:
     yield Text("weightsync audit: " + result.summary(), style=style)
     if result.last_in_sync_step is not None and not result.in_sync:
         yield Text(f"last in sync at step {result.last_in_sync_step}", style="dim")
+    ties = [m for m in result.mismatches if is_tie(m.detail)]
+    if ties:
+        sides = sorted({r for m in ties for r in m.reference_ranks}), sorted({r for m in ties for r in m.ranks})
+        yield Text(
+            f"tie: {len(ties)} tensor(s) split {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])} in equal numbers; "
+            "no majority, so the side called the reference may be the diverged one",
+            style="bold yellow",
+        )
+    if result.coverage:
+        full = result.last_full_sync_step
+        yield Text(
+            f"sampled: this audit read {result.coverage} of each large tensor; last full verification in sync: "
+            + ("never" if full is None else f"step {full}"),
+            style="yellow",
+        )
     if result.mismatches:
         yield mismatch_table(result.mismatches)
     for hint in result.hints:

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n
 from weightsync_audit.reporting.record import AuditResult
@@ -72,7 +73,10 @@ class WeightSyncAuditMixin:
         on_mismatch: ``warn`` (report on rank 0 when a divergence appears or changes), ``raise``
             (``WeightDivergenceError`` on every rank at the same point), ``resync`` (broadcast the
             diverged tensors from ``resync_src`` and confirm).
-        resync_src: the rank whose values win in ``resync``.
+        resync_src: the rank whose values win in ``resync``, for each tensor it holds the reference
+            (majority) value of; a tensor where it holds a minority value comes from a majority holder
+            instead, and the record's notes say so. ``"majority"``: every tensor from a rank holding
+            its reference value.
         report_path: JSONL file that global rank 0 appends one record per audit to.
         timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
         coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
@@ -91,7 +95,7 @@ class WeightSyncAuditMixin:
         include: Sequence[str] = ("params", "buffers", "optimizer"),
         exclude: Sequence[str] = (),
         on_mismatch: OnMismatch = "warn",
-        resync_src: int = 0,
+        resync_src: ResyncSource = 0,
         report_path: Optional[str] = None,
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,

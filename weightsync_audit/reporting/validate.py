@@ -1,0 +1,328 @@
+"""One strict validation of a report record, shared by ``AuditResult.from_dict``, ``check``, ``show``
+and ``--plot``.
+
+The checks are a table: one line per field (:data:`RECORD_FIELDS`, :data:`MISMATCH_FIELDS`), so a new
+field is one new line. Every malformed field raises :class:`~weightsync_audit.errors.ReportFormatError`
+naming the field (``mismatches[0].detail``) and the value; nothing else ever escapes (no ``TypeError``,
+``OverflowError`` or ``RecursionError`` from odd values). Fields the table does not know are accepted and
+ignored, so a reader keeps working on records written by a newer writer.
+
+>>> validate_record({"schema": "weightsync-audit/1", "in_sync": True, "world_size": 2, "mismatches": [],
+...                  "hints": [], "checked": {"param": 2}, "action": "none"})["checked"]["param"]
+2
+>>> validate_record({"schema": "weightsync-audit/1", "in_sync": True, "world_size": 2, "mismatches": [],
+...                  "hints": [], "checked": {"param": 2}, "action": "none", "notes": "abc"})
+Traceback (most recent call last):
+...
+weightsync_audit.errors.ReportFormatError: field 'notes' must be a list of strings, got 'abc'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from weightsync_audit.errors import ReportFormatError
+
+__all__ = [
+    "SCHEMA",
+    "ACTIONS",
+    "MISMATCH_KINDS",
+    "CHECKED_KINDS",
+    "FieldSpec",
+    "RECORD_FIELDS",
+    "MISMATCH_FIELDS",
+    "validate_record",
+    "validate_mismatch",
+    "loads_record",
+    "OversizedNumber",
+]
+
+SCHEMA = "weightsync-audit/1"
+ACTIONS = ("none", "warned", "raised", "resynced")
+MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
+CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
+
+_INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
+_COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")
+_MAX_DIGITS = 40
+_MAX_DEPTH = 200
+"""Deeper JSON than this is refused before parsing (records nest 4 levels; Python's parser recurses)."""
+
+
+class OversizedNumber:
+    """A JSON number too long to be a step or a count, kept as its text so the field can be named."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"a number of {len(self.text)} digits"
+
+
+class NonFinite:
+    """``NaN``, ``Infinity`` or ``-Infinity`` in a line: not JSON, kept so the field can be named."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _parse_int(text: str) -> int | OversizedNumber:
+    return OversizedNumber(text) if len(text) > _MAX_DIGITS else int(text)
+
+
+def _deep_field(text: str, limit: int) -> str | None:
+    """The top-level field whose value nests deeper than ``limit``, or ``"(record)"``; None when none does."""
+    depth, in_str, escaped, key, last_str, start = 0, False, False, None, None, 0
+    for i, ch in enumerate(text):
+        if in_str:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str, last_str = False, text[start:i]
+        elif ch == '"':
+            in_str, start = True, i + 1
+        elif ch == ":" and depth == 1:
+            key = last_str
+        elif ch in "{[":
+            depth += 1
+            if depth > limit:
+                return key if key is not None else "(record)"
+        elif ch in "}]":
+            depth -= 1
+    return None
+
+
+def loads_record(text: str) -> Any:
+    """``json.loads`` for one report line, hardened: never a ``RecursionError`` or a giant-integer
+    ``ValueError``; overlong numbers and NaN/Infinity are kept as markers the validation names.
+
+    Raises ``json.JSONDecodeError`` for text that is not JSON, :class:`ReportFormatError` for nesting.
+    """
+    if text.count("[") + text.count("{") > _MAX_DEPTH:
+        deep = _deep_field(text, _MAX_DEPTH)
+        if deep is not None:
+            where = "the record" if deep == "(record)" else f"field {deep!r}"
+            raise ReportFormatError(f"{where} is nested more than {_MAX_DEPTH} levels deep")
+    return json.loads(text, parse_int=_parse_int, parse_constant=NonFinite)
+
+
+Check = Callable[[Any, str], Any]
+"""``check(value, field_path)`` returns the value to keep, or raises ReportFormatError."""
+
+
+def _show(v: Any) -> str:
+    """A short, safe rendering of any value for a message (huge, deep or odd values included)."""
+    try:
+        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+            return f"an integer of {v.bit_length()} bits"
+        text = repr(v)
+    except Exception:  # noqa: BLE001 - RecursionError, ValueError on giant ints: describe it instead
+        return f"a {type(v).__name__} too deep or too large to show"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(path: str, must: str, v: Any) -> ReportFormatError:
+    return ReportFormatError(f"field {path!r} must be {must}, got {_show(v)}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT_LIMIT < v < _INT_LIMIT
+
+
+def integer(minimum: int | None = None) -> Check:
+    must = "an integer" + ("" if minimum is None else f" >= {minimum}")
+
+    def check(v: Any, path: str) -> int:
+        if not _is_int(v) or (minimum is not None and v < minimum):
+            raise _fail(path, must, v)
+        return int(v)
+
+    return check
+
+
+def number(v: Any, path: str) -> float:
+    """A finite number >= 0 (a gap, a duration)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _fail(path, "a finite number >= 0", v)
+    try:
+        x = float(v)
+    except OverflowError:
+        raise _fail(path, "a finite number >= 0", v) from None
+    if not math.isfinite(x) or x < 0:
+        raise _fail(path, "a finite number >= 0", v)
+    return x
+
+
+def string(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise _fail(path, "a string", v)
+    return v
+
+
+def boolean(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):
+        raise _fail(path, "true or false", v)
+    return v
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+    def check(v: Any, path: str) -> str:
+        if not isinstance(v, str) or v not in choices:
+            raise _fail(path, f"one of {list(choices)}", v)
+        return v
+
+    return check
+
+
+def optional(inner: Check) -> Check:
+    """``inner``, or null."""
+
+    def check(v: Any, path: str) -> Any:
+        if v is None:
+            return None
+        try:
+            return inner(v, path)
+        except ReportFormatError as exc:
+            raise ReportFormatError(f"{exc} (or null)") from None
+
+    return check
+
+
+def list_of(inner: Check, what: str) -> Check:
+    def check(v: Any, path: str) -> list[Any]:
+        if not isinstance(v, list):
+            raise _fail(path, f"a list of {what}", v)
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(inner(x, f"{path}[{i}]"))
+            except ReportFormatError:
+                raise _fail(path, f"a list of {what}", v) from None
+        return out
+
+    return check
+
+
+def coverage(v: Any, path: str) -> str:
+    if not isinstance(v, str) or not _COVERAGE.fullmatch(v):
+        raise _fail(path, 'a share such as "1/8"', v)
+    k, n = (int(x) for x in v.split("/"))
+    if k > n:
+        raise _fail(path, 'a share such as "1/8" (k/n with k <= n)', v)
+    return v
+
+
+def checked_counts(v: Any, path: str) -> dict[str, int]:
+    """Tensors checked per kind; the known kinds default to 0, other kinds must be counts too."""
+    if not isinstance(v, dict):
+        raise _fail(path, "an object of counts per kind", v)
+    count = integer(0)
+    out = dict.fromkeys(CHECKED_KINDS, 0)
+    for k, n in v.items():
+        out[str(k)] = count(n, f"{path}.{k}")
+    return out
+
+
+def shard_coords(v: Any, path: str) -> dict[str, int]:
+    """Mesh coordinates of a shard: ``{"dp": 0}``."""
+    if not isinstance(v, dict) or not all(isinstance(k, str) and _is_int(x) and x >= 0 for k, x in v.items()):
+        raise _fail(path, "an object of mesh dimension -> integer >= 0", v)
+    return dict(v)
+
+
+def mismatch_list(v: Any, path: str) -> list[dict[str, Any]]:
+    if not isinstance(v, list):
+        raise _fail(path, "a list of mismatch objects", v)
+    return [validate_mismatch(m, f"{path}[{i}]") for i, m in enumerate(v)]
+
+
+@dataclass(frozen=True, slots=True)
+class FieldSpec:
+    """How one field is checked: ``check`` its value; ``required`` or else ``default``."""
+
+    check: Check
+    required: bool = False
+    default: Any = None
+
+
+_RANKS = list_of(integer(0), "ranks (integers >= 0)")
+
+MISMATCH_FIELDS: dict[str, FieldSpec] = {
+    "name": FieldSpec(string, required=True),
+    "kind": FieldSpec(one_of(MISMATCH_KINDS), required=True),
+    "ranks": FieldSpec(_RANKS, required=True),
+    "reference_ranks": FieldSpec(_RANKS, required=True),
+    "shape": FieldSpec(optional(list_of(integer(0), "sizes (integers >= 0)"))),
+    "dtype": FieldSpec(optional(string)),
+    "max_abs_diff": FieldSpec(optional(number)),
+    "detail": FieldSpec(optional(string)),
+    "shard": FieldSpec(optional(shard_coords)),
+}
+"""One line per field of a mismatch; fields not listed are accepted and ignored."""
+
+RECORD_FIELDS: dict[str, FieldSpec] = {
+    "schema": FieldSpec(one_of((SCHEMA,)), required=True),
+    "in_sync": FieldSpec(boolean, required=True),
+    "time": FieldSpec(optional(string), default=""),
+    "step": FieldSpec(optional(integer())),
+    "epoch": FieldSpec(optional(integer())),
+    "hook": FieldSpec(optional(string)),
+    "world_size": FieldSpec(integer(1), required=True),
+    "last_in_sync_step": FieldSpec(optional(integer())),
+    "last_full_sync_step": FieldSpec(optional(integer())),
+    "checked": FieldSpec(checked_counts, required=True),
+    "mismatches": FieldSpec(mismatch_list, required=True),
+    "hints": FieldSpec(list_of(string, "strings"), required=True),
+    "action": FieldSpec(one_of(ACTIONS), required=True),
+    "duration_ms": FieldSpec(optional(number), default=0.0),
+    "notes": FieldSpec(list_of(string, "strings"), default=[]),
+    "coverage": FieldSpec(optional(coverage)),
+}
+"""One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
+
+
+def _validate(d: Any, table: Mapping[str, FieldSpec], what: str, prefix: str) -> dict[str, Any]:
+    if not isinstance(d, dict):
+        raise ReportFormatError(f"{what} must be a JSON object, got {_show(d)}")
+    out: dict[str, Any] = {}
+    for key, spec in table.items():
+        path = f"{prefix}{key}"
+        if key not in d:
+            if spec.required:
+                raise ReportFormatError(f"{what} lacks the field {path!r}")
+            out[key] = list(spec.default) if isinstance(spec.default, list) else spec.default
+            continue
+        value = spec.check(d[key], path)
+        out[key] = spec.default if value is None and spec.default is not None else value
+    return out
+
+
+def validate_mismatch(d: Any, path: str = "mismatch") -> dict[str, Any]:
+    """A mismatch object checked field by field; returns its known fields, normalised."""
+    return _validate(d, MISMATCH_FIELDS, f"field {path!r}" if path != "mismatch" else "a mismatch", f"{path}.")
+
+
+def validate_record(d: Any) -> dict[str, Any]:
+    """A record checked field by field and as a whole; returns its known fields, normalised.
+
+    Raises :class:`~weightsync_audit.errors.ReportFormatError` naming the first bad field.
+    """
+    out = _validate(d, RECORD_FIELDS, "a record", "")
+    if out["in_sync"] and out["mismatches"]:
+        raise ReportFormatError("in_sync is true but mismatches are listed (field 'in_sync')")
+    if not out["in_sync"] and not out["mismatches"]:
+        raise ReportFormatError("in_sync is false but no mismatch is listed (field 'in_sync')")
+    return out
