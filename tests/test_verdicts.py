@@ -84,11 +84,14 @@ def _minority_source(rank: int, world: int, mode: str) -> dict[str, Any]:
         with torch.no_grad():
             model[2].bias += 1.0
     healthy = model[2].bias.detach().clone() if rank == 1 else None
-    if mode == "callback":
-        cb = WeightSyncAudit(on_mismatch="resync", resync_src=0)
-        cb._auditor = Auditor(include=("params", "buffers", "optimizer"))
-        result = cb._auditor.audit(model, opt, step=3)
-        cb._resync(None, result, model, [opt], 3, 0, "on_train_batch_end")
+    if mode == "callback":  # the callbacks' runner, as WeightSyncAudit(on_mismatch="resync") drives it
+        from weightsync_audit.integrations.runner import AuditRunner
+
+        runner = AuditRunner(on_mismatch="resync", resync_src=0, verbose=False)
+        runner.open(world_size=world, is_main=rank == 0)
+        result = runner.run(model, [opt], step=3, epoch=0, hook="on_train_batch_end", is_main=rank == 0)
+        runner.close()
+        assert result is not None
         notes, action = result.notes, result.action
     else:
         resync(model, opt, src="majority")
