@@ -28,7 +28,7 @@ class HistoryHandoff:
     """A file through which a worker's audit history reaches the process that built the callback.
 
     >>> h = HistoryHandoff()
-    >>> h.put({"audits": 3})
+    >>> h.put({"audits": 3}, force=True)   # a worker process writes without force
     >>> h.take()
     {'audits': 3}
     >>> h.take() is None
@@ -40,8 +40,11 @@ class HistoryHandoff:
         self.path = Path(tempfile.gettempdir()) / f"weightsync-audit-history-{self.owner}-{uuid.uuid4().hex}.json"
         atexit.register(self._cleanup)
 
-    def put(self, state: dict[str, Any]) -> None:
-        """Leave ``state`` for the owner (atomically; a failure to write only costs the hand-off)."""
+    def put(self, state: dict[str, Any], *, force: bool = False) -> None:
+        """Leave ``state`` for the owner when this is another process (atomically; a failure to write
+        only costs the hand-off). In the owner itself the history is already at hand: nothing is written."""
+        if os.getpid() == self.owner and not force:
+            return
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         try:
             tmp.write_text(json.dumps(state))
