@@ -18,6 +18,7 @@ from torch import nn
 from weightsync_audit import Auditor, audit
 from weightsync_audit.compat import default_store
 from weightsync_audit.engine.digest import digest_tensors
+from weightsync_audit.text import without_tie
 
 
 class FakeDevice(torch.Tensor):
@@ -48,7 +49,7 @@ def _weights_plus_half(rank: int, world: int, layout: str) -> list[tuple[str, fl
         with torch.no_grad():
             model.weight += 0.5
     result = audit(model, include=("params",), timeout_s=30)
-    return [(m.name, m.max_abs_diff, m.detail) for m in result.mismatches]
+    return [(m.name, m.max_abs_diff, without_tie(m.detail)) for m in result.mismatches]
 
 
 @pytest.mark.parametrize("layout", ["channels_last", "transposed"])
@@ -99,7 +100,7 @@ def _big_divergence(rank: int, world: int, mib: int) -> dict[str, Any]:
         t0 = time.monotonic()
         result = audit(model, include=("buffers",), timeout_s=10)
         out["seconds"] = time.monotonic() - t0
-        out["gaps"] = [(m.name, m.max_abs_diff, m.detail) for m in result.mismatches]
+        out["gaps"] = [(m.name, m.max_abs_diff, without_tie(m.detail)) for m in result.mismatches]
 
     out["extra"] = peak_extra_bytes(run)
     return out
@@ -178,12 +179,12 @@ def _gap_transfer_fails(rank: int, world: int) -> list[Any]:
     out = []
     first = auditor.audit(step=1)
     DataPlane.send = sent  # type: ignore[method-assign]
-    out.append([(m.name, m.max_abs_diff, m.detail) for m in first.mismatches])
+    out.append([(m.name, m.max_abs_diff, without_tie(m.detail)) for m in first.mismatches])
     second = auditor.audit(step=2)  # a fresh data plane: measured again
-    out.append([(m.name, m.max_abs_diff, m.detail) for m in second.mismatches])
+    out.append([(m.name, m.max_abs_diff, without_tie(m.detail)) for m in second.mismatches])
     auditor.config.gap_budget_s = 0.5  # less than the grace alone: nothing fits
     third = auditor.audit(step=3)
-    out.append([(m.name, m.max_abs_diff, m.detail) for m in third.mismatches])
+    out.append([(m.name, m.max_abs_diff, without_tie(m.detail)) for m in third.mismatches])
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["COMPARED_NOTES", "TIE_PREFIX", "brief_names", "fmt_ranks", "fmt_shard", "is_tie", "layer_of"]
+__all__ = ["COMPARED_NOTES", "TIE_PREFIX", "brief_names", "fmt_ranks", "fmt_shard", "is_tie", "layer_of", "without_tie"]
 
 #: Openings of the notes that say what an audit could not compare (``check`` prints them).
 COMPARED_NOTES = ("no parameters were compared", "no replica to compare")
@@ -24,6 +24,18 @@ def is_tie(detail: str | None) -> bool:
     True
     """
     return bool(detail) and TIE_PREFIX + ":" in str(detail)
+
+
+def without_tie(detail: str | None) -> str | None:
+    """A mismatch ``detail`` without its tie words (``None`` when nothing else is left).
+
+    >>> without_tie("gap not measured: late; tie vote: rank 0 vs rank 1, no majority (...)")
+    'gap not measured: late'
+    """
+    if not is_tie(detail):
+        return detail
+    kept = [p for p in str(detail).split("; ") if not p.startswith(TIE_PREFIX + ":")]
+    return "; ".join(kept) or None
 
 
 def brief_names(names: Iterable[str], limit: int = 6) -> str:

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.text import fmt_ranks, fmt_shard, is_tie, layer_of
+from weightsync_audit.text import fmt_ranks, fmt_shard, is_tie, layer_of, without_tie
 
 __all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render_group", "render_result"]
 
@@ -71,14 +71,6 @@ def _fmt_diff(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def _untied(detail: str | None) -> str | None:
-    """A detail without its tie words: the table marks a tie in the ranks column instead."""
-    if not is_tie(detail):
-        return detail
-    kept = [p for p in str(detail).split("; ") if not is_tie(p)]
-    return "; ".join(kept) or None
-
-
 def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
     """A table of mismatches grouped by layer."""
     table = Table(title=title, show_lines=False, header_style="bold")
@@ -104,7 +96,7 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
                 # Names and details are data: escaped, so a name like "w[red]" is shown, never styled.
                 escape(short)
                 + (f" [magenta]\\[shard {escape(fmt_shard(m.shard))}][/magenta]" if m.shard else "")
-                + (f"  [dim]({escape(detail)})[/dim]" if (detail := _untied(m.detail)) else ""),
+                + (f"  [dim]({escape(detail)})[/dim]" if (detail := without_tie(m.detail)) else ""),
                 m.kind,
                 "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
                 m.dtype or "-",
