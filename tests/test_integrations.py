@@ -112,6 +112,15 @@ def test_hf_trainer_resync_repairs_the_nudge_and_ends_bit_identical(runs: dict[s
     assert got[0]["digests"][0] == got[0]["digests"][1]
 
 
+def test_hf_trainer_with_pinpoint_audited_every_5_steps_names_step_3_where_the_nudge_was(
+    runs: dict[str, Any],
+) -> None:
+    records = scenario(runs, "hf_pinpoint")[0]["records"]
+    first_bad = next(r for r in records if not r["in_sync"])
+    assert first_bad["step"] == 5 and all(r["in_sync"] for r in records if r["step"] < 5)
+    assert (first_bad["pinpoint"], first_bad["first_diverged_step"], first_bad["last_in_sync_step"]) == ("exact", 3, 2)
+
+
 def test_hf_trainer_batchnorm_no_false_alarm_under_default_ddp_and_real_buffers_without_broadcast(
     runs: dict[str, Any],
 ) -> None:

@@ -177,6 +177,14 @@ def hf_resync() -> dict[str, Any]:
 
 
 @scenario
+def hf_pinpoint() -> dict[str, Any]:
+    path = OUT / "hf_pinpoint.jsonl"
+    cb = WeightSyncAuditCallback(every_n_steps=5, pinpoint=True, report_path=str(path), verbose=False)
+    train(gpt2(), tokens(), [At("on_step_end", 3, nudge_head), cb])
+    return {"records": records(path)}
+
+
+@scenario
 def hf_batchnorm() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for label, policy in (("default", None), ("no_broadcast", False)):

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap
+from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap, pinpoint_line
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard
@@ -38,6 +38,10 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
         extra = [m.kind] + ([f"shard {fmt_shard(m.shard)}"] if m.shard else [])
         if m.max_abs_diff is not None:
             extra.append(f"max |diff| {fmt_gap(m.max_abs_diff)}")
+        if m.rel_diff is not None:
+            extra.append(f"rel {fmt_gap(m.rel_diff)}")
+        if m.within_tolerance:
+            extra.append("within tolerance")
         if m.detail:
             extra.append(m.detail)
         parts.append(f"{m.name} ({', '.join(extra)})")
@@ -55,6 +59,9 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
                 style="bold yellow",
             )
         )
+    began = pinpoint_line(r)
+    if began is not None:
+        out.append(Text("  " + began, style="bold"))
     if r.last_in_sync_step is not None:
         out.append(Text(f"  last in sync: step {r.last_in_sync_step}"))
     for h in r.hints:
@@ -78,7 +85,16 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
     elif not summary.diverged and rs:
         valid = " valid" if summary.errors else ""
         sampled = [r for r in rs if r.sampled]
-        if not sampled:
+        within = len(summary.within_tolerance)
+        if within:
+            console.print(
+                Text(
+                    f"IN SYNC WITHIN TOLERANCE: {within} of {len(rs)}{valid} audit(s) found differences, every one "
+                    f"within the run's tolerance (largest rel_diff {fmt_gap(_worst_rel(summary))})",
+                    style="bold green",
+                )
+            )
+        elif not sampled:
             console.print(
                 Text(
                     f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
@@ -118,26 +134,35 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
     return summary.exit_code
 
 
-#: Timeline characters, distinct without colour: in sync, in sync on a sample only, diverged.
-STRIP_CHARS = {"in_sync": "=", "sampled": "~", "diverged": "X"}
+#: Timeline characters, distinct without colour: in sync, in sync on a sample only, within the tolerance, diverged.
+STRIP_CHARS = {"in_sync": "=", "sampled": "~", "within": "-", "diverged": "X"}
+
+
+def _worst_rel(summary: ReportSummary) -> float | None:
+    rels = [m.rel_diff for _, r in summary.within_tolerance for m in r.mismatches if m.rel_diff is not None]
+    return max(rels) if rels else None
 
 
 def _strip(summary: ReportSummary, width: int) -> Text:
-    """One character per audit (or per bucket of audits): ``=`` in sync, ``~`` sampled, ``X`` diverged."""
+    """One character per audit (or per bucket of audits): ``=`` in sync, ``~`` sampled, ``-`` within tolerance, ``X`` diverged."""
     rs = summary.results
     n = len(rs)
     buckets = min(n, max(10, width))
     text = Text("timeline: ")
     for b in range(buckets):
         chunk = rs[b * n // buckets : (b + 1) * n // buckets] or [rs[min(n - 1, b * n // buckets)]]
-        if any(not r.in_sync for r in chunk):
+        if any(not r.in_sync and not r.within_tolerance for r in chunk):
             text.append(STRIP_CHARS["diverged"], style="bold red")
+        elif any(r.within_tolerance for r in chunk):
+            text.append(STRIP_CHARS["within"], style="yellow")
         elif any(r.sampled for r in chunk):
             text.append(STRIP_CHARS["sampled"], style="yellow")
         else:
             text.append(STRIP_CHARS["in_sync"], style="green")
     first, last = rs[0].step, rs[-1].step
-    text.append(f"  steps {first} .. {last}  (= in sync, ~ in sync on a sample, X diverged)", style="dim")
+    text.append(
+        f"  steps {first} .. {last}  (= in sync, ~ in sync on a sample, - within tolerance, X diverged)", style="dim"
+    )
     return text
 
 
@@ -153,7 +178,12 @@ def _timeline_table(summary: ReportSummary) -> Table:
     ):
         table.add_column(col, **kw)
     for seg in summary.segments():
-        state = Text("in sync", style="green") if seg.in_sync else Text("DIVERGED", style="bold red")
+        if seg.in_sync:
+            state = Text("in sync", style="green")
+        elif seg.first.within_tolerance and seg.last.within_tolerance:
+            state = Text("within tolerance", style="yellow")
+        else:
+            state = Text("DIVERGED", style="bold red")
         names = brief_names(seg.names, 6)
         table.add_row(seg.steps(), seg.epochs(), str(seg.audits), state, escape(names) or "-", fmt_gap(seg.max_gap))
     return table
@@ -222,6 +252,10 @@ def cmd_show(
             sampled = sum(r.sampled for r in summary.results)
             share = f"; {sampled} sampled audit(s) read a share of each large tensor only" if sampled else ""
             console.print(Text(f"every audit in sync ({what or 'nothing'} checked in the last{share})", style="green"))
+        first = summary.first_divergence
+        began = pinpoint_line(first[1]) if first is not None else None
+        if began is not None:
+            console.print(Text(f"divergence {began}", style="bold red"))
         for h in summary.hints():
             console.print(Text("hint: " + h, style="yellow"))
         notes = dict.fromkeys(n for r in summary.results for n in r.notes)

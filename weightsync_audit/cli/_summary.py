@@ -94,7 +94,13 @@ class ReportSummary:
 
     @property
     def diverged(self) -> list[tuple[int, AuditResult]]:
-        return [(i, r) for i, r in self.records if not r.in_sync]
+        """Audits that found replicas apart beyond the run's tolerance (any difference without one)."""
+        return [(i, r) for i, r in self.records if not r.in_sync and not r.within_tolerance]
+
+    @property
+    def within_tolerance(self) -> list[tuple[int, AuditResult]]:
+        """Audits whose every difference was within the run's ``tolerance`` (kept, not acted on)."""
+        return [(i, r) for i, r in self.records if r.within_tolerance]
 
     @property
     def first_divergence(self) -> tuple[int, AuditResult] | None:
@@ -135,7 +141,8 @@ class ReportSummary:
             gaps = [m.max_abs_diff for m in r.mismatches if m.max_abs_diff is not None]
             gap = max(gaps) if gaps else None
             cur = out[-1] if out else None
-            if cur is not None and cur.in_sync == r.in_sync and cur.names == names:
+            same = cur is not None and cur.last.within_tolerance == r.within_tolerance
+            if cur is not None and same and cur.in_sync == r.in_sync and cur.names == names:
                 cur.last = r
                 cur.audits += 1
                 if gap is not None and (cur.max_gap is None or gap > cur.max_gap):
@@ -189,6 +196,7 @@ class ReportSummary:
             "first_step": rs[0].step if rs else None,
             "last_step": rs[-1].step if rs else None,
             "resynced_audits": sum(r.action == "resynced" for r in rs),
+            "within_tolerance_audits": len(self.within_tolerance),
             "in_sync_at_end": rs[-1].in_sync if rs else None,
             "sampled_audits": sum(r.sampled for r in rs),
             "last_full_sync_step": rs[-1].last_full_sync_step if rs else None,
@@ -204,6 +212,8 @@ class ReportSummary:
                 "hook": r.hook,
                 "time": r.time,
                 "last_in_sync_step": r.last_in_sync_step,
+                "first_diverged_step": r.first_diverged_step,
+                "pinpoint": r.pinpoint,
                 "tensors": r.diverged_names,
                 "ranks": diverged_ranks(r.mismatches),
                 "reference_ranks": sorted({x for m in r.mismatches for x in m.reference_ranks}),
@@ -220,3 +230,14 @@ def diverged_ranks(mismatches: list[Mismatch]) -> list[int]:
 
 def fmt_gap(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+def pinpoint_line(r: AuditResult) -> str | None:
+    """Where a divergent record says the divergence began, in words (None when it says nothing)."""
+    if r.pinpoint == "exact" and r.first_diverged_step is not None:
+        return f"began at step {r.first_diverged_step} (pinpointed from per-step digests; in sync at step {r.last_in_sync_step})"
+    if r.pinpoint == "sampled" and r.first_diverged_step is not None:
+        return f"showed at step {r.first_diverged_step} (sampled per-step digests: it may have begun earlier)"
+    if r.pinpoint in ("overflow", "earlier", "unseen"):
+        return f"began: not pinpointed ({r.pinpoint}; see the record's notes)"
+    return None

@@ -10,8 +10,8 @@ An audit runs in phases so the healthy case costs one tiny message per rank:
 (c) only when the structures differ, each rank's manifest (names, kinds, shapes, dtypes, digests) goes
     to the coordinator as JSON, compared name by name there (:mod:`~weightsync_audit.engine.agreement`);
 (d) for at most ``max_diff_tensors`` diverged tensors, the reference rank's copy goes in chunks
-    straight to the ranks that differ (the data plane), which measure ``max_abs_diff``; best effort
-    (:mod:`~weightsync_audit.engine.remote_gaps`).
+    straight to the ranks that differ (the data plane), which measure ``max_abs_diff`` and ``rel_diff``
+    (all of them under a ``tolerance``); best effort (:mod:`~weightsync_audit.engine.remote_gaps`).
 
 Every rank receives every decision computed once from the same gathered data, so all of them take the
 same path and no collective is ever entered by some ranks only.
@@ -49,8 +49,10 @@ from weightsync_audit.engine.digest import overall_digest
 from weightsync_audit.engine.history import AuditHistory
 from weightsync_audit.engine.manifest import Entry, Manifest, as_optimizers, build_manifest
 from weightsync_audit.engine.manifest_cache import ManifestCache, PreparedManifest
+from weightsync_audit.engine.pinpoint import DEFAULT_RING, Pinpointer, mark_pinpoint
 from weightsync_audit.engine.remote_gaps import measure_gaps
 from weightsync_audit.engine.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
+from weightsync_audit.engine.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
@@ -100,6 +102,10 @@ class Auditor:
         method: Method = "auto",
         max_diff_tensors: int = 8,
         compare_broadcast_buffers: bool = False,
+        tolerance: float | None = None,
+        pinpoint: bool = False,
+        pinpoint_ring: int = DEFAULT_RING,
+        pinpoint_coverage: float | str = 1,
         config: AuditConfig | None = None,
     ) -> None:
         if module is not None and not isinstance(module, nn.Module):
@@ -116,6 +122,10 @@ class Auditor:
                 method=method,
                 max_diff_tensors=max_diff_tensors,
                 compare_broadcast_buffers=compare_broadcast_buffers,
+                tolerance=tolerance,
+                pinpoint=bool(pinpoint),
+                pinpoint_ring=pinpoint_ring,
+                pinpoint_slices=parse_coverage(pinpoint_coverage),
             )
         elif not isinstance(config, AuditConfig):
             raise TypeError(f"config must be an AuditConfig, got {type(config).__name__}")
@@ -125,6 +135,7 @@ class Auditor:
         self._comm: Comm | None = None
         self._manifests = ManifestCache()
         self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
+        self.pinpointer = Pinpointer(config.pinpoint_ring, config.pinpoint_slices) if config.pinpoint else None
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -183,6 +194,14 @@ class Auditor:
             return int(step) % slices
         return self.history.audits % slices
 
+    def record_step(self, step: int, module: nn.Module | None = None, optimizer: Any = None) -> None:
+        """``pinpoint=True``: digest, locally, what the audit covers; call it after every optimizer step."""
+        if self.pinpointer is None:
+            raise RuntimeError("record_step needs Auditor(pinpoint=True)")
+        mod = module if module is not None else self.module
+        opts = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        self.pinpointer.record_step(step, lambda: self._prepare(mod, opts), self.config.method)
+
     # -- the audit -----------------------------------------------------------------------------
 
     def audit(
@@ -213,7 +232,7 @@ class Auditor:
         except Exception as exc:  # noqa: BLE001 - re-raised below, after telling the other ranks
             failure = exc
             prepared, digests, structure, overall = PreparedManifest.uncached(Manifest()), np.zeros(0, np.int64), 0, 0
-        position = f"hook={hook} {cfg.fingerprint()}"
+        position = f"hook={hook} {cfg.fingerprint()}{self.pinpointer.position if self.pinpointer else ''}"
         summary = np.array(
             [
                 PROTOCOL if failure is None else PROTOCOL_FAILED,
@@ -289,6 +308,8 @@ class Auditor:
                 m.ranks = [comm.global_ranks[r] for r in m.ranks]
                 m.reference_ranks = [comm.global_ranks[r] for r in m.reference_ranks]
 
+        apply_tolerance(mismatches, cfg.tolerance)  # then pinpoint: collective on a divergence (shared data)
+        pin = self.pinpointer.settle(comm, bool(mismatches), step, cfg.slices == 1) if self.pinpointer else None
         hints: list[str] = []
         checked, unpaired = compared_counts(entries, peers) if peers is not None else (prepared.counts(), 0)
         if union is not None:
@@ -309,6 +330,7 @@ class Auditor:
                         grads_checked="grads" in cfg.include,
                         params_compared=checked["param"] > 0,
                         module=module,
+                        **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
                     )
                 except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
                     notes.append(f"no hint: {type(exc).__name__}: {exc}")
@@ -330,7 +352,9 @@ class Auditor:
             last_full_sync_step=step if in_sync and full else self.history.last_full_sync_step,
             notes=notes,
             coverage=None if full else f"{slice_index + 1}/{cfg.slices}",
+            tolerance=cfg.tolerance,
         )
+        mark_pinpoint(result, pin)
         self.history.record(result)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         return result
@@ -391,6 +415,7 @@ def audit(
     timeout_s: float | None = None,
     coverage: float | str = 1,
     method: Method = "auto",
+    tolerance: float | None = None,
 ) -> AuditResult:
     """Compare parameters, buffers and optimizer state across ranks, once. Collective.
 
@@ -402,8 +427,7 @@ def audit(
     >>> model = torch.nn.Linear(4, 2)
     >>> result = audit(model, step=0)   # no process group: a world of one
     >>> result.in_sync, result.checked["param"]
-    (True, 2)
-    """
+    (True, 2)"""
     auditor = Auditor(
         module,
         optimizer,
@@ -413,6 +437,7 @@ def audit(
         timeout_s=timeout_s,
         coverage=coverage,
         method=method,
+        tolerance=tolerance,
     )
     auditor._rotate_by_step = True
     return auditor.audit(step=step, epoch=epoch)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from weightsync_audit.engine.manifest import check_include
+from weightsync_audit.engine.tolerance import check_tolerance
 
 __all__ = ["AuditConfig", "Method", "OnMismatch", "check_on_mismatch", "parse_coverage"]
 
@@ -77,6 +78,15 @@ class AuditConfig:
     ddp_broadcast_buffers: bool | None = None
     """Whether DDP overwrites the buffers from its first rank at every forward, for a caller that audits
     the unwrapped module (a Hugging Face callback); ``None``: read it from the DDP wrapper in ``module``."""
+    tolerance: float | None = None
+    """Relative gap (``rel_diff``) under which a mismatch is ``within_tolerance``; None: exact. With one
+    set, every diverged tensor's gap is measured (up to ``max_diff_bytes`` each)."""
+    pinpoint: bool = False
+    """Keep a per-step digest ring (``Auditor.record_step``) to find the exact step a divergence began."""
+    pinpoint_ring: int = 1024
+    """Steps the pinpoint ring holds between audits."""
+    pinpoint_slices: int = 1
+    """Per-step digests hash slice ``step % n`` of every large tensor (``pinpoint_coverage=1/n``)."""
 
     def __post_init__(self) -> None:
         self.include = check_include(self.include)
@@ -96,8 +106,19 @@ class AuditConfig:
             raise ValueError(f"slices={self.slices!r}: must be >= 1")
         if not (isinstance(self.gap_budget_s, (int, float)) and self.gap_budget_s > 0):
             raise ValueError(f"gap_budget_s={self.gap_budget_s!r}: must be a positive number of seconds")
+        self.tolerance = check_tolerance(self.tolerance)
+        if isinstance(self.pinpoint_ring, bool) or not isinstance(self.pinpoint_ring, int) or self.pinpoint_ring < 1:
+            raise ValueError(
+                f"pinpoint_ring={self.pinpoint_ring!r}: must be an integer >= 1 (steps kept between audits)"
+            )
         if self.max_diff_tensors < 0:
             raise ValueError(f"max_diff_tensors={self.max_diff_tensors!r}: must be >= 0")
 
     def fingerprint(self) -> str:
-        return f"include={','.join(self.include)} exclude={','.join(self.exclude)} coverage=1/{self.slices} method={self.method}"
+        # Every setting that changes which messages an audit sends: ranks must agree on all of them.
+        text = f"include={','.join(self.include)} exclude={','.join(self.exclude)} coverage=1/{self.slices} method={self.method}"
+        if self.tolerance is not None:
+            text += f" tolerance={self.tolerance!r}"
+        if self.pinpoint:
+            text += " pinpoint=on"
+        return text

@@ -23,6 +23,8 @@ class AuditHistory:
     first_divergence_step: int | None = None
     first_divergence_tensors: list[str] = field(default_factory=list)
     last_diverged_tensors: list[str] = field(default_factory=list)
+    first_diverged_step: int | None = None
+    """The first step pinpointed as diverged (``pinpoint=True`` only)."""
 
     def record(self, result: AuditResult) -> None:
         self.audits += 1
@@ -39,6 +41,14 @@ class AuditHistory:
                 self.first_divergence_step = result.step
                 self.first_divergence_tensors = names
             self.last_diverged_tensors = names
+            if result.pinpoint in ("exact", "sampled"):
+                if self.first_diverged_step is None:
+                    self.first_diverged_step = result.first_diverged_step
+                if result.pinpoint == "exact" and result.last_in_sync_step is not None:
+                    # Known in sync at that step, though no audit ran there.
+                    known = result.last_in_sync_step
+                    prior = self.last_in_sync_step
+                    self.last_in_sync_step = known if prior is None else max(prior, known)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -50,6 +60,7 @@ class AuditHistory:
             "first_divergence_step": self.first_divergence_step,
             "first_divergence_tensors": list(self.first_divergence_tensors),
             "last_diverged_tensors": list(self.last_diverged_tensors),
+            "first_diverged_step": self.first_diverged_step,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -61,7 +61,7 @@ def _choose(cfg: AuditConfig, mismatches: list[Mismatch], layouts: np.ndarray, g
     chosen: list[int] = []
     planned = 0
     for i, m in enumerate(mismatches):
-        if len(chosen) >= cfg.max_diff_tensors:
+        if len(chosen) >= cfg.max_diff_tensors and cfg.tolerance is None:  # a tolerance needs every gap
             break
         nbytes = int(layouts[m.reference_ranks[0], 2 * i])
         if nbytes == 0:

@@ -36,17 +36,17 @@ def _convert(key: str, text: str) -> Any:
         return None
     if key == "resync_src" and text == "majority":
         return text
-    if key in ("every_n_train_steps", "resync_src"):
+    if key in ("every_n_train_steps", "resync_src", "pinpoint_ring"):
         try:
             return int(text)
         except ValueError:
             raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be an integer") from None
-    if key == "timeout_s":
+    if key in ("timeout_s", "tolerance"):
         try:
             return float(text)
         except ValueError:
-            raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be a number of seconds") from None
-    if key == "verbose":
+            raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be a number") from None
+    if key in ("verbose", "pinpoint"):
         if text.lower() not in _ON + _OFF:
             raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be true or false")
         return text.lower() in _ON

@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.history import AuditHistory
+from weightsync_audit.engine.pinpoint import DEFAULT_RING
 from weightsync_audit.engine.resync import resync
 from weightsync_audit.engine.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
@@ -79,6 +80,11 @@ class AuditRunner:
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
         verbose: bool = True,
+        tolerance: Optional[float] = None,
+        pinpoint: bool = False,
+        pinpoint_ring: Optional[int] = None,
+        pinpoint_coverage: float | str = 1,
+        every_n: Optional[int] = None,
     ) -> None:
         # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
         self.config = AuditConfig(
@@ -86,6 +92,11 @@ class AuditRunner:
             exclude=exclude if isinstance(exclude, str) else tuple(exclude),  # type: ignore[arg-type]
             timeout_s=timeout_s,
             slices=parse_coverage(coverage),
+            tolerance=tolerance,
+            pinpoint=bool(pinpoint),
+            # By default the ring holds two audit intervals of steps (and at least DEFAULT_RING).
+            pinpoint_ring=max(DEFAULT_RING, 2 * (every_n or 0) + 16) if pinpoint_ring is None else pinpoint_ring,
+            pinpoint_slices=parse_coverage(pinpoint_coverage),
         )
         self.on_mismatch = check_on_mismatch(on_mismatch)
         resync_src = check_resync_src(resync_src)
@@ -115,6 +126,7 @@ class AuditRunner:
         """The main process's history back to the process that built the runner (ddp_fork/ddp_spawn)."""
         self.is_main = False
         self.from_workers = False
+        self.last_step_recorded: int | None = None
 
     # -- set-up and teardown -------------------------------------------------------------------
 
@@ -141,10 +153,10 @@ class AuditRunner:
         self.auditor.history = self.history
         if "grads" in self.include:
             with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
-            self.grad_auditor = Auditor(config=replace(base, include=("grads", *with_opt), slices=1))
+            self.grad_auditor = Auditor(config=replace(base, include=("grads", *with_opt), slices=1, pinpoint=False))
             self.grad_auditor.use_channel_of(self.auditor)
         # A resync is confirmed by a full audit (every slice) of what the main auditor compares.
-        self.confirm_auditor = Auditor(config=replace(base, include=main_include, slices=1))
+        self.confirm_auditor = Auditor(config=replace(base, include=main_include, slices=1, pinpoint=False))
         self.confirm_auditor.use_channel_of(self.auditor)
         if is_main and self.report_path is not None:
             # A report that cannot be written (full disk) warns and keeps records: it never ends the run.
@@ -163,6 +175,13 @@ class AuditRunner:
             self.handoff.put(self.history.state_dict())
 
     # -- the audit -----------------------------------------------------------------------------
+
+    def record_step(self, model: Any, optimizers: Sequence[Any], step: int) -> None:
+        """With ``pinpoint``: digest, locally, what the audit covers, once per optimizer step (no message)."""
+        if self.auditor is None or not self.config.pinpoint or step == self.last_step_recorded:
+            return
+        self.last_step_recorded = step
+        self.auditor.record_step(step, model, list(optimizers) or None)
 
     def run(
         self,
@@ -194,8 +213,8 @@ class AuditRunner:
         result.notes[:0], self.failures = self.failures, []
         if grads:
             self._note_grad_result(result)
-        if result.in_sync:
-            result.action = "none"
+        if result.in_sync or result.within_tolerance:
+            result.action = "none"  # within the tolerance: kept in the record, not acted on
         elif self.on_mismatch == "raise":
             result.action = "raised"
         elif self.on_mismatch == "resync":
@@ -256,6 +275,8 @@ class AuditRunner:
             self.history.resyncs += 1
             self.history.last_in_sync_step = step
             self.history.last_full_sync_step = step
+            if self.auditor is not None and self.auditor.pinpointer is not None:
+                self.auditor.pinpointer.in_sync(step)  # pinpoint starts afresh
         else:
             result.action = "raised"
             result.notes.append(f"resync ({plan.describe()}) did not restore agreement: {confirm.summary()}")
@@ -271,7 +292,7 @@ class AuditRunner:
             self.writer.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
-        if result.in_sync:
+        if result.in_sync or result.within_tolerance:
             self.last_reported = ()
             return
         names = tuple(result.diverged_names)
@@ -310,6 +331,8 @@ class AuditRunner:
             last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
             return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}{where}"
         first = ", ".join(h.first_divergence_tensors[:5])
+        if h.first_diverged_step is not None:
+            first += f"; diverged from step {h.first_diverged_step} (pinpointed)"
         return (
             f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
             f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "

@@ -74,6 +74,12 @@ class WeightSyncAuditCallback(TrainerCallback):
         timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
         coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
         verbose: print a divergence and the train-end summary (rich) on the main process.
+        tolerance: relative gap (``rel_diff``) under which a mismatch is kept in the record as
+            ``within_tolerance`` and ``on_mismatch`` does not act on it; ``None`` is exact.
+        pinpoint: digest the audited tensors at every ``on_step_end`` (local, no communication) so that
+            a divergent audit names the step it began (``first_diverged_step``).
+        pinpoint_ring: steps kept between audits (default: enough for ``every_n_steps``).
+        pinpoint_coverage: ``1/n`` makes each per-step digest hash one n-th of every large tensor.
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -95,6 +101,10 @@ class WeightSyncAuditCallback(TrainerCallback):
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
         verbose: bool = True,
+        tolerance: Optional[float] = None,
+        pinpoint: bool = False,
+        pinpoint_ring: Optional[int] = None,
+        pinpoint_coverage: float | str = 1,
     ) -> None:
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.runner = AuditRunner(
@@ -106,6 +116,11 @@ class WeightSyncAuditCallback(TrainerCallback):
             timeout_s=timeout_s,
             coverage=coverage,
             verbose=verbose,
+            tolerance=tolerance,
+            pinpoint=pinpoint,
+            pinpoint_ring=pinpoint_ring,
+            pinpoint_coverage=pinpoint_coverage,
+            every_n=every_n_steps,
         )
         self.history = self.runner.history
         self.last_result: AuditResult | None = None
@@ -145,6 +160,10 @@ class WeightSyncAuditCallback(TrainerCallback):
     @override
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         step = state.global_step
+        if self._opened and model is not None:
+            # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
+            optimizer = kwargs.get("optimizer")
+            self.runner.record_step(model, [optimizer] if optimizer is not None else [], step)
         if self.every_n_steps is None or step == self._last_step_audited or step % self.every_n_steps:
             return
         self._last_step_audited = step

@@ -1,4 +1,6 @@
-"""A picture of a run: tensors (or layers) against audits, coloured by in sync / diverged and gap size.
+"""A picture of a run: tensors (or layers) against audits, coloured by in sync / diverged and gap size;
+below it, max |diff| per layer over steps on a log scale (drift that grows and a jump that appears at
+once look different); the step a divergence was pinpointed to is marked on both.
 
 Needs matplotlib, the ``plot`` extra (``pip install 'weightsync-audit[plot]'``); everything else in the
 library works without it. No pyplot, no GUI backend: the figure is drawn straight to a file.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.text import layer_of
@@ -67,7 +69,10 @@ def plot_report(
 
     Rows: one for the whole model (every audit), then one per tensor (``by="tensor"``) or per layer
     (``by="layer"``) that ever diverged, at most ``max_rows``. Columns: audits, labelled by step.
-    Green: in sync; red, darker for a larger max |diff|: diverged; grey: diverged, size unknown.
+    Green: in sync; red, darker for a larger max |diff|: diverged; grey: diverged, size unknown;
+    yellow edge: every difference within the run's tolerance. When gaps were measured, a second panel
+    draws max |diff| per layer against the step (log scale). A pinpointed ``first_diverged_step`` is a
+    dashed line on both.
     """
     if by not in ("tensor", "layer"):
         raise ValueError(f"by={by!r}: choose 'tensor' or 'layer'")
@@ -117,8 +122,13 @@ def plot_report(
         image.append(row)
 
     height = 1.6 + 0.32 * len(labels)
-    fig = Figure(figsize=(max(7.0, min(16.0, 4 + n_audits * 0.06)), height), layout="constrained")
-    ax = fig.add_subplot()
+    series = _gap_series(records)
+    width = max(7.0, min(16.0, 4 + n_audits * 0.06))
+    fig = Figure(figsize=(width, height + (3.2 if series else 0.0)), layout="constrained")
+    if series:
+        ax, gap_ax = fig.subplots(2, 1, height_ratios=[height, 3.2])
+    else:
+        ax, gap_ax = fig.add_subplot(), None
     ax.imshow(image, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(len(labels)), labels=labels, fontsize=8)
     every = max(1, n_audits // 12)
@@ -135,15 +145,27 @@ def plot_report(
         if e0 is not None and e1 is not None and e1 != e0:
             ax.axvline(i - 0.5, color="black", linestyle=":", linewidth=0.8)
             ax.text(i - 0.4, -0.6, f"epoch {e1}", fontsize=7, va="bottom")
+    pinned = next((r for r in records if r.first_diverged_step is not None), None)
+    if pinned is not None:
+        step = pinned.first_diverged_step
+        at = next((i for i, r in enumerate(records) if r.step is not None and r.step >= step), n_audits)  # type: ignore[operator]
+        ax.axvline(at - 0.5, color="black", linestyle="--", linewidth=1.2)
+    for i, r in enumerate(records):
+        if r.within_tolerance:
+            ax.add_patch(_within_box(i))
+    if gap_ax is not None:
+        _draw_gaps(gap_ax, series, pinned, [r.step for r in records if r.in_sync and r.step is not None])
     if title is None:
         diverged = sum(not r.in_sync for r in records)
         first = next((r for r in records if not r.in_sync), None)
         title = f"weightsync audit: {n_audits} audits, {diverged} diverged"
         if first is not None:
             title += f"; first at step {first.step}" + (f" (epoch {first.epoch})" if first.epoch is not None else "")
+        if pinned is not None:
+            title += f"; began at step {pinned.first_diverged_step} ({pinned.pinpoint})"
     if hidden:
         title += f"; {hidden} more {by}s not drawn"
-    ax.set_title(title, fontsize=10, pad=14)
+    fig.suptitle(title, fontsize=10)
     legend = [Patch(color=_GREEN, label="in sync"), Patch(color=red(hi), label="diverged")]
     if any(c == _GREY for row in image for c in row):
         legend.append(Patch(color=_GREY, label="diverged, gap unknown"))
@@ -158,3 +180,60 @@ def plot_report(
     out = Path(path)
     fig.savefig(out, dpi=120)
     return out
+
+
+def _gap_series(records: Sequence[AuditResult]) -> dict[str, list[tuple[int, float]]]:
+    """Per layer, ``(step, max |diff|)`` at every audit that measured a positive gap for it."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in records:
+        if r.step is None:
+            continue
+        col: dict[str, float] = {}
+        for m in r.mismatches:
+            gap = m.max_abs_diff
+            if gap is not None and gap > 0 and math.isfinite(gap):
+                key = layer_of(m.name, m.kind)
+                col[key] = max(col.get(key, 0.0), gap)
+        for key, gap in col.items():
+            series.setdefault(key, []).append((r.step, gap))
+    return series
+
+
+def _draw_gaps(
+    ax: Any, series: dict[str, list[tuple[int, float]]], pinned: AuditResult | None, in_sync_steps: list[int]
+) -> None:
+    for name, points in list(series.items())[:12]:
+        xs, ys = zip(*points)
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=1, label=name)
+    if in_sync_steps:  # no gap to draw on a log scale: a tick along the bottom
+        ax.scatter(
+            in_sync_steps,
+            [0.03] * len(in_sync_steps),
+            transform=ax.get_xaxis_transform(),
+            marker="|",
+            s=60,
+            color=_GREEN,
+            label="audit in sync",
+        )
+    ax.set_yscale("log")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("max |diff|", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(True, which="major", linewidth=0.3)
+    xs = [x for points in series.values() for x, _ in points] + in_sync_steps
+    if pinned is not None and pinned.first_diverged_step is not None:
+        xs.append(pinned.first_diverged_step)
+    lo, hi = min(xs), max(xs)
+    pad = max(1.0, (hi - lo) * 0.03)
+    ax.set_xlim(lo - pad, hi + pad)
+    if pinned is not None:
+        step = pinned.first_diverged_step
+        ax.axvline(step, color="black", linestyle="--", linewidth=1.2)
+        ax.text(step, 0.97, f" diverged at step {step}", transform=ax.get_xaxis_transform(), fontsize=7, va="top")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False, title="layer", title_fontsize=7)
+
+
+def _within_box(i: int) -> Any:
+    from matplotlib.patches import Rectangle
+
+    return Rectangle((i - 0.5, -0.5), 1, 1, fill=False, edgecolor=(0.95, 0.75, 0.1), linewidth=1.5)

@@ -15,9 +15,20 @@ from typing import Any, Iterable, Literal, Mapping, get_args
 from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
 from weightsync_audit.reporting.validate import CHECKED_KINDS, validate_mismatch, validate_record
 from weightsync_audit.reporting.validate import MISMATCH_KINDS as VALID_KINDS
+from weightsync_audit.reporting.validate import PINPOINT_STATES as VALID_PINPOINT_STATES
 from weightsync_audit.text import brief_names, fmt_ranks, is_tie
 
-__all__ = ["ACTIONS", "MISMATCH_KINDS", "SCHEMA", "Action", "AuditResult", "Kind", "Mismatch"]
+__all__ = [
+    "ACTIONS",
+    "MISMATCH_KINDS",
+    "PINPOINT_STATES",
+    "SCHEMA",
+    "Action",
+    "AuditResult",
+    "Kind",
+    "Mismatch",
+    "PinpointState",
+]
 
 SCHEMA = "weightsync-audit/1"
 Action = Literal["none", "warned", "raised", "resynced"]
@@ -28,6 +39,13 @@ ACTIONS: tuple[str, ...] = get_args(Action)
 MISMATCH_KINDS: tuple[str, ...] = get_args(Kind)
 _CHECKED_KINDS = CHECKED_KINDS
 assert ACTIONS == VALID_ACTIONS and MISMATCH_KINDS == VALID_KINDS, "one list of actions and kinds"
+PinpointState = Literal["exact", "sampled", "overflow", "earlier", "unseen", "off"]
+"""How a divergent record's ``first_diverged_step`` was found: ``exact`` (per-step digests of everything
+audited), ``sampled`` (of a slice per step: the divergence showed at that step, it may have begun
+earlier, after ``last_in_sync_step``), ``overflow`` (the ring lost the steps that would tell; null),
+``earlier`` (the first recorded step already differed and nothing before it is known good; null), ``unseen`` (every recorded step agreed: the change came after the last one; null), ``off`` (no pinpoint)."""
+PINPOINT_STATES: tuple[str, ...] = get_args(PinpointState)
+assert PINPOINT_STATES == VALID_PINPOINT_STATES, "one list of pinpoint states"
 
 
 def _now() -> str:
@@ -60,8 +78,13 @@ class Mismatch:
     shard: dict[str, int] | None = None
     """For a sharded tensor (DTensor): the mesh coordinates of the shard that differs, e.g. ``{"dp": 0}``."""
 
+    rel_diff: float | None = None
+    """``max_abs_diff`` over the largest magnitude in the reference copy (None: not measured)."""
+    within_tolerance: bool | None = None
+    """With a ``tolerance`` in force: ``rel_diff`` is measured and at most the tolerance. None: no tolerance."""
+
     def to_dict(self) -> dict[str, Any]:
-        d = {
+        d: dict[str, Any] = {
             "name": self.name,
             "kind": self.kind,
             "ranks": list(self.ranks),
@@ -73,6 +96,10 @@ class Mismatch:
         }
         if self.shard is not None:
             d["shard"] = dict(self.shard)
+        if self.rel_diff is not None:
+            d["rel_diff"] = _finite_or_none(self.rel_diff)
+        if self.within_tolerance is not None:
+            d["within_tolerance"] = bool(self.within_tolerance)
         return d
 
     @property
@@ -127,9 +154,26 @@ class AuditResult:
         """The mismatch to name first: a parameter where one differs, else the first listed."""
         return next((m for m in self.mismatches if m.kind == "param"), self.mismatches[0] if self.mismatches else None)
 
+    first_diverged_step: int | None = None
+    """With pinpoint: the first step whose per-step digests disagreed (see ``pinpoint`` for how sure)."""
+    pinpoint: PinpointState | None = None
+    """On a divergent record: ``exact``, ``sampled``, ``overflow``, ``earlier``, ``unseen``, ``off`` (see PINPOINT_STATES)."""
+    tolerance: float | None = None
+    """The relative tolerance in force, or None (exact)."""
+
     @property
     def diverged_names(self) -> list[str]:
         return [m.name for m in self.mismatches]
+
+    @property
+    def beyond_tolerance(self) -> list[Mismatch]:
+        """The mismatches that count: all of them, unless a tolerance holds some within it."""
+        return [m for m in self.mismatches if not m.within_tolerance]
+
+    @property
+    def within_tolerance(self) -> bool:
+        """Replicas differ, but every difference is within the tolerance (never true without one)."""
+        return bool(self.mismatches) and not self.beyond_tolerance
 
     def to_dict(self) -> dict[str, Any]:
         """The report record, exactly as the contract gives it (plus ``notes`` / ``coverage`` when set)."""
@@ -154,6 +198,13 @@ class AuditResult:
             d["coverage"] = self.coverage
         if self.coverage or self.last_full_sync_step is not None:
             d["last_full_sync_step"] = self.last_full_sync_step
+        if self.pinpoint is not None:
+            d["pinpoint"] = self.pinpoint
+            d["first_diverged_step"] = self.first_diverged_step
+        if self.tolerance is not None:
+            d["tolerance"] = float(self.tolerance)
+            if not self.in_sync:
+                d["within_tolerance"] = self.within_tolerance
         return d
 
     @classmethod
@@ -217,4 +268,16 @@ class AuditResult:
         yield from render_result(self)
 
 
-_MISMATCH_ARGS = ("name", "kind", "ranks", "reference_ranks", "shape", "dtype", "max_abs_diff", "detail", "shard")
+_MISMATCH_ARGS = (
+    "name",
+    "kind",
+    "ranks",
+    "reference_ranks",
+    "shape",
+    "dtype",
+    "max_abs_diff",
+    "detail",
+    "shard",
+    "rel_diff",
+    "within_tolerance",
+)

@@ -71,6 +71,13 @@ def _fmt_diff(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _fmt_rel(m: MismatchLike) -> str:
+    # Optional on a row (a checkpoint diff has no relative gap): read when present.
+    rel = getattr(m, "rel_diff", None)
+    text = "" if rel is None else f" (rel {rel:.2g})"
+    return text + (" within tol." if getattr(m, "within_tolerance", None) else "")
+
+
 def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
     """A table of mismatches grouped by layer."""
     table = Table(title=title, show_lines=False, header_style="bold")
@@ -102,7 +109,7 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
                 m.dtype or "-",
                 ",".join(map(str, m.ranks)) + (" (tie)" if is_tie(m.detail) else ""),
                 ",".join(map(str, m.reference_ranks)),
-                _fmt_diff(m.max_abs_diff),
+                _fmt_diff(m.max_abs_diff) + _fmt_rel(m),
             )
         table.add_section()
     return table
@@ -111,6 +118,10 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
 def render_result(result: ResultLike) -> Iterator[RenderableType]:
     style = "bold green" if result.in_sync else "bold red"
     yield Text("weightsync audit: " + result.summary(), style=style)
+    began = getattr(result, "first_diverged_step", None)
+    if began is not None and not result.in_sync:
+        how = getattr(result, "pinpoint", None)
+        yield Text(f"diverged from step {began} (pinpointed, {how})", style="bold red")
     if result.last_in_sync_step is not None and not result.in_sync:
         yield Text(f"last in sync at step {result.last_in_sync_step}", style="dim")
     ties = [m for m in result.mismatches if is_tie(m.detail)]

@@ -32,6 +32,7 @@ __all__ = [
     "ACTIONS",
     "MISMATCH_KINDS",
     "CHECKED_KINDS",
+    "PINPOINT_STATES",
     "FieldSpec",
     "RECORD_FIELDS",
     "MISMATCH_FIELDS",
@@ -45,6 +46,7 @@ SCHEMA = "weightsync-audit/1"
 ACTIONS = ("none", "warned", "raised", "resynced")
 MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
 CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
+PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "off")
 
 _INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
 _COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")
@@ -270,6 +272,8 @@ MISMATCH_FIELDS: dict[str, FieldSpec] = {
     "max_abs_diff": FieldSpec(optional(number)),
     "detail": FieldSpec(optional(string)),
     "shard": FieldSpec(optional(shard_coords)),
+    "rel_diff": FieldSpec(optional(number)),
+    "within_tolerance": FieldSpec(optional(boolean)),
 }
 """One line per field of a mismatch; fields not listed are accepted and ignored."""
 
@@ -290,6 +294,10 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "duration_ms": FieldSpec(optional(number), default=0.0),
     "notes": FieldSpec(list_of(string, "strings"), default=[]),
     "coverage": FieldSpec(optional(coverage)),
+    "pinpoint": FieldSpec(optional(one_of(PINPOINT_STATES))),
+    "first_diverged_step": FieldSpec(optional(integer())),
+    "tolerance": FieldSpec(optional(number)),
+    "within_tolerance": FieldSpec(optional(boolean)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

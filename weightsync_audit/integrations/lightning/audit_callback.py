@@ -81,6 +81,13 @@ class WeightSyncAuditMixin:
         timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
         coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
         verbose: print the report and the fit-end summary on rank 0.
+        tolerance: relative gap (``rel_diff``) under which a mismatch is kept in the record as
+            ``within_tolerance`` and ``on_mismatch`` does not act on it; ``None`` is exact.
+        pinpoint: digest the audited tensors after every optimizer step (local, no communication) so
+            that a divergent audit names the step it began (``first_diverged_step``).
+        pinpoint_ring: steps kept between audits (default: enough for ``every_n_train_steps``).
+        pinpoint_coverage: ``1/n`` makes each per-step digest hash one n-th of every large tensor
+            (n times cheaper; the record's ``pinpoint`` then says ``sampled``).
 
     Example::
 
@@ -100,6 +107,10 @@ class WeightSyncAuditMixin:
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
         verbose: bool = True,
+        tolerance: Optional[float] = None,
+        pinpoint: bool = False,
+        pinpoint_ring: Optional[int] = None,
+        pinpoint_coverage: float | str = 1,
     ) -> None:
         super().__init__()
         check_every_n(every_n_train_steps, "every_n_train_steps")
@@ -118,6 +129,11 @@ class WeightSyncAuditMixin:
             timeout_s=timeout_s,
             coverage=coverage,
             verbose=verbose,
+            tolerance=tolerance,
+            pinpoint=pinpoint,
+            pinpoint_ring=pinpoint_ring,
+            pinpoint_coverage=pinpoint_coverage,
+            every_n=every_n_train_steps,
         )
         self.config = self.runner.config
         self.every_n_train_steps = every_n_train_steps
@@ -194,6 +210,9 @@ class WeightSyncAuditMixin:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
+        if self._opened and not self._disabled:
+            # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
+            self.runner.record_step(trainer.strategy.model, list(trainer.optimizers), step)
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
         if self.every_n_train_steps is None or step == self._last_step_audited:
             return
