@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ranks import run_ranks
 from torch import nn
 
-from weightsync_audit import Auditor, AuditResult, audit
+from weightsync_audit import Auditor, AuditResult, Mismatch, audit
 from weightsync_audit.engine.pinpoint import StepRing, locate
 
 PLANTED = 37
@@ -134,7 +134,7 @@ def _bias() -> list[float]:
 
 
 def test_without_pinpoint_a_divergent_record_says_pinpoint_off_and_readers_accept_old_records() -> None:
-    r = AuditResult(in_sync=False, step=3, pinpoint="off")
+    r = AuditResult(in_sync=False, step=3, pinpoint="off", mismatches=[Mismatch("w", "param", [1], [0])])
     d = r.to_dict()
     assert d["pinpoint"] == "off" and d["first_diverged_step"] is None
     for key in ("pinpoint", "first_diverged_step"):

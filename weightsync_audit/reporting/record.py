@@ -227,6 +227,9 @@ class AuditResult:
             notes=v["notes"],
             coverage=v["coverage"],
             last_full_sync_step=v["last_full_sync_step"],
+            first_diverged_step=v["first_diverged_step"],
+            pinpoint=v["pinpoint"],
+            tolerance=v["tolerance"],
         )
 
     def summary(self) -> str:
