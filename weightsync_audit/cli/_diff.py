@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError, fmt_gap
-from weightsync_audit.reporting.checkpoint_diff import CheckpointError, diff_checkpoints
+from weightsync_audit.cli.checkpoint_diff import CheckpointError, diff_checkpoints
 
 _STYLE = {"missing": "red", "extra": "blue", "shape": "magenta", "dtype": "magenta", "values": "yellow"}
 

@@ -39,9 +39,9 @@ from weightsync_audit.ddp.inspect import (
     trainable_flags,
     watched_parameters,
 )
-from weightsync_audit.engine.consensus import majority
 from weightsync_audit.errors import TrainableSetMismatchError
 from weightsync_audit.text import brief_names, fmt_ranks
+from weightsync_audit.vote import majority
 
 __all__ = ["agree_trainable", "maybe_rewrap", "reduce_grads_by_hand", "retire", "rewrap_ddp"]
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from weightsync_audit.engine.peers import ALL, column_peers, peer_sets
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks
+from weightsync_audit.vote import majority
 
 __all__ = [
     "PROTOCOL",
@@ -58,25 +59,6 @@ class SummaryVerdict:
     status: Status
     """``in_sync``, ``values`` (same structure, some value differs), ``structure`` or ``out_of_step``."""
     differing_fields: tuple[str, ...] = ()
-
-
-def majority(values: Sequence[Hashable]) -> tuple[list[int], list[int]]:
-    """Split ranks into (reference ranks, differing ranks).
-
-    The reference group is the largest group of equal values; a tie goes to the group holding the
-    lowest rank.
-
-    >>> majority([5, 5, 7, 5])
-    ([0, 1, 3], [2])
-    >>> majority([1, 2])
-    ([0], [1])
-    """
-    groups: dict[Hashable, list[int]] = {}
-    for rank, v in enumerate(values):
-        groups.setdefault(v, []).append(rank)
-    best = min(groups.values(), key=lambda ranks: (-len(ranks), ranks[0]))
-    ref = set(best)
-    return best, [r for r in range(len(values)) if r not in ref]
 
 
 def majority_within(values: Sequence[Hashable], ranks: Sequence[int]) -> tuple[list[int], list[int]]:

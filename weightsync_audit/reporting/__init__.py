@@ -1,2 +1,2 @@
-"""What is reported: the record (record), the JSONL report (jsonl), terminal rendering (render), the
-picture (plot), and checkpoint comparison (checkpoint_diff)."""
+"""What is reported: the record (record), its strict validation (validate), the JSONL report (jsonl),
+terminal rendering (render) and the picture (plot)."""
