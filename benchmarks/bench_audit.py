@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 import torch.distributed as dist
-from baselines import MemoryCopy, megatron_check, seed_check
+from baselines import MemoryCopy, megatron_check, plain_xxh3_check, seed_check
 from harness import launch, machine, median, own_copy, peak_extra_bytes, table, timed
 from models import SPECS, build, count, nbytes
 
@@ -86,6 +86,7 @@ def _rank(rank: int, world: int, reps: int, methods: list[str]) -> dict[str, Any
         "1/8": audit_sampled,
         "seed": lambda: seed_check(model),
         "megatron": lambda: megatron_check(model),
+        "xxh3": lambda: plain_xxh3_check(model),
     }
     out: dict[str, Any] = {"threads": workers()}
     for name in methods:
@@ -99,7 +100,7 @@ def _rank(rank: int, world: int, reps: int, methods: list[str]) -> dict[str, Any
             out[name] = None
             out[name + "_why"] = str(exc)
             continue
-        n = 24 if name == "1/8" else (max(3, reps // 2) if name in ("seed", "megatron") else reps)
+        n = 24 if name == "1/8" else (max(3, reps // 2) if name in ("seed", "megatron", "xxh3") else reps)
         out[name] = median(timed(fn, n, warmup=0))
         out[name + "_mem"] = peak_extra_bytes(fn)
         del fn
@@ -161,6 +162,8 @@ def render(rows: list[dict[str, Any]]) -> str:
         "seed/audit",
         "megatron ms",
         "megatron/audit",
+        "xxh3 ms",
+        "xxh3/audit",
         "1/8 ms",
         "full/(1/8)",
         "audit peak extra",
@@ -192,6 +195,8 @@ def render(rows: list[dict[str, Any]]) -> str:
                 _ratio(r.get("seed"), a),
                 _ms(r.get("megatron")),
                 _ratio(r.get("megatron"), a),
+                _ms(r.get("xxh3")),
+                _ratio(r.get("xxh3"), a),
                 _ms(r.get("1/8")),
                 _ratio(a, r.get("1/8")),
                 mem("audit"),
@@ -227,7 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--models", default=",".join(SPECS), help=f"comma-separated, from {list(SPECS)}")
     p.add_argument("--worlds", default="1,2,4")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--methods", default="audit,1/8,seed,megatron,memcpy")
+    p.add_argument("--methods", default="audit,1/8,seed,megatron,xxh3,memcpy")
     p.add_argument("--json", type=Path, help="write the raw figures here")
     args = p.parse_args(argv)
     print(f"# {machine()}; digest threads per rank: {workers()}", flush=True)
