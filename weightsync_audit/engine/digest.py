@@ -155,6 +155,12 @@ def _run_jobs(jobs: list[tuple[int, int, int, object]]) -> list[int | list[int]]
 # -- many tensors ------------------------------------------------------------------------------
 
 
+def _in_place(t: torch.Tensor) -> memoryview:
+    """A byte view of a contiguous CPU tensor that the caller keeps alive while the view is used."""
+    n = t.nbytes
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+
+
 def digest_tensors(
     tensors: Sequence[torch.Tensor],
     *,
@@ -191,8 +197,11 @@ def digest_tensors(
             device_items.append(sample_pieces(t, slice_index, slices) if sampled else [t])
             continue
         else:
-            t = t.cpu()
+            t = t.cpu()  # a temporary: read only through host_view, whose memoryview keeps it alive
             size = t.nbytes
+        # A CPU tensor of the caller's is alive for this whole call (``tensors`` holds it), so its
+        # memory is read in place; a temporary copy goes through host_view, which owns it.
+        view = host_view if t is not tensors[i] or t.is_conj() or t.is_neg() else _in_place
         contiguous = t.is_contiguous()
         if sampled and size > SMALL and t.dim():
             if not contiguous:
@@ -202,13 +211,13 @@ def digest_tensors(
             # The slice of a contiguous tensor is a byte range of its memory: cut the view, no tensor ops.
             start, stop = sample_bounds(t.numel(), slice_index, slices)
             esize = t.element_size()
-            raw = host_view(t)[start * esize : stop * esize]
+            raw = view(t)[start * esize : stop * esize]
             size = len(raw)
         elif not contiguous:
             jobs.append((size, i, -1, [t]))
             continue
         else:
-            raw = host_view(t)
+            raw = view(t)
         if size <= SMALL:
             out[i] = _xxh(raw)
         elif size <= CHUNK:
