@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from transformers import TrainerCallback
 from typing_extensions import override
 
+from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n
 from weightsync_audit.reporting.record import AuditResult
@@ -69,7 +71,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         on_mismatch: ``warn`` (report on the main process), ``raise`` (``WeightDivergenceError`` on every
             rank at the same point), ``resync`` (broadcast the diverged tensors from ``resync_src``, then
             confirm with a full audit).
-        resync_src: the rank whose values win in ``resync``.
+        resync_src: the rank whose values win in ``resync``, or ``"majority"`` (each tensor from a rank holding its reference value).
         report_path: JSONL file that the main process appends one record per audit to.
         timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
         coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
@@ -95,8 +97,8 @@ class WeightSyncAuditCallback(TrainerCallback):
         every_n_steps: Optional[int] = 100,
         include: Sequence[str] = ("params", "buffers", "optimizer"),
         exclude: Sequence[str] = (),
-        on_mismatch: Literal["warn", "raise", "resync"] = "warn",
-        resync_src: int = 0,
+        on_mismatch: OnMismatch = "warn",
+        resync_src: ResyncSource = 0,
         report_path: Optional[str] = None,
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
