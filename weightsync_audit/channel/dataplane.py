@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.channel.verdicts import WaitFailure, wait_until
 from weightsync_audit.compat import default_process_group, is_timeout_text
 
 __all__ = [
@@ -159,19 +160,15 @@ class DataPlane:
     def _wait(self, group: _DataGroup, work: Any, buf: Any, peer: int, deadline: float, verb: str) -> None:
         left = max(deadline - time.monotonic(), 0.001)
         try:
-            work.wait(timeout=timedelta(seconds=left))
-        except Exception as exc:
-            group.graveyard.append((work, buf))
-            text = str(exc)
-            timed_out = is_timeout_text(text)
+            wait_until(work, buf, deadline, group.graveyard)
+        except WaitFailure as failure:
             who = self.comm.global_ranks[peer]
-            if timed_out:
+            if failure.timed_out:
                 why = f"{verb} rank {who} did not finish within its deadline ({left:.1f}s left for the chunk)"
                 group.dead = why
             else:
-                last = text.strip().splitlines()[-1][:160] if text.strip() else type(exc).__name__
-                why = f"{verb} rank {who} failed: {last}"
-            raise TransferFailure(peer, timed_out, why) from exc
+                why = f"{verb} rank {who} failed: {str(failure)[:160]}"
+            raise TransferFailure(peer, failure.timed_out, why) from failure
 
     def send(self, buf: torch.Tensor, dsts: Sequence[int], deadline: float) -> dict[int, TransferFailure]:
         """Send one chunk (a contiguous CPU tensor) to each of ``dsts``; the ones that failed, by peer."""

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -77,8 +76,8 @@ from weightsync_audit.channel.verdicts import (
     out_of_step_error,
     post_verdict,
     verdict_error,
+    wait_until,
 )
-from weightsync_audit.compat import is_timeout_text
 from weightsync_audit.errors import AuditPreparationError
 
 __all__ = ["DEFAULT_GRACE_S", "Comm", "Rule", "forget_groups"]
@@ -154,18 +153,7 @@ class Comm:
     # -- point-to-point with deadlines ---------------------------------------------------------
 
     def _wait(self, group: AuditGroup, work: Any, buf: Any, deadline: float) -> None:
-        # Never wait "0 s": a message that has already arrived must still count as arrived, and gloo
-        # returns a completed receive even after a timeout has closed the context's pairs.
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            work.wait(timeout=timedelta(seconds=left))
-        except Exception as exc:
-            group.graveyard.append((work, buf))
-            text = str(exc)
-            timed_out = is_timeout_text(text)
-            raise WaitFailure(
-                timed_out, text.strip().splitlines()[-1][:200] if text.strip() else type(exc).__name__
-            ) from exc
+        wait_until(work, buf, deadline, group.graveyard)
 
     def _post(self, group: AuditGroup, t: torch.Tensor, peer: int, send: bool) -> Any:
         try:

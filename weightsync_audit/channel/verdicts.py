@@ -9,9 +9,12 @@ rank has raised, its group is marked broken and later exchanges raise at once.
 from __future__ import annotations
 
 import json
+import time
+from datetime import timedelta
 from typing import Any, Sequence
 
 from weightsync_audit.channel.groups import AuditGroup
+from weightsync_audit.compat import is_timeout_text
 from weightsync_audit.errors import AuditOutOfStepError, AuditTimeoutError
 
 __all__ = [
@@ -43,6 +46,24 @@ class WaitFailure(Exception):
     def __init__(self, timed_out: bool, why: str) -> None:
         self.timed_out = timed_out
         super().__init__(why)
+
+
+def wait_until(work: Any, buf: Any, deadline: float, graveyard: list[Any]) -> None:
+    """Wait for a gloo operation until ``deadline`` (``time.monotonic()``); :class:`WaitFailure` when it fails.
+
+    Never waits "0 s": a message that has already arrived must still count as arrived, and gloo returns a
+    completed receive even after a timeout has closed the context's pairs. The buffer of a failed
+    operation goes to ``graveyard``: gloo may still write into it.
+    """
+    left = max(deadline - time.monotonic(), 0.001)
+    try:
+        work.wait(timeout=timedelta(seconds=left))
+    except Exception as exc:
+        graveyard.append((work, buf))
+        text = str(exc)
+        raise WaitFailure(
+            is_timeout_text(text), text.strip().splitlines()[-1][:200] if text.strip() else type(exc).__name__
+        ) from exc
 
 
 class Who:
