@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from records import CONTRACT_EXAMPLE
 
 from weightsync_audit import AuditResult
 from weightsync_audit.cli import main
@@ -23,32 +24,7 @@ from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.render import render_group
 
-VALID: dict[str, Any] = {
-    "schema": "weightsync-audit/1",
-    "time": "2026-12-02T16:40:00Z",
-    "step": 49,
-    "epoch": 3,
-    "hook": "on_train_batch_end",
-    "world_size": 2,
-    "in_sync": False,
-    "last_in_sync_step": 48,
-    "checked": {"param": 4, "buffer": 0, "optimizer": 2, "grad": 0},
-    "mismatches": [
-        {
-            "name": "backbone.weight",
-            "kind": "param",
-            "ranks": [1],
-            "reference_ranks": [0],
-            "shape": [16, 32],
-            "dtype": "float32",
-            "max_abs_diff": 0.0031,
-            "detail": None,
-        }
-    ],
-    "hints": ["a hint"],
-    "action": "warned",
-    "duration_ms": 1.7,
-}
+VALID: dict[str, Any] = copy.deepcopy(CONTRACT_EXAMPLE)
 IN_SYNC = {**VALID, "in_sync": True, "mismatches": [], "hints": [], "step": 48}
 
 

@@ -6,36 +6,10 @@ import io
 import json
 
 import pytest
+from records import CONTRACT_EXAMPLE
 from rich.console import Console
 
 from weightsync_audit import AuditResult, Mismatch, ReportFormatError
-
-CONTRACT_EXAMPLE = {
-    "schema": "weightsync-audit/1",
-    "time": "2026-12-02T16:40:00Z",
-    "step": 49,
-    "epoch": 3,
-    "hook": "on_train_batch_end",
-    "world_size": 2,
-    "in_sync": False,
-    "last_in_sync_step": 48,
-    "checked": {"param": 4, "buffer": 0, "optimizer": 2, "grad": 0},
-    "mismatches": [
-        {
-            "name": "backbone.weight",
-            "kind": "param",
-            "ranks": [1],
-            "reference_ranks": [0],
-            "shape": [16, 32],
-            "dtype": "float32",
-            "max_abs_diff": 0.0031,
-            "detail": None,
-        }
-    ],
-    "hints": ["backbone.weight, backbone.bias require grad, but DistributedDataParallel does not all-reduce ..."],
-    "action": "warned",
-    "duration_ms": 1.7,
-}
 
 
 def test_the_contract_example_round_trips_exactly() -> None:
