@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from weightsync_audit.errors import ReportFormatError, WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.validate import loads_record
+from weightsync_audit.reporting.validate import json_skeleton, loads_record
 
 __all__ = ["ReportWriter", "ReportContents", "read_report", "check_report_path"]
 
@@ -214,24 +214,17 @@ def cut_short(text: str) -> bool:
     stripped = text.strip()
     if not stripped.startswith("{"):
         return False
-    depth, in_str, escaped = 0, False, False
-    for ch in stripped:
-        if in_str:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = False
-        elif ch == '"':
-            in_str = True
+    depth, quotes = 0, 0
+    for _, ch in json_skeleton(stripped):
+        if ch == '"':
+            quotes += 1
         elif ch in "{[":
             depth += 1
         elif ch in "}]":
             depth -= 1
             if depth <= 0:
                 return False  # closed (or over-closed) before the end: corrupt, not cut short
-    return in_str or depth > 0
+    return quotes % 2 == 1 or depth > 0
 
 
 def read_report(path: str | os.PathLike[str]) -> ReportContents:

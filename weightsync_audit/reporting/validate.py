@@ -23,11 +23,12 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from weightsync_audit.errors import ReportFormatError
 
 __all__ = [
+    "json_skeleton",
     "SCHEMA",
     "ACTIONS",
     "MISMATCH_KINDS",
@@ -83,9 +84,14 @@ def _parse_int(text: str) -> int | OversizedNumber:
     return OversizedNumber(text) if len(text) > _MAX_DIGITS else int(text)
 
 
-def _deep_field(text: str, limit: int) -> str | None:
-    """The top-level field whose value nests deeper than ``limit``, or ``"(record)"``; None when none does."""
-    depth, in_str, escaped, key, last_str, start = 0, False, False, None, None, 0
+def json_skeleton(text: str) -> Iterator[tuple[int, str]]:
+    """Each character of JSON ``text`` that lies outside string literals, with its index. The quotes that
+    open and close each string are included, so they alternate open, close (an odd count: cut inside one).
+
+    >>> "".join(ch for _, ch in json_skeleton('{"a{": [1, "]"]}'))
+    '{"": [1, ""]}'
+    """
+    in_str = escaped = False
     for i, ch in enumerate(text):
         if in_str:
             if escaped:
@@ -93,9 +99,22 @@ def _deep_field(text: str, limit: int) -> str | None:
             elif ch == "\\":
                 escaped = True
             elif ch == '"':
-                in_str, last_str = False, text[start:i]
-        elif ch == '"':
-            in_str, start = True, i + 1
+                in_str = False
+                yield i, ch
+        else:
+            in_str = ch == '"'
+            yield i, ch
+
+
+def _deep_field(text: str, limit: int) -> str | None:
+    """The top-level field whose value nests deeper than ``limit``, or ``"(record)"``; None when none does."""
+    depth, key, last_str, opened = 0, None, None, None
+    for i, ch in json_skeleton(text):
+        if ch == '"':
+            if opened is None:
+                opened = i
+            else:
+                last_str, opened = text[opened + 1 : i], None
         elif ch == ":" and depth == 1:
             key = last_str
         elif ch in "{[":
