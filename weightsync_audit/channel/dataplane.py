@@ -24,7 +24,6 @@ import time
 from datetime import timedelta
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -38,7 +37,6 @@ __all__ = [
     "DataPlane",
     "Schedule",
     "TransferFailure",
-    "exchange_within",
     "forget_data_groups",
 ]
 
@@ -197,19 +195,6 @@ class DataPlane:
         except Exception as exc:
             raise TransferFailure(src, False, f"receiving from rank {self.comm.global_ranks[src]}: {exc}") from exc
         self._wait(group, work, buf, src, deadline, "receiving from")
-
-
-def exchange_within(comm: Comm, payload: np.ndarray, what: str, extra_s: float) -> np.ndarray:
-    """``comm.exchange`` with its deadline lengthened by ``extra_s``: the time the data plane may still
-    take on other ranks, so that a rank done early does not take a busy peer for a missing one."""
-    if comm.timeout_s is None or extra_s <= 0:
-        return comm.exchange(payload, what)
-    saved = comm.timeout_s
-    comm.timeout_s = saved + extra_s
-    try:
-        return comm.exchange(payload, what)
-    finally:
-        comm.timeout_s = saved
 
 
 def forget_data_groups() -> None:

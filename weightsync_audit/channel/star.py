@@ -380,6 +380,19 @@ class Comm:
             raise out_of_step_error(group, sizes, what)
         return np.frombuffer(b"".join(parts), dtype=np.int64).reshape(self.world_size, row.size).copy()
 
+    def exchange_within(self, payload: np.ndarray, what: str, extra_s: float) -> np.ndarray:
+        """:meth:`exchange` with its deadline lengthened by ``extra_s`` for this one exchange: the time a
+        transfer may still take on other ranks, so that a rank done early does not take a busy peer for a
+        missing one."""
+        if self.timeout_s is None or extra_s <= 0:
+            return self.exchange(payload, what)
+        saved = self.timeout_s
+        self.timeout_s = saved + extra_s
+        try:
+            return self.exchange(payload, what)
+        finally:
+            self.timeout_s = saved
+
     def exchange_bytes(self, payload: bytes, what: str = "the audit") -> list[bytes]:
         """Every rank's byte string, of any length, on every rank."""
         if not self.distributed:

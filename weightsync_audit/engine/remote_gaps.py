@@ -20,7 +20,7 @@ import math
 import numpy as np
 import xxhash
 
-from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure, exchange_within
+from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.gaps import GapMeter
@@ -154,7 +154,7 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
             else:
                 row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
         before += sizes[i] * len(receivers)
-    table = exchange_within(comm, row, "the max |diff| values", sched.left_s(total))
+    table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total))
     if (table[:, 2::_FIELDS] != _OK).any():
         plane.discard()  # every rank sees the same table, so every rank retires the group alike
     g = comm.global_ranks

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure, exchange_within
+from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.transfer import receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.errors import ResyncError, WeightSyncAuditError
@@ -72,7 +72,7 @@ def move_tensors(comm: Comm, src: int, tensors: list[tuple[str, torch.Tensor]]) 
 
     g = comm.global_ranks
     try:
-        table = exchange_within(comm, np.array(mine, dtype=np.int64), "the resync result", sched.left_s(total))
+        table = comm.exchange_within(np.array(mine, dtype=np.int64), "the resync result", sched.left_s(total))
     except WeightSyncAuditError as exc:
         missing = list(getattr(exc, "missing_ranks", []))
         failed = missing[0] if missing else (g[mine[1]] if mine[1] >= 0 else None)
