@@ -17,7 +17,7 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine import manifest_cache
+from weightsync_audit.engine import digest_plan, manifest_cache
 from weightsync_audit.engine.digest import digest_entries, structure_digest
 from weightsync_audit.engine.manifest import build_manifest
 from weightsync_audit.engine.manifest_cache import ManifestCache
@@ -58,7 +58,7 @@ class Oracle:
         def build():
             return build_manifest(self.model, opts, **self.build_kw)
 
-        prepared = self.cache.prepare(self.model, opts, key=(), build=build)
+        prepared = self.cache.prepare(self.model, opts, key=(), build=build, method=kw.get("method", "auto"))
         fresh = build()
         assert prepared.structure == structure_digest(fresh.entries)
         assert prepared.size == len(fresh.entries)
@@ -97,6 +97,11 @@ def _swap_param(m: Net, o: Any) -> None:
 
 def _new_storage(m: Net, o: Any) -> None:
     m.a.weight.data = m.a.weight.data.clone()
+
+
+def _set_storage(m: Net, o: Any) -> None:
+    with torch.no_grad():
+        m.a.weight.set_(m.a.weight.detach().clone())  # the same object, values and layout; another address
 
 
 def _transpose_in_place(m: Net, o: Any) -> None:
@@ -177,6 +182,7 @@ def _flip_bit(m: Net, o: Any) -> None:
 CHANGES: dict[str, Callable[[Net, Any], None]] = {
     "swap a parameter": _swap_param,
     "give a parameter new storage": _new_storage,
+    "set_ a parameter to another storage": _set_storage,
     "transpose a parameter in place": _transpose_in_place,
     "reshape a parameter over the same bytes": _reshape_same_bytes,
     "model.half() on a submodule": _half,
@@ -198,11 +204,13 @@ CHANGES: dict[str, Callable[[Net, Any], None]] = {
 }
 
 
-@pytest.mark.parametrize("guard", ["C++ layout guard", "Python layout check"])
+@pytest.mark.parametrize("checks", ["C++ layout guard, dict version tags", "Python layout check", "no version tags"])
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_the_next_audit_sees_every_change(change: str, guard: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if guard == "Python layout check":  # what runs where torch lacks the compiler's tensor guards
-        monkeypatch.setattr(manifest_cache, "layout_guard", lambda tensors: None)
+def test_the_next_audit_sees_every_change(change: str, checks: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if checks == "Python layout check":  # what runs where torch lacks the compiler's tensor guards
+        monkeypatch.setattr(digest_plan, "layout_guard", lambda tensors: None)
+    if checks == "no version tags":  # what runs where CPython or torch serves no dict version tags
+        monkeypatch.setattr(manifest_cache, "_VERSION", None)
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     adam_step(model, opt)  # the first step creates exp_avg, exp_avg_sq and step: a structure change
@@ -229,6 +237,42 @@ VALUES_ONLY = {
     "change a Python value in the state",
     "flip one bit of a parameter",
 }
+
+
+def test_an_unchanged_structure_is_vouched_for_by_version_tags(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With version tags, an audit of an unchanged model compares no keys or ids (the cost of a structure
+    # check); without them, the fingerprint is compared every time. Both still see a change.
+    compared = []
+    fingerprint = manifest_cache._optimizer_fingerprint
+    monkeypatch.setattr(manifest_cache, "_optimizer_fingerprint", lambda opt: compared.append(1) or fingerprint(opt))
+    for tags in (manifest_cache._VERSION, None):
+        monkeypatch.setattr(manifest_cache, "_VERSION", tags)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        adam_step(model, opt)
+        oracle = Oracle(model, opt)
+        oracle.check()
+        oracle.check()  # builds and keeps the snapshot
+        compared.clear()
+        for _ in range(3):
+            adam_step(model, opt)
+            oracle.check()
+        assert len(compared) == (0 if tags is not None else 3), tags
+        builds = oracle.cache.builds
+        opt.state[model.a.weight]["exp_avg"] = torch.zeros_like(model.a.weight)
+        oracle.check()
+        assert oracle.cache.builds == builds + 1
+
+
+def test_a_manifest_prepared_for_the_device_method_still_digests_in_place() -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    cache = ManifestCache()
+    for _ in range(3):
+        prepared = cache.prepare(model, [opt], key=(), build=lambda: build_manifest(model, [opt]), method="device")
+    assert prepared.in_place is None and prepared.plan.fast_count > 0
+    assert np.array_equal(prepared.digests(), digest_entries(build_manifest(model, [opt]).entries))
 
 
 @pytest.mark.parametrize(

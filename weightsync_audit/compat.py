@@ -22,6 +22,7 @@ __all__ = [
     "ddp_synced_count",
     "default_process_group",
     "default_store",
+    "dict_version_reader",
     "is_dtensor",
     "flatten_tensors",
     "is_timeout_text",
@@ -180,6 +181,32 @@ def layout_guard(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Te
         return bool(guard.check(*current))
 
     return check
+
+
+def dict_version_reader() -> Callable[[dict[Any, Any]], int] | None:
+    """A reader of a dict's version tag (CPython's ``ma_version_tag``, PEP 509), or ``None``.
+
+    The tag changes whenever the dict's contents change and differs between any two dicts, so an
+    unchanged tag proves the same dict with the same keys and the same value objects. Relies on
+    ``torch._C._dynamo.guards.dict_version`` (what ``torch.compile`` guards dicts with), which only
+    CPython before 3.12 serves; ``None`` when it is missing or does not behave so here: callers then
+    compare the dicts' keys and values themselves.
+    """
+    try:
+        from collections import defaultdict
+
+        from torch._C._dynamo.guards import dict_version
+
+        probe: defaultdict[str, int] = defaultdict(int)
+        before = dict_version(probe)
+        probe["x"] += 1
+        after = dict_version(probe)
+        probe["x"] += 1
+        if len({before, after, dict_version(probe), dict_version({})}) != 4:
+            return None
+    except Exception:  # noqa: BLE001 - an optional accelerator of a check that also runs without it
+        return None
+    return dict_version  # type: ignore[no-any-return]
 
 
 # -- Lightning strategies ----------------------------------------------------------------------

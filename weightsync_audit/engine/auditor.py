@@ -170,7 +170,9 @@ class Auditor:
         """This audit's manifest: built once and reused while the audited structure holds (see manifest_cache)."""
         cfg = self.config
         key = (cfg.include, cfg.exclude, self._skip_buffers_reason(module), self.comm.global_ranks)
-        return self._manifests.prepare(module, optimizers, key=key, build=lambda: self._manifest(module, optimizers))
+        return self._manifests.prepare(
+            module, optimizers, key=key, build=lambda: self._manifest(module, optimizers), method=self.config.method
+        )
 
     def _manifest(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> Manifest:
         skip = self._skip_buffers_reason(module)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Hashable, Sequence
 import torch
 from torch import nn
 
-from weightsync_audit.compat import layout_guard
+from weightsync_audit.compat import dict_version_reader
 from weightsync_audit.engine.digest import structure_digest
 from weightsync_audit.engine.digest_plan import DigestPlan, PreparedManifest
 from weightsync_audit.engine.manifest import KINDS, Manifest, dtype_name, unwrap_module, value_as_tensor
@@ -52,7 +52,7 @@ _T = torch.Tensor
 _DTYPE = _T.dtype.__get__  # type: ignore[attr-defined]
 _NBYTES = _T.nbytes.__get__  # type: ignore[attr-defined]
 _SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
-_IS_CPU = _T.is_cpu.__get__  # type: ignore[attr-defined]
+_VERSION = dict_version_reader()
 
 
 @dataclass(slots=True)
@@ -64,18 +64,16 @@ class _Snapshot:
     user: Callable[[], Any]
     modules: list[weakref.ref]
     module_fingerprint: list[Any]
+    module_versions: list[int] | None  # every module dict's version tag: equal means nothing in them changed
     optimizers: list[weakref.ref]
     optimizer_lists: list[list[Any]]
+    optimizer_versions: list[list[int]] | None
     # For each source, its index in the chain of every module's _parameters (_buffers) values, or of every
     # optimizer's state values; None when that chain, in order, is exactly the sources.
     param_pos: list[int] | None
     buffer_pos: list[int] | None
     state_pos: list[int] | None
-    guard: Callable[[Sequence[torch.Tensor]], bool] | None  # dtypes, devices, shapes, strides in one C++ pass
-    layouts: list[Any]  # without the guard: each tensor's (dtype, shape, stride), compared in Python
-    fast_ptrs: list[int]
     slow_mask: list[bool]
-    all_fast: bool
     groups: list[tuple[int, int, Any, str, tuple[int, ...]]]  # re-read: (optimizer, group, key, label, shape)
     state_values: list[tuple[int, int, Any, str, tuple[int, ...]]]  # (optimizer, state dict, key, ...)
     size: int
@@ -85,15 +83,25 @@ class _Snapshot:
     plan: DigestPlan
 
 
-def _walk(mods: Sequence[nn.Module]) -> tuple[list[Any], list[Any], list[Any]]:
+def _dicts(mods: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
+    return [list(map(_MODULES, mods)), list(map(_PARAMETERS, mods)), list(map(_BUFFERS, mods))]
+
+
+def _walk(
+    mods: Sequence[nn.Module], versions: list[int] | None = None
+) -> tuple[list[Any] | None, list[Any], list[Any]]:
     """The module tree's fingerprint (dict sizes, keys, value ids), and its parameter and buffer values.
 
+    With ``versions`` (the dicts' version tags when the fingerprint was taken), the fingerprint is
+    ``None`` when every dict still has its tag: nothing in them changed, so there is nothing to compare.
     Only non-empty dicts are iterated: a model of many small layers has mostly empty ``_modules`` and
     ``_buffers``, and what costs here is touching each dict.
     """
-    dicts = [list(map(_MODULES, mods)), list(map(_PARAMETERS, mods)), list(map(_BUFFERS, mods))]
+    dicts = _dicts(mods)
     full = [list(filter(None, d)) for d in dicts]
     children, params, buffers = (list(_chain(map(dict.values, f))) for f in full)
+    if versions is not None and _VERSION is not None and list(map(_VERSION, _chain(dicts))) == versions:
+        return None, params, buffers
     fingerprint = [
         *(list(map(len, d)) for d in dicts),
         *(list(_chain(f)) for f in full),
@@ -102,6 +110,25 @@ def _walk(mods: Sequence[nn.Module]) -> tuple[list[Any], list[Any], list[Any]]:
         list(map(id, buffers)),
     ]
     return fingerprint, params, buffers
+
+
+def _module_versions(mods: Sequence[nn.Module]) -> list[int] | None:
+    return None if _VERSION is None else list(map(_VERSION, _chain(_dicts(mods))))
+
+
+def _optimizer_versions(opt: torch.optim.Optimizer) -> list[int]:
+    # Version tags of the state mapping, each state dict and each group, then each group's parameters
+    # (lists carry no tag). Equal means the same keys holding the same objects everywhere.
+    assert _VERSION is not None
+    state, groups = opt.state, opt.param_groups
+    params = [g["params"] for g in groups]
+    return [
+        _VERSION(state),
+        *map(_VERSION, state.values()),
+        *map(_VERSION, groups),
+        *map(len, params),
+        *map(id, _chain(params)),
+    ]
 
 
 def _optimizer_fingerprint(opt: torch.optim.Optimizer) -> list[Any]:
@@ -122,10 +149,6 @@ def _optimizer_fingerprint(opt: torch.optim.Optimizer) -> list[Any]:
 
 def _state_values(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
     return list(_chain(map(dict.values, _chain(opt.state.values() for opt in optimizers))))
-
-
-def _layouts(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    return list(zip(map(_DTYPE, tensors), map(_SHAPE, tensors), map(_T.stride, tensors), map(_IS_CPU, tensors)))  # type: ignore[attr-defined]
 
 
 def _reread(value: Any) -> tuple[torch.Tensor, str, tuple[int, ...]] | None:
@@ -178,16 +201,19 @@ class ManifestCache:
         *,
         key: Hashable,
         build: Callable[[], Manifest],
+        method: str = "auto",
     ) -> PreparedManifest:
         """The manifest for this audit: the cached one when the structure holds, else ``build()``.
 
         ``key`` holds every setting the manifest depends on (include, exclude, ...); ``build`` builds
-        the manifest of ``module`` and ``optimizers`` with those settings.
+        the manifest of ``module`` and ``optimizers`` with those settings. With any ``method`` but
+        ``"device"``, the check that the structure holds also hashes the small tensors as it goes.
         """
+        hash_in_place = method != "device"
         snap = self._snap
         if snap is not None:
             try:
-                prepared = _check(snap, module, optimizers, key, build)
+                prepared = _check(snap, module, optimizers, key, build, hash_in_place)
             except Exception:  # noqa: BLE001 - anything odd is a miss: the build reports it properly
                 prepared = None
             if prepared is not None:
@@ -205,7 +231,7 @@ class ManifestCache:
         if self._snap is None:
             return PreparedManifest.uncached(manifest)
         try:
-            prepared = _check(self._snap, module, optimizers, key, build)
+            prepared = _check(self._snap, module, optimizers, key, build, hash_in_place)
         except Exception:  # noqa: BLE001
             prepared = None
         if prepared is None:  # the structure moved under the build (it cannot, but never trust a cache)
@@ -221,6 +247,7 @@ def _check(
     optimizers: Sequence[torch.optim.Optimizer],
     key: Hashable,
     build: Callable[[], Manifest],
+    hash_in_place: bool,
 ) -> PreparedManifest | None:
     """This audit's prepared manifest when everything ``snap`` recorded still holds, else ``None``."""
     if key != snap.key or snap.root() is not module or len(optimizers) != len(snap.optimizers):
@@ -232,11 +259,12 @@ def _check(
     mods = list(map(weakref.ref.__call__, snap.modules))
     if None in mods:
         return None
-    fingerprint, params, buffers = _walk(mods)  # type: ignore[arg-type]
-    if fingerprint != snap.module_fingerprint:
+    fingerprint, params, buffers = _walk(mods, snap.module_versions)  # type: ignore[arg-type]
+    if fingerprint is not None and fingerprint != snap.module_fingerprint:
         return None
-    if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists:
-        return None
+    if snap.optimizer_versions is None or list(map(_optimizer_versions, optimizers)) != snap.optimizer_versions:
+        if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists:
+            return None
     sources: list[Any] = []
     for positions, values in (
         (snap.param_pos, lambda: params),
@@ -249,10 +277,8 @@ def _check(
             sources.extend(map(values().__getitem__, positions))
     # The same objects (checked above) with the same dtype, device, shape and strides, and the tensors
     # hashed in place still at the same address: then each cached wrapper covers exactly its tensor.
-    if not (snap.guard(sources) if snap.guard is not None else _layouts(sources) == snap.layouts):
-        return None
-    fast = sources if snap.all_fast else itertools.compress(sources, snap.plan.fast_mask)
-    if list(map(_T.data_ptr, fast)) != snap.fast_ptrs:
+    in_place = snap.plan.verify(sources, hash_in_place=hash_in_place)
+    if in_place is None:
         return None
     # Python values (and param-group tensors) are re-read: their values change, their encoding must not.
     values: list[torch.Tensor] = []
@@ -278,6 +304,7 @@ def _check(
         sources=sources,
         slow_mask=snap.slow_mask,
         dynamic=values,
+        in_place=in_place if hash_in_place else None,
     )
 
 
@@ -358,7 +385,6 @@ def _snapshot(
             return None
     plan = DigestPlan(size=len(entries), sources=sources, source_index=src_index, dynamic_index=dyn_index)
     slow_mask = [not f for f in plan.fast_mask]
-    guard = layout_guard(sources)
     counts = dict.fromkeys(KINDS, 0)
     for e in entries:
         counts[e.kind] += 1
@@ -367,17 +393,15 @@ def _snapshot(
         root=weakref.ref(module) if module is not None else _no_object,
         user=weakref.ref(user) if user is not None else _no_object,
         modules=[weakref.ref(m) for m in mods],
-        module_fingerprint=fingerprint,
+        module_fingerprint=fingerprint,  # type: ignore[arg-type]
+        module_versions=_module_versions(mods),
         optimizers=[weakref.ref(o) for o in optimizers],
         optimizer_lists=list(map(_optimizer_fingerprint, optimizers)),
+        optimizer_versions=None if _VERSION is None else list(map(_optimizer_versions, optimizers)),
         param_pos=_unless_all(positions["param"], len(params)),
         buffer_pos=_unless_all(positions["buffer"], len(buffers)),
         state_pos=_unless_all(positions["optimizer"], len(states)),
-        guard=guard,
-        layouts=_layouts(sources) if guard is None else [],
-        fast_ptrs=list(map(_T.data_ptr, itertools.compress(sources, plan.fast_mask))),
         slow_mask=slow_mask,
-        all_fast=all(plan.fast_mask),
         groups=groups,
         state_values=state_values,
         size=len(entries),
