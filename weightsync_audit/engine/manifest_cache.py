@@ -98,10 +98,10 @@ def _walk(
     ``_buffers``, and what costs here is touching each dict.
     """
     dicts = _dicts(mods)
+    if versions is not None and _VERSION is not None and list(map(_VERSION, _chain(dicts))) == versions:
+        return None, *(list(_chain(map(dict.values, filter(None, d)))) for d in dicts[1:])  # type: ignore[return-value]
     full = [list(filter(None, d)) for d in dicts]
     children, params, buffers = (list(_chain(map(dict.values, f))) for f in full)
-    if versions is not None and _VERSION is not None and list(map(_VERSION, _chain(dicts))) == versions:
-        return None, params, buffers
     fingerprint = [
         *(list(map(len, d)) for d in dicts),
         *(list(_chain(f)) for f in full),
