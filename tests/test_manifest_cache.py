@@ -240,8 +240,8 @@ VALUES_ONLY = {
 
 
 def test_an_unchanged_structure_is_vouched_for_by_version_tags(monkeypatch: pytest.MonkeyPatch) -> None:
-    # With version tags, an audit of an unchanged model compares no keys or ids (the cost of a structure
-    # check); without them, the fingerprint is compared every time. Both still see a change.
+    # With version tags, an audit of an unchanged model (values changed by steps and a scheduler) compares
+    # no state keys or ids; without them, the fingerprint is compared every time. Both see a change.
     compared = []
     fingerprint = manifest_cache._optimizer_fingerprint
     monkeypatch.setattr(manifest_cache, "_optimizer_fingerprint", lambda opt: compared.append(1) or fingerprint(opt))
@@ -250,15 +250,21 @@ def test_an_unchanged_structure_is_vouched_for_by_version_tags(monkeypatch: pyte
         model = Net()
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         adam_step(model, opt)
+        opt.state[model.a.bias]["count"] = 7
         oracle = Oracle(model, opt)
         oracle.check()
         oracle.check()  # builds and keeps the snapshot
         compared.clear()
         for _ in range(3):
             adam_step(model, opt)
+            opt.param_groups[0]["lr"] *= 0.9  # a scheduler's step: a value, re-read, not a structure change
             oracle.check()
         assert len(compared) == (0 if tags is not None else 3), tags
         builds = oracle.cache.builds
+        opt.state[model.a.bias]["count"] = 8  # a Python value re-assigned: its dict's tag moves, once
+        oracle.check()
+        oracle.check()
+        assert len(compared) == (1 if tags is not None else 5) and oracle.cache.builds == builds
         opt.state[model.a.weight]["exp_avg"] = torch.zeros_like(model.a.weight)
         oracle.check()
         assert oracle.cache.builds == builds + 1

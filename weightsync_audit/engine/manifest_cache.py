@@ -89,17 +89,20 @@ def _dicts(mods: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
 
 def _walk(
     mods: Sequence[nn.Module], versions: list[int] | None = None
-) -> tuple[list[Any] | None, list[Any], list[Any]]:
-    """The module tree's fingerprint (dict sizes, keys, value ids), and its parameter and buffer values.
+) -> tuple[list[Any] | None, list[Any], list[Any], list[int] | None]:
+    """The module tree's fingerprint (dict sizes, keys, value ids), its parameter and buffer values, and
+    its dicts' version tags (``None`` without tags).
 
-    With ``versions`` (the dicts' version tags when the fingerprint was taken), the fingerprint is
-    ``None`` when every dict still has its tag: nothing in them changed, so there is nothing to compare.
-    Only non-empty dicts are iterated: a model of many small layers has mostly empty ``_modules`` and
-    ``_buffers``, and what costs here is touching each dict.
+    With ``versions`` (the tags when the fingerprint was taken), the fingerprint is ``None`` when every
+    dict still has its tag: nothing in them changed, so there is nothing to compare. Only non-empty
+    dicts are iterated: a model of many small layers has mostly empty ``_modules`` and ``_buffers``,
+    and what costs here is touching each dict.
     """
     dicts = _dicts(mods)
-    if versions is not None and _VERSION is not None and list(map(_VERSION, _chain(dicts))) == versions:
-        return None, *(list(_chain(map(dict.values, filter(None, d)))) for d in dicts[1:])  # type: ignore[return-value]
+    now = None if _VERSION is None else list(map(_VERSION, _chain(dicts)))
+    if versions is not None and now == versions:
+        params, buffers = (list(_chain(map(dict.values, filter(None, d)))) for d in dicts[1:])
+        return None, params, buffers, now
     full = [list(filter(None, d)) for d in dicts]
     children, params, buffers = (list(_chain(map(dict.values, f))) for f in full)
     fingerprint = [
@@ -109,23 +112,21 @@ def _walk(
         list(map(id, params)),
         list(map(id, buffers)),
     ]
-    return fingerprint, params, buffers
+    return fingerprint, params, buffers, now
 
 
-def _module_versions(mods: Sequence[nn.Module]) -> list[int] | None:
-    return None if _VERSION is None else list(map(_VERSION, _chain(_dicts(mods))))
-
-
-def _optimizer_versions(opt: torch.optim.Optimizer) -> list[int]:
-    # Version tags of the state mapping, each state dict and each group, then each group's parameters
-    # (lists carry no tag). Equal means the same keys holding the same objects everywhere.
+def _optimizer_versions(opt: torch.optim.Optimizer) -> list[Any]:
+    # Version tags of the state mapping and of each state dict (equal: the same keys holding the same
+    # objects), then each group's keys and parameters: a scheduler re-assigns ``lr`` at every step, so a
+    # group's tag changes without its structure changing (its values are re-read at every audit anyway).
     assert _VERSION is not None
     state, groups = opt.state, opt.param_groups
     params = [g["params"] for g in groups]
     return [
         _VERSION(state),
         *map(_VERSION, state.values()),
-        *map(_VERSION, groups),
+        *map(len, groups),
+        *_chain(groups),
         *map(len, params),
         *map(id, _chain(params)),
     ]
@@ -259,10 +260,11 @@ def _check(
     mods = list(map(weakref.ref.__call__, snap.modules))
     if None in mods:
         return None
-    fingerprint, params, buffers = _walk(mods, snap.module_versions)  # type: ignore[arg-type]
+    fingerprint, params, buffers, module_versions = _walk(mods, snap.module_versions)  # type: ignore[arg-type]
     if fingerprint is not None and fingerprint != snap.module_fingerprint:
         return None
-    if snap.optimizer_versions is None or list(map(_optimizer_versions, optimizers)) != snap.optimizer_versions:
+    optimizer_versions = None if _VERSION is None else list(map(_optimizer_versions, optimizers))
+    if optimizer_versions is None or optimizer_versions != snap.optimizer_versions:
         if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists:
             return None
     sources: list[Any] = []
@@ -294,6 +296,9 @@ def _check(
             if got is None or got[1] != label or got[2] != shape:
                 return None
             values.append(got[0])
+    # The structure held: tags that moved without a change (a key deleted and put back, a Python value
+    # in the state re-assigned) are the tags to compare from now on.
+    snap.module_versions, snap.optimizer_versions = module_versions, optimizer_versions
     return PreparedManifest(
         size=snap.size,
         structure=snap.structure,
@@ -369,7 +374,7 @@ def _snapshot(
     for kind in positions:  # sources in the order of their chain: most often the chain is the sources
         pairs = sorted(zip(positions[kind], index[kind]))
         positions[kind], index[kind] = [p for p, _ in pairs], [i for _, i in pairs]
-    fingerprint, params, buffers = _walk(mods)
+    fingerprint, params, buffers, module_versions = _walk(mods)
     states = _state_values(optimizers)
     sources = (
         [params[p] for p in positions["param"]]
@@ -394,7 +399,7 @@ def _snapshot(
         user=weakref.ref(user) if user is not None else _no_object,
         modules=[weakref.ref(m) for m in mods],
         module_fingerprint=fingerprint,  # type: ignore[arg-type]
-        module_versions=_module_versions(mods),
+        module_versions=module_versions,
         optimizers=[weakref.ref(o) for o in optimizers],
         optimizer_lists=list(map(_optimizer_fingerprint, optimizers)),
         optimizer_versions=None if _VERSION is None else list(map(_optimizer_versions, optimizers)),
