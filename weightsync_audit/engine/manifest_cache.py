@@ -12,9 +12,13 @@ structure still holds, with C-level passes over what the module and optimizers h
 - each optimizer: the same ``state`` mapping, the same state dicts with the same keys and objects (the
   first step that creates ``exp_avg`` changes it; so does ``load_state_dict``), the same param groups
   with the same keys and parameters;
-- every audited tensor: the same dtype and byte size, and for those hashed in place the same data
-  pointer and contiguity (``model.half()``, ``.to()`` and ``p.data = ...`` all change these). Tensors
-  hashed through the general path (large or non-contiguous ones) have their full shape checked.
+- every audited tensor: the same dtype, device, shape and strides, and for those hashed in place the
+  same data pointer (``model.half()``, ``.to()``, ``p.data = ...`` and ``p.set_()`` all change these),
+  checked by :meth:`DigestPlan.verify` chunk by chunk with the hashing.
+
+The dicts are vouched for by their version tags (PEP 509, :func:`~weightsync_audit.compat.dict_version_reader`):
+one C call per dict, and an unchanged tag proves the same keys holding the same objects. Only when a
+tag moved are sizes, keys and object ids compared; if they held, the new tags are kept.
 
 Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses),
 means a rebuild with :func:`~weightsync_audit.engine.manifest.build_manifest`: never a stale manifest.
