@@ -182,6 +182,12 @@ def _tensor_entry(
     key: Any = None,
     audit_ranks: Sequence[int] | None = None,
 ) -> Entry:
+    cls = type(t)
+    if cls is torch.Tensor or cls is nn.Parameter:  # the common case, without the checks a subclass needs
+        if cls is nn.Parameter or t.requires_grad:
+            t = t.data
+        if t.layout is torch.strided and not t.is_meta and not t.is_nested:
+            return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key)
     note = None
     shard = None
     if is_dtensor(t):
