@@ -11,10 +11,11 @@ chosen so that the audited entries come to about the asked-for count (20,011 for
 In the same run, on the same ranks, between barriers (the slowest rank counts, median of the repetitions):
 
 - ``audit``: ``Auditor(model, opt).audit()`` on a warmed-up auditor (the steady state of a training run);
-- ``first audit``: a new ``Auditor`` per call (what one ``audit()`` call, or any structure change, costs);
-- ``seed``: the seed's sha256 check (``benchmarks/baselines.py``) over the parameters alone;
-- on one rank, also the CPU time of both (``time.thread_time``): on a machine shared with other work,
-  wall time swings with the load, CPU time much less.
+- ``seed``: the seed's sha256 check (``benchmarks/baselines.py``) over the parameters alone, timed in
+  turns with ``audit`` within each repetition (the order alternating), wall time and the CPU time of
+  the calling thread (``time.thread_time``); the ratios are medians of the per-repetition ratios, so
+  the load of the moment (this machine is shared) weighs on both sides alike;
+- ``first audit``: a new ``Auditor`` per call (what one ``audit()`` call, or any structure change, costs).
 
 The floor of issue 16: with 20,011 entries (2,500 layers + Adam), ``audit`` no slower than ``seed``
 over the 5,000 parameters, and under 1.5 us per entry from 20,000 entries on.
@@ -32,6 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
+import torch.distributed as dist
 from baselines import seed_check
 from harness import launch, machine, median, own_copy, table, timed
 from torch import nn
@@ -67,24 +69,40 @@ def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
     assert result.in_sync
     entries = sum(result.checked.values())
     out: dict[str, Any] = {"entries": entries, "params": len(list(model.parameters()))}
-    out["audit"] = median(timed(lambda: auditor.audit(), reps))
+    wall, cpu = paired({"audit": auditor.audit, "seed": lambda: seed_check(model)}, reps)
+    out["audit"], out["seed"] = median(wall["audit"]), median(wall["seed"])
+    out["ratio"] = median([s / a for s, a in zip(wall["seed"], wall["audit"])])
+    out["audit_cpu"], out["seed_cpu"] = median(cpu["audit"]), median(cpu["seed"])
+    out["ratio_cpu"] = median([s / a for s, a in zip(cpu["seed"], cpu["audit"])])
     out["first"] = median(timed(lambda: Auditor(model, opt).audit(), max(3, reps // 2)))
-    out["seed"] = median(timed(lambda: seed_check(model), reps))
-    if world == 1:  # CPU time of this thread: steadier than wall time on a machine shared with other work
-        out["audit_cpu"] = median(cpu_timed(lambda: auditor.audit(), reps))
-        out["seed_cpu"] = median(cpu_timed(lambda: seed_check(model), reps))
     return out
 
 
-def cpu_timed(fn: Any, reps: int) -> list[float]:
-    """This thread's CPU seconds per call of ``fn`` (one process only: no barrier, no other rank)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        t0 = time.thread_time()
+def paired(fns: dict[str, Any], reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall seconds (slowest rank) and this thread's CPU seconds (slowest rank) per call of each of ``fns``,
+    taken in turns within each repetition (the order alternating), so that the load of the moment weighs
+    on all of them alike; each ratio is then taken repetition by repetition.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    for fn in fns.values():
         fn()
-        out.append(time.thread_time() - t0)
-    return out
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for i in range(reps):
+        for name in names if i % 2 == 0 else names[::-1]:
+            if world > 1:
+                dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            fns[name]()
+            cpu[name].append(time.thread_time() - c0)
+            wall[name].append(time.perf_counter() - t0)
+    if world > 1:
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, (wall, cpu))
+        wall = {k: [max(w[k][i] for w, _ in everyone) for i in range(reps)] for k in fns}
+        cpu = {k: [max(c[k][i] for _, c in everyone) for i in range(reps)] for k in fns}
+    return wall, cpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 )
             _CASE = None
     headers = ["entries", "state", "ranks", "params", "audit ms", "per entry", "first audit ms", "per entry (first)"]
-    headers += ["seed ms (params only)", "seed/audit", "CPU ms: audit / seed"]
+    headers += ["seed ms (params only)", "seed/audit (wall)", "CPU ms: audit / seed", "seed/audit (CPU)"]
     body = [
         [
             f"{r['entries']:,}",
@@ -126,8 +144,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['first'] * 1e3:.1f}",
             f"{r['first'] / r['entries'] * 1e6:.2f} us",
             f"{r['seed'] * 1e3:.2f}",
-            f"{r['seed'] / r['audit']:.2f}x",
-            f"{r['audit_cpu'] * 1e3:.2f} / {r['seed_cpu'] * 1e3:.2f}" if "audit_cpu" in r else "",
+            f"{r['ratio']:.2f}x",
+            f"{r['audit_cpu'] * 1e3:.2f} / {r['seed_cpu'] * 1e3:.2f}",
+            f"{r['ratio_cpu']:.2f}x",
         ]
         for r in rows
     ]
