@@ -299,6 +299,61 @@ def test_a_partial_manifest_is_cached_exactly(build_kw: dict) -> None:
     assert oracle.cache.builds == 3  # first use, kept, after half()
 
 
+class Chunks(nn.Module):
+    """Over 1,500 audited tensors, so three chunks of the plan, with large tensors among the small ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(700))
+        self.big = nn.Parameter(torch.randn(130, 130))  # hashed through the general path, mid-plan
+        self.tail = nn.ModuleList(nn.Linear(4, 4) for _ in range(100))
+
+
+@pytest.mark.parametrize("where", ["first chunk", "middle chunk", "last chunk", "optimizer state", "large tensor"])
+@pytest.mark.parametrize("how", ["set_ to another storage", "flip one bit", "transpose over the same bytes"])
+def test_a_change_in_any_chunk_is_seen(where: str, how: str) -> None:
+    model = Chunks()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adam_step(model, opt)  # SGD's first step creates the momentum buffers
+    with torch.no_grad():
+        for state in opt.state.values():
+            state["momentum_buffer"].uniform_()  # in place: values, not structure
+    oracle = Oracle(model, opt)
+    before = oracle.check()
+    oracle.check()
+    assert len(oracle.cache._snap.plan.chunks) >= 3  # type: ignore[union-attr]
+    t = {
+        "first chunk": model.layers[0].weight,
+        "middle chunk": model.layers[400].weight,
+        "last chunk": opt.state[model.tail[99].weight]["momentum_buffer"],
+        "optimizer state": opt.state[model.layers[5].weight]["momentum_buffer"],
+        "large tensor": model.big,
+    }[where]
+    with torch.no_grad():
+        if how == "set_ to another storage":
+            t.set_(t.detach().clone())
+        elif how == "flip one bit":
+            t.view(-1).view(torch.int32)[3] ^= 1
+        else:
+            t.set_(t.detach().t())
+    after = oracle.check()  # equal to a fresh build's structure and digests, whatever the change
+    assert not np.array_equal(before, after) or how == "set_ to another storage"
+
+
+def test_a_tensor_moved_between_preparing_for_device_and_digesting_in_place_is_refused() -> None:
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    cache = ManifestCache()
+    for _ in range(3):
+        prepared = cache.prepare(model, [opt], key=(), build=lambda: build_manifest(model, [opt]), method="device")
+    with torch.no_grad():
+        model.a.weight.set_(model.a.weight.detach().clone())
+    with pytest.raises(RuntimeError, match="changed between preparing and digesting"):
+        prepared.digests()
+
+
 def test_values_are_re_read_without_a_rebuild() -> None:
     model = Net()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
