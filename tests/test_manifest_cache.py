@@ -4,6 +4,7 @@ no tensor alive."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import gc
 import weakref
@@ -352,6 +353,29 @@ def test_a_tensor_moved_between_preparing_for_device_and_digesting_in_place_is_r
         model.a.weight.set_(model.a.weight.detach().clone())
     with pytest.raises(RuntimeError, match="changed between preparing and digesting"):
         prepared.digests()
+
+
+def test_an_ordered_dict_container_is_never_cached_so_a_reorder_is_seen() -> None:
+    # OrderedDict.move_to_end reorders without changing the dict's version tag or dict.values' order:
+    # a structure holding one is rebuilt at every audit, and one swapped in later ends the caching.
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    model.b[0]._parameters = collections.OrderedDict(model.b[0]._parameters)
+    oracle = Oracle(model, opt)
+    for _ in range(3):
+        oracle.check()
+    assert oracle.cache.builds == 3 and oracle.cache._snap is None
+    model.b[0]._parameters.move_to_end("weight")
+    oracle.check()  # equal to a fresh build: bias now comes before weight
+    model.b[0]._parameters = dict(model.b[0]._parameters)
+    oracle.check()
+    oracle.check()
+    assert oracle.cache._snap is not None
+    builds = oracle.cache.builds
+    opt.state[model.a.weight] = collections.OrderedDict(opt.state[model.a.weight])  # same keys and tensors
+    oracle.check()
+    assert oracle.cache.builds == builds + 1 and oracle.cache._snap is None
 
 
 def test_values_are_re_read_without_a_rebuild() -> None:

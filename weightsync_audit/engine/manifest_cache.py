@@ -28,6 +28,7 @@ Values are never cached: tensors are hashed where they live at every audit, and 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 import weakref
@@ -57,6 +58,7 @@ _DTYPE = _T.dtype.__get__  # type: ignore[attr-defined]
 _NBYTES = _T.nbytes.__get__  # type: ignore[attr-defined]
 _SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
 _VERSION = dict_version_reader()
+_STATE_TYPES = (dict, collections.defaultdict)
 
 
 @dataclass(slots=True)
@@ -150,6 +152,15 @@ def _optimizer_fingerprint(opt: torch.optim.Optimizer) -> list[Any]:
         list(_chain(groups)),
         list(map(id, _chain(g["params"] for g in groups))),
     ]
+
+
+def _plain(mods: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether every container is a plain ``dict`` (``opt.state`` also a ``defaultdict``), the only kind
+    whose version tag and ``dict.values`` follow its iteration order: an ``OrderedDict`` can reorder
+    (``move_to_end``) without either changing, so a structure holding one is never cached."""
+    return all(type(d) is dict for d in _chain(_dicts(mods))) and all(
+        type(o.state) in _STATE_TYPES and all(type(s) is dict for s in o.state.values()) for o in optimizers
+    )
 
 
 def _state_values(optimizers: Sequence[torch.optim.Optimizer]) -> list[Any]:
@@ -265,11 +276,11 @@ def _check(
     if None in mods:
         return None
     fingerprint, params, buffers, module_versions = _walk(mods, snap.module_versions)  # type: ignore[arg-type]
-    if fingerprint is not None and fingerprint != snap.module_fingerprint:
+    if fingerprint is not None and (fingerprint != snap.module_fingerprint or not _plain(mods, optimizers)):
         return None
     optimizer_versions = None if _VERSION is None else list(map(_optimizer_versions, optimizers))
     if optimizer_versions is None or optimizer_versions != snap.optimizer_versions:
-        if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists:
+        if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists or not _plain(mods, optimizers):
             return None
     sources: list[Any] = []
     for positions, values in (
@@ -330,6 +341,8 @@ def _snapshot(
     user = unwrap_module(module) if module is not None else None
     named = list(user.named_modules()) if user is not None else []
     mods = [m for _, m in named]
+    if not _plain(mods, optimizers):
+        return None
     # Where each parameter / buffer sits in the chain of module dict values (first name wins, as in the build).
     at: dict[str, dict[str, int]] = {"_parameters": {}, "_buffers": {}}
     for attr, where in at.items():
