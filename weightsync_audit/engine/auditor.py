@@ -171,7 +171,7 @@ class Auditor:
         cfg = self.config
         key = (cfg.include, cfg.exclude, self._skip_buffers_reason(module), self.comm.global_ranks)
         return self._manifests.prepare(
-            module, optimizers, key=key, build=lambda: self._manifest(module, optimizers), method=self.config.method
+            module, optimizers, key=key, build=lambda: self._manifest(module, optimizers), method=cfg.method
         )
 
     def _manifest(self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer]) -> Manifest:

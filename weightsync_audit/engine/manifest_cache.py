@@ -73,7 +73,7 @@ class _Snapshot:
     module_versions: list[int] | None  # every module dict's version tag: equal means nothing in them changed
     optimizers: list[weakref.ref]
     optimizer_lists: list[list[Any]]
-    optimizer_versions: list[list[int]] | None
+    optimizer_versions: list[list[Any]] | None
     # For each source, its index in the chain of every module's _parameters (_buffers) values, or of every
     # optimizer's state values; None when that chain, in order, is exactly the sources.
     param_pos: list[int] | None
@@ -121,37 +121,27 @@ def _walk(
     return fingerprint, params, buffers, now
 
 
+def _groups(opt: torch.optim.Optimizer) -> list[Any]:
+    # Each group's keys and parameters. Not its dict's version tag: a scheduler re-assigns ``lr`` at every
+    # step, which moves the tag without changing the structure (the values are re-read at every audit).
+    groups = opt.param_groups
+    params = [g["params"] for g in groups]
+    return [list(map(len, groups)), list(_chain(groups)), list(map(len, params)), list(map(id, _chain(params)))]
+
+
 def _optimizer_versions(opt: torch.optim.Optimizer) -> list[Any]:
     # Version tags of the state mapping and of each state dict (equal: the same keys holding the same
-    # objects), then each group's keys and parameters: a scheduler re-assigns ``lr`` at every step, so a
-    # group's tag changes without its structure changing (its values are re-read at every audit anyway).
+    # objects), then the groups.
     assert _VERSION is not None
-    state, groups = opt.state, opt.param_groups
-    params = [g["params"] for g in groups]
-    return [
-        _VERSION(state),
-        *map(_VERSION, state.values()),
-        *map(len, groups),
-        *_chain(groups),
-        *map(len, params),
-        *map(id, _chain(params)),
-    ]
+    return [_VERSION(opt.state), list(map(_VERSION, opt.state.values())), *_groups(opt)]
 
 
 def _optimizer_fingerprint(opt: torch.optim.Optimizer) -> list[Any]:
-    # Which parameters have state, under which keys, and which parameters each group holds. The state
-    # tensors themselves are fetched by position at every audit and checked by layout and address.
+    # Which parameters have state, under which keys, and the groups. The state tensors themselves are
+    # fetched by position at every audit and checked by layout and address.
     state = opt.state
     dicts = list(state.values())
-    groups = opt.param_groups
-    return [
-        list(map(id, state)),
-        list(map(len, dicts)),
-        list(_chain(dicts)),
-        list(map(len, groups)),
-        list(_chain(groups)),
-        list(map(id, _chain(g["params"] for g in groups))),
-    ]
+    return [list(map(id, state)), list(map(len, dicts)), list(_chain(dicts)), *_groups(opt)]
 
 
 def _plain(mods: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> bool:
@@ -276,12 +266,14 @@ def _check(
     if None in mods:
         return None
     fingerprint, params, buffers, module_versions = _walk(mods, snap.module_versions)  # type: ignore[arg-type]
-    if fingerprint is not None and (fingerprint != snap.module_fingerprint or not _plain(mods, optimizers)):
+    if fingerprint is not None and fingerprint != snap.module_fingerprint:
         return None
     optimizer_versions = None if _VERSION is None else list(map(_optimizer_versions, optimizers))
-    if optimizer_versions is None or optimizer_versions != snap.optimizer_versions:
-        if list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists or not _plain(mods, optimizers):
-            return None
+    optimizers_moved = optimizer_versions is None or optimizer_versions != snap.optimizer_versions
+    if optimizers_moved and list(map(_optimizer_fingerprint, optimizers)) != snap.optimizer_lists:
+        return None
+    if (fingerprint is not None or optimizers_moved) and not _plain(mods, optimizers):
+        return None  # compared key by key: the tags kept below must be ones that follow the order
     sources: list[Any] = []
     for positions, values in (
         (snap.param_pos, lambda: params),
