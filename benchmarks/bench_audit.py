@@ -36,7 +36,7 @@ from harness import launch, machine, median, own_copy, peak_extra_bytes, table, 
 from models import SPECS, build, count, nbytes
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.digest import workers
+from weightsync_audit.engine.hashing.digest import workers
 
 _MODEL: torch.nn.Module | None = None  # built in the parent, inherited by the forked ranks
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from harness import launch, machine, median, table, timed
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.agreement import agree
+from weightsync_audit.engine.agreement.rounds import agree
 
 N_TENSORS = 1000
 

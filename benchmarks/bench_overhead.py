@@ -27,8 +27,8 @@ from harness import machine, table
 from models import SPECS, build
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.digest import digest_entries, structure_digest
-from weightsync_audit.engine.manifest import build_manifest
+from weightsync_audit.engine.hashing.digest import digest_entries, structure_digest
+from weightsync_audit.engine.inventory.manifest import build_manifest
 
 
 def median_s(fn: Callable[[], Any], reps: int) -> float:

@@ -25,7 +25,7 @@ from harness import machine, median, table, timed
 from torch import nn
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.digest import workers
+from weightsync_audit.engine.hashing.digest import workers
 
 
 def mlp(width: int, layers: int) -> nn.Sequential:

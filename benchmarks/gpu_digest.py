@@ -8,7 +8,7 @@ Per model (GPT-shaped tensors of the requested total size, on one device) it pri
 
 - ``copy``: ``dst.copy_(src)`` of every tensor into a preallocated twin (the HBM bandwidth limit: reads and
   writes every byte once);
-- ``digest``: ``weightsync_audit.engine.digest.device_digests`` (the audit's path for accelerator tensors,
+- ``digest``: ``weightsync_audit.engine.hashing.digest.device_digests`` (the audit's path for accelerator tensors,
   including its single device-to-host transfer), in eager mode, and with the opt-in fused kernel
   (``WEIGHTSYNC_AUDIT_COMPILE=1``: ``torch.compile``; its one-off compile time is not in the figure,
   its digests are checked equal to eager mode's);
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from harness import machine, table
 
-from weightsync_audit.engine import digest as D
+from weightsync_audit.engine.hashing import digest as D
 
 
 def make_tensors(total_bytes: int, dtype: torch.dtype, device: str) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ import torch
 from ranks import RankFailed, run_ranks
 
 from weightsync_audit import Auditor, AuditPreparationError
-from weightsync_audit.engine.agreement import compare_columns
+from weightsync_audit.engine.agreement.rounds import compare_columns
 
 
 def _healthy_bytes(rank: int, world: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from weightsync_audit.engine.consensus import (
+from weightsync_audit.engine.agreement.consensus import (
     PROTOCOL,
     compare_digest_table,
     compare_manifests,

@@ -17,7 +17,7 @@ from torch import nn
 
 from weightsync_audit import Auditor, audit
 from weightsync_audit.compat import default_store
-from weightsync_audit.engine.digest import digest_tensors
+from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.text import without_tie
 
 

@@ -14,17 +14,17 @@ from harness import peak_extra_bytes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightsync_audit.engine import digest as D
-from weightsync_audit.engine import sampling
-from weightsync_audit.engine.digest import (
+from weightsync_audit.engine.hashing import digest as D
+from weightsync_audit.engine.hashing import sampling
+from weightsync_audit.engine.hashing.digest import (
     digest_entries,
     digest_tensor,
     digest_tensors,
     overall_digest,
     structure_digest,
 )
-from weightsync_audit.engine.hostbytes import CHUNK, host_bytes
-from weightsync_audit.engine.manifest import build_manifest
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, host_bytes
+from weightsync_audit.engine.inventory.manifest import build_manifest
 
 METHODS = ("xxh3", "device")
 

@@ -314,8 +314,8 @@ def test_tensors_on_several_devices_are_audited_each_where_it_lives() -> None:
     r = audit(m)
     assert r.in_sync and r.checked["buffer"] == 2
     # the same bytes give the same digest wherever they live (on-device digest for both)
-    from weightsync_audit.engine.device_digest import device_digests
-    from weightsync_audit.engine.digest import digest_tensor
+    from weightsync_audit.engine.hashing.device_digest import device_digests
+    from weightsync_audit.engine.hashing.digest import digest_tensor
 
     assert device_digests([m.cpu])[0] == device_digests([m.gpu])[0]
     assert digest_tensor(m.cpu) == digest_tensor(m.cpu.clone())

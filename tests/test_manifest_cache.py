@@ -18,10 +18,10 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine import digest_plan, manifest_cache
-from weightsync_audit.engine.digest import digest_entries, structure_digest
-from weightsync_audit.engine.manifest import build_manifest
-from weightsync_audit.engine.manifest_cache import ManifestCache
+from weightsync_audit.engine.hashing import digest_plan, manifest_cache
+from weightsync_audit.engine.hashing.digest import digest_entries, structure_digest
+from weightsync_audit.engine.hashing.manifest_cache import ManifestCache
+from weightsync_audit.engine.inventory.manifest import build_manifest
 
 
 class Net(nn.Module):

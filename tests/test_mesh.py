@@ -22,7 +22,7 @@ from rich.console import Console
 
 from weightsync_audit import AuditResult, Mismatch, audit, resync
 from weightsync_audit.cli import main
-from weightsync_audit.engine.consensus import compare_manifests
+from weightsync_audit.engine.agreement.consensus import compare_manifests
 from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.integrations.lightning.audit_callback import sharded_strategy_reason
 from weightsync_audit.reporting.jsonl import ReportWriter

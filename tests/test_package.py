@@ -43,7 +43,7 @@ def test_the_contract_names_exist_with_their_arguments() -> None:
 
 
 def test_resync_stays_the_function_after_its_submodule_is_imported() -> None:
-    code = "import weightsync_audit.engine.resync, weightsync_audit; assert callable(weightsync_audit.resync); from weightsync_audit import resync; assert callable(resync)"
+    code = "import weightsync_audit.engine.repair.resync, weightsync_audit; assert callable(weightsync_audit.resync); from weightsync_audit import resync; assert callable(resync)"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -12,7 +12,7 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditResult, Mismatch, audit
-from weightsync_audit.engine.pinpoint import StepRing, locate
+from weightsync_audit.engine.timeline.pinpoint import StepRing, locate
 
 PLANTED = 37
 

@@ -19,9 +19,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightsync_audit.engine.consensus import compare_digest_table, judge_summaries, majority
-from weightsync_audit.engine.device_digest import device_digests
-from weightsync_audit.engine.digest import digest_tensor
+from weightsync_audit.engine.agreement.consensus import compare_digest_table, judge_summaries, majority
+from weightsync_audit.engine.hashing.device_digest import device_digests
+from weightsync_audit.engine.hashing.digest import digest_tensor
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int64, torch.uint8, torch.bool]
 
@@ -106,7 +106,7 @@ def test_per_tensor_verdict_is_the_majority_of_each_column(table: list[list[int]
 
 @given(world=st.integers(1, 8), field=st.sampled_from(["step", "epoch", "config", "slice"]), rank=st.data())
 def test_summaries_differing_in_position_are_out_of_step_never_a_divergence(world: int, field: str, rank: Any) -> None:
-    from weightsync_audit.engine.consensus import SUMMARY_FIELDS
+    from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 
     table = np.tile(np.arange(len(SUMMARY_FIELDS), dtype=np.int64), (world, 1))
     assert judge_summaries(table).status == "in_sync"

@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from weightsync_audit.engine.gaps import max_abs_diff
+from weightsync_audit.engine.measure.gaps import max_abs_diff
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from weightsync_audit.engine.manifest import check_include
-from weightsync_audit.engine.tolerance import check_tolerance
+from weightsync_audit.engine.inventory.manifest import check_include
+from weightsync_audit.engine.measure.tolerance import check_tolerance
 
 __all__ = ["AuditConfig", "Method", "OnMismatch", "check_on_mismatch", "parse_coverage"]
 

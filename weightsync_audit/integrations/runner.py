@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
-from weightsync_audit.engine.history import AuditHistory
-from weightsync_audit.engine.pinpoint import DEFAULT_RING
-from weightsync_audit.engine.resync import resync
-from weightsync_audit.engine.resync_plan import ResyncSource, check_resync_src, plan_resync
+from weightsync_audit.engine.repair.resync import resync
+from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
+from weightsync_audit.engine.timeline.history import AuditHistory
+from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.config import OnMismatch
-from weightsync_audit.engine.resync_plan import ResyncSource
+from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n
 from weightsync_audit.reporting.record import AuditResult

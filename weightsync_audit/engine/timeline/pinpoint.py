@@ -35,8 +35,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.digest import overall_digest
-from weightsync_audit.engine.digest_plan import PreparedManifest
+from weightsync_audit.engine.hashing.digest import overall_digest
+from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.reporting.record import AuditResult, PinpointState
 
 __all__ = [

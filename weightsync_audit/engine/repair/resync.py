@@ -1,6 +1,6 @@
 """Making replicas equal again: broadcast parameters, buffers and optimizer state from one rank.
 
-Tensors travel over the audit's data plane (:mod:`~weightsync_audit.engine.resync_transfer`): in
+Tensors travel over the audit's data plane (:mod:`~weightsync_audit.engine.repair.resync_transfer`): in
 chunks from the source straight to every other rank, every wait bounded by a deadline that grows with
 the bytes, so a source that dies or stops makes the others raise :class:`~weightsync_audit.ResyncError`
 naming it, with the tensors that may be left partial, instead of waiting out the process group's
@@ -22,12 +22,12 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.digest import structure_digest
-from weightsync_audit.engine.hostbytes import host_bytes
-from weightsync_audit.engine.manifest import Entry, as_optimizers, build_manifest
-from weightsync_audit.engine.resync_plan import ResyncSource, check_resync_src, plan_resync
-from weightsync_audit.engine.resync_transfer import move_tensors
-from weightsync_audit.engine.shard_resync import resync_shards
+from weightsync_audit.engine.hashing.digest import structure_digest
+from weightsync_audit.engine.hashing.hostbytes import host_bytes
+from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
+from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
+from weightsync_audit.engine.repair.resync_transfer import move_tensors
+from weightsync_audit.engine.repair.shard_resync import resync_shards
 
 __all__ = ["resync"]
 
@@ -67,7 +67,7 @@ def resync(
 
     Collective over ``group``. ``src`` is a rank of ``group``, or ``"majority"``: the ranks audit first
     and each diverged tensor comes from a rank holding its reference value (see
-    :mod:`weightsync_audit.engine.resync_plan`). Without a process group it does nothing.
+    :mod:`weightsync_audit.engine.repair.resync_plan`). Without a process group it does nothing.
     A sharded tensor (DTensor) is copied shard by shard within its peer set, from ``src`` when it holds
     that shard, else from the rank holding the shard's majority value (see docs/sharded.md).
 
@@ -180,7 +180,7 @@ def _is_param_group(e: Entry) -> bool:
 def _install_state(
     src_state: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module | None
 ) -> None:
-    from weightsync_audit.engine.manifest import unwrap_module
+    from weightsync_audit.engine.inventory.manifest import unwrap_module
 
     user = unwrap_module(module) if module is not None else None
     # Look-ups by identity, built once: this path may run over thousands of parameters.

@@ -8,23 +8,17 @@ each decision below comes from gathered data, never from what one rank holds alo
 from __future__ import annotations
 
 import json
-from operator import attrgetter
 from typing import Sequence
 
 import numpy as np
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.consensus import ValueDiff, compare_digest_table
-from weightsync_audit.engine.manifest import KINDS, Entry
-from weightsync_audit.engine.peers import ALL, unpaired_columns
+from weightsync_audit.engine.agreement.consensus import ValueDiff, compare_digest_table
+from weightsync_audit.engine.inventory.manifest import KINDS, Entry
+from weightsync_audit.engine.inventory.peers import ALL, unpaired_columns
 from weightsync_audit.text import COMPARED_NOTES
 
-__all__ = ["has_shards", "peer_keys", "compare_sharded", "shard_names", "compared_counts", "sharded_notes"]
-
-
-def has_shards(entries: Sequence[Entry]) -> bool:
-    """Whether any entry is a DTensor (equal on every rank when the structures agree)."""
-    return any(map(attrgetter("shard"), entries))
+__all__ = ["peer_keys", "compare_sharded", "shard_names", "compared_counts", "sharded_notes"]
 
 
 def peer_keys(entries: Sequence[Entry]) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.peers import ALL, column_peers, peer_sets
+from weightsync_audit.engine.inventory.peers import ALL, column_peers, peer_sets
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 from weightsync_audit.vote import majority
 
@@ -167,7 +167,7 @@ class StructureDiff:
 def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarray | None = None) -> list[ValueDiff]:
     """Phase (b): ``table`` is ``[world, n]`` per-tensor digests in the shared manifest order.
 
-    ``peers`` (same shape) holds each rank's peer key per tensor (:mod:`weightsync_audit.engine.peers`);
+    ``peers`` (same shape) holds each rank's peer key per tensor (:mod:`weightsync_audit.engine.inventory.peers`);
     a majority is then taken within each peer set, and a rank alone in its set is compared with nothing.
     Without ``peers`` every rank is every tensor's peer.
 

@@ -21,7 +21,7 @@ one C call per dict, and an unchanged tag proves the same keys holding the same 
 tag moved are sizes, keys and object ids compared; if they held, the new tags are kept.
 
 Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses),
-means a rebuild with :func:`~weightsync_audit.engine.manifest.build_manifest`: never a stale manifest.
+means a rebuild with :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`: never a stale manifest.
 Values are never cached: tensors are hashed where they live at every audit, and Python values
 (learning rates, betas, integer steps) are re-read from their dicts at every audit.
 """
@@ -39,10 +39,16 @@ import torch
 from torch import nn
 
 from weightsync_audit.compat import dict_version_reader
-from weightsync_audit.engine.digest import structure_digest
-from weightsync_audit.engine.digest_plan import DigestPlan, PreparedManifest
-from weightsync_audit.engine.manifest import KINDS, Manifest, dtype_name, unwrap_module, value_as_tensor
-from weightsync_audit.engine.sharded import has_shards
+from weightsync_audit.engine.hashing.digest import structure_digest
+from weightsync_audit.engine.hashing.digest_plan import DigestPlan, PreparedManifest
+from weightsync_audit.engine.inventory.manifest import (
+    KINDS,
+    Manifest,
+    dtype_name,
+    has_shards,
+    unwrap_module,
+    value_as_tensor,
+)
 
 __all__ = ["ManifestCache", "PreparedManifest"]
 
@@ -180,7 +186,7 @@ class ManifestCache:
     """Hands out a :class:`PreparedManifest`, rebuilding only when the audited structure changed.
 
     >>> import torch
-    >>> from weightsync_audit.engine.manifest import build_manifest
+    >>> from weightsync_audit.engine.inventory.manifest import build_manifest
     >>> model = torch.nn.Linear(4, 2)
     >>> cache = ManifestCache()
     >>> first = cache.prepare(model, [], key=(), build=lambda: build_manifest(model))

@@ -1,7 +1,7 @@
 """Value digests of a cached manifest: small tensors hashed in place by one C-level loop, no per-entry objects;
 and :class:`PreparedManifest`, what one audit needs from its manifest.
 
-:func:`~weightsync_audit.engine.digest.digest_tensors` hashes a small contiguous CPU tensor by wrapping
+:func:`~weightsync_audit.engine.hashing.digest.digest_tensors` hashes a small contiguous CPU tensor by wrapping
 its memory in a fresh ``ctypes`` array (about a microsecond each). A :class:`DigestPlan` makes those
 wrappers once, when a manifest is built, and each audit then runs ``map(xxh3_64, wrappers)``: one pass in
 C over the entries, creating nothing but the result. The digests are exactly the ones ``digest_tensors``
@@ -28,10 +28,9 @@ import torch
 import xxhash
 
 from weightsync_audit.compat import layout_guard
-from weightsync_audit.engine.digest import digest_tensors, structure_digest
-from weightsync_audit.engine.manifest import Entry, Manifest
-from weightsync_audit.engine.sampling import SMALL
-from weightsync_audit.engine.sharded import has_shards
+from weightsync_audit.engine.hashing.digest import digest_tensors, structure_digest
+from weightsync_audit.engine.hashing.sampling import SMALL
+from weightsync_audit.engine.inventory.manifest import Entry, Manifest, has_shards
 
 __all__ = ["DigestPlan", "PreparedManifest"]
 

@@ -1,7 +1,7 @@
 """The audit's decisions taken once, by the coordinator, and sent to every rank as one compact answer.
 
 Each function here gathers every rank's data on the channel's coordinator, runs the pure function of
-:mod:`~weightsync_audit.engine.consensus` on it there, and returns its result on every rank. So every
+:mod:`~weightsync_audit.engine.agreement.consensus` on it there, and returns its result on every rank. So every
 rank ends with the same verdict, while no rank receives the other ranks' data: a healthy audit answers
 each rank a fixed-size verdict, and a divergence answers only the columns that differ.
 
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.consensus import (
+from weightsync_audit.engine.agreement.consensus import (
     PROTOCOL_FAILED,
     StructureDiff,
     SummaryVerdict,
@@ -30,7 +30,7 @@ from weightsync_audit.engine.consensus import (
     judge_summaries,
     union_counts,
 )
-from weightsync_audit.engine.manifest import KINDS
+from weightsync_audit.engine.inventory.manifest import KINDS
 
 __all__ = ["Agreement", "agree", "compare_columns", "compare_structures"]
 

@@ -17,8 +17,8 @@ from typing import Callable, Sequence
 import torch
 
 from weightsync_audit.compat import flatten_tensors
-from weightsync_audit.engine.hostbytes import CHUNK, contiguous_blocks
-from weightsync_audit.engine.sampling import sample_pieces
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, contiguous_blocks
+from weightsync_audit.engine.hashing.sampling import sample_pieces
 
 __all__ = ["device_digests", "digest_streams"]
 

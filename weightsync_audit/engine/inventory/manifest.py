@@ -10,16 +10,18 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
 from weightsync_audit.compat import is_dtensor, peel_wrapper
-from weightsync_audit.engine.peers import ShardInfo, shard_info
+from weightsync_audit.engine.inventory.peers import ShardInfo, shard_info
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
+    "has_shards",
     "INCLUDE_CHOICES",
     "Entry",
     "Manifest",
@@ -303,3 +305,8 @@ def build_manifest(
 
     manifest.notes.extend(sorted({e.note for e in entries if e.note}))
     return manifest
+
+
+def has_shards(entries: Sequence[Entry]) -> bool:
+    """Whether any entry is a DTensor (equal on every rank when the structures agree)."""
+    return any(map(attrgetter("shard"), entries))

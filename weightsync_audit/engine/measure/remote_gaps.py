@@ -3,7 +3,7 @@ data plane, best effort.
 
 For each chosen tensor the reference rank (the lowest rank holding the reference value) sends its copy
 in chunks straight to the ranks that differ (:mod:`~weightsync_audit.channel.dataplane`); each of those
-folds chunk after chunk into a :class:`~weightsync_audit.engine.gaps.GapMeter`, so no rank holds more
+folds chunk after chunk into a :class:`~weightsync_audit.engine.measure.gaps.GapMeter`, so no rank holds more
 than a chunk of a copy, whatever the tensor's size. Every rank then shares, over the star, its numbers
 and a status code per tensor, and every rank fills the mismatches from that gathered table: a transfer
 that failed or ran out of time leaves ``detail = "gap not measured: <why>"`` on every rank alike, and
@@ -23,10 +23,10 @@ import xxhash
 from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.config import AuditConfig
-from weightsync_audit.engine.gaps import GapMeter
-from weightsync_audit.engine.hostbytes import host_chunk
-from weightsync_audit.engine.manifest import Entry
-from weightsync_audit.engine.transfer import Sink, receive_tensor, send_tensor, tensor_bytes
+from weightsync_audit.engine.hashing.hostbytes import host_chunk
+from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.measure.gaps import GapMeter
+from weightsync_audit.engine.measure.transfer import Sink, receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.reporting.record import Mismatch
 
 __all__ = ["measure_gaps"]

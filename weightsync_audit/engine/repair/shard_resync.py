@@ -1,7 +1,7 @@
 """Resync of sharded tensors (DTensors): each shard is copied from a peer that holds it.
 
 A shard can only come from a rank holding the same shard (its peer set, see
-:mod:`weightsync_audit.engine.peers`). In each peer set the source is ``src`` when ``src`` belongs to
+:mod:`weightsync_audit.engine.inventory.peers`). In each peer set the source is ``src`` when ``src`` belongs to
 it, else the rank holding the set's reference (majority) value, a tie going to the lowest rank. Only
 ranks whose digest differs from their source's receive anything. Copies travel point to point on the
 audit's gloo group, in one order that every rank derives from the same gathered table, so each
@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.consensus import majority_within
-from weightsync_audit.engine.digest import digest_entries
-from weightsync_audit.engine.manifest import Entry
-from weightsync_audit.engine.peers import column_peers
+from weightsync_audit.engine.agreement.consensus import majority_within
+from weightsync_audit.engine.hashing.digest import digest_entries
+from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.inventory.peers import column_peers
 
 __all__ = ["plan_shard_copies", "resync_shards"]
 

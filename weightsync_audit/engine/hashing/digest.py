@@ -11,8 +11,8 @@ longer than ``CHUNK`` bytes is hashed as a tree (xxh3 of its leaves' digests) so
 not leave the other cores idle. Leaf boundaries are offsets in the logical stream, so they do not depend
 on layout either. Only a non-contiguous tensor is copied, one leaf at a time.
 
-The on-device method lives in :mod:`weightsync_audit.engine.device_digest`; sampling in
-:mod:`weightsync_audit.engine.sampling`.
+The on-device method lives in :mod:`weightsync_audit.engine.hashing.device_digest`; sampling in
+:mod:`weightsync_audit.engine.hashing.sampling`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ import numpy as np
 import torch
 import xxhash
 
-from weightsync_audit.engine.device_digest import digest_streams
-from weightsync_audit.engine.hostbytes import CHUNK, contiguous_blocks, host_view
-from weightsync_audit.engine.manifest import Entry
-from weightsync_audit.engine.sampling import SMALL, sample_bounds, sample_pieces
+from weightsync_audit.engine.hashing.device_digest import digest_streams
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, contiguous_blocks, host_view
+from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
+from weightsync_audit.engine.inventory.manifest import Entry
 
 __all__ = [
     "METHODS",

@@ -1,0 +1,1 @@
+"""How ranks agree: the summary round, per-tensor majorities, structure and shard comparison."""

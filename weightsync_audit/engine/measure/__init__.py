@@ -1,0 +1,1 @@
+"""How far apart: gaps against the reference copy, moved over the data plane, and tolerance."""

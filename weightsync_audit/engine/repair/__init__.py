@@ -1,0 +1,1 @@
+"""Making replicas equal again: resync, its plan and its transfers."""

@@ -1,0 +1,1 @@
+"""When: the audit history and the per-step pinpoint ring."""
