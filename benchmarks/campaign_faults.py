@@ -1,0 +1,258 @@
+"""The fault-injection campaign's training loop and its catalogue of faults (one rank, one step, one cause).
+
+Each run is a plain gloo DDP loop (``broadcast_buffers=False``, so a buffer fault stays a fault) over a
+tiny model with parameters, a BatchNorm-like float buffer and an int64 counter, trained with Adam. One
+fault from :data:`FAULTS` is injected on one rank at one step; the loop records, at every step, an
+independent byte-level snapshot of everything the audit covers (:mod:`campaign_oracle`), next to what
+:class:`weightsync_audit.Auditor` said at each audit. Healthy runs and not-a-fault controls use the same loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from campaign_oracle import snapshot
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from weightsync_audit import Auditor
+
+FAULTS: dict[str, str] = {
+    "flip_param_high": "one exponent bit (23-30) of one float32 parameter element flipped",
+    "flip_param_low": "one low mantissa bit (0-3) of one float32 parameter element flipped",
+    "flip_exp_avg": "one bit (0-30) of one element of Adam's exp_avg flipped",
+    "buffer_changed": "one element of the BatchNorm-like running_mean moved by 0.25",
+    "lr_one_step": "the learning rate x10 on one rank for one optimizer step",
+    "skip_step": "optimizer.step() skipped on one rank (the loop still calls record_step)",
+    "skip_step_unrecorded": "the whole step body skipped on one rank: no optimizer.step(), no record_step",
+    "grad_after_reduce": "a gradient halved after DDP's all-reduce on one rank (local clipping)",
+    "frozen_one_rank": "a parameter frozen (requires_grad=False) on one rank after the wrap, find_unused_parameters",
+    "ckpt_rank0": "a checkpoint (saved at step 2) loaded into model and optimizer on rank 0 only",
+    "nonfinite_state": "one element of Adam's exp_avg_sq set to +inf on one rank",
+    "counter_off_by_one": "the int64 num_batches_tracked counter off by one on one rank",
+    "nan_param": "one parameter element set to NaN on one rank (spreads to every rank through the all-reduce)",
+}
+"""Faulty kinds: what each injects."""
+
+HEALTHY: dict[str, str] = {
+    "healthy_every4": "no fault, audit every 4 steps",
+    "healthy_every3_tolerance": "no fault, audit every 3 steps with tolerance=1e-6",
+    "healthy_sampled_every5": 'no fault, audit every 5 steps with coverage="1/4"',
+}
+CONTROLS: dict[str, str] = {
+    "control_equal_copy": "a parameter replaced by an equal copy (p.data = p.data.clone()) on one rank",
+    "control_set_equal_storage": "the running_mean buffer set_() to another storage holding equal bytes on one rank",
+    "control_state_equal_copy": "Adam's exp_avg of a parameter replaced by an equal copy on one rank",
+}
+"""Not-a-fault controls: the objects change, the bytes do not; nothing may be reported."""
+
+PARAMS = ("0.weight", "0.bias", "1.weight", "3.weight", "3.bias")
+STEPS = 24
+
+
+class RunningNorm(nn.Module):
+    """BatchNorm-like: a float running statistic and an int64 counter, updated at every training forward.
+
+    The update reads only replicated values (this layer's weight), so healthy replicas keep equal bytes;
+    a real BatchNorm fed per-rank batches without buffer broadcast would diverge by design.
+    """
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+        self.register_buffer("running_mean", torch.zeros(n))
+        self.register_buffer("num_batches_tracked", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(self.weight.detach(), alpha=0.1)
+                self.num_batches_tracked += 1
+        return (x - self.running_mean) * self.weight + self.bias
+
+
+def make_model() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), RunningNorm(16), nn.Tanh(), nn.Linear(16, 4))
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run: every rank gets the same spec, so every rank takes the same decisions."""
+
+    run_id: str
+    world: int
+    kind: str
+    seed: int
+    cadence: int = 4
+    coverage: str = "1"
+    tolerance: float | None = None
+    fault_step: int | None = None
+    fault_rank: int | None = None
+    target: str = "0.weight"
+    index: int = 0
+    bit: int = 0
+    steps: int = STEPS
+
+    @property
+    def faulty(self) -> bool:
+        return self.kind in FAULTS
+
+
+def make_spec(world: int, kind: str, n: int, base_seed: int) -> RunSpec:
+    """The ``n``-th run of ``kind`` on ``world`` ranks, every random choice drawn from one seeded stream."""
+    seed = zlib.crc32(f"{base_seed}/{world}/{kind}/{n}".encode())
+    rng = random.Random(seed)
+    cadence = {"healthy_every3_tolerance": 3, "healthy_sampled_every5": 5}.get(kind, rng.choice((3, 4, 4, 5)))
+    step = rng.randint(cadence + 1, STEPS - cadence)  # after the first audit, at least one audit after it
+    rank = 0 if kind == "ckpt_rank0" else rng.randrange(world)
+    target = rng.choice(PARAMS)
+    numel = dict(zip(PARAMS, (128, 16, 16, 64, 4)))[target]
+    bit = {"flip_param_high": rng.randint(23, 30), "flip_param_low": rng.randint(0, 3)}.get(kind, rng.randint(0, 30))
+    return RunSpec(
+        run_id=f"w{world}-{kind}-{n}",
+        world=world,
+        kind=kind,
+        seed=seed,
+        cadence=cadence,
+        coverage="1/4" if kind == "healthy_sampled_every5" else "1",
+        tolerance=1e-6 if kind == "healthy_every3_tolerance" else None,
+        fault_step=step if kind not in HEALTHY else None,
+        fault_rank=rank if kind not in HEALTHY else None,
+        target=target,
+        index=rng.randrange(numel),
+        bit=bit,
+    )
+
+
+def _flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
+    flat = t.detach().view(-1)
+    (word,) = struct.unpack("<I", struct.pack("<f", float(flat[index])))
+    (flat[index],) = struct.unpack("<f", struct.pack("<I", word ^ (1 << bit)))
+
+
+class Injector:
+    """Applies ``spec``'s fault on ``rank`` at the right moments of step ``spec.fault_step``."""
+
+    def __init__(self, spec: RunSpec, rank: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.spec, self.model, self.opt = spec, model, opt
+        self.param = dict(model.named_parameters())[spec.target]
+        self.saved: tuple[Any, Any] | None = None
+        self.lr: float | None = None
+        self.mine = spec.fault_rank == rank
+
+    def active(self, step: int) -> bool:
+        return self.mine and step == self.spec.fault_step
+
+    def before_forward(self, step: int) -> None:
+        if step == 2 and self.spec.kind == "ckpt_rank0":
+            self.saved = (copy.deepcopy(self.model.state_dict()), copy.deepcopy(self.opt.state_dict()))
+        if self.active(step) and self.spec.kind == "frozen_one_rank":
+            self.param.requires_grad_(False)
+
+    def before_optimizer_step(self, step: int) -> None:
+        if not self.active(step):
+            return
+        if self.spec.kind == "lr_one_step":
+            self.lr = self.opt.param_groups[0]["lr"]
+            self.opt.param_groups[0]["lr"] = self.lr * 10
+        elif self.spec.kind == "grad_after_reduce" and self.param.grad is not None:
+            self.param.grad.mul_(0.5)
+
+    def skips_step(self, step: int) -> bool:
+        return self.active(step) and self.spec.kind in ("skip_step", "skip_step_unrecorded")
+
+    def skips_record(self, step: int) -> bool:
+        return self.active(step) and self.spec.kind == "skip_step_unrecorded"
+
+    @torch.no_grad()
+    def after_optimizer_step(self, step: int) -> None:
+        if not self.active(step):
+            return
+        kind, p, i = self.spec.kind, self.param, self.spec.index
+        state = self.opt.state[p]
+        if kind in ("flip_param_high", "flip_param_low"):
+            _flip_bit(p, i, self.spec.bit)
+        elif kind == "flip_exp_avg":
+            _flip_bit(state["exp_avg"], i, self.spec.bit)
+        elif kind == "buffer_changed":
+            self.model[1].running_mean[i % 16] += 0.25
+        elif kind == "lr_one_step":
+            self.opt.param_groups[0]["lr"] = self.lr
+        elif kind == "ckpt_rank0":
+            assert self.saved is not None
+            self.model.load_state_dict(self.saved[0])
+            self.opt.load_state_dict(self.saved[1])
+        elif kind == "nonfinite_state":
+            state["exp_avg_sq"].view(-1)[i] = math.inf
+        elif kind == "counter_off_by_one":
+            self.model[1].num_batches_tracked += 1
+        elif kind == "nan_param":
+            p.view(-1)[i] = math.nan
+        elif kind == "control_equal_copy":
+            p.data = p.data.clone()
+        elif kind == "control_set_equal_storage":  # on a parameter, set_ would cut DDP's gradient hook
+            self.model[1].running_mean.set_(self.model[1].running_mean.clone())
+        elif kind == "control_state_equal_copy":
+            state["exp_avg"] = state["exp_avg"].clone()
+
+
+def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
+    """One run on this rank: the audit records (identical on every rank) and this rank's per-step snapshots."""
+    torch.manual_seed(spec.seed % 2**31)
+    model = make_model()
+    with warnings.catch_warnings():  # broadcast_buffers is deprecated, and still the way to keep buffers rank-local
+        warnings.simplefilter("ignore", FutureWarning)
+        ddp = DDP(model, broadcast_buffers=False, find_unused_parameters=spec.kind == "frozen_one_rank")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    auditor = Auditor(ddp, opt, pinpoint=True, timeout_s=30, coverage=spec.coverage, tolerance=spec.tolerance)
+    inject = Injector(spec, rank, model, opt)
+    gen = torch.Generator().manual_seed(spec.seed % 2**31 + 1000 * (rank + 1))
+    w_true = torch.randn(8, 4, generator=torch.Generator().manual_seed(7))
+    records: list[dict[str, Any]] = []
+    oracle: dict[int, dict[str, bytes]] = {}
+    for step in range(1, spec.steps + 1):
+        inject.before_forward(step)
+        x = torch.randn(16, 8, generator=gen)
+        loss = (ddp(x) - x @ w_true).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        inject.before_optimizer_step(step)
+        if not inject.skips_step(step):
+            opt.step()
+        inject.after_optimizer_step(step)
+        oracle[step] = snapshot(model, opt)
+        if not inject.skips_record(step):
+            auditor.record_step(step)
+        if step % spec.cadence == 0:
+            records.append(_same_everywhere(auditor.audit(step=step).to_dict()))
+    return {"records": records, "oracle": oracle}
+
+
+def _same_everywhere(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k not in ("time", "duration_ms")}
+
+
+def run_on_rank(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
+    """Train, then gather every rank's snapshots on every rank (rank 0 hands them to the parent, which compares)."""
+    try:
+        out: dict[str, Any] = train(spec, rank, world)
+        out["error"] = None
+    except Exception as exc:  # noqa: BLE001 - the campaign reports it as a crash of this run
+        out = {"records": [], "oracle": {}, "error": f"{type(exc).__name__}: {exc}"}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, out)  # every rank learns of an error (the batch then stops everywhere)
+    return {
+        "records": gathered[0]["records"],
+        "oracles": [g["oracle"] for g in gathered],
+        "errors": [g["error"] for g in gathered],
+    }

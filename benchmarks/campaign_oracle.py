@@ -1,0 +1,169 @@
+"""The campaign's ground truth: exact bytes of everything audited, per rank and step, and the scoring.
+
+Independent of the library: the snapshot is the raw bytes of every tensor (``numpy().tobytes()``, dtype
+and shape included), the exact bits of Python floats (``float.hex``), and each parameter's
+``requires_grad`` flag; nothing from ``weightsync_audit`` is used. Ranks hold the same value only when
+these bytes are equal. The reference group follows the contract's rule (the largest group of equal
+values, a tie to the group holding the lowest rank), so the ranks the tool should name are known.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+from torch import nn
+
+Snapshot = dict[str, bytes]
+
+
+def _value_bytes(v: Any) -> bytes:
+    if isinstance(v, torch.Tensor):
+        t = v.detach().cpu().contiguous()
+        return f"{t.dtype}{list(t.shape)}".encode() + t.numpy().tobytes()
+    if isinstance(v, float):
+        return b"float" + v.hex().encode()
+    if isinstance(v, (tuple, list)):
+        return repr(type(v)).encode() + b"|".join(_value_bytes(x) for x in v)
+    return repr(type(v)).encode() + repr(v).encode()
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> Snapshot:
+    """Every audited value's exact bytes, named as the audit names them (``0.weight.exp_avg``,
+    ``param_groups.0.lr``); a parameter's trainable flag under ``NAME.requires_grad``."""
+    out: Snapshot = {}
+    names = {}
+    for n, p in model.named_parameters():
+        names[id(p)] = n
+        out[n] = _value_bytes(p)
+        out[f"{n}.requires_grad"] = b"1" if p.requires_grad else b"0"
+    for n, b in model.named_buffers():
+        out[n] = _value_bytes(b)
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            for key, v in opt.state.get(p, {}).items():
+                out[f"{names[id(p)]}.{key}"] = _value_bytes(v)
+        for key, v in group.items():
+            if key != "params":
+                out[f"param_groups.{gi}.{key}"] = _value_bytes(v)
+    return out
+
+
+def odd_ranks(values: list[bytes]) -> list[int]:
+    """The ranks outside the reference group: the largest group of equal bytes, a tie to the lowest rank."""
+    groups: dict[bytes, list[int]] = {}
+    for r, v in enumerate(values):
+        groups.setdefault(v, []).append(r)
+    ref = max(groups.values(), key=lambda rs: (len(rs), -rs[0]))
+    return [r for r in range(len(values)) if r not in ref]
+
+
+def diverged(oracles: list[dict[int, Snapshot]], step: int) -> dict[str, list[int]]:
+    """``{name: ranks that differ from the reference}`` at ``step``, from every rank's snapshot."""
+    snaps = [o.get(step, {}) for o in oracles]
+    names = sorted(set().union(*snaps))
+    out = {}
+    for n in names:
+        ranks = odd_ranks([s.get(n, b"<absent>") for s in snaps])
+        if ranks:
+            out[n.removesuffix(".requires_grad")] = ranks
+    return out
+
+
+def covers(reported: str, truth: str) -> bool:
+    """A reported name localizes a true one: the same name, or a part of it (``0.weight.requires_grad``)."""
+    return reported == truth or reported.startswith(truth + ".")
+
+
+def localized(mismatches: list[dict[str, Any]], truth: dict[str, list[int]]) -> bool:
+    """Every diverged value is named with the right ranks, and nothing else is named."""
+    rep = [(m["name"], sorted(m["ranks"])) for m in mismatches]
+    every_true = all(any(covers(n, t) and r == ranks for n, r in rep) for t, ranks in truth.items())
+    no_extra = all(any(covers(n, t) for t in truth) for n, _ in rep)
+    return every_true and no_extra
+
+
+def false_alarm(mismatches: list[dict[str, Any]], truth: dict[str, list[int]]) -> bool:
+    """A value reported as differing whose bytes are equal on every rank."""
+    return any(not any(covers(m["name"], t) for t in truth) for m in mismatches)
+
+
+def score(spec: Any, result: dict[str, Any]) -> dict[str, Any]:
+    """What the tool said beside the truth, for one run (``spec`` a RunSpec, ``result`` the gathered run)."""
+    oracles, records = result["oracles"], result["records"]
+    steps = sorted(oracles[0]) if oracles and oracles[0] else []
+    truth_by_step = {s: diverged(oracles, s) for s in steps}
+    first = next((s for s in steps if truth_by_step[s]), None)
+    row: dict[str, Any] = {
+        "run_id": spec.run_id,
+        "kind": spec.kind,
+        "world": spec.world,
+        "fault_step": spec.fault_step,
+        "fault_rank": spec.fault_rank,
+        "target": spec.target,
+        "bit": spec.bit,
+        "true_first_step": first,
+        "audits": len(records),
+        "false_alarm_audits": 0,
+        "missed_audits": 0,
+        "detected": False,
+        "detected_step": None,
+        "localized": False,
+        "exact": False,
+        "latency": None,
+        "persisted": False,
+        "reported_first_step": None,
+        "pinpoint": None,
+        "error": next((e for e in result["errors"] if e), None),
+        "hang": False,
+        "early_divergence": first is not None and spec.fault_step is not None and first < spec.fault_step,
+    }
+    after = [rec["step"] for rec in records if first is not None and rec["step"] >= first]
+    row["persisted"] = bool(after) and bool(truth_by_step.get(after[0]))
+    prev = 0
+    for rec in records:
+        a = rec["step"]
+        truth = truth_by_step.get(a, {})
+        between = {n for s in steps if prev < s <= a for n in truth_by_step[s]}
+        mism = rec.get("mismatches") or []
+        transient = rec.get("transient")
+        if false_alarm(mism, truth) or (transient and not between) or (not rec["in_sync"] and not mism and not truth):
+            row["false_alarm_audits"] += 1
+        if truth and rec["in_sync"]:
+            row["missed_audits"] += 1
+        if first is not None and a >= first and not row["detected"]:
+            _first_detection(row, rec, truth, between, first)
+        prev = a
+    return row
+
+
+def _first_detection(
+    row: dict[str, Any], rec: dict[str, Any], truth: dict[str, list[int]], between: set[str], first: int
+) -> None:
+    transient = rec.get("transient")
+    if not rec["in_sync"] and rec.get("mismatches"):
+        row.update(
+            detected=True,
+            detected_step=rec["step"],
+            localized=localized(rec["mismatches"], truth),
+            reported_first_step=rec.get("first_diverged_step"),
+            pinpoint=rec.get("pinpoint"),
+        )
+        row["exact"] = rec.get("pinpoint") == "exact" and rec.get("first_diverged_step") == first
+    elif transient:
+        names = set(transient.get("names") or [])
+        row.update(
+            detected=True,
+            detected_step=rec["step"],
+            pinpoint="transient",
+            localized=all(any(covers(n, t) for n in names) for t in between),
+            reported_first_step=transient.get("first_diverged_step"),
+        )
+        row["exact"] = transient.get("first_diverged_step") == first
+    if row["detected"]:
+        row["latency"] = row["detected_step"] - first
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
