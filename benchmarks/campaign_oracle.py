@@ -104,6 +104,8 @@ def score(spec: Any, result: dict[str, Any]) -> dict[str, Any]:
         "target": spec.target,
         "bit": spec.bit,
         "true_first_step": first,
+        "true_first_names": truth_by_step.get(first, {}) if first is not None else {},
+        "reported": None,
         "audits": len(records),
         "false_alarm_audits": 0,
         "missed_audits": 0,
@@ -143,6 +145,7 @@ def _first_detection(
 ) -> None:
     transient = rec.get("transient")
     if not rec["in_sync"] and rec.get("mismatches"):
+        row["reported"] = {m["name"]: sorted(m["ranks"]) for m in rec["mismatches"]}
         row.update(
             detected=True,
             detected_step=rec["step"],
@@ -153,6 +156,7 @@ def _first_detection(
         row["exact"] = rec.get("pinpoint") == "exact" and rec.get("first_diverged_step") == first
     elif transient:
         names = set(transient.get("names") or [])
+        row["reported"] = {"transient": sorted(names)}
         row.update(
             detected=True,
             detected_step=rec["step"],
