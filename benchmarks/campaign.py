@@ -167,7 +167,8 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         "localized tensor+rank",
         "exact first step",
         "median latency (steps)",
-        "false alarms (audits)",
+        "false alarms, runs (audits)",
+        "in-sync verdicts while bytes differed",
         "hangs",
         "errors",
     ]
@@ -195,7 +196,8 @@ def _line(kind: str, rs: list[dict[str, Any]]) -> list[str]:
         _cell(sum(r["localized"] for r in faulty), len(faulty)),
         _cell(sum(r["exact"] for r in faulty), len(faulty)),
         "-" if med is None else f"{med:g}",
-        f"{sum(r['false_alarm_audits'] > 0 for r in rs)} runs ({sum(r['false_alarm_audits'] for r in rs)}/{audits})",
+        f"{sum(r['false_alarm_audits'] > 0 for r in rs)} ({sum(r['false_alarm_audits'] for r in rs)}/{audits})",
+        f"{sum(r['missed_audits'] for r in rs)}/{audits}",
         str(sum(r["hang"] for r in rs)),
         str(sum(bool(r["error"]) and not r["hang"] for r in rs)),
     ]

@@ -59,15 +59,17 @@ def odd_ranks(values: list[bytes]) -> list[int]:
     return [r for r in range(len(values)) if r not in ref]
 
 
-def diverged(oracles: list[dict[int, Snapshot]], step: int) -> dict[str, list[int]]:
-    """``{name: ranks that differ from the reference}`` at ``step``, from every rank's snapshot."""
+def diverged(oracles: list[dict[int, Snapshot]], step: int, facets: bool = False) -> dict[str, list[int]]:
+    """``{name: ranks that differ from the reference}`` at ``step``, from every rank's snapshot.
+
+    A differing trainable flag counts under the parameter's name (``facets=True`` keeps the key apart)."""
     snaps = [o.get(step, {}) for o in oracles]
     names = sorted(set().union(*snaps))
     out = {}
     for n in names:
         ranks = odd_ranks([s.get(n, b"<absent>") for s in snaps])
         if ranks:
-            out[n.removesuffix(".requires_grad")] = ranks
+            out[n if facets else n.removesuffix(".requires_grad")] = ranks
     return out
 
 
@@ -105,6 +107,8 @@ def score(spec: Any, result: dict[str, Any]) -> dict[str, Any]:
         "bit": spec.bit,
         "true_first_step": first,
         "true_first_names": truth_by_step.get(first, {}) if first is not None else {},
+        "true_first_facets": sorted(diverged(oracles, first, facets=True)) if first is not None else [],
+        "true_last_facets": sorted(diverged(oracles, steps[-1], facets=True)) if steps else [],
         "reported": None,
         "audits": len(records),
         "false_alarm_audits": 0,
