@@ -7,6 +7,7 @@ cannot see yet are marked xfail (not strict) naming the item of issue 21 that fi
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -97,3 +98,30 @@ def test_the_same_seed_draws_the_same_runs_and_faults_land_between_audits() -> N
             s = make_spec(4, kind, n, 3)
             assert s.cadence < s.fault_step <= s.steps - s.cadence and 0 <= s.fault_rank < 4
             assert kind != "ckpt_rank0" or s.fault_rank == 0
+
+
+def test_a_run_that_hangs_or_raises_is_reported_as_such_and_the_campaign_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import campaign_faults
+
+    real_train = campaign_faults.train
+    a, hangs, raises, d = (make_spec(2, "healthy_every4", n, SEED) for n in range(4))
+
+    def train(spec: Any, rank: int, world: int) -> dict[str, Any]:  # the forked ranks inherit this patch
+        if spec == hangs and rank == 1:
+            time.sleep(3600)  # never reaches the next collective
+        if spec == raises:
+            raise RuntimeError("planted")
+        return real_train(spec, rank, world)
+
+    monkeypatch.setattr(campaign_faults, "train", train)
+    rows = {r["run_id"]: r for r in execute([a, hangs, raises, d], run_timeout_s=10)}
+    assert rows[hangs.run_id]["hang"] and not rows[hangs.run_id]["detected"]
+    assert rows[raises.run_id]["error"] == "RuntimeError: planted" and not rows[raises.run_id]["hang"]
+    for ok in (a, d):  # before and after the failures, in fresh sets of ranks
+        assert not rows[ok.run_id]["hang"] and rows[ok.run_id]["error"] is None and rows[ok.run_id]["audits"] == 6
+    lines = summarize(list(rows.values())).splitlines()
+    header, healthy = ([c.strip() for c in line.split("|")[1:-1]] for line in (lines[0], lines[2]))
+    cells = dict(zip(header, healthy))
+    assert (cells["kind"], cells["runs"], cells["hangs"], cells["errors"]) == ("healthy_every4", "4", "1", "1")
