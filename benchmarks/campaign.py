@@ -145,6 +145,7 @@ def _hang_row(spec: RunSpec) -> dict[str, Any]:
         "latency": None,
         "false_alarm_audits": 0,
         "missed_audits": 0,
+        "repeated_transients": 0,
         "persisted": False,
         "true_first_step": None,
         "error": "hang",
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = execute(specs, args.run_timeout, log)
     cmd = "python benchmarks/campaign.py " + " ".join(argv if argv is not None else sys.argv[1:])
     print(summarize(rows))
+    repeated = sum(r["repeated_transients"] for r in rows)
+    if repeated:
+        print(f"\n{repeated} transient report(s) reached back to a step an earlier audit had already covered.")
     print(f"\n{len(rows)} runs in {time.monotonic() - t0:.0f} s. Command: `{cmd}`")
     if args.json:
         Path(args.json).write_text(json.dumps({"command": cmd, "rows": rows}, indent=1, default=str))

@@ -91,6 +91,16 @@ def false_alarm(mismatches: list[dict[str, Any]], truth: dict[str, list[int]]) -
     return any(not any(covers(m["name"], t) for t in truth) for m in mismatches)
 
 
+def false_transient(transient: dict[str, Any] | None, truth_by_step: dict[int, dict[str, list[int]]]) -> bool:
+    """A ``transient`` report whose names the oracle never saw differ within the steps it claims."""
+    if not transient:
+        return False
+    lo, hi = transient.get("first_diverged_step"), transient.get("last_diverged_step")
+    seen = {n for s, d in truth_by_step.items() if (lo is None or s >= lo) and (hi is None or s <= hi) for n in d}
+    names = transient.get("names") or []
+    return not seen or any(not any(covers(n, t) for t in seen) for n in names)
+
+
 def score(spec: Any, result: dict[str, Any]) -> dict[str, Any]:
     """What the tool said beside the truth, for one run (``spec`` a RunSpec, ``result`` the gathered run)."""
     oracles, records = result["oracles"], result["records"]
@@ -113,6 +123,7 @@ def score(spec: Any, result: dict[str, Any]) -> dict[str, Any]:
         "audits": len(records),
         "false_alarm_audits": 0,
         "missed_audits": 0,
+        "repeated_transients": 0,
         "detected": False,
         "detected_step": None,
         "localized": False,
@@ -134,8 +145,14 @@ def score(spec: Any, result: dict[str, Any]) -> dict[str, Any]:
         between = {n for s in steps if prev < s <= a for n in truth_by_step[s]}
         mism = rec.get("mismatches") or []
         transient = rec.get("transient")
-        if false_alarm(mism, truth) or (transient and not between) or (not rec["in_sync"] and not mism and not truth):
+        if (
+            false_alarm(mism, truth)
+            or false_transient(transient, truth_by_step)
+            or (not rec["in_sync"] and not mism and not truth)
+        ):
             row["false_alarm_audits"] += 1
+        if transient and (transient.get("first_diverged_step") or 0) <= prev:
+            row["repeated_transients"] += 1  # true, but it reaches back to a step an earlier audit covered
         if truth and rec["in_sync"]:
             row["missed_audits"] += 1
         if first is not None and a >= first and not row["detected"]:

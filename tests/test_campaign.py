@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from campaign import execute, plan, summarize
 from campaign_faults import CONTROLS, FAULTS, HEALTHY, make_spec
-from campaign_oracle import covers, localized, odd_ranks
+from campaign_oracle import covers, false_transient, localized, odd_ranks
 
 SEED = 0
 
@@ -89,6 +89,10 @@ def test_the_oracle_uses_the_contracts_reference_rule_and_localization_is_strict
     assert not localized([{"name": "0.weight", "ranks": [0]}], truth)  # wrong rank
     assert not localized([{"name": "0.weight", "ranks": [1]}, {"name": "3.bias", "ranks": [1]}], truth)  # extra
     assert not localized([], truth)
+    by_step = {5: {}, 6: {"0.weight": [1]}, 7: {}}
+    assert not false_transient({"first_diverged_step": 6, "last_diverged_step": 6, "names": ["0.weight"]}, by_step)
+    assert false_transient({"first_diverged_step": 7, "last_diverged_step": 7, "names": ["0.weight"]}, by_step)
+    assert false_transient({"first_diverged_step": 6, "last_diverged_step": 6, "names": ["3.bias"]}, by_step)
 
 
 def test_the_same_seed_draws_the_same_runs_and_faults_land_between_audits() -> None:
