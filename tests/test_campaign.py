@@ -102,6 +102,8 @@ def test_the_same_seed_draws_the_same_runs_and_faults_land_between_audits() -> N
             s = make_spec(4, kind, n, 3)
             assert s.cadence < s.fault_step <= s.steps - s.cadence and 0 <= s.fault_rank < 4
             assert kind != "ckpt_rank0" or s.fault_rank == 0
+    assert {make_spec(2, "healthy_every4", n, 0).cadence for n in range(8)} == {4}
+    assert make_spec(2, "healthy_sampled_every5", 0, 0).coverage == "1/4"
 
 
 def test_a_run_that_hangs_or_raises_is_reported_as_such_and_the_campaign_goes_on(
