@@ -197,6 +197,17 @@ _PROVEN = (
 
 # -- the pattern: drift, shards, structure, buffers -------------------------------------------------
 
+
+def _buffers_under_fsdp2(ev: Evidence) -> Names:
+    buffers = ev.open("buffer")
+    return buffers if buffers and uses_fsdp2(ev.module) else []
+
+
+def _buffers_unsynced_by(ev: Evidence) -> Names:
+    buffers = ev.open("buffer")
+    return buffers if buffers and ev.ddp is not None and not syncs_buffers(ev.ddp) else []
+
+
 _PATTERN = (
     Rule(
         "numerical drift",
@@ -225,7 +236,7 @@ _PATTERN = (
     ),
     Rule(
         "buffers under FSDP2",
-        needs=lambda ev: ev.open("buffer") if uses_fsdp2(ev.module) else [],
+        needs=_buffers_under_fsdp2,
         says=lambda ev, names: (
             f"Buffers {brief_names(names)} differ under FSDP2 (fully_shard), which never synchronises "
             "buffers: each rank keeps the ones its own batches updated (BatchNorm running statistics, "
@@ -236,7 +247,7 @@ _PATTERN = (
     ),
     Rule(
         "buffers DDP does not sync",
-        needs=lambda ev: ev.open("buffer") if ev.ddp is not None and not syncs_buffers(ev.ddp) else [],
+        needs=lambda ev: _buffers_unsynced_by(ev),
         says=lambda ev, names: (
             f"Buffers {brief_names(names)} differ and DistributedDataParallel runs with "
             "forward_sync_buffers=False (broadcast_buffers=False before torch 2.13), so each rank's own "

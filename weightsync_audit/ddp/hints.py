@@ -51,8 +51,8 @@ def explain(
     (``0.weight.exp_avg``): what the hints may say of the optimizer, and state stepped from a parameter's
     gradients that agrees rules out unreduced gradients as the cause of that parameter's difference.
 
-    >>> explain([Mismatch("param_groups.0.lr", "optimizer", [1], [0])])[0][:43]
-    'The learning rate differs (param_groups.0.lr'
+    >>> explain([Mismatch("param_groups.0.lr", "optimizer", [1], [0])])[0].split(":")[0]
+    'The learning rate differs (param_groups.0.lr) while the parameters still agree'
     """
     if not mismatches:
         return []
