@@ -281,3 +281,20 @@ def test_the_resync_advice_names_the_optimizer_state_in_use_and_never_an_optimiz
     assert "any state the optimizer keeps per parameter" in got["sgd"]
     assert "momentum_buffer" in got["momentum"] and "exp_avg" not in got["momentum"]
     assert "exp_avg, exp_avg_sq" in got["adam"] and "momentum_buffer" not in got["adam"]
+
+
+def _grads_left_local_under_ddp(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    torch.manual_seed(100 + rank)
+    with ddp.no_sync():  # accumulation without the final synced backward: the gradients stay local
+        (ddp(torch.randn(4, 6)) - 1).pow(2).mean().backward()
+    return audit(ddp, include=("grads",)).to_dict()
+
+
+def test_gradients_differing_under_a_live_ddp_wrapper_do_not_blame_a_missing_wrapper() -> None:
+    rec = run_ranks(_grads_left_local_under_ddp, 2)[0]
+    assert {m["kind"] for m in rec["mismatches"]} == {"grad"}
+    [hint] = rec["hints"]
+    assert hint.startswith("Gradients differ (") and "no_sync() without a final synced backward" in hint
+    assert "no DistributedDataParallel wrapper" not in hint
