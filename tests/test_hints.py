@@ -215,3 +215,86 @@ def _in_sync(rank: int, world: int) -> dict:
 def test_replicas_in_sync_get_no_hints() -> None:
     rec = run_ranks(_in_sync, 2)[0]
     assert rec["in_sync"] and rec["hints"] == []
+
+
+# -- evidence that rules a cause out, and the optimizer actually in use ---------------------------
+
+
+def _nudged_under_ddp(rank: int, world: int) -> dict:
+    out = {}
+    for name, make_opt in (
+        ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+        ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+    ):
+        model = make_model()
+        ddp = DDP(model)  # its reducer covers every parameter
+        opt = make_opt(model.parameters())
+        for _ in range(2):
+            local_step(ddp, opt, rank)  # DDP averages: the parameters and the Adam moments stay equal
+        if rank == 1:
+            with torch.no_grad():
+                model[0].weight[3, 5] += 1e-3  # a planted nudge, outside training
+        out[name] = audit(ddp, opt).to_dict()
+    return out
+
+
+def test_a_nudge_under_ddp_gets_no_hint_the_reducer_or_the_agreeing_optimizer_state_rules_out() -> None:
+    got = run_ranks(_nudged_under_ddp, 2)[0]
+    adam = got["adam"]
+    assert [(m["name"], m["kind"]) for m in adam["mismatches"]] == [("0.weight", "param")]
+    [hint] = adam["hints"]
+    # DDP's reducer covers 0.weight, and its Adam moments were compared and agree: its gradients were
+    # all-reduced, so no gradient cause may be named, only what is left.
+    assert "trainable set changed" not in hint and "not all-reduced" not in hint and "without DDP" not in hint
+    assert "0.weight" in hint and "exp_avg, exp_avg_sq" in hint and "agrees" in hint
+    assert "edited, loaded or initialised on some ranks only" in hint and "likely" in hint
+    # Plain SGD keeps no state: the gradients stay a suspect (no_sync), but not the causes DDP rules out.
+    [hint] = got["sgd"]["hints"]
+    assert "Parameters 0.weight differ: likely" in hint and "no_sync() misuse" in hint
+    assert "trainable set changed" not in hint and "without DDP" not in hint
+
+
+def _unfrozen_with(rank: int, world: int) -> dict:
+    out = {}
+    for name, make_opt in (
+        ("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1)),
+        ("momentum", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+        ("adam", lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+    ):
+        model = make_model()
+        model[0].requires_grad_(False)
+        ddp = DDP(model)
+        model[0].requires_grad_(True)  # outside the reducer: stepped from local gradients
+        opt = make_opt(model.parameters())
+        for _ in range(2):
+            local_step(ddp, opt, rank)
+        [hint] = [h for h in audit(ddp, opt).hints if "does not all-reduce" in h]
+        out[name] = hint
+    return out
+
+
+def test_the_resync_advice_names_the_optimizer_state_in_use_and_never_an_optimizer_that_is_not() -> None:
+    got = run_ranks(_unfrozen_with, 2)[0]
+    for hint in got.values():
+        assert "resync it once, optimizer state included" in hint and "Adam" not in hint
+    assert "exp_avg" not in got["sgd"] and "momentum_buffer" not in got["sgd"]
+    assert "any state the optimizer keeps per parameter" in got["sgd"]
+    assert "momentum_buffer" in got["momentum"] and "exp_avg" not in got["momentum"]
+    assert "exp_avg, exp_avg_sq" in got["adam"] and "momentum_buffer" not in got["adam"]
+
+
+def _grads_left_local_under_ddp(rank: int, world: int) -> dict:
+    model = make_model()
+    ddp = DDP(model)
+    torch.manual_seed(100 + rank)
+    with ddp.no_sync():  # accumulation without the final synced backward: the gradients stay local
+        (ddp(torch.randn(4, 6)) - 1).pow(2).mean().backward()
+    return audit(ddp, include=("grads",)).to_dict()
+
+
+def test_gradients_differing_under_a_live_ddp_wrapper_do_not_blame_a_missing_wrapper() -> None:
+    rec = run_ranks(_grads_left_local_under_ddp, 2)[0]
+    assert {m["kind"] for m in rec["mismatches"]} == {"grad"}
+    [hint] = rec["hints"]
+    assert hint.startswith("Gradients differ (") and "no_sync() without a final synced backward" in hint
+    assert "no DistributedDataParallel wrapper" not in hint

@@ -344,6 +344,7 @@ class AuditRun:
                     grads_checked="grads" in self.auditor.config.include,
                     params_compared=self.checked["param"] > 0,
                     module=self.module,
+                    state_names=[e.name for e in self.entries if e.kind == "optimizer" and e.shard is None],
                     **drift_arguments(self.mismatches),  # a gap the size of float rounding reads as drift
                 )
             except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang

@@ -326,22 +326,8 @@ def _check(
     )
 
 
-def _snapshot(
-    module: nn.Module | None,
-    optimizers: Sequence[torch.optim.Optimizer],
-    key: Hashable,
-    manifest: Manifest,
-) -> _Snapshot | None:
-    """What :func:`_check` compares against; ``None`` when this manifest cannot be cached."""
-    entries = manifest.entries
-    if has_shards(entries) or any(e.kind == "grad" or e.note for e in entries):
-        return None  # grads come and go every step; DTensors (noted entries) are rebuilt every audit
-    user = unwrap_module(module) if module is not None else None
-    named = list(user.named_modules()) if user is not None else []
-    mods = [m for _, m in named]
-    if not _plain(mods, optimizers):
-        return None
-    # Where each parameter / buffer sits in the chain of module dict values (first name wins, as in the build).
+def _chain_positions(named: Sequence[tuple[str, nn.Module]]) -> dict[str, dict[str, int]]:
+    """Where each parameter / buffer sits in the chain of module dict values (first name wins, as in the build)."""
     at: dict[str, dict[str, int]] = {"_parameters": {}, "_buffers": {}}
     for attr, where in at.items():
         pos = 0
@@ -352,6 +338,11 @@ def _snapshot(
                     seen.add(id(v))
                     where[f"{prefix}.{k}" if prefix else k] = pos
                 pos += 1
+    return at
+
+
+def _optimizer_positions(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[dict, dict, dict]:
+    """Each state value's place in the chain of state values; each state dict's and param group's place."""
     state_at: dict[tuple[int, Any], int] = {}
     dict_at: dict[int, tuple[int, int]] = {}
     group_at: dict[int, tuple[int, int]] = {}
@@ -364,6 +355,13 @@ def _snapshot(
                 pos += 1
         for gi, group in enumerate(opt.param_groups):
             group_at[id(group)] = (oi, gi)
+    return state_at, dict_at, group_at
+
+
+def _placed(entries: Sequence[Any], named: Sequence[tuple[str, nn.Module]], optimizers: Sequence[Any]) -> Any:
+    """Per kind, each tensor's place in its chain and manifest (chain order), and the values re-read; or None."""
+    at = _chain_positions(named)
+    state_at, dict_at, group_at = _optimizer_positions(optimizers)
     positions: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
     index: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
     groups, state_values, group_index, state_index = [], [], [], []
@@ -385,10 +383,30 @@ def _snapshot(
         else:
             return None
         index[e.kind].append(i)
-    dyn_index = group_index + state_index  # the order in which _check re-reads them
     for kind in positions:  # sources in the order of their chain: most often the chain is the sources
         pairs = sorted(zip(positions[kind], index[kind]))
         positions[kind], index[kind] = [p for p, _ in pairs], [i for _, i in pairs]
+    return positions, index, groups, state_values, group_index + state_index  # the order _check re-reads
+
+
+def _snapshot(
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    key: Hashable,
+    manifest: Manifest,
+) -> _Snapshot | None:
+    """What :func:`_check` compares against; ``None`` when this manifest cannot be cached."""
+    entries = manifest.entries
+    if has_shards(entries) or any(e.kind == "grad" or e.note for e in entries):
+        return None  # grads come and go every step; DTensors (noted entries) are rebuilt every audit
+    user = unwrap_module(module) if module is not None else None
+    named = list(user.named_modules()) if user is not None else []
+    mods = [m for _, m in named]
+    if not _plain(mods, optimizers):
+        return None
+    if (placed := _placed(entries, named, optimizers)) is None:
+        return None
+    positions, index, groups, state_values, dyn_index = placed
     fingerprint, params, buffers, module_versions = _walk(mods)
     states = _state_values(optimizers)
     sources = (

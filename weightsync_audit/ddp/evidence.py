@@ -1,0 +1,166 @@
+"""What the hints reason from: the mismatches of one audit, the live DDP wrapper and the optimizer state.
+
+:class:`Evidence` is gathered once per :func:`~weightsync_audit.ddp.hints.explain` call and read by every
+rule in :mod:`~weightsync_audit.ddp.hint_rules`; it also keeps the ledger of names a cause already
+accounts for (``explained``), so that each mismatch feeds at most one parameter hint. What the wrapper
+tells (the reducer's coverage, the ignore list) is read lazily: only a rule that needs it pays for it.
+
+>>> from weightsync_audit.reporting.record import Mismatch
+>>> ev = Evidence([Mismatch("0.weight", "param", [1], [0])], state_names=["0.weight.exp_avg"])
+>>> ev.open("param"), ev.state_agrees("0.weight")
+(['0.weight'], True)
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, Callable, Collection, Sequence
+
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from weightsync_audit.ddp.inspect import live_ddp, remembered_flags, synced_parameter_names
+from weightsync_audit.reporting.record import Mismatch
+
+__all__ = ["GRADIENT_STATE", "Evidence", "uses_fsdp2"]
+
+#: Per-parameter optimizer state that each step builds from the gradient (torch's optimizers and
+#: Adafactor): equal on every rank only if the gradients that fed it were. ``step`` counts, it is not fed.
+GRADIENT_STATE = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "exp_inf",
+        "momentum_buffer",
+        "square_avg",
+        "grad_avg",
+        "acc_delta",
+        "sum",
+        "prev",
+        "row_var",
+        "col_var",
+        "variance",
+    }
+)
+
+
+def uses_fsdp2(module: Any) -> bool:
+    """Whether ``module`` (or a module inside it) is sharded by FSDP2's ``fully_shard``."""
+    return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+class Evidence:
+    """The facts one set of hints is drawn from, and the names the causes found so far account for."""
+
+    def __init__(
+        self,
+        mismatches: Sequence[Mismatch],
+        *,
+        ddp: DistributedDataParallel | None = None,
+        synced: frozenset[str] | None = None,
+        grads_checked: bool = False,
+        params_compared: bool = True,
+        module: Any = None,
+        drifting: Collection[str] = (),
+        drift_hint: Callable[[list[str]], str] | None = None,
+        state_names: Collection[str] = (),
+    ) -> None:
+        self.mismatches = list(mismatches)
+        self.ddp = live_ddp(ddp)  # a retired wrapper proves nothing about the reduction that runs now
+        self.synced = synced
+        self.grads_checked = grads_checked
+        self.params_compared = params_compared
+        self.module = module
+        self.drifting = list(dict.fromkeys(drifting))
+        self.drift_hint = drift_hint
+        self.state_names = state_names
+        self.by_kind: dict[str, list[Mismatch]] = {}
+        for m in self.mismatches:
+            self.by_kind.setdefault(m.kind, []).append(m)
+        self.params = self.names("param")
+        self.grads = self.names("grad")
+        self.explained: set[str] = set()
+        """Parameter (or gradient, or optimizer) names a cause already accounts for."""
+
+    def names(self, kind: str) -> list[str]:
+        """Every mismatch of ``kind``, explained or not."""
+        return [m.name for m in self.by_kind.get(kind, [])]
+
+    def open(self, kind: str) -> list[str]:
+        """The mismatches of ``kind`` no cause accounts for yet."""
+        return [m.name for m in self.by_kind.get(kind, []) if m.name not in self.explained]
+
+    @property
+    def diverged(self) -> list[str]:
+        """Differing parameters and gradients, a parameter and its gradient named alike (once)."""
+        return list(dict.fromkeys(self.params + self.grads))
+
+    # -- the wrapper -------------------------------------------------------------------------------
+
+    @cached_property
+    def named(self) -> dict[str, nn.Parameter]:
+        """The wrapped module's parameters by name (none without a live wrapper)."""
+        return dict(self.ddp.module.named_parameters()) if self.ddp is not None else {}
+
+    @cached_property
+    def ignored(self) -> frozenset[str]:
+        """What DDP was told to leave alone (``_ddp_params_and_buffers_to_ignore``)."""
+        return frozenset(getattr(self.ddp, "parameters_to_ignore", ()) or ())
+
+    @cached_property
+    def covered(self) -> frozenset[str] | None:
+        """Names DDP all-reduces: given, remembered by a re-wrap, or read from the reducer (rare path);
+        ``None`` without a live wrapper or when the reducer cannot be read."""
+        if self.ddp is None:
+            return None
+        if self.synced is not None:
+            return self.synced
+        try:
+            flags = remembered_flags(self.ddp)
+            if flags is not None:
+                return frozenset(n for (n, _), f in zip(self.ddp.module.named_parameters(), flags) if f)
+            return synced_parameter_names(self.ddp)
+        except Exception:  # noqa: BLE001 - private reducer API; no hint rather than a crash
+            return None
+
+    def requires_grad(self, name: str) -> bool | None:
+        """Whether the wrapped module's parameter ``name`` is trainable now (``None``: not one of its)."""
+        p = self.named.get(name)
+        return None if p is None else p.requires_grad
+
+    def reduced(self, names: Sequence[str]) -> bool:
+        """Whether the live wrapper's reducer is known to cover every one of ``names``."""
+        covered = self.covered
+        return covered is not None and all(n in covered for n in names)
+
+    # -- the optimizer state -----------------------------------------------------------------------
+
+    @cached_property
+    def _state(self) -> dict[str, list[str]]:
+        """Per parameter, the gradient-fed state keys known to exist: compared by this audit, or differing."""
+        out: dict[str, list[str]] = {}
+        for n in [*self.state_names, *self.names("optimizer")]:
+            param, _, key = n.rpartition(".")
+            if key in GRADIENT_STATE and key not in out.setdefault(param, []):
+                out[param].append(key)
+        return out
+
+    @cached_property
+    def _compared(self) -> frozenset[str]:
+        return frozenset(self.state_names)
+
+    @cached_property
+    def _differing(self) -> frozenset[str]:
+        return frozenset(m.name for m in self.mismatches)
+
+    def state_keys(self, params: Sequence[str]) -> list[str]:
+        """The gradient-fed optimizer state keys that ``params`` have (``exp_avg``...), in first-seen order."""
+        return list(dict.fromkeys(k for p in params for k in self._state.get(p, ())))
+
+    def state_agrees(self, param: str) -> bool:
+        """Whether ``param`` has gradient-fed optimizer state that this audit compared and found equal
+        on every rank: then the gradients that stepped it were equal too."""
+        keys = [k for k in self._state.get(param, ()) if f"{param}.{k}" in self._compared]
+        return bool(keys) and not any(f"{param}.{k}" in self._differing for k in keys)
