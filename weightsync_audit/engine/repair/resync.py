@@ -90,13 +90,15 @@ def resync(
     entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
-    structure = structure_digest(entries)
+    structure = structure_digest(entries, devices=False)
     table = comm.exchange(np.array([structure, len(entries)], dtype=np.int64), "the resync")
     if not (table == table[0]).all():
         entries = _reconcile(comm, src, entries, optimizers, module)
         if wanted is not None:
             entries = [e for e in entries if e.name in wanted]
-        again = comm.exchange(np.array([structure_digest(entries), len(entries)], dtype=np.int64), "the resync")
+        again = comm.exchange(
+            np.array([structure_digest(entries, devices=False), len(entries)], dtype=np.int64), "the resync"
+        )
         if not (again == again[0]).all():
             raise ValueError(
                 "cannot resync: the optimizers differ in structure between ranks (param groups or parameters "
