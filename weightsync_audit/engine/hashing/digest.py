@@ -30,7 +30,7 @@ import xxhash
 
 from weightsync_audit import compat
 from weightsync_audit.engine.hashing.device_digest import digest_streams
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_chunk, host_view
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view
 from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
 from weightsync_audit.engine.inventory.manifest import Entry
 
@@ -94,13 +94,17 @@ def _as_signed(x: int) -> int:
 # -- xxh3 over CPU memory -----------------------------------------------------------------------
 
 
-def _stream_leaves(pieces: Sequence[torch.Tensor]) -> list[int]:
-    """xxh3 of each ``CHUNK``-sized leaf of the logical byte stream of ``pieces`` (CPU tensors)."""
+def _stream_leaves(pieces: Sequence[torch.Tensor], scratch: list[torch.Tensor] | None = None) -> list[int]:
+    """xxh3 of each ``CHUNK``-sized leaf of the logical byte stream of ``pieces``.
+
+    CPU pieces are read in place (a non-contiguous one a ``CHUNK`` at a time); accelerator pieces are
+    copied to the host one ``CHUNK`` at a time into ``scratch`` (one reused buffer per hashing thread).
+    """
     out: list[int] = []
     h = xxhash.xxh3_64()
     filled = 0
     for piece in pieces:
-        for block in _host_blocks(piece):
+        for block in _host_blocks(piece, [] if scratch is None else scratch):
             raw = host_view(block)
             pos = 0
             while pos < len(raw):
@@ -112,19 +116,29 @@ def _stream_leaves(pieces: Sequence[torch.Tensor]) -> list[int]:
                     out.append(h.intdigest())
                     h.reset()
                     filled = 0
+            del block, raw
     if filled or not out:
         out.append(h.intdigest())
     return out
 
 
-def _host_blocks(piece: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Contiguous pieces of ``piece`` in logical order: views on the CPU, else host copies of at most
-    ``CHUNK`` bytes, each made when it is hashed (so a rank holds one chunk per hashing thread)."""
+def _host_blocks(piece: torch.Tensor, scratch: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Contiguous pieces of ``piece`` in logical order: views on the CPU; off the CPU, copies of at most
+    ``CHUNK`` bytes into one host buffer (``scratch[0]``, made on first use), each made when it is hashed.
+    """
     if piece.is_cpu:
         yield from contiguous_blocks(piece)
         return
-    for view in chunk_views(piece, max(1, CHUNK // piece.element_size())):
-        yield host_chunk(view)
+    piece = piece.detach()
+    esize = piece.element_size()
+    for view in chunk_views(piece, max(1, CHUNK // esize)):
+        if not scratch:
+            scratch.append(torch.empty(CHUNK, dtype=torch.uint8))
+        if view.is_conj() or view.is_neg():
+            view = view.resolve_conj().resolve_neg()
+        dst = scratch[0][: view.numel() * esize].view(piece.dtype).view(view.shape)
+        dst.copy_(view)  # the device's own copy to the host (it waits for the device)
+        yield dst
 
 
 def _combine_leaves(leaves: Sequence[int]) -> int:
@@ -144,13 +158,14 @@ def _run_jobs(jobs: list[tuple[int, int, int, object]]) -> list[int | list[int]]
     counter = itertools.count()
 
     def drain() -> None:
+        scratch: list[torch.Tensor] = []  # this thread's host buffer for copies from accelerators
         while True:
             k = next(counter)  # atomic: itertools.count is implemented in C
             if k >= len(order):
                 return
             j = order[k]
             payload = jobs[j][3]
-            results[j] = _stream_leaves(payload) if isinstance(payload, list) else _xxh(payload)  # type: ignore[arg-type]
+            results[j] = _stream_leaves(payload, scratch) if isinstance(payload, list) else _xxh(payload)  # type: ignore[arg-type]
 
     helpers = min(workers() - 1, len(jobs) - 1)
     if helpers > 0 and sum(job[0] for job in jobs) >= _PARALLEL_MIN_BYTES:
