@@ -24,6 +24,7 @@ from weightsync_audit.engine.hashing import device_digest as D
 from weightsync_audit.engine.hashing.digest import digest_tensors, workers
 from weightsync_audit.engine.hashing.hostbytes import CHUNK, host_bytes
 from weightsync_audit.engine.repair.resync import _install_state, state_device
+from weightsync_audit.engine.repair.resync_transfer import move_copies
 
 # -- 2: where rebuilt optimizer state lives ----------------------------------------------------------
 
@@ -66,6 +67,19 @@ def test_optimizer_state_created_by_resync_travels_over_the_data_plane_not_the_s
     for got in results:
         assert got["same"] and got["step"] == 1.0
         assert got["star"] < 64 << 10, f"{got['star']} bytes of the 1 MiB optimizer state went through the star"
+
+
+def _shard_style_copies(rank: int, world: int) -> list[list[float]]:
+    # Per-pair copies as shard resync makes them: a source other than the resync's, a subset of receivers.
+    a = torch.full((3, 5), float(rank)).t()  # non-contiguous: written in place through its views
+    b = torch.full((70000,), float(10 + rank))
+    move_copies(Comm(timeout_s=30), 0, [("a", a, 1, [2]), ("b", b, 0, [1])])
+    return [sorted(set(a.flatten().tolist())), sorted(set(b.tolist()))]
+
+
+def test_shard_copies_go_point_to_point_over_the_data_plane_from_any_source_to_some_receivers() -> None:
+    got = run_ranks(_shard_style_copies, 3)
+    assert got == [[[0.0], [10.0]], [[1.0], [10.0]], [[1.0], [12.0]]]
 
 
 # -- 4: xxh3 of accelerator tensors in bounded host memory --------------------------------------------
