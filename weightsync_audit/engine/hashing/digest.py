@@ -304,13 +304,13 @@ def structure_digest(entries: Sequence[Entry], *, devices: bool = True) -> int:
     copies between any devices). A DTensor enters with its global shape and layout, never its local
     shape or coordinates, so ranks holding different (even uneven) shards of it agree on the structure.
     """
-    text = "\x1f".join(
-        [
-            f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}"
-            + ("" if not devices or (kind := device_type(e.tensor)) == "cpu" else f"\x1e{kind}")
-            for e in entries
-        ]
-    )
+    parts = [
+        f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}" for e in entries
+    ]
+    if devices:
+        for i in [i for i, e in enumerate(entries) if not e.tensor.is_cpu]:
+            parts[i] += f"\x1e{device_type(entries[i].tensor)}"
+    text = "\x1f".join(parts)
     return _as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
 
 
