@@ -5,8 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,3 +37,18 @@ def test_the_gpu_check_dry_runs_every_check_on_the_cpu_and_answers_right() -> No
     ):
         assert check in table
     assert "WRONG" not in table and "every answer right" in done.stdout
+
+
+def test_the_gpu_check_calls_wrong_digests_wrong() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    from weightsync_audit.engine.hashing import device_digest as D
+
+    with mock.patch.object(D, "_GOLD", 1):  # device arithmetic that no longer follows the definition
+        ok, figures = gpu_check.check_digests(torch.device("cpu"))
+    assert not ok and "WRONG" in figures
+    report = gpu_check.Report()
+    report.run("digest == reference", "-", lambda: (ok, figures))
+    report.run("raises", "-", lambda: 1 / 0)  # type: ignore[arg-type, return-value]
+    assert report.wrong and [r[2] for r in report.rows] == ["WRONG", "WRONG"]
