@@ -32,6 +32,7 @@ __all__ = [
     "peel_wrapper",
     "remove_ddp_autograd_hooks",
     "self_check",
+    "synchronize",
 ]
 
 
@@ -117,6 +118,37 @@ def ddp_comm_hooks(ddp: nn.parallel.DistributedDataParallel) -> list[tuple[Calla
 def remove_ddp_autograd_hooks(ddp: nn.parallel.DistributedDataParallel) -> None:
     """Detach a retired wrapper's reducer from the parameters (``_remove_autograd_hooks``)."""
     _require(ddp, "_remove_autograd_hooks", "DistributedDataParallel's hook removal")()
+
+
+# -- devices ---------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until every stream of ``device`` has finished its queued work (nothing to wait for on the CPU).
+
+    Weights may be written on a side stream (overlapped all-gathers, asynchronous copies, side-stream
+    optimizers): kernels on the current stream, and copies to the host, only wait for the current
+    stream, so a digest could read a tensor mid-update. ``torch.accelerator.synchronize`` when this
+    torch has it and ``device`` is the current accelerator, else the device module's own
+    ``synchronize`` (``torch.cuda``, ``torch.xpu``, ``torch.mps``...); a device type with neither
+    (``meta``) has nothing to wait for.
+    """
+    if device.type == "cpu":
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    current = getattr(accelerator, "current_accelerator", None)
+    if callable(current) and hasattr(accelerator, "synchronize"):
+        acc = current()
+        if acc is not None and acc.type == device.type:
+            accelerator.synchronize(device)  # type: ignore[union-attr]
+            return
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    if callable(sync):
+        try:
+            sync(device)
+        except TypeError:  # a module whose synchronize takes no device (mps)
+            sync()
 
 
 # -- wrappers and tensor types -----------------------------------------------------------------

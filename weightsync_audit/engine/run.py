@@ -38,6 +38,7 @@ from weightsync_audit.engine.agreement.consensus import (
     StructureDiff,
     SummaryVerdict,
     ValueDiff,
+    structure_row,
     tie_detail,
 )
 from weightsync_audit.engine.agreement.rounds import agree, compare_columns, compare_structures
@@ -265,11 +266,7 @@ class AuditRun:
         elif status == "values":
             self.value_diffs = compare_columns(comm, [e.uid for e in self.entries], self.digests)
         elif status == "structure":
-            rows = [
-                [e.kind, e.name, e.dtype, list(e.shape), int(d)]
-                + ([] if e.shard is None else [e.shard.layout, e.shard.key])
-                for e, d in zip(self.entries, self.digests.tolist())
-            ]
+            rows = [structure_row(e, d) for e, d in zip(self.entries, self.digests.tolist())]
             self.structure_diffs, self.value_diffs, self.union = compare_structures(comm, rows)
         self.mismatches = [self._structure_mismatch(d) for d in self.structure_diffs]
 

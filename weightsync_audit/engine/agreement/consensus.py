@@ -18,6 +18,7 @@ from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 from weightsync_audit.vote import majority
 
 __all__ = [
+    "structure_row",
     "PROTOCOL",
     "PROTOCOL_FAILED",
     "SUMMARY_FIELDS",
@@ -198,9 +199,23 @@ def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarr
     return out
 
 
+def structure_row(e: Any, digest: int) -> list[Any]:
+    """An entry's row for :func:`compare_manifests`: ``[kind, name, dtype, shape, digest]``, then
+    ``layout, peer_key`` for a DTensor, then (with ``"", ALL`` as the layout of a plain tensor) the
+    device type of a tensor off the CPU."""
+    row = [e.kind, e.name, e.dtype, list(e.shape), int(digest)]
+    device = "cpu" if e.tensor.is_cpu else e.tensor.device.type
+    if e.shard is not None or device != "cpu":
+        row += ["", ALL] if e.shard is None else [e.shard.layout, e.shard.key]
+    if device != "cpu":
+        row.append(device)
+    return row
+
+
 def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
     """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
-    by ``layout, peer_key`` for a DTensor (its global shape in ``shape``).
+    by ``layout, peer_key`` for a DTensor (its global shape in ``shape``), and by the device type for a
+    tensor off the CPU (see :func:`structure_row`).
 
     Returns the structure differences and, for tensors whose structure agrees everywhere, the value
     differences (within each peer set), so a missing layer does not hide a diverged one.
@@ -213,14 +228,15 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
         for row in rows:
             kind, name, dtype, shape, digest = row[:5]
             layout, key = (str(row[5]), int(row[6])) if len(row) >= 7 else ("", ALL)
+            device = str(row[7]) if len(row) >= 8 else "cpu"
             uid = f"{kind}:{name}"
-            d[uid] = (dtype, tuple(shape), int(digest), layout, key)
+            d[uid] = (dtype, tuple(shape), int(digest), layout, key, device)
             order.setdefault(uid, (kind, name))
         per_rank.append(d)
     structure: list[StructureDiff] = []
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
-        sigs = [(d[uid][0], d[uid][1], d[uid][3]) if uid in d else None for d in per_rank]
+        sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5]) if uid in d else None for d in per_rank]
         ref, other = majority(sigs)
         if other:
             ref_sig = sigs[ref[0]]
@@ -241,6 +257,8 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
                         what.append(f"shape {list(sig[1])} instead of {list(ref_sig[1])}")
                     if sig[2] != ref_sig[2]:
                         what.append(f"layout {sig[2] or 'plain tensor'} instead of {ref_sig[2] or 'plain tensor'}")
+                    if sig[3] != ref_sig[3]:
+                        what.append(f"on device {sig[3]} instead of {ref_sig[3]}")
                     parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
             structure.append(
                 StructureDiff(

@@ -16,16 +16,22 @@ from typing import Callable, Sequence
 
 import torch
 
+from weightsync_audit import compat
 from weightsync_audit.compat import flatten_tensors
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, contiguous_blocks
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_chunk
 from weightsync_audit.engine.hashing.sampling import sample_pieces
 
-__all__ = ["device_digests", "digest_streams"]
+__all__ = ["device_digests", "device_ok", "digest_streams"]
 
 _DEVICE_WORDS = 1 << 20
 """Words per step of the on-device digest on CPU: its scratch space is 16 bytes per word."""
 _DEVICE_WORDS_ACCEL = 1 << 24
-"""The same on accelerators, where each step is ~15 kernel launches and memory is plentiful."""
+"""The same on accelerators, where each step is ~15 kernel launches: 256 MiB of scratch (two int64
+vectors of 128 MiB), halved on out-of-memory down to ``_MIN_WORDS`` (see :func:`_scratch`)."""
+_MIN_WORDS = 1 << 12
+"""The smallest step the halving on out-of-memory goes down to before it gives up."""
+_step_of: dict[str, int] = {}
+"""Per device type, a step smaller than the default that an out-of-memory error forced (kept for good)."""
 _DEVICE_BATCH_BYTES = 1 << 20
 """Accelerator tensors up to this size are digested together, in one batch of kernels, not one by one."""
 _DEVICE_BATCH_LIMIT = 64 << 20
@@ -41,6 +47,17 @@ def _as_signed(x: int) -> int:
 _M1 = _as_signed(0xBF58476D1CE4E5B9)
 _M2 = _as_signed(0x94D049BB133111EB)
 _GOLD = _as_signed(0x9E3779B97F4A7C15)
+
+
+def _mix_int(x: int) -> int:
+    """:func:`_mix64` of one Python integer, on the host (no tensor, so no host-to-device copy)."""
+    m = (1 << 64) - 1
+    x &= m
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & m
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & m
+    return _as_signed(x ^ (x >> 31))
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +126,8 @@ def _words_sum(words: torch.Tensor, first: int) -> torch.Tensor:
             _compile_state = "failed"
             total = torch.zeros((), dtype=torch.int64, device=words.device)
     # Two scratch vectors, reused by every step: 16 bytes a word of the step, whatever the tensor size.
-    x_buf = torch.empty(min(n, step), dtype=torch.int64, device=words.device)
-    tmp_buf = torch.empty_like(x_buf)
+    x_buf, step = _scratch(min(n, step), words.device)
+    tmp_buf = x_buf[step:]
     for s in range(0, n, step):
         e = min(n, s + step)
         x = x_buf[: e - s]
@@ -118,6 +135,24 @@ def _words_sum(words: torch.Tensor, first: int) -> torch.Tensor:
         x.mul_(_GOLD).add_(words[s:e])
         total += _mix64_(x, tmp_buf[: e - s]).sum()
     return total
+
+
+def _alloc(n: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(n, dtype=torch.int64, device=device)
+
+
+def _scratch(words: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """One int64 buffer of ``2 * step`` words and the step: halved on out-of-memory, the smaller step
+    kept for this device type, so that an audit on a nearly full accelerator slows down, not fails."""
+    step = min(words, _step_of.get(device.type, words))
+    while True:
+        try:
+            return _alloc(2 * step, device), step
+        except torch.OutOfMemoryError:
+            if step <= _MIN_WORDS:
+                raise
+            step = max(_MIN_WORDS, step // 2)
+            _step_of[device.type] = step
 
 
 def _aligned(u8: torch.Tensor) -> bool:
@@ -172,8 +207,7 @@ class _WordStream:
             end = (self.fill + 7) // 8 * 8
             self.stage[self.fill : end].zero_()
             self._flush(end)
-        size = torch.tensor(self.nbytes, dtype=torch.int64, device=self.device)
-        return _mix64(self.acc ^ _mix64(size))
+        return _mix64(self.acc ^ _mix_int(self.nbytes))
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -236,14 +270,16 @@ def _device_batch(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     sizes = [tensors[i].nbytes for i in order]
     words = [(n + 7) // 8 for n in sizes]
     total = sum(words)
-    counts = torch.tensor(words, dtype=torch.int64, device=device)
+    # Every small index the batch needs, built on the host and moved in one copy (not one per list).
+    k = len(tensors)
+    index = torch.tensor([*words, *sizes, *order], dtype=torch.int64).to(device)
+    counts, nbytes, where = index[:k], index[k : 2 * k], index[2 * k :]
     ends = counts.cumsum(0)
     starts = ends - counts
     if total:
         if total * 8 == flat.numel():
             w = flat.view(torch.int64)
         else:  # pad each tensor to whole words: move byte k of tensor i by its padding so far
-            nbytes = torch.tensor(sizes, dtype=torch.int64, device=device)
             shift = starts * 8 - (nbytes.cumsum(0) - nbytes)
             dest = torch.arange(flat.numel(), dtype=torch.int64, device=device)
             dest += torch.repeat_interleave(shift, nbytes, output_size=flat.numel())
@@ -260,47 +296,111 @@ def _device_batch(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         acc = prefix[ends] - prefix[starts]
     else:
         acc = torch.zeros(len(tensors), dtype=torch.int64, device=device)
-    digests = _mix64(acc ^ _mix64(torch.tensor(sizes, dtype=torch.int64, device=device)))
+    digests = _mix64(acc ^ _mix64(nbytes))
     out = torch.empty_like(digests)
-    out[torch.tensor(order, dtype=torch.int64, device=device)] = digests
+    out[where] = digests
     return out
 
 
+def _on_device(items: Sequence[Sequence[torch.Tensor]], idx: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Digests of ``items[i]`` for ``i`` in ``idx`` (all on one device) as one device vector, and their order."""
+    # Small single-piece tensors go in batches of at most _DEVICE_BATCH_LIMIT bytes (sizes of whole
+    # words) or _DEVICE_PAD_LIMIT bytes (others: their padding scatter needs 8 bytes of index a byte).
+    batches: dict[bool, list[list[int]]] = {True: [[]], False: [[]]}
+    batch_bytes = {True: 0, False: 0}
+    streamed: list[int] = []
+    for i in idx:
+        pieces = items[i]
+        size = sum(p.nbytes for p in pieces)
+        if len(pieces) == 1 and size <= _DEVICE_BATCH_BYTES and not (pieces[0].is_conj() or pieces[0].is_neg()):
+            whole = size % 8 == 0
+            if batch_bytes[whole] + size > (_DEVICE_BATCH_LIMIT if whole else _DEVICE_PAD_LIMIT) and batches[whole][-1]:
+                batches[whole].append([])
+                batch_bytes[whole] = 0
+            batches[whole][-1].append(i)
+            batch_bytes[whole] += size
+        else:
+            streamed.append(i)
+    batched = [b for b in (*batches[True], *batches[False]) if b]
+    results = []
+    for b in batched:
+        try:
+            results.append(_device_batch([items[i][0] for i in b]))
+        except torch.OutOfMemoryError:  # a batch's scratch does not fit: one by one, in bounded steps
+            results.append(torch.cat([_device_stream([items[i][0]]).reshape(1) for i in b]))
+    results += [_device_stream(items[i]).reshape(1) for i in streamed]
+    return [i for b in batched for i in b] + streamed, torch.cat(results)
+
+
+def _host_stream(pieces: Sequence[torch.Tensor]) -> int:
+    """The same digest computed on the host from copies of at most ``CHUNK`` bytes (bounded host memory)."""
+    stream = _WordStream(torch.device("cpu"))
+    for piece in pieces:
+        for view in chunk_views(piece.detach(), max(1, CHUNK // piece.element_size())):
+            stream.feed(_as_bytes(host_chunk(view)))
+    return int(stream.finish())
+
+
+_PROBE_EXEMPT = {"cpu"}
+"""Device types that need no probe: the CPU is where the reference arithmetic runs."""
+_probed: dict[str, bool] = {}
+"""Per device type, whether its first-use probe gave the reference digests."""
+_PROBE_EXPECTED = [-1553338955904980227, 4390646962837315090, -8382803635762508947]
+"""The probe's digests by the written definition (a pure-Python computation, see the tests)."""
+
+
+def _probe_items() -> list[list[torch.Tensor]]:
+    """Small host streams that take every path: a padded batch, a whole-word batch, a streamed pair."""
+    odd = (torch.arange(13) * 37 % 251).to(torch.uint8)
+    words = torch.arange(-8, 40, dtype=torch.int64) * 0x9E3779B97F4A7C1
+    halves = torch.arange(-500, 500, dtype=torch.int16) * 131
+    return [[odd], [words], [halves[:7], halves[7:]]]
+
+
+def device_ok(device: torch.device) -> bool:
+    """Whether the int64 arithmetic of ``device`` gives the reference digests (probed once per device type).
+
+    The digest needs exact 64-bit wrap-around products, logical shifts and sums; a backend without
+    them (some MPS, XLA or HPU builds) would give wrong digests. On first use of a device type a few
+    small streams are digested there and compared with the written definition; if they differ, or
+    the device raises, that device type's tensors are digested on the host instead (same digests).
+    """
+    if device.type in _PROBE_EXEMPT:
+        return True
+    ok = _probed.get(device.type)
+    if ok is None:
+        try:
+            items = [[p.to(device) for p in item] for item in _probe_items()]
+            order, values = _on_device(items, list(range(len(items))))
+            got = dict(zip(order, values.cpu().tolist()))
+            ok = [got[i] for i in range(len(items))] == _PROBE_EXPECTED
+        except Exception:  # noqa: BLE001 - any failure of the device's arithmetic: use the host
+            ok = False
+        _probed[device.type] = ok
+    return ok
+
+
 def digest_streams(items: Sequence[Sequence[torch.Tensor]]) -> list[int]:
-    """On-device digests of logical streams (each a list of pieces on one device); one host copy per device."""
+    """On-device digests of logical streams (each a list of pieces on one device); one host copy per device.
+
+    Each device is synchronized first (all its streams, through :func:`weightsync_audit.compat.synchronize`),
+    so weights written on a side stream are read finished. A device type whose probe failed
+    (:func:`device_ok`) is digested on the host, in chunks.
+    """
     if not items:
         return []
     out = [0] * len(items)
     by_device: dict[torch.device, list[int]] = {}
     for i, pieces in enumerate(items):
         by_device.setdefault(pieces[0].device, []).append(i)
-    for idx in by_device.values():
-        # Small single-piece tensors go in batches of at most _DEVICE_BATCH_LIMIT bytes (sizes of whole
-        # words) or _DEVICE_PAD_LIMIT bytes (others: their padding scatter needs 8 bytes of index a byte).
-        batches: dict[bool, list[list[int]]] = {True: [[]], False: [[]]}
-        batch_bytes = {True: 0, False: 0}
-        streamed: list[int] = []
-        for i in idx:
-            pieces = items[i]
-            size = sum(p.nbytes for p in pieces)
-            if len(pieces) == 1 and size <= _DEVICE_BATCH_BYTES and not (pieces[0].is_conj() or pieces[0].is_neg()):
-                whole = size % 8 == 0
-                if (
-                    batch_bytes[whole] + size > (_DEVICE_BATCH_LIMIT if whole else _DEVICE_PAD_LIMIT)
-                    and batches[whole][-1]
-                ):
-                    batches[whole].append([])
-                    batch_bytes[whole] = 0
-                batches[whole][-1].append(i)
-                batch_bytes[whole] += size
-            else:
-                streamed.append(i)
-        batched = [b for b in (*batches[True], *batches[False]) if b]
-        results = [_device_batch([items[i][0] for i in b]) for b in batched]
-        results += [_device_stream(items[i]).reshape(1) for i in streamed]
-        order = [i for b in batched for i in b] + streamed
-        values = torch.cat(results).cpu().tolist()  # the one device-to-host transfer
-        for i, v in zip(order, values):
+    for device, idx in by_device.items():
+        compat.synchronize(device)
+        if not device_ok(device):
+            for i in idx:
+                out[i] = _host_stream(items[i])
+            continue
+        order, values = _on_device(items, idx)
+        for i, v in zip(order, values.cpu().tolist()):  # the one device-to-host transfer
             out[i] = v
     return out
 

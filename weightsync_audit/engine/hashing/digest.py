@@ -22,14 +22,15 @@ import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 import xxhash
 
+from weightsync_audit import compat
 from weightsync_audit.engine.hashing.device_digest import digest_streams
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, contiguous_blocks, host_view
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view
 from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
 from weightsync_audit.engine.inventory.manifest import Entry
 
@@ -38,6 +39,7 @@ __all__ = [
     "digest_entries",
     "digest_tensor",
     "digest_tensors",
+    "device_type",
     "overall_digest",
     "structure_digest",
     "workers",
@@ -92,13 +94,17 @@ def _as_signed(x: int) -> int:
 # -- xxh3 over CPU memory -----------------------------------------------------------------------
 
 
-def _stream_leaves(pieces: Sequence[torch.Tensor]) -> list[int]:
-    """xxh3 of each ``CHUNK``-sized leaf of the logical byte stream of ``pieces`` (CPU tensors)."""
+def _stream_leaves(pieces: Sequence[torch.Tensor], scratch: list[torch.Tensor] | None = None) -> list[int]:
+    """xxh3 of each ``CHUNK``-sized leaf of the logical byte stream of ``pieces``.
+
+    CPU pieces are read in place (a non-contiguous one a ``CHUNK`` at a time); accelerator pieces are
+    copied to the host one ``CHUNK`` at a time into ``scratch`` (one reused buffer per hashing thread).
+    """
     out: list[int] = []
     h = xxhash.xxh3_64()
     filled = 0
     for piece in pieces:
-        for block in contiguous_blocks(piece):
+        for block in _host_blocks(piece, [] if scratch is None else scratch):
             raw = host_view(block)
             pos = 0
             while pos < len(raw):
@@ -110,9 +116,29 @@ def _stream_leaves(pieces: Sequence[torch.Tensor]) -> list[int]:
                     out.append(h.intdigest())
                     h.reset()
                     filled = 0
+            del block, raw
     if filled or not out:
         out.append(h.intdigest())
     return out
+
+
+def _host_blocks(piece: torch.Tensor, scratch: list[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """Contiguous pieces of ``piece`` in logical order: views on the CPU; off the CPU, copies of at most
+    ``CHUNK`` bytes into one host buffer (``scratch[0]``, made on first use), each made when it is hashed.
+    """
+    if piece.is_cpu:
+        yield from contiguous_blocks(piece)
+        return
+    piece = piece.detach()
+    esize = piece.element_size()
+    for view in chunk_views(piece, max(1, CHUNK // esize)):
+        if not scratch:
+            scratch.append(torch.empty(CHUNK, dtype=torch.uint8))
+        if view.is_conj() or view.is_neg():
+            view = view.resolve_conj().resolve_neg()
+        dst = scratch[0][: view.numel() * esize].view(piece.dtype).view(view.shape)
+        dst.copy_(view)  # the device's own copy to the host (it waits for the device)
+        yield dst
 
 
 def _combine_leaves(leaves: Sequence[int]) -> int:
@@ -132,13 +158,14 @@ def _run_jobs(jobs: list[tuple[int, int, int, object]]) -> list[int | list[int]]
     counter = itertools.count()
 
     def drain() -> None:
+        scratch: list[torch.Tensor] = []  # this thread's host buffer for copies from accelerators
         while True:
             k = next(counter)  # atomic: itertools.count is implemented in C
             if k >= len(order):
                 return
             j = order[k]
             payload = jobs[j][3]
-            results[j] = _stream_leaves(payload) if isinstance(payload, list) else _xxh(payload)  # type: ignore[arg-type]
+            results[j] = _stream_leaves(payload, scratch) if isinstance(payload, list) else _xxh(payload)  # type: ignore[arg-type]
 
     helpers = min(workers() - 1, len(jobs) - 1)
     if helpers > 0 and sum(job[0] for job in jobs) >= _PARALLEL_MIN_BYTES:
@@ -171,7 +198,7 @@ def digest_tensors(
     """Digests of ``tensors`` as an int64 array, in order.
 
     ``method``: ``auto`` (xxh3 on CPU, on-device elsewhere), ``xxh3`` (accelerator tensors are copied to
-    the host first) or ``device`` (on-device for every tensor, CPU included: this is how CI exercises
+    the host in ``CHUNK``-sized pieces as they are hashed, only the sampled slice) or ``device`` (on-device for every tensor, CPU included: this is how CI exercises
     the accelerator path).
     """
     if method not in METHODS:
@@ -183,6 +210,7 @@ def digest_tensors(
     jobs: list[tuple[int, int, int, object]] = []  # (bytes, target, leaf or -1, memoryview | pieces)
     leaves: dict[int, list[int]] = {}
     sampled = slices > 1
+    copied: set[torch.device] = set()  # devices whose tensors are copied to the host
     all_on_device = method == "device"
     xxh, c_char, small = _xxh, ctypes.c_char, SMALL
     for i, t in enumerate(tensors):
@@ -197,8 +225,12 @@ def digest_tensors(
             device_items.append(sample_pieces(t, slice_index, slices) if sampled else [t])
             continue
         else:
-            t = t.cpu()  # a temporary: read only through host_view, whose memoryview keeps it alive
-            size = t.nbytes
+            # xxh3 of an accelerator tensor: only what this audit samples, copied to the host chunk by
+            # chunk as it is hashed (never the whole tensor, never all tensors at once).
+            pieces = sample_pieces(t, slice_index, slices) if sampled else [t]
+            jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
+            copied.add(t.device)
+            continue
         # A CPU tensor of the caller's is alive for this whole call (``tensors`` holds it), so its
         # memory is read in place; a temporary copy goes through host_view, which owns it.
         view = host_view if t is not tensors[i] or t.is_conj() or t.is_neg() else _in_place
@@ -226,6 +258,8 @@ def digest_tensors(
             k = (size + CHUNK - 1) // CHUNK
             leaves[i] = [0] * k
             jobs.extend((min(CHUNK, size - j * CHUNK), i, j, raw[j * CHUNK : (j + 1) * CHUNK]) for j in range(k))
+    for device in copied:  # weights written on a side stream are finished before they are copied
+        compat.synchronize(device)
     if jobs:
         for (_, i, leaf, _payload), d in zip(jobs, _run_jobs(jobs)):
             if leaf >= 0:
@@ -261,16 +295,28 @@ def digest_tensor(t: torch.Tensor, *, slice_index: int = 0, slices: int = 1, met
     return int(digest_tensors([t.detach()], slice_index=slice_index, slices=slices, method=method)[0])
 
 
-def structure_digest(entries: Sequence[Entry]) -> int:
+def structure_digest(entries: Sequence[Entry], *, devices: bool = True) -> int:
     """Digest of names, kinds, shapes and dtypes (and a DTensor's layout), in order.
 
-    A DTensor enters with its global shape and layout, never its local shape or coordinates, so ranks
-    holding different (even uneven) shards of it agree on the structure.
+    A tensor off the CPU enters with its device type (not its index): where a tensor lives decides
+    how ``auto`` digests it, so a tensor on the CPU on one rank and on a GPU on another is a difference
+    of structure, never a value mismatch with a gap of 0 (``devices=False`` leaves it out: a resync
+    copies between any devices). A DTensor enters with its global shape and layout, never its local
+    shape or coordinates, so ranks holding different (even uneven) shards of it agree on the structure.
     """
-    text = "\x1f".join(
-        [f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}" for e in entries]
-    )
+    parts = [
+        f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}" for e in entries
+    ]
+    if devices:
+        for i in [i for i, e in enumerate(entries) if not e.tensor.is_cpu]:
+            parts[i] += f"\x1e{device_type(entries[i].tensor)}"
+    text = "\x1f".join(parts)
     return _as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
+
+
+def device_type(t: torch.Tensor) -> str:
+    """``cpu``, ``cuda``, ``xpu``, ``meta``...: where ``t`` lives, without its index."""
+    return "cpu" if t.is_cpu else t.device.type
 
 
 def overall_digest(digests: np.ndarray, structure: int) -> int:

@@ -29,7 +29,7 @@ from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resyn
 from weightsync_audit.engine.repair.resync_transfer import move_tensors
 from weightsync_audit.engine.repair.shard_resync import resync_shards
 
-__all__ = ["resync"]
+__all__ = ["resync", "state_device"]
 
 
 def _decode_value(entry: Entry, blob: bytes) -> Any:
@@ -90,13 +90,15 @@ def resync(
     entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
-    structure = structure_digest(entries)
+    structure = structure_digest(entries, devices=False)
     table = comm.exchange(np.array([structure, len(entries)], dtype=np.int64), "the resync")
     if not (table == table[0]).all():
         entries = _reconcile(comm, src, entries, optimizers, module)
         if wanted is not None:
             entries = [e for e in entries if e.name in wanted]
-        again = comm.exchange(np.array([structure_digest(entries), len(entries)], dtype=np.int64), "the resync")
+        again = comm.exchange(
+            np.array([structure_digest(entries, devices=False), len(entries)], dtype=np.int64), "the resync"
+        )
         if not (again == again[0]).all():
             raise ValueError(
                 "cannot resync: the optimizers differ in structure between ranks (param groups or parameters "
@@ -150,15 +152,16 @@ def _reconcile(
             "cannot resync: the models differ in structure, not only in values: " + "; ".join(problems[:10])
         )
 
-    # Optimizer state: give every rank exactly the source's entries (per-parameter state as tensors).
+    # Optimizer state: give every rank exactly the source's entries. Only their description (dtype and
+    # shape of a tensor, the literal of a Python value) goes through the star; the bytes of the tensors
+    # follow over the data plane with the other tensors (move_tensors: chunked, every wait bounded).
     if comm.rank == src:
         payload = {}
         for e in entries:
             if e.kind == "optimizer" and e.container is not None and not _is_param_group(e):
                 value = e.container[e.key]
                 if isinstance(value, torch.Tensor):
-                    t = value.detach().contiguous().cpu()
-                    payload[e.name] = {"t": [str(t.dtype).removeprefix("torch."), list(t.shape), host_bytes(t).hex()]}
+                    payload[e.name] = {"t": [str(value.dtype).removeprefix("torch."), list(value.shape)]}
                 else:
                     payload[e.name] = {"v": repr(value)}
         blob = json.dumps(payload).encode()
@@ -168,8 +171,9 @@ def _reconcile(
     if comm.rank != src:
         _install_state(src_state, optimizers, module)
         entries = build_manifest(module, optimizers, include=("params", "buffers", "optimizer")).entries
-    # Installed state is already the source's; broadcast the rest by the (now equal) structure.
-    installed = set(src_state)
+    # Installed Python values are already the source's; tensors (created empty) and the rest are
+    # broadcast by the (now equal) structure.
+    installed = {name for name, spec in src_state.items() if "v" in spec}
     return [e for e in entries if e.name not in installed]
 
 
@@ -209,18 +213,30 @@ def _install_state(
             raise ValueError(f"cannot resync optimizer state {full!r}: no parameter {pname!r} in this rank's optimizer")
         opt = optimizer_of[id(p)]
         if "t" in spec:
-            dtype_name, shape, hexed = spec["t"]
+            dtype_name, shape = spec["t"][:2]
             dtype = getattr(torch, dtype_name)
-            raw = bytes.fromhex(hexed)
-            t = (
-                torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape).clone()
-                if raw
-                else torch.empty(shape, dtype=dtype)
-            )
-            device = p.device if key != "step" or t.dim() else torch.device("cpu")
-            opt.state[p][key] = t.to(device)
+            group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
+            # Created empty where torch's optimizers keep it; the source's bytes arrive by move_tensors.
+            opt.state[p][key] = torch.empty(shape, dtype=dtype, device=state_device(p, group, key, len(shape)))
         else:
             opt.state[p][key] = ast.literal_eval(spec["v"])
+
+
+def state_device(param: torch.Tensor, group: dict[str, Any], key: str, dim: int) -> torch.device:
+    """Where torch's optimizers keep state ``key`` of ``param`` (``dim``: the state's number of dims).
+
+    The rule of ``torch.optim.Optimizer._process_value_according_to_param_policy``: a 0-dim ``step``
+    stays on the host unless the group is ``fused`` or ``capturable``, which keep it on the parameter's
+    device; everything else goes to the parameter's device.
+
+    >>> import torch
+    >>> p = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    >>> state_device(p, {"capturable": False}, "step", 0), state_device(p, {"fused": True}, "step", 0)
+    (device(type='cpu'), device(type='meta'))
+    """
+    if key == "step" and dim == 0 and not (group.get("fused") or group.get("capturable")):
+        return torch.device("cpu")
+    return param.device
 
 
 def _resync_by_majority(

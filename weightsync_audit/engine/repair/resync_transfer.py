@@ -21,7 +21,7 @@ from weightsync_audit.engine.measure.transfer import receive_tensor, send_tensor
 from weightsync_audit.errors import ResyncError, WeightSyncAuditError
 from weightsync_audit.text import brief_names
 
-__all__ = ["move_tensors"]
+__all__ = ["Copy", "move_copies", "move_tensors"]
 
 _OK, _TIMED_OUT, _BROKEN, _LOCAL = range(4)
 
@@ -41,10 +41,23 @@ def move_tensors(comm: Comm, src: int, tensors: list[tuple[str, torch.Tensor]]) 
     Collective over ``comm``. Raises :class:`~weightsync_audit.ResyncError` on every rank when a rank
     failed; the error of the star itself (a rank gone) is turned into one too.
     """
-    plane = DataPlane(comm)
     others = [r for r in range(comm.world_size) if r != src]
+    move_copies(comm, src, [(name, t, src, others) for name, t in tensors])
+
+
+Copy = tuple[str, torch.Tensor, int, list[int]]
+"""``(name, this rank's tensor, source rank, receiving ranks)``: ranks are positions in the group."""
+
+
+def move_copies(comm: Comm, src: int, copies: list[Copy]) -> None:
+    """Make each copy (the same list on every rank): its source sends, its receivers write in place.
+
+    ``src`` is the rank a failure is blamed on in a tie (the resync's source). Collective over ``comm``:
+    every rank takes part in the closing exchange, also one that moves nothing.
+    """
+    plane = DataPlane(comm)
     sched = Schedule(comm.grace_s)
-    total = sum(tensor_bytes(t) for _, t in tensors) * len(others)
+    total = sum(tensor_bytes(t) * len(dsts) for _, t, _, dsts in copies)
     mine: tuple[int, int] = (_OK, -1)  # this rank's first failure: (code, peer as a group position)
     why = ""
     partial: list[str] = []
@@ -53,22 +66,28 @@ def move_tensors(comm: Comm, src: int, tensors: list[tuple[str, torch.Tensor]]) 
         plane.open(Schedule.bound_s(0, comm.grace_s) + (comm.timeout_s or 0.0))
     except TransferFailure as f:
         mine, why = (_LOCAL, -1), str(f)
-    alive = list(others)
+    dead: set[int] = set()  # receivers that failed: sent nothing more
     before = 0
-    for name, t in tensors:
-        if comm.rank == src:
+    for name, t, source, dsts in copies:
+        if comm.rank == source:
+            alive = [r for r in dsts if r not in dead]
             if mine[0] != _LOCAL:
                 for peer, f in send_tensor(plane, t, alive, sched, before).items():
+                    dead.add(peer)
                     if mine[0] == _OK:
                         mine, why = (_code(f), peer), str(f)
+        elif comm.rank not in dsts:
+            pass
         elif mine[0] != _OK:
             untouched.append(name)
         else:
-            f, written, error = receive_tensor(plane, t, src, sched, before, len(others), _write)
+            f, written, error = receive_tensor(plane, t, source, sched, before, len(dsts), _write)
             if f is not None or error is not None:
                 (partial if written else untouched).append(name)
-                mine, why = ((_code(f), src), str(f)) if f is not None else ((_LOCAL, -1), f"writing {name}: {error}")
-        before += tensor_bytes(t) * len(others)
+                mine, why = (
+                    ((_code(f), source), str(f)) if f is not None else ((_LOCAL, -1), f"writing {name}: {error}")
+                )
+        before += tensor_bytes(t) * len(dsts)
 
     g = comm.global_ranks
     try:

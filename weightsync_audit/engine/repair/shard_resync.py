@@ -3,9 +3,11 @@
 A shard can only come from a rank holding the same shard (its peer set, see
 :mod:`weightsync_audit.engine.inventory.peers`). In each peer set the source is ``src`` when ``src`` belongs to
 it, else the rank holding the set's reference (majority) value, a tie going to the lowest rank. Only
-ranks whose digest differs from their source's receive anything. Copies travel point to point on the
-audit's gloo group, in one order that every rank derives from the same gathered table, so each
-send meets its receive and no rank waits on a transfer that another rank skips.
+ranks whose digest differs from their source's receive anything. Copies travel over the data plane
+(:func:`~weightsync_audit.engine.repair.resync_transfer.move_copies`): in chunks, written in place (no
+host copy of a whole shard), every wait bounded by a deadline that grows with the bytes, in one order
+that every rank derives from the same gathered table, so each send meets its receive and no rank waits
+on a transfer that another rank skips.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import majority_within
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.inventory.peers import column_peers
+from weightsync_audit.engine.repair.resync_transfer import move_copies
 
 __all__ = ["plan_shard_copies", "resync_shards"]
 
@@ -59,17 +60,11 @@ def resync_shards(comm: Comm, entries: Sequence[Entry], src: int) -> None:
     plan = plan_shard_copies(both[:, :n], both[:, n:], src)
     if not plan:
         return
-    comm.setup()
-    pg = comm.audit_pg()
-    g = comm.global_ranks
+    # One copy per (shard, source) to all of its diverged peers, over the data plane: chunked, written in
+    # place, every wait bounded; a failure is agreed on and raised as ResyncError on every rank.
+    targets: dict[tuple[int, int], list[int]] = {}
     for j, source, target in plan:
-        if comm.rank not in (source, target):
-            continue
-        local = entries[j].tensor
-        buf = local.detach().to("cpu", copy=True).contiguous()
-        if comm.rank == source:
-            dist.send(buf, dst=g[target], group=pg)
-        else:
-            dist.recv(buf, src=g[source], group=pg)
-            with torch.no_grad():
-                local.copy_(buf.view_as(local))
+        targets.setdefault((j, source), []).append(target)
+    move_copies(
+        comm, src, [(entries[j].name, entries[j].tensor, source, dsts) for (j, source), dsts in targets.items()]
+    )
