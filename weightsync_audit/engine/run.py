@@ -40,7 +40,7 @@ from weightsync_audit.engine.agreement.consensus import (
     ValueDiff,
     tie_detail,
 )
-from weightsync_audit.engine.agreement.rounds import agree, compare_columns, compare_structures
+from weightsync_audit.engine.agreement.rounds import agree, compare_columns, compare_structures, manifest_row
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
@@ -265,11 +265,7 @@ class AuditRun:
         elif status == "values":
             self.value_diffs = compare_columns(comm, [e.uid for e in self.entries], self.digests)
         elif status == "structure":
-            rows = [
-                [e.kind, e.name, e.dtype, list(e.shape), int(d)]
-                + ([] if e.shard is None else [e.shard.layout, e.shard.key])
-                for e, d in zip(self.entries, self.digests.tolist())
-            ]
+            rows = [manifest_row(e, d) for e, d in zip(self.entries, self.digests.tolist())]
             self.structure_diffs, self.value_diffs, self.union = compare_structures(comm, rows)
         self.mismatches = [self._structure_mismatch(d) for d in self.structure_diffs]
 

@@ -200,13 +200,14 @@ def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarr
 
 def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
     """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
-    by ``layout, peer_key`` for a DTensor (its global shape in ``shape``).
+    by ``layout, peer_key`` for a DTensor (its global shape in ``shape``), then ``1`` for a frozen
+    parameter (``requires_grad=False``: the trainable flag is part of the structure).
 
     Returns the structure differences and, for tensors whose structure agrees everywhere, the value
     differences (within each peer set), so a missing layer does not hide a diverged one.
     """
     world = len(manifests)
-    per_rank: list[dict[str, tuple[str, tuple[int, ...], int, str, int]]] = []
+    per_rank: list[dict[str, tuple[str, tuple[int, ...], int, str, int, bool]]] = []
     order: dict[str, tuple[str, str]] = {}
     for rows in manifests:
         d = {}
@@ -214,13 +215,13 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
             kind, name, dtype, shape, digest = row[:5]
             layout, key = (str(row[5]), int(row[6])) if len(row) >= 7 else ("", ALL)
             uid = f"{kind}:{name}"
-            d[uid] = (dtype, tuple(shape), int(digest), layout, key)
+            d[uid] = (dtype, tuple(shape), int(digest), layout, key, len(row) >= 8 and bool(row[7]))
             order.setdefault(uid, (kind, name))
         per_rank.append(d)
     structure: list[StructureDiff] = []
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
-        sigs = [(d[uid][0], d[uid][1], d[uid][3]) if uid in d else None for d in per_rank]
+        sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5]) if uid in d else None for d in per_rank]
         ref, other = majority(sigs)
         if other:
             ref_sig = sigs[ref[0]]
@@ -241,6 +242,8 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
                         what.append(f"shape {list(sig[1])} instead of {list(ref_sig[1])}")
                     if sig[2] != ref_sig[2]:
                         what.append(f"layout {sig[2] or 'plain tensor'} instead of {ref_sig[2] or 'plain tensor'}")
+                    if sig[3] != ref_sig[3]:
+                        what.append("frozen (requires_grad=False)" if sig[3] else "trainable (requires_grad=True)")
                     parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
             structure.append(
                 StructureDiff(

@@ -30,9 +30,10 @@ from weightsync_audit.engine.agreement.consensus import (
     judge_summaries,
     union_counts,
 )
-from weightsync_audit.engine.inventory.manifest import KINDS
+from weightsync_audit.engine.inventory.manifest import KINDS, Entry
+from weightsync_audit.engine.inventory.peers import ALL
 
-__all__ = ["Agreement", "agree", "compare_columns", "compare_structures"]
+__all__ = ["Agreement", "agree", "compare_columns", "compare_structures", "manifest_row"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +108,17 @@ def _structures(parts: list[bytes]) -> bytes:
             "c": union_counts(manifests, KINDS),  # counted over the union: the same ``checked`` everywhere
         }
     ).encode()
+
+
+def manifest_row(e: Entry, digest: int) -> list[Any]:
+    """One entry as :func:`compare_structures` takes it: ``[kind, name, dtype, shape, digest]``, then for a
+    DTensor (or a frozen parameter) ``layout, peer_key``, then ``1`` for a frozen parameter."""
+    row: list[Any] = [e.kind, e.name, e.dtype, list(e.shape), digest]
+    if e.shard is not None or e.frozen:
+        row += ["", ALL] if e.shard is None else [e.shard.layout, e.shard.key]
+    if e.frozen:
+        row.append(1)
+    return row
 
 
 def compare_structures(

@@ -29,9 +29,10 @@ import torch
 import xxhash
 
 from weightsync_audit.engine.hashing.device_digest import digest_streams
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, contiguous_blocks, host_view
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, contiguous_blocks, host_view, storage_fits
 from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
 from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
     "METHODS",
@@ -186,12 +187,18 @@ def digest_tensors(
     all_on_device = method == "device"
     xxh, c_char, small = _xxh, ctypes.c_char, SMALL
     for i, t in enumerate(tensors):
-        if t.is_cpu and not all_on_device:
+        on_host = t.is_cpu and not all_on_device
+        if on_host:
             size = t.nbytes
-            if size <= small and t.is_contiguous():
-                # The common case, thousands of times per audit: hash the memory in place, no job.
+            if size <= small and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                # The common case, thousands of times per audit: hash the memory in place, no job. A lazy
+                # conjugate or negative view holds the unresolved bytes: it goes the way that resolves them.
                 out[i] = xxh((c_char * size).from_address(t.data_ptr())) if size else _EMPTY
                 continue
+        if not storage_fits(t):  # every other way reads it whole, by pointer or by a torch kernel
+            raise UnauditableTensorError(f"tensors[{i}]", "its storage is smaller than its view needs; not read")
+        if on_host:
+            pass
         elif all_on_device or method == "auto":
             on_device.append(i)
             device_items.append(sample_pieces(t, slice_index, slices) if sampled else [t])
@@ -258,17 +265,24 @@ def digest_tensor(t: torch.Tensor, *, slice_index: int = 0, slices: int = 1, met
     >>> digest_tensor(torch.ones(3)) == digest_tensor(torch.ones(3, 2)[:, 0])
     True
     """
-    return int(digest_tensors([t.detach()], slice_index=slice_index, slices=slices, method=method)[0])
+    t = t.detach()
+    if not storage_fits(t):
+        raise UnauditableTensorError("t", "its storage is smaller than its view needs (freed or resized); not read")
+    return int(digest_tensors([t], slice_index=slice_index, slices=slices, method=method)[0])
 
 
 def structure_digest(entries: Sequence[Entry]) -> int:
-    """Digest of names, kinds, shapes and dtypes (and a DTensor's layout), in order.
+    """Digest of names, kinds, shapes and dtypes (and a DTensor's layout, a frozen parameter's flag), in order.
 
     A DTensor enters with its global shape and layout, never its local shape or coordinates, so ranks
     holding different (even uneven) shards of it agree on the structure.
     """
     text = "\x1f".join(
-        [f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}" for e in entries]
+        [
+            f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}"
+            f"{'' if not e.frozen else chr(0x1D) + 'frozen'}"
+            for e in entries
+        ]
     )
     return _as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
 

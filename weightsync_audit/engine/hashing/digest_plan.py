@@ -29,6 +29,7 @@ import xxhash
 
 from weightsync_audit.compat import layout_guard
 from weightsync_audit.engine.hashing.digest import digest_tensors, structure_digest
+from weightsync_audit.engine.hashing.hostbytes import storage_fits
 from weightsync_audit.engine.hashing.sampling import SMALL
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest, has_shards
 
@@ -38,8 +39,13 @@ _xxh = xxhash.xxh3_64_intdigest
 
 
 def _hashed_in_place(t: torch.Tensor) -> bool:
-    """Whether ``digest_tensors`` hashes ``t`` whole from its memory with any method but ``device``."""
-    return t.is_cpu and 0 < t.nbytes <= SMALL and t.is_contiguous()
+    """Whether ``digest_tensors`` hashes ``t`` whole from its memory with any method but ``device``.
+
+    Not a lazy conjugate or negative view (its memory holds the unresolved values). A later flip of
+    either bit, like one of ``requires_grad``, changes the tensor's dispatch keys, which the layout
+    guard compares: the plan is then stale and rebuilt.
+    """
+    return t.is_cpu and 0 < t.nbytes <= SMALL and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
 _T = torch.Tensor
@@ -50,7 +56,8 @@ cache for the next (three passes over 20,000 scattered tensors cost a third more
 
 
 def _layouts(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    return [(t.dtype, t.shape, t.stride(), t.device) for t in tensors]
+    # What the guard compares, without it: the lazy bits and the trainable flag included.
+    return [(t.dtype, t.shape, t.stride(), t.device, t.requires_grad, t.is_conj(), t.is_neg()) for t in tensors]
 
 
 @dataclass(slots=True)
@@ -219,6 +226,10 @@ class PreparedManifest:
 
     def digests(self, *, slice_index: int = 0, slices: int = 1, method: str = "auto") -> np.ndarray:
         """Every entry's value digest, in manifest order (the same as ``digest_entries`` gives)."""
+        if len(self.plan.slow_index) and not all(map(storage_fits, itertools.compress(self.sources, self.slow_mask))):
+            # A storage freed under a tensor the plan does not read in place: the build names it, refusing it.
+            self.build()
+            raise RuntimeError("an audited tensor's storage no longer holds its view")
         if method == "device":
             everything = [s.detach() for s in self.sources]
             slow: list[torch.Tensor] = []

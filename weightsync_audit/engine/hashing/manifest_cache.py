@@ -20,8 +20,9 @@ The dicts are vouched for by their version tags (PEP 509, :func:`~weightsync_aud
 one C call per dict, and an unchanged tag proves the same keys holding the same objects. Only when a
 tag moved are sizes, keys and object ids compared; if they held, the new tags are kept.
 
-Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses),
-means a rebuild with :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`: never a stale manifest.
+Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses,
+optimizer values that are lists or tuples holding tensors, such as LBFGS's histories, whose length
+changes without any dict changing), means a rebuild with :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`: never a stale manifest.
 Values are never cached: tensors are hashed where they live at every audit, and Python values
 (learning rates, betas, integer steps) are re-read from their dicts at every audit.
 """
@@ -46,6 +47,7 @@ from weightsync_audit.engine.inventory.manifest import (
     Manifest,
     dtype_name,
     has_shards,
+    holds_tensor,
     unwrap_module,
     value_as_tensor,
 )
@@ -170,6 +172,8 @@ def _reread(value: Any) -> tuple[torch.Tensor, str, tuple[int, ...]] | None:
             return None
         t = value.detach()
         return t, dtype_name(t.dtype), tuple(t.shape)
+    if isinstance(value, (list, tuple, dict)) and holds_tensor(value):
+        return None  # now audited item by item (an LBFGS history that was empty got its first tensor)
     t, label = value_as_tensor(value)
     return t, label, (tuple(t.shape) if label not in ("none", "object") else ())
 
