@@ -169,3 +169,29 @@ def test_a_model_full_of_nan_on_every_rank_is_never_a_silent_in_sync_with_check_
 def test_check_finite_counts_nothing_on_a_finite_model() -> None:
     r = audit(_model(), check_finite=True)
     assert r.in_sync and r.nonfinite_count == 0 and not r.notes
+
+
+def test_check_finite_finds_nan_in_place_large_and_in_python_values_on_the_cached_path() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(300, 300))  # a small (in place) and a large weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auditor = Auditor(model, opt, check_finite=True)
+    assert [auditor.audit().nonfinite_count for _ in range(3)] == [0, 0, 0]
+    with torch.no_grad():
+        model[0].weight[1, 2] = math.inf
+        model[1].weight[7, 7] = math.nan
+    opt.param_groups[0]["lr"] = math.nan
+    r = auditor.audit()
+    assert r.in_sync and r.nonfinite_count == 3
+    assert all(n in r.notes[-1] for n in ("0.weight", "1.weight", "param_groups.0.lr")), r.notes
+
+
+def test_nonfinite_counts_are_exact_when_a_sum_overflows() -> None:
+    from weightsync_audit.engine.measure.finite import count_nonfinite, nonfinite_indices
+
+    big = torch.full((40_000,), 60_000.0, dtype=torch.float16)  # every element finite, the sum is not
+    small = torch.full((8,), 60_000.0, dtype=torch.float16)
+    assert count_nonfinite(big) == 0
+    assert nonfinite_indices([big, small, small, torch.ones(3), torch.tensor([1.0, -math.inf])]) == [4]
+    assert count_nonfinite(torch.tensor([math.nan, 1.0, math.inf, -math.inf])) == 3
+    assert count_nonfinite(torch.arange(5)) == 0

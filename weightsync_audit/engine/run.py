@@ -316,10 +316,7 @@ class AuditRun:
 
     def count_nonfinite(self) -> None:
         """With ``check_finite``: the audited tensors holding NaN/inf (collective; the same on every rank)."""
-        prepared = self.prepared
-        order = np.concatenate([prepared.plan.all_index, prepared.plan.dyn_index]).tolist()
-        entries = lambda found: [prepared.manifest.entries[order[i]].name for i in found]  # noqa: E731
-        self.nonfinite = count_everywhere(self.comm, [*prepared.sources, *prepared.dynamic], entries)
+        self.nonfinite = count_everywhere(self.comm, self.prepared)
 
     # -- explain -------------------------------------------------------------------------------
 

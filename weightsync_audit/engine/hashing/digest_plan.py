@@ -101,6 +101,9 @@ class DigestPlan:
     dyn_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     fast_count: int = 0
     chunks: list[_Chunk] = field(default_factory=list)
+    floating: dict[torch.dtype, tuple[list[Any], list[int]]] = field(default_factory=dict)
+    """Per floating dtype, the wrappers of the in-place tensors and their entry indices (for a NaN/inf
+    check over the same memory, read like the wrappers only right after :meth:`verify`)."""
 
     def __post_init__(self) -> None:
         sources = list(self.sources)
@@ -130,6 +133,12 @@ class DigestPlan:
                     views=[(c_char * t.nbytes).from_address(t.data_ptr()) for t in inplace],
                 )
             )
+        views_all = [v for c in self.chunks for v in c.views]
+        for t, view, at in zip(itertools.compress(sources, self.fast_mask), views_all, self.fast_index.tolist()):
+            if t.dtype.is_floating_point or t.dtype.is_complex:
+                views, where = self.floating.setdefault(t.dtype, ([], []))
+                views.append(view)
+                where.append(at)
         # The plan must not keep the tensors alive: a cache that did would pin replaced storage.
         self.sources = ()
         self.dynamic = ()

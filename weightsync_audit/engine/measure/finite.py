@@ -18,6 +18,7 @@ element by element, in bounded pieces): nothing is allocated in proportion to a 
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Sequence
 
@@ -25,17 +26,19 @@ import numpy as np
 import torch
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.hostbytes import chunk_views
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks
 
-__all__ = ["count_everywhere", "count_nonfinite", "mark_nonfinite", "nonfinite_indices"]
+__all__ = ["count_everywhere", "count_nonfinite", "mark_nonfinite", "nonfinite_entries", "nonfinite_indices"]
 
 _PIECE = 1 << 18
 """Elements per piece of an exact count (the bool temporary stays at most this large)."""
 _SMALL = 1 << 14
 """Elements under which tensors are screened together, one concatenation per dtype and device."""
 _UNKNOWN = -1
+_DTYPE = torch.Tensor.dtype.__get__  # type: ignore[attr-defined]
 
 
 def _floating(t: torch.Tensor) -> bool:
@@ -65,18 +68,18 @@ def count_nonfinite(t: torch.Tensor) -> int:
 def nonfinite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
     """Positions of the tensors holding NaN or inf; small ones are screened together per dtype."""
     out: list[int] = []
-    small: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if not _floating(t):
+    small: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for i, (t, dtype) in enumerate(zip(tensors, map(_DTYPE, tensors))):
+        if not (dtype.is_floating_point or dtype.is_complex):
             continue
         n = t.numel()
         if 0 < n <= _SMALL:
-            small.setdefault((t.dtype, t.device), []).append(i)
+            small.setdefault((dtype, t.is_cpu), []).append(i)
         elif n and not _all_finite(t.detach()):
             out.append(i)
     for idx in small.values():
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-        if not bool(torch.isfinite(flat).all()):
+        if not bool(torch.isfinite(flat.sum())):  # a finite sum: no NaN/inf (an overflow is checked below)
             out.extend(i for i in idx if count_nonfinite(tensors[i]))
     return sorted(out)
 
@@ -128,15 +131,45 @@ def mark_nonfinite(comm: Comm, mismatches: Sequence[Mismatch], entries: Sequence
             m.detail = f"{text}; {m.detail}" if m.detail else text
 
 
-def count_everywhere(comm: Comm, tensors: Sequence[torch.Tensor], names: Any) -> tuple[int, list[str]]:
+def _bad_views(views: list[Any], dtype: torch.dtype) -> list[int]:
+    """Which of ``views`` (raw memory of tensors of ``dtype``) hold NaN/inf: one pass over them all."""
+    # A finite sum proves every element finite (NaN and inf propagate); only an overflow or a real NaN/inf
+    # sends the views to the element-wise check.
+    if bool(torch.isfinite(torch.frombuffer(bytearray().join(views), dtype=dtype).sum())):
+        return []
+    return [
+        k for k, v in enumerate(views) if not bool(torch.isfinite(torch.frombuffer(bytearray(v), dtype=dtype)).all())
+    ]
+
+
+def nonfinite_entries(prepared: PreparedManifest) -> list[int]:
+    """Entry indices of a prepared manifest whose tensors hold NaN/inf.
+
+    On a cached plan the tensors hashed in place are read through the plan's wrappers, all of one dtype
+    in one pass (checked by :meth:`DigestPlan.verify` in this same audit, like the hashing); the others
+    one by one.
+    """
+    plan = prepared.plan
+    found: list[int] = []
+    if plan.fast_count:
+        for dtype, (views, where) in plan.floating.items():
+            found += [where[k] for k in _bad_views(views, dtype)]
+        slow = list(itertools.compress(prepared.sources, prepared.slow_mask))
+        found += [int(plan.slow_index[k]) for k in nonfinite_indices(slow)]
+    else:
+        found += [int(plan.all_index[k]) for k in nonfinite_indices(prepared.sources)]
+    found += [int(plan.dyn_index[k]) for k in nonfinite_indices(prepared.dynamic)]
+    return sorted(found)
+
+
+def count_everywhere(comm: Comm, prepared: PreparedManifest) -> tuple[int, list[str]]:
     """Collective: how many audited tensors hold NaN/inf (the most on any rank) and their names.
 
-    ``names(indices)`` gives the names of this rank's tensors at those positions (built only when some
-    are found). Every rank returns the same answer: the counts are exchanged, the names are the first
-    rank's that found any.
+    Every rank returns the same answer: the counts are exchanged, the names are the first rank's that
+    found the most (its manifest is built only then).
     """
     try:
-        found = nonfinite_indices(tensors)
+        found = nonfinite_entries(prepared)
     except Exception:  # noqa: BLE001 - never a hang: an unreadable tensor is reported by the audit itself
         found = []
     table = comm.exchange(np.array([len(found)], dtype=np.int64), "the non-finite check")
@@ -144,7 +177,8 @@ def count_everywhere(comm: Comm, tensors: Sequence[torch.Tensor], names: Any) ->
     if most == 0:
         return 0, []
     first = int(np.nonzero(table[:, 0] == most)[0][0])
-    mine = json.dumps(list(names(found)[:5]) if comm.rank == first else []).encode()
+    names = [prepared.manifest.entries[i].name for i in found[:5]] if comm.rank == first else []
+    mine = json.dumps(names).encode()
     listed = json.loads(comm.share_bytes(first, mine, "the non-finite names"))
     return most, listed
 
