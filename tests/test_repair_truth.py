@@ -105,7 +105,7 @@ def test_a_tie_is_never_resynced_from_the_side_holding_nan(mode: str) -> None:
     r0 = got[0]
     (m,) = r0["record"]["mismatches"]
     assert m["nonfinite"] == {"0": 1}
-    assert "NaN/inf in the reference copy (rank 0" in m["detail"] and "rank 1 holds finite values" in m["detail"]
+    assert "NaN or inf in the reference copy (rank 0" in m["detail"] and "rank 1 holds finite values" in m["detail"]
     assert "holds another value" not in m["detail"]
     assert r0["weight"][0] == r0["weight"][1] == got[1]["finite"], "both ranks hold rank 1's finite values"
     if mode == "callback":

@@ -102,12 +102,12 @@ def side_text(m: Mismatch) -> str | None:
     held = ", ".join(f"rank {r}: {n}" for r, n in sorted(bad.items()))
     if ref_bad and not odd_bad:
         return (
-            f"NaN/inf in the reference copy ({fmt_ranks(ref_bad)}; elements {held}); "
+            f"NaN or inf in the reference copy ({fmt_ranks(ref_bad)}; elements {held}); "
             f"{fmt_ranks(m.ranks)} hold{'s' if len(m.ranks) == 1 else ''} finite values"
         )
     if odd_bad and not ref_bad:
-        return f"NaN/inf on {fmt_ranks(odd_bad)} (elements {held}); the reference copy ({fmt_ranks(m.reference_ranks)}) is finite"
-    return f"NaN/inf on both sides (elements {held})"
+        return f"NaN or inf on {fmt_ranks(odd_bad)} (elements {held}); the reference copy ({fmt_ranks(m.reference_ranks)}) is finite"
+    return f"NaN or inf on both sides (elements {held})"
 
 
 def mark_nonfinite(comm: Comm, mismatches: Sequence[Mismatch], entries: Sequence[Any]) -> None:
