@@ -182,6 +182,7 @@ def _frozen(rank: int, world: int, when: str) -> list[Any]:
         model[0].weight.requires_grad_(False)  # bytes equal; only the flag differs
     r = auditor.audit()
     out.append([(m.name, m.kind, m.ranks, m.detail) for m in r.mismatches])
+    out.append(r.hints)
     if rank == 1:
         model[0].weight.requires_grad_(True)
     out.append(auditor.audit().in_sync)
@@ -192,9 +193,10 @@ def _frozen(rank: int, world: int, when: str) -> list[Any]:
 def test_a_parameter_frozen_on_one_rank_only_is_a_structure_mismatch_naming_it(when: str) -> None:
     r0, r1 = run_ranks(_frozen, 2, when, timeout=60)
     assert r0 == r1
-    (mismatch,) = r0[-2]
-    assert mismatch[:3] == ("0.weight", "structure", [1]) or mismatch[:3] == ("0.weight", "structure", [0])
-    assert "requires_grad" in mismatch[3]
+    (mismatch,) = r0[-3]
+    assert mismatch[:3] == ("0.weight", "structure", [1])  # a tie: the reference is rank 0's side
+    assert "frozen (requires_grad=False) on rank 1" in mismatch[3]
+    assert any("frozen on others (requires_grad differs)" in h for h in r0[-2]), r0[-2]
     assert r0[-1] is True
 
 

@@ -117,6 +117,13 @@ def explain(
     params = [m.name for m in by_kind.get("param", [])]
     grads = [m.name for m in by_kind.get("grad", [])]
     explained: set[str] = set()  # parameter (or gradient) names a proven cause accounts for
+    frozen = [m.name for m in by_kind.get("structure", []) if "requires_grad" in (m.detail or "")]
+    if frozen:
+        hints.append(
+            f"{brief_names(frozen)} trainable on some ranks and frozen on others (requires_grad differs): "
+            "freeze and unfreeze on every rank alike (the same code path, the same step); under DDP, "
+            "re-wrap after a change of the trainable set (weightsync_audit.rewrap_ddp)"
+        )
 
     if (params or grads) and ddp is not None:
         covered = _covered(ddp, synced)
