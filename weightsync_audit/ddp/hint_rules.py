@@ -9,7 +9,7 @@ causes inferred from the pattern say "likely", and list only the explanations th
 optimizer state stepped from the gradients that agrees on every rank rules out unreduced gradients).
 
 >>> [rule.cause for rule in RULES][:3]
-['trainable after the DDP wrap', 'frozen after the DDP wrap', 'ignored by DDP']
+['trainable on some ranks only', 'trainable after the DDP wrap', 'frozen after the DDP wrap']
 """
 
 from __future__ import annotations
@@ -163,7 +163,22 @@ def _ignored(ev: Evidence) -> Names:
     return [n for n in ev.diverged if n in ev.ignored and n not in ev.explained]
 
 
+def _frozen_on_some_ranks(ev: Evidence) -> Names:
+    return [m.name for m in ev.by_kind.get("structure", []) if "requires_grad" in (m.detail or "")]
+
+
 _PROVEN = (
+    Rule(
+        "trainable on some ranks only",
+        needs=_frozen_on_some_ranks,
+        says=lambda ev, names: (
+            f"{brief_names(names)} trainable on some ranks and frozen on others (requires_grad differs): "
+            "freeze and unfreeze on every rank alike (the same code path, the same step); under DDP, "
+            "re-wrap after a change of the trainable set (weightsync_audit.rewrap_ddp)"
+        ),
+        accounts=_nothing,  # the structure rule below still names the difference of structure
+        proven=True,
+    ),
     Rule(
         "trainable after the DDP wrap",
         needs=_unsynced,

@@ -71,6 +71,7 @@ class Auditor:
         pinpoint_ring: int = DEFAULT_RING,
         pinpoint_coverage: float | str = 1,
         config: AuditConfig | None = None,
+        check_finite: bool = False,
     ) -> None:
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -90,6 +91,7 @@ class Auditor:
                 pinpoint=bool(pinpoint),
                 pinpoint_ring=pinpoint_ring,
                 pinpoint_slices=parse_coverage(pinpoint_coverage),
+                check_finite=bool(check_finite),
             )
         elif not isinstance(config, AuditConfig):
             raise TypeError(f"config must be an AuditConfig, got {type(config).__name__}")
@@ -205,6 +207,7 @@ def audit(
     coverage: float | str = 1,
     method: Method = "auto",
     tolerance: float | None = None,
+    check_finite: bool = False,
 ) -> AuditResult:
     """Compare parameters, buffers and optimizer state across ranks, once. Collective.
 
@@ -227,6 +230,7 @@ def audit(
         coverage=coverage,
         method=method,
         tolerance=tolerance,
+        check_finite=check_finite,
     )
     auditor._rotate_by_step = True
     return auditor.audit(step=step, epoch=epoch)

@@ -87,6 +87,10 @@ class AuditConfig:
     """Steps the pinpoint ring holds between audits."""
     pinpoint_slices: int = 1
     """Per-step digests hash slice ``step % n`` of every large tensor (``pinpoint_coverage=1/n``)."""
+    check_finite: bool = False
+    """Count the audited tensors holding NaN or inf at every audit (one pass over the floating tensors
+    and one small exchange; cost in docs/performance.md), so replicas that agree on NaN are not a silent
+    "in sync". Without it NaN/inf are counted on diverged tensors only."""
 
     def __post_init__(self) -> None:
         self.include = check_include(self.include)
@@ -121,4 +125,6 @@ class AuditConfig:
             text += f" tolerance={self.tolerance!r}"
         if self.pinpoint:
             text += " pinpoint=on"
+        if self.check_finite:
+            text += " check_finite=on"
         return text

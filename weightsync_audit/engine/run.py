@@ -47,6 +47,7 @@ from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
+from weightsync_audit.engine.measure.finite import count_everywhere, in_sync_note, mark_nonfinite
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -107,6 +108,7 @@ class AuditRun:
         "hook",
         "mismatches",
         "module",
+        "nonfinite",
         "notes",
         "optimizers",
         "peers",
@@ -153,6 +155,7 @@ class AuditRun:
         self.notes: list[str] = []
         self.hints: list[str] = []
         self.pin: Pinpoint | None = None
+        self.nonfinite: tuple[int, list[str]] | None = None
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
@@ -160,6 +163,8 @@ class AuditRun:
         self.agree(summary)
         self.localize()
         self.measure()
+        if self.auditor.config.check_finite:
+            self.count_nonfinite()
         self.explain()
         return self.record()
 
@@ -301,6 +306,7 @@ class AuditRun:
         if value_mismatches:
             entries = [self.by_uid[d.uid] for d in self.value_diffs]
             measure_gaps(comm, self.auditor.config, value_mismatches, entries)
+            mark_nonfinite(comm, value_mismatches, entries)  # which side holds NaN/inf, for texts and resync
         self.mismatches.extend(value_mismatches)
         if comm.global_ranks != tuple(range(comm.world_size)):
             # Decided on positions in the group; reported, like every error, in global ranks.
@@ -308,6 +314,10 @@ class AuditRun:
                 m.ranks = [comm.global_ranks[r] for r in m.ranks]
                 m.reference_ranks = [comm.global_ranks[r] for r in m.reference_ranks]
         apply_tolerance(self.mismatches, self.auditor.config.tolerance)
+
+    def count_nonfinite(self) -> None:
+        """With ``check_finite``: the audited tensors holding NaN/inf (collective; the same on every rank)."""
+        self.nonfinite = count_everywhere(self.comm, self.prepared)
 
     # -- explain -------------------------------------------------------------------------------
 
@@ -372,6 +382,14 @@ class AuditRun:
             coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
         )
+        if self.nonfinite is not None:
+            result.nonfinite_count, names = self.nonfinite
+            if result.nonfinite_count:
+                result.notes.append(
+                    in_sync_note(result.nonfinite_count, names)
+                    if in_sync
+                    else f"{result.nonfinite_count} tensor(s) hold NaN/inf on some rank: {', '.join(names)}"
+                )
         mark_pinpoint(result, self.pin)
         history.record(result)
         result.duration_ms = (time.perf_counter() - self.t0) * 1e3

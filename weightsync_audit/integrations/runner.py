@@ -25,7 +25,7 @@ from weightsync_audit.engine.repair.resync import resync
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
-from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
+from weightsync_audit.errors import ResyncError, WeightDivergenceError, WeightSyncWarning
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
@@ -116,6 +116,8 @@ class AuditRunner:
         self.auditor: Auditor | None = None
         self.grad_auditor: Auditor | None = None
         self.confirm_auditor: Auditor | None = None
+        self.confirm_grad_auditor: Auditor | None = None
+        """Confirms a resync that moved gradients: the main kinds and the gradients."""
         self.writer: ReportWriter | None = None
         self.last_reported: tuple[str, ...] = ()
         """The diverged names last reported, so a divergence is printed when it appears or changes."""
@@ -158,6 +160,10 @@ class AuditRunner:
         # A resync is confirmed by a full audit (every slice) of what the main auditor compares.
         self.confirm_auditor = Auditor(config=replace(base, include=main_include, slices=1, pinpoint=False))
         self.confirm_auditor.use_channel_of(self.auditor)
+        if "grads" in self.include:
+            with_grads = replace(base, include=(*main_include, "grads"), slices=1, pinpoint=False)
+            self.confirm_grad_auditor = Auditor(config=with_grads)
+            self.confirm_grad_auditor.use_channel_of(self.auditor)
         if is_main and self.report_path is not None:
             # A report that cannot be written (full disk) warns and keeps records: it never ends the run.
             self.writer = ReportWriter(self.report_path, keep_on_error=True)
@@ -263,12 +269,20 @@ class AuditRunner:
             return
         # Each tensor from a rank holding its reference value (engine/resync_plan.py): the same plan on
         # every rank, from the same record; one broadcast per source rank.
-        plan = plan_resync(result.mismatches, self.resync_src)
+        try:
+            plan = plan_resync(result.mismatches, self.resync_src)  # never a source holding NaN/inf
+        except ResyncError as exc:  # no finite copy anywhere: nothing moves
+            result.action = "raised"
+            result.notes.append(f"resync impossible: {exc}")
+            return
         result.notes.extend(plan.notes)
-        for source, tensors in plan.sources.items():
-            resync(model, optimizers or None, src=source, names=tensors, timeout_s=self.timeout_s)
-        assert self.confirm_auditor is not None
-        confirm = self.confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
+        for source in plan.ranks():
+            names, grads = plan.sources.get(source, []), plan.grads.get(source, [])
+            resync(model, optimizers or None, src=source, names=names, grads=grads, timeout_s=self.timeout_s)
+        # The confirming audit compares every kind that had diverged: gradients too when they had.
+        confirmer = self.confirm_grad_auditor if plan.grads else self.confirm_auditor
+        assert confirmer is not None
+        confirm = confirmer.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
         if confirm.in_sync:
             result.action = "resynced"
             result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")

@@ -82,6 +82,9 @@ class Mismatch:
     """``max_abs_diff`` over the largest magnitude in the reference copy (None: not measured)."""
     within_tolerance: bool | None = None
     """With a ``tolerance`` in force: ``rel_diff`` is measured and at most the tolerance. None: no tolerance."""
+    nonfinite: dict[int, int] | None = None
+    """The ranks whose copy holds NaN or inf, with how many such elements (None: no copy does, or not a
+    value mismatch). Counted on every diverged tensor."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -100,6 +103,8 @@ class Mismatch:
             d["rel_diff"] = _finite_or_none(self.rel_diff)
         if self.within_tolerance is not None:
             d["within_tolerance"] = bool(self.within_tolerance)
+        if self.nonfinite:
+            d["nonfinite"] = {str(r): int(n) for r, n in sorted(self.nonfinite.items())}
         return d
 
     @property
@@ -160,6 +165,9 @@ class AuditResult:
     """On a divergent record: ``exact``, ``sampled``, ``overflow``, ``earlier``, ``unseen``, ``off`` (see PINPOINT_STATES)."""
     tolerance: float | None = None
     """The relative tolerance in force, or None (exact)."""
+    nonfinite_count: int | None = None
+    """With ``check_finite``: how many audited tensors hold NaN or inf (the most on any rank); None: not
+    counted. An in-sync record with a count above 0 says so in ``notes``."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -205,6 +213,8 @@ class AuditResult:
             d["tolerance"] = float(self.tolerance)
             if not self.in_sync:
                 d["within_tolerance"] = self.within_tolerance
+        if self.nonfinite_count is not None:
+            d["nonfinite_count"] = int(self.nonfinite_count)
         return d
 
     @classmethod
@@ -230,6 +240,7 @@ class AuditResult:
             first_diverged_step=v["first_diverged_step"],
             pinpoint=v["pinpoint"],
             tolerance=v["tolerance"],
+            nonfinite_count=v["nonfinite_count"],
         )
 
     def summary(self) -> str:
@@ -283,4 +294,5 @@ _MISMATCH_ARGS = (
     "shard",
     "rel_diff",
     "within_tolerance",
+    "nonfinite",
 )

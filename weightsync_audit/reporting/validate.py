@@ -264,6 +264,18 @@ def shard_coords(v: Any, path: str) -> dict[str, int]:
     return dict(v)
 
 
+def rank_counts(v: Any, path: str) -> dict[int, int]:
+    """Counts per rank: ``{"1": 3}`` (a JSON object's keys are strings) read as ``{1: 3}``."""
+    if not isinstance(v, dict):
+        raise _fail(path, "an object of rank -> count", v)
+    out = {}
+    for k, n in v.items():
+        if not (isinstance(k, str) and k.isdigit()) or not _is_int(n) or n < 0:
+            raise _fail(path, "an object of rank -> count (integers >= 0)", v)
+        out[int(k)] = int(n)
+    return out
+
+
 def mismatch_list(v: Any, path: str) -> list[dict[str, Any]]:
     if not isinstance(v, list):
         raise _fail(path, "a list of mismatch objects", v)
@@ -293,6 +305,7 @@ MISMATCH_FIELDS: dict[str, FieldSpec] = {
     "shard": FieldSpec(optional(shard_coords)),
     "rel_diff": FieldSpec(optional(number)),
     "within_tolerance": FieldSpec(optional(boolean)),
+    "nonfinite": FieldSpec(optional(rank_counts)),
 }
 """One line per field of a mismatch; fields not listed are accepted and ignored."""
 
@@ -317,6 +330,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "first_diverged_step": FieldSpec(optional(integer())),
     "tolerance": FieldSpec(optional(number)),
     "within_tolerance": FieldSpec(optional(boolean)),
+    "nonfinite_count": FieldSpec(optional(integer(0))),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

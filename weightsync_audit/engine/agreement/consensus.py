@@ -200,28 +200,28 @@ def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarr
 
 
 def structure_row(e: Any, digest: int) -> list[Any]:
-    """An entry's row for :func:`compare_manifests`: ``[kind, name, dtype, shape, digest]``, then
-    ``layout, peer_key`` for a DTensor, then (with ``"", ALL`` as the layout of a plain tensor) the
-    device type of a tensor off the CPU."""
+    """An entry's row for :func:`compare_manifests`: ``[kind, name, dtype, shape, digest]``, then, only where
+    one of them is not the default, ``layout, peer_key, device, frozen``: the DTensor layout and peer key
+    (``"", ALL`` for a plain tensor), the device type (``"cpu"``), and ``1`` for a frozen parameter
+    (``requires_grad=False``: the trainable flag is part of the structure)."""
     row = [e.kind, e.name, e.dtype, list(e.shape), int(digest)]
     device = "cpu" if e.tensor.is_cpu else e.tensor.device.type
-    if e.shard is not None or device != "cpu":
+    frozen = bool(getattr(e, "frozen", False))
+    if e.shard is not None or device != "cpu" or frozen:
         row += ["", ALL] if e.shard is None else [e.shard.layout, e.shard.key]
-    if device != "cpu":
-        row.append(device)
+        row += [device, int(frozen)]
     return row
 
 
 def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
     """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
-    by ``layout, peer_key`` for a DTensor (its global shape in ``shape``), and by the device type for a
-    tensor off the CPU (see :func:`structure_row`).
+    by ``layout, peer_key, device, frozen`` (see :func:`structure_row`; a DTensor's global shape in ``shape``).
 
     Returns the structure differences and, for tensors whose structure agrees everywhere, the value
     differences (within each peer set), so a missing layer does not hide a diverged one.
     """
     world = len(manifests)
-    per_rank: list[dict[str, tuple[str, tuple[int, ...], int, str, int]]] = []
+    per_rank: list[dict[str, tuple[str, tuple[int, ...], int, str, int, str, bool]]] = []
     order: dict[str, tuple[str, str]] = {}
     for rows in manifests:
         d = {}
@@ -230,13 +230,14 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
             layout, key = (str(row[5]), int(row[6])) if len(row) >= 7 else ("", ALL)
             device = str(row[7]) if len(row) >= 8 else "cpu"
             uid = f"{kind}:{name}"
-            d[uid] = (dtype, tuple(shape), int(digest), layout, key, device)
+            frozen = len(row) >= 9 and bool(row[8])
+            d[uid] = (dtype, tuple(shape), int(digest), layout, key, device, frozen)
             order.setdefault(uid, (kind, name))
         per_rank.append(d)
     structure: list[StructureDiff] = []
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
-        sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5]) if uid in d else None for d in per_rank]
+        sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5], d[uid][6]) if uid in d else None for d in per_rank]
         ref, other = majority(sigs)
         if other:
             ref_sig = sigs[ref[0]]
@@ -259,6 +260,8 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
                         what.append(f"layout {sig[2] or 'plain tensor'} instead of {ref_sig[2] or 'plain tensor'}")
                     if sig[3] != ref_sig[3]:
                         what.append(f"on device {sig[3]} instead of {ref_sig[3]}")
+                    if sig[4] != ref_sig[4]:
+                        what.append("frozen (requires_grad=False)" if sig[4] else "trainable (requires_grad=True)")
                     parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
             structure.append(
                 StructureDiff(

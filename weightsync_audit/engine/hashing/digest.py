@@ -30,9 +30,10 @@ import xxhash
 
 from weightsync_audit import compat
 from weightsync_audit.engine.hashing.device_digest import digest_streams
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view, storage_fits
 from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
 from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
     "METHODS",
@@ -188,6 +189,58 @@ def _in_place(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
 
 
+def _plan_host(
+    t: torch.Tensor,
+    i: int,
+    owned_by_caller: bool,
+    sample: tuple[int, int],
+    out: list[int],
+    jobs: list[tuple[int, int, int, object]],
+    leaves: dict[int, list[int]],
+) -> None:
+    """A host tensor's digest: computed at once when small, else planned as jobs (a tree of chunks when large)."""
+    slice_index, slices = sample
+    view = host_view if not owned_by_caller or t.is_conj() or t.is_neg() else _in_place
+    contiguous = t.is_contiguous()
+    size = t.nbytes
+    if slices > 1 and size > SMALL and t.dim():
+        if not contiguous:
+            pieces = sample_pieces(t, slice_index, slices)
+            jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
+            return
+        # The slice of a contiguous tensor is a byte range of its memory: cut the view, no tensor ops.
+        start, stop = sample_bounds(t.numel(), slice_index, slices)
+        esize = t.element_size()
+        raw = view(t)[start * esize : stop * esize]
+        size = len(raw)
+    elif not contiguous:
+        jobs.append((size, i, -1, [t]))
+        return
+    else:
+        raw = view(t)
+    if size <= SMALL:
+        out[i] = _xxh(raw)
+    elif size <= CHUNK:
+        jobs.append((size, i, -1, raw))
+    else:
+        k = (size + CHUNK - 1) // CHUNK
+        leaves[i] = [0] * k
+        jobs.extend((min(CHUNK, size - j * CHUNK), i, j, raw[j * CHUNK : (j + 1) * CHUNK]) for j in range(k))
+
+
+def _run_and_collect(jobs: list[tuple[int, int, int, object]], leaves: dict[int, list[int]], out: list[int]) -> None:
+    """Hash the planned jobs and put each digest (a tree's leaves combined) in its place in ``out``."""
+    if not jobs:
+        return
+    for (_, i, leaf, _payload), d in zip(jobs, _run_jobs(jobs)):
+        if leaf >= 0:
+            leaves[i][leaf] = d  # type: ignore[assignment]
+        else:
+            out[i] = _combine_leaves(d) if isinstance(d, list) else d
+    for i, ls in leaves.items():
+        out[i] = _combine_leaves(ls)
+
+
 def digest_tensors(
     tensors: Sequence[torch.Tensor],
     *,
@@ -214,60 +267,33 @@ def digest_tensors(
     all_on_device = method == "device"
     xxh, c_char, small = _xxh, ctypes.c_char, SMALL
     for i, t in enumerate(tensors):
-        if t.is_cpu and not all_on_device:
+        on_host = t.is_cpu and not all_on_device
+        if on_host:
             size = t.nbytes
-            if size <= small and t.is_contiguous():
-                # The common case, thousands of times per audit: hash the memory in place, no job.
+            if size <= small and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+                # The common case, thousands of times per audit: hash the memory in place, no job. A lazy
+                # conjugate or negative view holds the unresolved bytes: it goes the way that resolves them.
                 out[i] = xxh((c_char * size).from_address(t.data_ptr())) if size else _EMPTY
                 continue
-        elif all_on_device or method == "auto":
-            on_device.append(i)
-            device_items.append(sample_pieces(t, slice_index, slices) if sampled else [t])
-            continue
-        else:
-            # xxh3 of an accelerator tensor: only what this audit samples, copied to the host chunk by
-            # chunk as it is hashed (never the whole tensor, never all tensors at once).
+        if not storage_fits(t):  # every other way reads it whole, by pointer or by a torch kernel
+            raise UnauditableTensorError(f"tensors[{i}]", "its storage is smaller than its view needs; not read")
+        if not on_host:
             pieces = sample_pieces(t, slice_index, slices) if sampled else [t]
-            jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
-            copied.add(t.device)
+            if all_on_device or method == "auto":
+                on_device.append(i)
+                device_items.append(pieces)
+            else:
+                # xxh3 of an accelerator tensor: only what this audit samples, copied to the host chunk by
+                # chunk as it is hashed (never the whole tensor, never all tensors at once).
+                jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
+                copied.add(t.device)
             continue
         # A CPU tensor of the caller's is alive for this whole call (``tensors`` holds it), so its
         # memory is read in place; a temporary copy goes through host_view, which owns it.
-        view = host_view if t is not tensors[i] or t.is_conj() or t.is_neg() else _in_place
-        contiguous = t.is_contiguous()
-        if sampled and size > SMALL and t.dim():
-            if not contiguous:
-                pieces = sample_pieces(t, slice_index, slices)
-                jobs.append((sum(p.nbytes for p in pieces), i, -1, pieces))
-                continue
-            # The slice of a contiguous tensor is a byte range of its memory: cut the view, no tensor ops.
-            start, stop = sample_bounds(t.numel(), slice_index, slices)
-            esize = t.element_size()
-            raw = view(t)[start * esize : stop * esize]
-            size = len(raw)
-        elif not contiguous:
-            jobs.append((size, i, -1, [t]))
-            continue
-        else:
-            raw = view(t)
-        if size <= SMALL:
-            out[i] = _xxh(raw)
-        elif size <= CHUNK:
-            jobs.append((size, i, -1, raw))
-        else:
-            k = (size + CHUNK - 1) // CHUNK
-            leaves[i] = [0] * k
-            jobs.extend((min(CHUNK, size - j * CHUNK), i, j, raw[j * CHUNK : (j + 1) * CHUNK]) for j in range(k))
+        _plan_host(t, i, t is tensors[i], (slice_index, slices), out, jobs, leaves)
     for device in copied:  # weights written on a side stream are finished before they are copied
         compat.synchronize(device)
-    if jobs:
-        for (_, i, leaf, _payload), d in zip(jobs, _run_jobs(jobs)):
-            if leaf >= 0:
-                leaves[i][leaf] = d  # type: ignore[assignment]
-            else:
-                out[i] = _combine_leaves(d) if isinstance(d, list) else d
-        for i, ls in leaves.items():
-            out[i] = _combine_leaves(ls)
+    _run_and_collect(jobs, leaves, out)
     result = np.array(out, dtype=np.uint64).view(np.int64) if n else np.zeros(0, dtype=np.int64)
     if on_device:
         result[on_device] = digest_streams(device_items)
@@ -292,11 +318,14 @@ def digest_tensor(t: torch.Tensor, *, slice_index: int = 0, slices: int = 1, met
     >>> digest_tensor(torch.ones(3)) == digest_tensor(torch.ones(3, 2)[:, 0])
     True
     """
-    return int(digest_tensors([t.detach()], slice_index=slice_index, slices=slices, method=method)[0])
+    t = t.detach()
+    if not storage_fits(t):
+        raise UnauditableTensorError("t", "its storage is smaller than its view needs (freed or resized); not read")
+    return int(digest_tensors([t], slice_index=slice_index, slices=slices, method=method)[0])
 
 
 def structure_digest(entries: Sequence[Entry], *, devices: bool = True) -> int:
-    """Digest of names, kinds, shapes and dtypes (and a DTensor's layout), in order.
+    """Digest of names, kinds, shapes and dtypes (and a DTensor's layout, a frozen parameter's flag), in order.
 
     A tensor off the CPU enters with its device type (not its index): where a tensor lives decides
     how ``auto`` digests it, so a tensor on the CPU on one rank and on a GPU on another is a difference
@@ -305,7 +334,9 @@ def structure_digest(entries: Sequence[Entry], *, devices: bool = True) -> int:
     shape or coordinates, so ranks holding different (even uneven) shards of it agree on the structure.
     """
     parts = [
-        f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}" for e in entries
+        f"{e.kind}\x1e{e.name}\x1e{e.dtype}\x1e{e.shape}{'' if e.shard is None else e.shard.layout}"
+        f"{'' if not e.frozen else chr(0x1D) + 'frozen'}"
+        for e in entries
     ]
     if devices:
         for i in [i for i, e in enumerate(entries) if not e.tensor.is_cpu]:

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 import torch
@@ -29,17 +30,23 @@ import xxhash
 
 from weightsync_audit.compat import layout_guard
 from weightsync_audit.engine.hashing.digest import digest_tensors, structure_digest
+from weightsync_audit.engine.hashing.hostbytes import storage_fits
 from weightsync_audit.engine.hashing.sampling import SMALL
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest, has_shards
 
-__all__ = ["DigestPlan", "PreparedManifest"]
+__all__ = ["DigestPlan", "PreparedManifest", "StructureSnapshot"]
 
 _xxh = xxhash.xxh3_64_intdigest
 
 
 def _hashed_in_place(t: torch.Tensor) -> bool:
-    """Whether ``digest_tensors`` hashes ``t`` whole from its memory with any method but ``device``."""
-    return t.is_cpu and 0 < t.nbytes <= SMALL and t.is_contiguous()
+    """Whether ``digest_tensors`` hashes ``t`` whole from its memory with any method but ``device``.
+
+    Not a lazy conjugate or negative view (its memory holds the unresolved values). A later flip of
+    either bit, like one of ``requires_grad``, changes the tensor's dispatch keys, which the layout
+    guard compares: the plan is then stale and rebuilt.
+    """
+    return t.is_cpu and 0 < t.nbytes <= SMALL and t.is_contiguous() and not (t.is_conj() or t.is_neg())
 
 
 _T = torch.Tensor
@@ -50,7 +57,8 @@ cache for the next (three passes over 20,000 scattered tensors cost a third more
 
 
 def _layouts(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    return [(t.dtype, t.shape, t.stride(), t.device) for t in tensors]
+    # What the guard compares, without it: the lazy bits and the trainable flag included.
+    return [(t.dtype, t.shape, t.stride(), t.device, t.requires_grad, t.is_conj(), t.is_neg()) for t in tensors]
 
 
 @dataclass(slots=True)
@@ -94,6 +102,9 @@ class DigestPlan:
     dyn_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     fast_count: int = 0
     chunks: list[_Chunk] = field(default_factory=list)
+    floating: dict[torch.dtype, tuple[list[Any], list[int]]] = field(default_factory=dict)
+    """Per floating dtype, the wrappers of the in-place tensors and their entry indices (for a NaN/inf
+    check over the same memory, read like the wrappers only right after :meth:`verify`)."""
 
     def __post_init__(self) -> None:
         sources = list(self.sources)
@@ -123,6 +134,12 @@ class DigestPlan:
                     views=[(c_char * t.nbytes).from_address(t.data_ptr()) for t in inplace],
                 )
             )
+        views_all = [v for c in self.chunks for v in c.views]
+        for t, view, at in zip(itertools.compress(sources, self.fast_mask), views_all, self.fast_index.tolist()):
+            if t.dtype.is_floating_point or t.dtype.is_complex:
+                views, where = self.floating.setdefault(t.dtype, ([], []))
+                views.append(view)
+                where.append(at)
         # The plan must not keep the tensors alive: a cache that did would pin replaced storage.
         self.sources = ()
         self.dynamic = ()
@@ -219,6 +236,10 @@ class PreparedManifest:
 
     def digests(self, *, slice_index: int = 0, slices: int = 1, method: str = "auto") -> np.ndarray:
         """Every entry's value digest, in manifest order (the same as ``digest_entries`` gives)."""
+        if len(self.plan.slow_index) and not all(map(storage_fits, itertools.compress(self.sources, self.slow_mask))):
+            # A storage freed under a tensor the plan does not read in place: the build names it, refusing it.
+            self.build()
+            raise RuntimeError("an audited tensor's storage no longer holds its view")
         if method == "device":
             everything = [s.detach() for s in self.sources]
             slow: list[torch.Tensor] = []
@@ -258,3 +279,32 @@ class PreparedManifest:
             dynamic=[e.tensor for e in entries],
             sharded=has_shards(entries),
         )
+
+
+@dataclass(slots=True)
+class StructureSnapshot:
+    """The structure one build found, as flat lists of ints and strings (no strong references): what
+    :class:`~weightsync_audit.engine.hashing.manifest_cache.ManifestCache` compares at the next audit."""
+
+    key: Hashable
+    root: Callable[[], Any]
+    user: Callable[[], Any]
+    modules: list[weakref.ref]
+    module_fingerprint: list[Any]
+    module_versions: list[int] | None  # every module dict's version tag: equal means nothing in them changed
+    optimizers: list[weakref.ref]
+    optimizer_lists: list[list[Any]]
+    optimizer_versions: list[list[Any]] | None
+    # For each source, its index in the chain of every module's _parameters (_buffers) values, or of every
+    # optimizer's state values; None when that chain, in order, is exactly the sources.
+    param_pos: list[int] | None
+    buffer_pos: list[int] | None
+    state_pos: list[int] | None
+    slow_mask: list[bool]
+    groups: list[tuple[int, int, Any, str, tuple[int, ...]]]  # re-read: (optimizer, group, key, label, shape)
+    state_values: list[tuple[int, int, Any, str, tuple[int, ...]]]  # (optimizer, state dict, key, ...)
+    size: int
+    structure: int
+    notes: list[str]
+    kind_counts: dict[str, int]
+    plan: DigestPlan

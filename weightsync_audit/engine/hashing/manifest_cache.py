@@ -20,10 +20,10 @@ The dicts are vouched for by their version tags (PEP 509, :func:`~weightsync_aud
 one C call per dict, and an unchanged tag proves the same keys holding the same objects. Only when a
 tag moved are sizes, keys and object ids compared; if they held, the new tags are kept.
 
-Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses),
-means a rebuild with :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`: never a stale manifest.
-Values are never cached: tensors are hashed where they live at every audit, and Python values
-(learning rates, betas, integer steps) are re-read from their dicts at every audit.
+Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses,
+lists or tuples of tensors in optimizer state, such as LBFGS's histories), means a rebuild
+(:func:`~weightsync_audit.engine.inventory.manifest.build_manifest`): never a stale manifest. Values are
+never cached: tensors are hashed where they live, Python values (lr, betas, steps) re-read, at every audit.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import collections
 import itertools
 import operator
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
@@ -40,12 +39,13 @@ from torch import nn
 
 from weightsync_audit.compat import dict_version_reader
 from weightsync_audit.engine.hashing.digest import structure_digest
-from weightsync_audit.engine.hashing.digest_plan import DigestPlan, PreparedManifest
+from weightsync_audit.engine.hashing.digest_plan import DigestPlan, PreparedManifest, StructureSnapshot
 from weightsync_audit.engine.inventory.manifest import (
     KINDS,
     Manifest,
     dtype_name,
     has_shards,
+    holds_tensor,
     unwrap_module,
     value_as_tensor,
 )
@@ -65,34 +65,6 @@ _NBYTES = _T.nbytes.__get__  # type: ignore[attr-defined]
 _SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
 _VERSION = dict_version_reader()
 _STATE_TYPES = (dict, collections.defaultdict)
-
-
-@dataclass(slots=True)
-class _Snapshot:
-    """The structure one build found, as flat lists of ints and strings (no strong references)."""
-
-    key: Hashable
-    root: Callable[[], Any]
-    user: Callable[[], Any]
-    modules: list[weakref.ref]
-    module_fingerprint: list[Any]
-    module_versions: list[int] | None  # every module dict's version tag: equal means nothing in them changed
-    optimizers: list[weakref.ref]
-    optimizer_lists: list[list[Any]]
-    optimizer_versions: list[list[Any]] | None
-    # For each source, its index in the chain of every module's _parameters (_buffers) values, or of every
-    # optimizer's state values; None when that chain, in order, is exactly the sources.
-    param_pos: list[int] | None
-    buffer_pos: list[int] | None
-    state_pos: list[int] | None
-    slow_mask: list[bool]
-    groups: list[tuple[int, int, Any, str, tuple[int, ...]]]  # re-read: (optimizer, group, key, label, shape)
-    state_values: list[tuple[int, int, Any, str, tuple[int, ...]]]  # (optimizer, state dict, key, ...)
-    size: int
-    structure: int
-    notes: list[str]
-    kind_counts: dict[str, int]
-    plan: DigestPlan
 
 
 def _dicts(mods: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
@@ -170,6 +142,8 @@ def _reread(value: Any) -> tuple[torch.Tensor, str, tuple[int, ...]] | None:
             return None
         t = value.detach()
         return t, dtype_name(t.dtype), tuple(t.shape)
+    if isinstance(value, (list, tuple, dict)) and holds_tensor(value):
+        return None  # now audited item by item (an LBFGS history that was empty got its first tensor)
     t, label = value_as_tensor(value)
     return t, label, (tuple(t.shape) if label not in ("none", "object") else ())
 
@@ -197,7 +171,7 @@ class ManifestCache:
     """
 
     def __init__(self) -> None:
-        self._snap: _Snapshot | None = None
+        self._snap: StructureSnapshot | None = None
         self.builds = 0
         """How many times a manifest was built (for tests and benchmarks)."""
         self._used = False
@@ -254,7 +228,7 @@ class ManifestCache:
 
 
 def _check(
-    snap: _Snapshot,
+    snap: StructureSnapshot,
     module: nn.Module | None,
     optimizers: Sequence[torch.optim.Optimizer],
     key: Hashable,
@@ -394,7 +368,7 @@ def _snapshot(
     optimizers: Sequence[torch.optim.Optimizer],
     key: Hashable,
     manifest: Manifest,
-) -> _Snapshot | None:
+) -> StructureSnapshot | None:
     """What :func:`_check` compares against; ``None`` when this manifest cannot be cached."""
     entries = manifest.entries
     if has_shards(entries) or any(e.kind == "grad" or e.note for e in entries):
@@ -426,7 +400,7 @@ def _snapshot(
     counts = dict.fromkeys(KINDS, 0)
     for e in entries:
         counts[e.kind] += 1
-    return _Snapshot(
+    return StructureSnapshot(
         key=key,
         root=weakref.ref(module) if module is not None else _no_object,
         user=weakref.ref(user) if user is not None else _no_object,

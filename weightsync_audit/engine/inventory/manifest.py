@@ -2,7 +2,14 @@
 
 Names are always the user's own (``backbone.weight``), whatever wrapper the module arrives in.
 Python values (learning rates, betas, integer steps) become small tensors so that one digest path
-serves everything; ``None`` and other objects become a UTF-8 encoding of their ``repr``.
+serves everything (a float by its exact float64 bits); ``None`` and other objects become a UTF-8 encoding
+of their ``repr``. A list, tuple or dict that holds a tensor anywhere (LBFGS keeps ``old_dirs``,
+``old_stps``, ``ro`` and ``al`` as lists of tensors; Adam accepts tensor ``betas``) is opened: each item
+is an entry of its own, named by its path (``fc.weight.old_dirs.3``, ``param_groups.0.betas.1``), so a
+tensor is always compared by its exact bytes, never by its printed (rounded, elided) ``repr``.
+
+A parameter's trainable flag (``requires_grad``) is part of the structure (:attr:`Entry.frozen`); a
+tensor whose storage no longer holds its view (freed or shrunk under it) is refused by name, never read.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ import torch
 from torch import nn
 
 from weightsync_audit.compat import is_dtensor, peel_wrapper
+from weightsync_audit.engine.hashing.hostbytes import storage_fits
 from weightsync_audit.engine.inventory.peers import ShardInfo, shard_info
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
     "has_shards",
+    "holds_tensor",
     "INCLUDE_CHOICES",
     "Entry",
     "Manifest",
@@ -65,6 +74,8 @@ class Entry:
     """Anything the report should say about how the value was read."""
     shard: ShardInfo | None = None
     """For a DTensor: its layout, global shape, shard coordinates and peer key; ``None`` otherwise."""
+    frozen: bool = False
+    """A parameter that does not require grad (not trainable): part of the compared structure."""
 
     @property
     def uid(self) -> str:
@@ -156,6 +167,20 @@ def value_as_tensor(value: Any) -> tuple[torch.Tensor, str]:
     return torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8), "object"
 
 
+def holds_tensor(value: Any, depth: int = 0) -> bool:
+    """Whether a list, tuple or dict holds a tensor anywhere inside (it is then audited item by item)."""
+    if depth > 8:
+        return False
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return False
+    return any(
+        isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and holds_tensor(v, depth + 1))
+        for v in value
+    )
+
+
 def _canonical_repr(value: Any) -> str:
     # repr of floats is exact in Python 3; dicts are ordered; sets are sorted so that ranks agree.
     if isinstance(value, (set, frozenset)):
@@ -189,6 +214,8 @@ def _tensor_entry(
         if cls is nn.Parameter or t.requires_grad:
             t = t.data
         if t.layout is torch.strided and not t.is_meta and not t.is_nested:
+            if not storage_fits(t):
+                raise UnauditableTensorError(name, _FREED)
             return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key)
     note = None
     shard = None
@@ -208,17 +235,32 @@ def _tensor_entry(
         raise UnauditableTensorError(name, f"layout {t.layout} is not audited; exclude it")
     if getattr(t, "is_nested", False):
         raise UnauditableTensorError(name, "nested tensors are not audited; exclude it")
+    if not storage_fits(t):
+        raise UnauditableTensorError(name, _FREED)
     shape = shard.shape if shard is not None else tuple(t.shape)
     return Entry(name, kind, t, dtype_name(t.dtype), shape, container, key, note, shard)
 
 
-def _value_entry(
-    name: str, kind: str, value: Any, container: Any, key: Any, audit_ranks: Sequence[int] | None
-) -> Entry:
+_FREED = (
+    "its storage is smaller than its view needs (freed or resized under it, e.g. by "
+    "untyped_storage().resize_(0)); it is not read"
+)
+
+
+def _value_entries(
+    out: list[Entry], name: str, kind: str, value: Any, container: Any, key: Any, audit_ranks: Sequence[int] | None
+) -> None:
+    """The entries of one optimizer value: one, or one per item of a container that holds a tensor."""
     if isinstance(value, torch.Tensor):
-        return _tensor_entry(name, kind, value, container, key, audit_ranks)
+        out.append(_tensor_entry(name, kind, value, container, key, audit_ranks))
+        return
+    if isinstance(value, (list, tuple, dict)) and holds_tensor(value):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for k, v in items:
+            _value_entries(out, f"{name}.{k}", kind, v, value, k, audit_ranks)
+        return
     t, label = value_as_tensor(value)
-    return Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key)
+    out.append(Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key))
 
 
 def _named(module: nn.Module, attr: str) -> list[tuple[str, Any]]:
@@ -263,6 +305,8 @@ def build_manifest(
         for n, p in named_params:
             if not _glob_excluded(n, exclude):
                 entries.append(_tensor_entry(n, "param", p, audit_ranks=audit_ranks))
+                if not p.requires_grad:
+                    entries[-1].frozen = True
 
     if "buffers" in include and user is not None:
         buffers = [(n, b) for n, b in _named(user, "_buffers") if not _glob_excluded(n, exclude)]
@@ -285,14 +329,14 @@ def build_manifest(
                     for key in sorted(state, key=str):
                         n = f"{pname}.{key}"
                         if not _glob_excluded(n, exclude):
-                            entries.append(_value_entry(n, "optimizer", state[key], state, key, audit_ranks))
+                            _value_entries(entries, n, "optimizer", state[key], state, key, audit_ranks)
             for gi, group in enumerate(opt.param_groups):
                 for key in sorted(group, key=str):
                     if key == "params":
                         continue
                     n = f"{prefix}param_groups.{gi}.{key}"
                     if not _glob_excluded(n, exclude):
-                        entries.append(_value_entry(n, "optimizer", group[key], group, key, audit_ranks))
+                        _value_entries(entries, n, "optimizer", group[key], group, key, audit_ranks)
 
     if "grads" in include:
         for n, p in named_params:

@@ -62,8 +62,12 @@ def resync(
     group: Any = None,
     names: Sequence[str] | None = None,
     timeout_s: float | None = None,
+    grads: bool | Sequence[str] = False,
 ) -> None:
     """Broadcast params, buffers and optimizer state (or only ``names``) from rank ``src``, in place.
+
+    ``grads``: also the gradients, of every parameter (``True``) or of the parameters named; ``.grad``
+    is overwritten in place (a gradient missing on some rank is a structure difference: refused).
 
     Collective over ``group``. ``src`` is a rank of ``group``, or ``"majority"``: the ranks audit first
     and each diverged tensor comes from a rank holding its reference value (see
@@ -88,6 +92,7 @@ def resync(
     wanted = set(names) if names is not None else None
     manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
     entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
+    grad_entries = _grad_entries(comm, module, grads, wanted)
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
     structure = structure_digest(entries, devices=False)
@@ -118,6 +123,7 @@ def resync(
     if shard_entries:
         tensor_entries = [e for e in tensor_entries if e.shard is None]
         resync_shards(comm, shard_entries, src)
+    tensor_entries += [e for e in grad_entries if e.dtype != "none"]
     if tensor_entries:
         move_tensors(comm, src, [(e.name, e.tensor) for e in tensor_entries])
     if value_entries:
@@ -125,6 +131,23 @@ def resync(
         values = json.loads(comm.share_bytes(src, blob, "the resync values"))
         for e, hexed in zip(value_entries, values):
             e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
+
+
+def _grad_entries(
+    comm: Comm, module: nn.Module | None, grads: bool | Sequence[str], wanted: set[str] | None
+) -> list[Entry]:
+    """The gradients to broadcast (collective when any: their structure must agree on every rank)."""
+    if not grads or module is None:  # False, or no gradient named (the same on every rank: the same plan)
+        return []
+    pick = wanted if grads is True else set(grads)  # type: ignore[arg-type]
+    entries = [e for e in build_manifest(module, include=("grads",)).entries if pick is None or e.name in pick]
+    table = comm.exchange(np.array([structure_digest(entries), len(entries)], dtype=np.int64), "the resync")
+    if not (table == table[0]).all():
+        raise ValueError(
+            "cannot resync gradients: they differ in structure between ranks (a gradient is None on some "
+            f"ranks, or has another shape or dtype): {', '.join(sorted(e.name for e in entries)[:5])}"
+        )
+    return entries
 
 
 def _reconcile(
@@ -251,5 +274,7 @@ def _resync_by_majority(
     wanted = set(names) if names is not None else None
     chosen = [m for m in result.mismatches if wanted is None or m.name in wanted]
     position = {g: i for i, g in enumerate(auditor.comm.global_ranks)}
-    for source, tensors in plan_resync(chosen, "majority").sources.items():
-        resync(module, optimizer, src=position[source], group=group, names=tensors, timeout_s=timeout_s)
+    plan = plan_resync(chosen, "majority")
+    for source in plan.ranks():
+        tensors, grads = plan.sources.get(source, []), plan.grads.get(source, [])
+        resync(module, optimizer, src=position[source], group=group, names=tensors, timeout_s=timeout_s, grads=grads)

@@ -7,6 +7,14 @@ holding the majority value instead, and a note says so: copying a minority value
 would spread the divergence. A tie has no majority: the chosen rank (or, for ``"majority"``, the side
 holding the lowest rank) decides, and the note names the tie.
 
+Values come first: a source is never a rank whose copy holds NaN or inf (``Mismatch.nonfinite``, counted
+on every rank and gathered) where another rank's copy is finite. Such a tensor is taken from a finite
+copy instead (on a tie, the finite side wins), and a note says so; when no copy is finite,
+:class:`~weightsync_audit.ResyncError` names the tensors, and nothing moves.
+
+Gradients that differ are resynced too (``ResyncPlan.grads``), from the same kind of source, so that
+the step about to be taken is the same everywhere.
+
 Every rank computes the same plan from the same record, so every rank makes the same broadcasts in the
 same order (ascending source rank).
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence, Union
 
+from weightsync_audit.errors import ResyncError
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks
 
@@ -45,21 +54,45 @@ class ResyncPlan:
 
     sources: dict[int, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    grads: dict[int, list[str]] = field(default_factory=dict)
+    """Source rank -> parameters whose gradients are broadcast from it."""
 
     def describe(self) -> str:
-        """``3 tensor(s) from rank 0, 1 from rank 2``."""
-        parts = [f"{len(names)} from rank {r}" for r, names in self.sources.items()]
-        total = sum(len(n) for n in self.sources.values())
+        """``3 tensor(s) from rank 0, 1 from rank 2`` (gradients counted as tensors too)."""
+        parts = []
+        for r in self.ranks():
+            n, g = len(self.sources.get(r, ())), len(self.grads.get(r, ()))
+            parts.append(f"{n + g} from rank {r}" + (f" ({g} gradient(s))" if g else ""))
+        total = sum(len(n) for n in self.sources.values()) + sum(len(n) for n in self.grads.values())
         return f"{total} tensor(s): " + ", ".join(parts) if parts else "nothing"
+
+    def ranks(self) -> list[int]:
+        """Every source rank, ascending (the order of the broadcasts)."""
+        return sorted(set(self.sources) | set(self.grads))
+
+
+def _finite_source(m: Mismatch, source: int) -> int | None:
+    """``source``, unless its copy holds NaN/inf: then the first finite copy (reference side first);
+    ``None`` when every copy holds NaN/inf."""
+    bad = m.nonfinite or {}
+    if source not in bad:
+        return source
+    return next((r for r in (*m.reference_ranks, *m.ranks) if r not in bad), None)
 
 
 def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource) -> ResyncPlan:
-    """The source of each mismatch's tensor (gradients and structure differences are left out)."""
+    """The source of each mismatch's tensor (structure differences are left out).
+
+    Raises :class:`~weightsync_audit.ResyncError` naming the tensors of which no copy is finite.
+    """
     chosen: dict[int, list[str]] = {}
+    grads: dict[int, list[str]] = {}
     outvoted: dict[tuple[int, tuple[int, ...]], list[str]] = {}
     ties: dict[int, list[str]] = {}
+    finite: dict[tuple[int, int], list[str]] = {}
+    hopeless: list[str] = []
     for m in mismatches:
-        if m.kind in ("grad", "structure") or not m.reference_ranks:
+        if m.kind == "structure" or not m.reference_ranks:
             continue
         if src == "majority":
             source = m.reference_ranks[0]
@@ -67,13 +100,33 @@ def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource) -> ResyncPlan
             source = src  # holds the reference value, or one side of a tie: the user's choice decides
         elif src in m.ranks:
             source = m.reference_ranks[0]
-            outvoted.setdefault((source, tuple(m.reference_ranks)), []).append(m.name)
+            if _finite_source(m, source) == source:
+                outvoted.setdefault((source, tuple(m.reference_ranks)), []).append(m.name)
         else:
             source = m.reference_ranks[0]
-        if m.tie:
+        safe = _finite_source(m, source)
+        if safe is None:
+            hopeless.append(f"{m.kind} {m.name}")
+            continue
+        if safe != source:
+            finite.setdefault((source, safe), []).append(m.name)
+            source = safe
+        elif m.tie:
             ties.setdefault(source, []).append(m.name)
-        chosen.setdefault(source, []).append(m.name)
-    plan = ResyncPlan({r: chosen[r] for r in sorted(chosen)})
+        (grads if m.kind == "grad" else chosen).setdefault(source, []).append(m.name)
+    if hopeless:
+        raise ResyncError(
+            f"cannot resync {brief_names(hopeless)}: every rank's copy holds NaN or inf, so no rank is a "
+            "safe source; restore a checkpoint",
+            None,
+            untouched=hopeless,
+        )
+    plan = ResyncPlan({r: chosen[r] for r in sorted(chosen)}, grads={r: grads[r] for r in sorted(grads)})
+    for (unsafe, source), names in finite.items():
+        plan.notes.append(
+            f"rank {unsafe} holds NaN/inf in {brief_names(names)} where rank {source} holds finite values: "
+            f"resynced from rank {source}, never from a non-finite copy"
+        )
     for (source, refs), names in outvoted.items():
         plan.notes.append(
             f"resync_src={src} holds a minority value of {brief_names(names)} ({fmt_ranks(refs)} hold the majority "
