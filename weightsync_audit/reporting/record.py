@@ -81,7 +81,17 @@ class Mismatch:
     rel_diff: float | None = None
     """``max_abs_diff`` over the largest magnitude in the reference copy (None: not measured)."""
     within_tolerance: bool | None = None
-    """With a ``tolerance`` in force: ``rel_diff`` is measured and at most the tolerance. None: no tolerance."""
+    """With a ``tolerance`` in force: a float whose ``rel_diff`` is at most the tolerance, spread like drift
+    (see ``docs/report-schema.md``). Never for an integer or bool. None: no tolerance."""
+    diff_count: int | None = None
+    """How many elements differ from the reference copy (the odd rank furthest off); None: not measured."""
+
+    @property
+    def diff_share(self) -> float | None:
+        """``diff_count`` over the tensor's element count (None: not measured or no shape)."""
+        if self.diff_count is None or self.shape is None:
+            return None
+        return self.diff_count / max(1, math.prod(self.shape))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -100,6 +110,9 @@ class Mismatch:
             d["rel_diff"] = _finite_or_none(self.rel_diff)
         if self.within_tolerance is not None:
             d["within_tolerance"] = bool(self.within_tolerance)
+        if self.diff_count is not None:
+            d["diff_count"] = int(self.diff_count)
+            d["diff_share"] = self.diff_share
         return d
 
     @property
@@ -283,4 +296,5 @@ _MISMATCH_ARGS = (
     "shard",
     "rel_diff",
     "within_tolerance",
+    "diff_count",
 )

@@ -293,6 +293,8 @@ MISMATCH_FIELDS: dict[str, FieldSpec] = {
     "shard": FieldSpec(optional(shard_coords)),
     "rel_diff": FieldSpec(optional(number)),
     "within_tolerance": FieldSpec(optional(boolean)),
+    "diff_count": FieldSpec(optional(integer(0))),
+    "diff_share": FieldSpec(optional(number)),
 }
 """One line per field of a mismatch; fields not listed are accepted and ignored."""
 
@@ -352,4 +354,29 @@ def validate_record(d: Any) -> dict[str, Any]:
         raise ReportFormatError("in_sync is true but mismatches are listed (field 'in_sync')")
     if not out["in_sync"] and not out["mismatches"]:
         raise ReportFormatError("in_sync is false but no mismatch is listed (field 'in_sync')")
+    _check_within_tolerance(out)
     return out
+
+
+def _check_within_tolerance(out: dict[str, Any]) -> None:
+    """``within_tolerance: true`` only where it can hold: a value mismatch, a tolerance, ``rel_diff`` within it."""
+    tolerance = out["tolerance"]
+    for i, m in enumerate(out["mismatches"]):
+        if m["within_tolerance"] is not True:
+            continue
+        path = f"mismatches[{i}].within_tolerance"
+        if m["kind"] == "structure":
+            why = "a structure mismatch has no gap to tolerate"
+        elif tolerance is None:
+            why = "the record sets no 'tolerance'"
+        elif m["rel_diff"] is None:
+            why = "its 'rel_diff' was not measured"
+        elif m["rel_diff"] > tolerance:
+            why = f"its rel_diff {m['rel_diff']:g} exceeds the tolerance {tolerance:g}"
+        else:
+            continue
+        raise ReportFormatError(f"field {path!r} is true but {why}")
+    if out["within_tolerance"] is True and (
+        tolerance is None or any(not m["within_tolerance"] for m in out["mismatches"])
+    ):
+        raise ReportFormatError("field 'within_tolerance' is true but some mismatch is not within a tolerance")
