@@ -173,6 +173,9 @@ class AuditResult:
     """On a divergent record: ``exact``, ``sampled``, ``overflow``, ``earlier``, ``unseen``, ``off`` (see PINPOINT_STATES)."""
     tolerance: float | None = None
     """The relative tolerance in force, or None (exact)."""
+    transient: dict[str, Any] | None = None
+    """Replicas that differed at some step since the last audit and agree again now (seen through the
+    pinpoint rings): ``{"first_diverged_step", "last_diverged_step", "names"}``; None: nothing seen."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -214,6 +217,8 @@ class AuditResult:
         if self.pinpoint is not None:
             d["pinpoint"] = self.pinpoint
             d["first_diverged_step"] = self.first_diverged_step
+        if self.transient is not None:
+            d["transient"] = dict(self.transient)
         if self.tolerance is not None:
             d["tolerance"] = float(self.tolerance)
             if not self.in_sync:
@@ -243,6 +248,7 @@ class AuditResult:
             first_diverged_step=v["first_diverged_step"],
             pinpoint=v["pinpoint"],
             tolerance=v["tolerance"],
+            transient=v["transient"],
         )
 
     def summary(self) -> str:

@@ -264,6 +264,19 @@ def shard_coords(v: Any, path: str) -> dict[str, int]:
     return dict(v)
 
 
+def transient_span(v: Any, path: str) -> dict[str, Any]:
+    """``{"first_diverged_step", "last_diverged_step", "names"}``: steps (or null) and tensor names."""
+    if not isinstance(v, dict):
+        raise _fail(path, 'an object {"first_diverged_step", "last_diverged_step", "names"}', v)
+    step = optional(integer())
+    first = step(v.get("first_diverged_step"), f"{path}.first_diverged_step")
+    last = step(v.get("last_diverged_step"), f"{path}.last_diverged_step")
+    names = list_of(string, "strings")(v.get("names", []), f"{path}.names")
+    if (first is None) != (last is None) or (first is not None and last is not None and last < first):
+        raise _fail(f"{path}.last_diverged_step", "a step >= first_diverged_step (both or neither null)", last)
+    return {"first_diverged_step": first, "last_diverged_step": last, "names": names}
+
+
 def mismatch_list(v: Any, path: str) -> list[dict[str, Any]]:
     if not isinstance(v, list):
         raise _fail(path, "a list of mismatch objects", v)
@@ -319,6 +332,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "first_diverged_step": FieldSpec(optional(integer())),
     "tolerance": FieldSpec(optional(number)),
     "within_tolerance": FieldSpec(optional(boolean)),
+    "transient": FieldSpec(optional(transient_span)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 
@@ -350,6 +364,8 @@ def validate_record(d: Any) -> dict[str, Any]:
     Raises :class:`~weightsync_audit.errors.ReportFormatError` naming the first bad field.
     """
     out = _validate(d, RECORD_FIELDS, "a record", "")
+    if out["transient"] is not None and not out["in_sync"]:
+        raise ReportFormatError("field 'transient' is set on a divergent record (it describes a divergence healed)")
     if out["in_sync"] and out["mismatches"]:
         raise ReportFormatError("in_sync is true but mismatches are listed (field 'in_sync')")
     if not out["in_sync"] and not out["mismatches"]:
