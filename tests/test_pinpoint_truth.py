@@ -166,4 +166,25 @@ def test_a_divergence_that_appeared_and_healed_between_audits_is_reported_as_tra
         with ReportWriter(path) as w:
             for r in (at10, at20):
                 w.write(AuditResult.from_dict(r))
-        assert cmd_check(str(path)) == 1  # counted as a divergence
+        from rich.console import Console
+
+        console = Console(record=True, width=200)
+        assert cmd_check(str(path), console=console) == 1  # counted as a divergence
+        assert "transient: the replicas differed at steps 6 .. 7 (0.weight)" in console.export_text()
+
+
+def test_a_transient_field_round_trips_and_is_refused_where_it_cannot_hold() -> None:
+    import pytest
+
+    from weightsync_audit import Mismatch
+    from weightsync_audit.errors import ReportFormatError
+
+    span = {"first_diverged_step": 6, "last_diverged_step": 7, "names": ["0.weight"]}
+    record = AuditResult(in_sync=True, step=10, world_size=2, transient=span).to_dict()
+    assert record["transient"] == span and AuditResult.from_dict(record).transient == span
+    assert "transient" not in AuditResult(in_sync=True, step=10, world_size=2).to_dict()
+    diverged = AuditResult(in_sync=False, step=10, world_size=2, mismatches=[Mismatch("w", "param", [1], [0])])
+    with pytest.raises(ReportFormatError, match="transient"):
+        AuditResult.from_dict({**diverged.to_dict(), "transient": span})
+    with pytest.raises(ReportFormatError, match="transient.last_diverged_step"):
+        AuditResult.from_dict({**record, "transient": {**span, "last_diverged_step": 5}})

@@ -5,7 +5,7 @@ single call and read top to bottom in :meth:`AuditRun.run`; each phase is one me
 the run's fields (the state that flows between them), so what each phase needs and leaves is visible in
 one place:
 
-- **prepare**: this rank's manifest (cached while the structure holds), its digests and 64-byte summary;
+- **prepare**: this rank's manifest (cached while the structure holds), its digests and 72-byte summary;
 - **agree**: the summaries meet at the coordinator, which answers every rank the same verdict;
 - **localize**: off the healthy path, which tensors differ on which ranks (digest columns, structures,
   DTensor peer sets);

@@ -8,6 +8,10 @@ audit's channel) and :func:`locate` finds, from the same gathered rings on every
 whose digests disagree: ``first_diverged_step``; the step before it, where they still agreed, is the
 exact ``last_in_sync_step``.
 
+A step that some rank did not record while the others did (a skipped optimizer step) is a difference
+at that step: it is the first diverged one, and the note names the ranks that lack it; ``exact`` means
+every rank held the same steps, agreeing, up to that step.
+
 Never a guess: a step counts as in sync only when its full digests agreed (or an in-sync full audit
 vouches for it). When the ring lost the steps that would tell (``overflow``), when every recorded step
 agreed (``unseen``: the change came after the last recorded step, e.g. outside an optimizer step), or
