@@ -48,6 +48,8 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
             extra.append(f"max |diff| {fmt_gap(m.max_abs_diff)}")
         if m.rel_diff is not None:
             extra.append(f"rel {fmt_gap(m.rel_diff)}")
+        if m.diff_count is not None:
+            extra.append(f"{m.diff_count:,} element(s) differ")
         if m.within_tolerance:
             extra.append("within tolerance")
         if m.detail:
