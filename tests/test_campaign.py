@@ -17,12 +17,8 @@ from campaign_oracle import covers, false_transient, localized, odd_ranks
 
 SEED = 0
 
-NOT_YET: dict[str, str] = {
-    "frozen_one_rank": "issue 21 item 16: the trainable flag is not part of the structure Auditor compares",
-    "nan_param": "issue 21 items 15 and 17: the NaN spreads to every rank and the transient divergence is dropped",
-    "skip_step_unrecorded": "issue 21 item 8: a rank missing a step in its ring still gets an 'exact' answer",
-}
-"""Kinds the current engine misses, with the issue item whose fix the lead merges; flip when it is in."""
+NOT_YET: dict[str, str] = {}
+"""Kinds the engine misses, with the issue item that would fix them (none since issue 21's fixes)."""
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from weightsync_audit.channel.storelink import StoreLink, StoreUnreachable
@@ -90,6 +91,7 @@ def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s:
                     timeout=timedelta(seconds=max(deadline_s, 1.0) + grace_s),
                     use_local_synchronization=True,
                 )
+            _first_contact(pg, ranks, my_rank, deadline_s, grace_s)
         except AuditTimeoutError as exc:
             _failed_opens[key] = (default_pg, exc)
             raise
@@ -123,6 +125,52 @@ def _lazy_gloo() -> Iterator[None]:
             os.environ.pop(_LAZY_ENV, None)
         else:
             os.environ[_LAZY_ENV] = before
+
+
+def _first_contact(pg: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> None:
+    """Connect each pair of the star now, while every rank is known to be here (they have just met).
+
+    In a lazy gloo group a pair connects on its first message, and that connect blocks the caller inside
+    ``irecv`` with gloo's own timeout (measured: about 35 s, in 1 try of 4) before any deadlined wait
+    starts: a rank that never reached its first audit would hold the coordinator that long. One message
+    from each rank to the coordinator, posted and awaited in a helper thread that this rank waits for at
+    most ``deadline_s + grace_s``, connects every pair the star uses; later rounds find them connected.
+    """
+    if len(ranks) < 2:
+        return
+    peers = list(ranks[1:]) if my_rank == 0 else [ranks[0]]
+    reached: list[int] = []
+    failure: list[str] = []
+    done = threading.Event()
+
+    def contact() -> None:
+        try:
+            limit = timedelta(seconds=max(deadline_s, 1.0) + grace_s)
+            if my_rank == 0:
+                bufs = [torch.zeros(1, dtype=torch.int64) for _ in peers]
+                works = [dist.irecv(b, src=r, group=pg) for b, r in zip(bufs, peers)]
+            else:
+                bufs = [torch.full((1,), ranks[my_rank], dtype=torch.int64)]
+                works = [dist.isend(bufs[0], dst=peers[0], group=pg)]
+            for r, work in zip(peers, works):
+                work.wait(timeout=limit)
+                reached.append(r)
+        except Exception as exc:  # noqa: BLE001 - reported below, as a timeout naming the ranks not reached
+            failure.append(str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else type(exc).__name__)
+        finally:
+            done.set()
+
+    threading.Thread(target=contact, name="weightsync-audit-first-contact", daemon=True).start()
+    if done.wait(deadline_s + grace_s) and not failure:
+        return
+    missing = [r for r in peers if r not in reached]
+    why = f": {failure[0]}" if failure else ""
+    raise AuditTimeoutError(
+        f"weightsync audit: rank(s) {missing} could not be reached within {deadline_s + grace_s:g}s while the "
+        f"audit channel was opened (this is rank {ranks[my_rank]} of {len(ranks)}){why}; a rank died or "
+        "stopped right after the ranks met",
+        missing,
+    )
 
 
 def _meet(link: StoreLink, ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> None:

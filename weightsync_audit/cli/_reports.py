@@ -33,6 +33,14 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
         f" (epoch {r.epoch}" + (f", {r.hook})" if r.hook else ")") if r.epoch is not None else ""
     )
     out = [Text.assemble(("first divergence: ", "bold"), (where, "bold red"), f", report line {line}")]
+    if r.in_sync and r.transient:
+        t = r.transient
+        span = "steps the ring no longer held"
+        if t.get("first_diverged_step") is not None:
+            span = f"steps {t['first_diverged_step']} .. {t['last_diverged_step']}"
+        names = brief_names(t.get("names") or ["(not named)"], 8)
+        out.append(Text(f"  transient: the replicas differed at {span} ({names}) and agree again at this audit"))
+        return out
     parts = []
     for m in r.mismatches[:8]:
         extra = [m.kind] + ([f"shard {fmt_shard(m.shard)}"] if m.shard else [])
@@ -40,6 +48,8 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
             extra.append(f"max |diff| {fmt_gap(m.max_abs_diff)}")
         if m.rel_diff is not None:
             extra.append(f"rel {fmt_gap(m.rel_diff)}")
+        if m.diff_count is not None:
+            extra.append(f"{m.diff_count:,} element(s) differ")
         if m.within_tolerance:
             extra.append("within tolerance")
         if m.detail:

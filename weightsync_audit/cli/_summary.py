@@ -94,8 +94,9 @@ class ReportSummary:
 
     @property
     def diverged(self) -> list[tuple[int, AuditResult]]:
-        """Audits that found replicas apart beyond the run's tolerance (any difference without one)."""
-        return [(i, r) for i, r in self.records if not r.in_sync and not r.within_tolerance]
+        """Audits that found replicas apart beyond the run's tolerance (any difference without one), or in
+        sync again after a transient divergence since the audit before (``transient``)."""
+        return [(i, r) for i, r in self.records if (not r.in_sync and not r.within_tolerance) or r.transient]
 
     @property
     def within_tolerance(self) -> list[tuple[int, AuditResult]]:

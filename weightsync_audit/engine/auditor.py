@@ -237,4 +237,4 @@ def audit(
 
 
 # The summary layout is part of the protocol: keep its length in one place.
-assert len(SUMMARY_FIELDS) == 8
+assert len(SUMMARY_FIELDS) == 9

@@ -5,7 +5,7 @@ single call and read top to bottom in :meth:`AuditRun.run`; each phase is one me
 the run's fields (the state that flows between them), so what each phase needs and leaves is visible in
 one place:
 
-- **prepare**: this rank's manifest (cached while the structure holds), its digests and 64-byte summary;
+- **prepare**: this rank's manifest (cached while the structure holds), its digests and 72-byte summary;
 - **agree**: the summaries meet at the coordinator, which answers every rank the same verdict;
 - **localize**: off the healthy path, which tensors differ on which ranks (digest columns, structures,
   DTensor peer sets);
@@ -52,6 +52,7 @@ from weightsync_audit.engine.measure.remote_gaps import measure_gaps
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer, mark_pinpoint
+from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
@@ -118,6 +119,7 @@ class AuditRun:
         "step",
         "structure_diffs",
         "t0",
+        "transient",
         "union",
         "value_diffs",
         "verdict",
@@ -156,6 +158,7 @@ class AuditRun:
         self.hints: list[str] = []
         self.pin: Pinpoint | None = None
         self.nonfinite: tuple[int, list[str]] | None = None
+        self.transient: dict[str, Any] | None = None
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
@@ -201,6 +204,7 @@ class AuditRun:
                 overall,
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
                 self.slice_index,
+                ring_word(pinpointer),
             ],
             dtype=np.int64,
         )
@@ -326,16 +330,29 @@ class AuditRun:
         cfg, comm, pinpointer = self.auditor.config, self.comm, self.auditor.pinpointer
         # Pinpoint is collective on a divergence (on shared data), so every rank settles it here.
         if pinpointer is not None:
-            self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1)
+            if not self.mismatches and self.verdict is not None and "ring" in self.verdict.differing_fields:
+                names = [e.name for e in self.prepared.manifest.entries]
+                self.transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
+                self.notes.append(transient_note(self.transient))
+            self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1, self._tolerated())
         counts = self.prepared.counts()
         self.checked, unpaired = compared_counts(self.entries, self.peers) if self.peers is not None else (counts, 0)
         if self.union is not None:
             self.checked = self.union  # not this rank's own count: the same on every rank
-        self.notes = list(self.prepared.notes) + sharded_notes(
-            self.checked, unpaired, counts["param"], "params" in cfg.include
+        self.notes = (
+            self.notes
+            + list(self.prepared.notes)
+            + sharded_notes(self.checked, unpaired, counts["param"], "params" in cfg.include)
         )
         if self.mismatches:
             self._share_hints()
+
+    def _tolerated(self) -> list[int] | None:
+        """Manifest positions of the diverged tensors when every one is within the tolerance, else None."""
+        if not self.mismatches or not all(m.within_tolerance for m in self.mismatches):
+            return None
+        position = {e.uid: i for i, e in enumerate(self.prepared.manifest.entries)}
+        return [position[d.uid] for d in self.value_diffs if d.uid in position]
 
     def _share_hints(self) -> None:
         """Hints read a wrapper and notes a manifest: the first rank's are everyone's, so the record is the
@@ -381,6 +398,7 @@ class AuditRun:
             notes=self.notes,
             coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
+            transient=self.transient,
         )
         if self.nonfinite is not None:
             result.nonfinite_count, names = self.nonfinite

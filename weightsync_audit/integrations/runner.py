@@ -187,7 +187,22 @@ class AuditRunner:
         if self.auditor is None or not self.config.pinpoint or step == self.last_step_recorded:
             return
         self.last_step_recorded = step
-        self.auditor.record_step(step, model, list(optimizers) or None)
+        try:
+            self.auditor.record_step(step, model, list(optimizers) or None)
+        except Exception as exc:
+            if self.on_mismatch != "warn":
+                raise
+            # Local, no message: a failure here cannot leave another rank waiting. Under warn, a tensor the
+            # audit cannot read warns (once per kind, on the rank it happens) and training goes on.
+            kind = f"record_step {type(exc).__name__}"
+            if kind not in self._warned_failures:
+                self._warned_failures.add(kind)
+                warnings.warn(
+                    f"weightsync audit: pinpoint could not digest step {step}; training goes on "
+                    f"(on_mismatch='warn'): {type(exc).__name__}: {exc}",
+                    WeightSyncWarning,
+                    stacklevel=3,
+                )
 
     def run(
         self,
@@ -290,7 +305,7 @@ class AuditRunner:
             self.history.last_in_sync_step = step
             self.history.last_full_sync_step = step
             if self.auditor is not None and self.auditor.pinpointer is not None:
-                self.auditor.pinpointer.in_sync(step)  # pinpoint starts afresh
+                self.auditor.pinpointer.restart(step)  # pinpoint starts afresh: no pre-resync entry stays
         else:
             result.action = "raised"
             result.notes.append(f"resync ({plan.describe()}) did not restore agreement: {confirm.summary()}")

@@ -81,10 +81,20 @@ class Mismatch:
     rel_diff: float | None = None
     """``max_abs_diff`` over the largest magnitude in the reference copy (None: not measured)."""
     within_tolerance: bool | None = None
-    """With a ``tolerance`` in force: ``rel_diff`` is measured and at most the tolerance. None: no tolerance."""
+    """With a ``tolerance`` in force: a float whose ``rel_diff`` is at most the tolerance, spread like drift
+    (see ``docs/report-schema.md``). Never for an integer or bool. None: no tolerance."""
     nonfinite: dict[int, int] | None = None
     """The ranks whose copy holds NaN or inf, with how many such elements (None: no copy does, or not a
     value mismatch). Counted on every diverged tensor."""
+    diff_count: int | None = None
+    """How many elements differ from the reference copy (the odd rank furthest off); None: not measured."""
+
+    @property
+    def diff_share(self) -> float | None:
+        """``diff_count`` over the tensor's element count (None: not measured or no shape)."""
+        if self.diff_count is None or self.shape is None:
+            return None
+        return self.diff_count / max(1, math.prod(self.shape))
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -105,6 +115,9 @@ class Mismatch:
             d["within_tolerance"] = bool(self.within_tolerance)
         if self.nonfinite:
             d["nonfinite"] = {str(r): int(n) for r, n in sorted(self.nonfinite.items())}
+        if self.diff_count is not None:
+            d["diff_count"] = int(self.diff_count)
+            d["diff_share"] = self.diff_share
         return d
 
     @property
@@ -168,6 +181,9 @@ class AuditResult:
     nonfinite_count: int | None = None
     """With ``check_finite``: how many audited tensors hold NaN or inf (the most on any rank); None: not
     counted. An in-sync record with a count above 0 says so in ``notes``."""
+    transient: dict[str, Any] | None = None
+    """Replicas that differed at some step since the last audit and agree again now (seen through the
+    pinpoint rings): ``{"first_diverged_step", "last_diverged_step", "names"}``; None: nothing seen."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -209,6 +225,8 @@ class AuditResult:
         if self.pinpoint is not None:
             d["pinpoint"] = self.pinpoint
             d["first_diverged_step"] = self.first_diverged_step
+        if self.transient is not None:
+            d["transient"] = dict(self.transient)
         if self.tolerance is not None:
             d["tolerance"] = float(self.tolerance)
             if not self.in_sync:
@@ -241,6 +259,7 @@ class AuditResult:
             pinpoint=v["pinpoint"],
             tolerance=v["tolerance"],
             nonfinite_count=v["nonfinite_count"],
+            transient=v["transient"],
         )
 
     def summary(self) -> str:
@@ -295,4 +314,5 @@ _MISMATCH_ARGS = (
     "rel_diff",
     "within_tolerance",
     "nonfinite",
+    "diff_count",
 )

@@ -75,6 +75,9 @@ def _fmt_rel(m: MismatchLike) -> str:
     # Optional on a row (a checkpoint diff has no relative gap): read when present.
     rel = getattr(m, "rel_diff", None)
     text = "" if rel is None else f" (rel {rel:.2g})"
+    count = getattr(m, "diff_count", None)
+    if count is not None:
+        text += f", {count:,} element{'s' if count != 1 else ''}"
     return text + (" within tol." if getattr(m, "within_tolerance", None) else "")
 
 

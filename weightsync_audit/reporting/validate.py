@@ -276,6 +276,19 @@ def rank_counts(v: Any, path: str) -> dict[int, int]:
     return out
 
 
+def transient_span(v: Any, path: str) -> dict[str, Any]:
+    """``{"first_diverged_step", "last_diverged_step", "names"}``: steps (or null) and tensor names."""
+    if not isinstance(v, dict):
+        raise _fail(path, 'an object {"first_diverged_step", "last_diverged_step", "names"}', v)
+    step = optional(integer())
+    first = step(v.get("first_diverged_step"), f"{path}.first_diverged_step")
+    last = step(v.get("last_diverged_step"), f"{path}.last_diverged_step")
+    names = list_of(string, "strings")(v.get("names", []), f"{path}.names")
+    if (first is None) != (last is None) or (first is not None and last is not None and last < first):
+        raise _fail(f"{path}.last_diverged_step", "a step >= first_diverged_step (both or neither null)", last)
+    return {"first_diverged_step": first, "last_diverged_step": last, "names": names}
+
+
 def mismatch_list(v: Any, path: str) -> list[dict[str, Any]]:
     if not isinstance(v, list):
         raise _fail(path, "a list of mismatch objects", v)
@@ -306,6 +319,8 @@ MISMATCH_FIELDS: dict[str, FieldSpec] = {
     "rel_diff": FieldSpec(optional(number)),
     "within_tolerance": FieldSpec(optional(boolean)),
     "nonfinite": FieldSpec(optional(rank_counts)),
+    "diff_count": FieldSpec(optional(integer(0))),
+    "diff_share": FieldSpec(optional(number)),
 }
 """One line per field of a mismatch; fields not listed are accepted and ignored."""
 
@@ -331,6 +346,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "tolerance": FieldSpec(optional(number)),
     "within_tolerance": FieldSpec(optional(boolean)),
     "nonfinite_count": FieldSpec(optional(integer(0))),
+    "transient": FieldSpec(optional(transient_span)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 
@@ -362,8 +378,35 @@ def validate_record(d: Any) -> dict[str, Any]:
     Raises :class:`~weightsync_audit.errors.ReportFormatError` naming the first bad field.
     """
     out = _validate(d, RECORD_FIELDS, "a record", "")
+    if out["transient"] is not None and not out["in_sync"]:
+        raise ReportFormatError("field 'transient' is set on a divergent record (it describes a divergence healed)")
     if out["in_sync"] and out["mismatches"]:
         raise ReportFormatError("in_sync is true but mismatches are listed (field 'in_sync')")
     if not out["in_sync"] and not out["mismatches"]:
         raise ReportFormatError("in_sync is false but no mismatch is listed (field 'in_sync')")
+    _check_within_tolerance(out)
     return out
+
+
+def _check_within_tolerance(out: dict[str, Any]) -> None:
+    """``within_tolerance: true`` only where it can hold: a value mismatch, a tolerance, ``rel_diff`` within it."""
+    tolerance = out["tolerance"]
+    for i, m in enumerate(out["mismatches"]):
+        if m["within_tolerance"] is not True:
+            continue
+        path = f"mismatches[{i}].within_tolerance"
+        if m["kind"] == "structure":
+            why = "a structure mismatch has no gap to tolerate"
+        elif tolerance is None:
+            why = "the record sets no 'tolerance'"
+        elif m["rel_diff"] is None:
+            why = "its 'rel_diff' was not measured"
+        elif m["rel_diff"] > tolerance:
+            why = f"its rel_diff {m['rel_diff']:g} exceeds the tolerance {tolerance:g}"
+        else:
+            continue
+        raise ReportFormatError(f"field {path!r} is true but {why}")
+    if out["within_tolerance"] is True and (
+        tolerance is None or any(not m["within_tolerance"] for m in out["mismatches"])
+    ):
+        raise ReportFormatError("field 'within_tolerance' is true but some mismatch is not within a tolerance")

@@ -43,8 +43,9 @@ PROTOCOL = 0x5753_4101
 PROTOCOL_FAILED = PROTOCOL | 0x80
 """First word of the summary of a rank that could not prepare its audit: every rank then raises."""
 
-SUMMARY_FIELDS = ("protocol", "step", "epoch", "count", "structure", "overall", "config", "slice")
-"""The fixed-size summary each rank contributes: 8 int64 words, 64 bytes."""
+SUMMARY_FIELDS = ("protocol", "step", "epoch", "count", "structure", "overall", "config", "slice", "ring")
+"""The fixed-size summary each rank contributes: 9 int64 words, 72 bytes. ``ring``: the pinpoint ring's
+trace since the last audit (0 without pinpoint): equal values with other rings is a transient divergence."""
 
 _POSITION_FIELDS = ("protocol", "step", "epoch", "config", "slice")
 
@@ -134,6 +135,8 @@ def judge_summaries(table: np.ndarray) -> SummaryVerdict:
         return SummaryVerdict("structure", tuple(f for f in ("count", "structure") if not fields[f]))
     if not fields["overall"]:
         return SummaryVerdict("values", ("overall",))
+    if not fields.get("ring", True):
+        return SummaryVerdict("in_sync", ("ring",))  # equal now, but some step since the last audit was not
     return SummaryVerdict("in_sync")
 
 

@@ -32,7 +32,7 @@ from weightsync_audit.reporting.record import Mismatch
 __all__ = ["measure_gaps"]
 
 _OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL = range(5)
-_FIELDS = 4  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer
+_FIELDS = 5  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer, count
 
 
 def _layouts(comm: Comm, entries: list[Entry]) -> np.ndarray:
@@ -105,7 +105,7 @@ def _why(code: int, rank: int, peer: int) -> str:
 
 
 def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entries: list[Entry]) -> None:
-    """Fill ``max_abs_diff`` (and ``rel_diff`` where the record has it) of value mismatches, in place.
+    """Fill ``max_abs_diff``, ``diff_count`` (and ``rel_diff`` where the record has it) of value mismatches.
 
     Collective over ``comm``: every rank calls it with the same mismatches (ranks as positions in the
     group) and its own entries for them. Never raises for a failed transfer; a failure of the star
@@ -153,6 +153,7 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
                 row[at + 2] = _LOCAL
             else:
                 row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
+                row[at + 4] = meter.diff_count
         before += sizes[i] * len(receivers)
     table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total))
     if (table[:, 2::_FIELDS] != _OK).any():
@@ -171,6 +172,7 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
         worst = max(diffs, key=lambda v: (math.isnan(v), v))
         reference = max(_i2f(int(table[r, _FIELDS * k + 1])) for r in m.ranks)
         m.max_abs_diff = None if math.isnan(worst) else float(worst)
+        m.diff_count = max(int(table[r, _FIELDS * k + 4]) for r in m.ranks)  # the odd rank furthest off
         if hasattr(m, "rel_diff"):
             rel = 0.0 if worst == 0 else (worst / reference if reference > 0 and math.isfinite(worst) else None)
             m.rel_diff = rel

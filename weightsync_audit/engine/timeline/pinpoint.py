@@ -8,6 +8,10 @@ audit's channel) and :func:`locate` finds, from the same gathered rings on every
 whose digests disagree: ``first_diverged_step``; the step before it, where they still agreed, is the
 exact ``last_in_sync_step``.
 
+A step that some rank did not record while the others did (a skipped optimizer step) is a difference
+at that step: it is the first diverged one, and the note names the ranks that lack it; ``exact`` means
+every rank held the same steps, agreeing, up to that step.
+
 Never a guess: a step counts as in sync only when its full digests agreed (or an in-sync full audit
 vouches for it). When the ring lost the steps that would tell (``overflow``), when every recorded step
 agreed (``unseen``: the change came after the last recorded step, e.g. outside an optimizer step), or
@@ -83,6 +87,9 @@ class StepRing:
         self.entries: deque[tuple[int, int]] = deque()
         self.dropped = 0
         self.anchor: int | None = None
+        self.trace = 0
+        """Every ``(step, digest)`` recorded since the last audit, folded into one word (overflow or not)."""
+        self._trace_before = 0  # the trace before the last step, for a step recorded again
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -92,7 +99,10 @@ class StepRing:
         step = int(step)
         if self.entries and self.entries[-1][0] == step:
             self.entries[-1] = (step, int(digest))
+            self.trace = _fold(self._trace_before, step, int(digest))
             return
+        self._trace_before = self.trace
+        self.trace = _fold(self.trace, step, int(digest))
         self.entries.append((step, int(digest)))
         if len(self.entries) > self.capacity:
             self.entries.popleft()
@@ -102,7 +112,9 @@ class StepRing:
         """An audit at ``step`` found every rank in sync: forget what came before it.
 
         ``proven=False`` (a sampled audit, which saw only part of the values) keeps the ring as it is.
+        The trace starts afresh either way: the audit compared it.
         """
+        self.trace = self._trace_before = 0
         if step is None or not proven:
             return
         step = int(step)
@@ -111,6 +123,13 @@ class StepRing:
         self.dropped = 0
         self.anchor = step
 
+    def restart(self, step: int | None) -> None:
+        """Every rank was made to hold the same values at ``step`` (a resync): nothing recorded before counts."""
+        self.entries.clear()
+        self.dropped = 0
+        self.anchor = None if step is None else int(step)
+        self.trace = self._trace_before = 0
+
     def encode(self) -> bytes:
         head = [self.dropped, _NONE if self.anchor is None else self.anchor, self.slices, len(self.entries)]
         steps = [s for s, _ in self.entries]
@@ -118,8 +137,17 @@ class StepRing:
         return np.array(head + steps + digests, dtype=np.int64).tobytes()
 
 
+_MASK = (1 << 64) - 1
+
+
+def _fold(trace: int, step: int, digest: int) -> int:
+    """One more ``(step, digest)`` in a trace: order-sensitive, 64 bits."""
+    h = ((trace ^ (step & _MASK)) * 0x9E3779B97F4A7C15) & _MASK
+    return ((h ^ (digest & _MASK)) * 0xC2B2AE3D27D4EB4F + 0x165667B19E3779F9) & _MASK
+
+
 @dataclass(slots=True)
-class _Ring:
+class Ring:
     dropped: int
     anchor: int | None
     slices: int
@@ -127,13 +155,13 @@ class _Ring:
     digests: list[int]
 
 
-def _decode(blob: bytes) -> _Ring:
+def decode_ring(blob: bytes) -> Ring:
     a = np.frombuffer(blob, dtype=np.int64)
     if len(a) < _HEADER or len(a) != _HEADER + 2 * int(a[3]):
         raise ValueError(f"a pinpoint ring of {len(blob)} bytes does not decode")
     n = int(a[3])
     anchor = int(a[1])
-    return _Ring(
+    return Ring(
         int(a[0]),
         None if anchor == _NONE else anchor,
         int(a[2]),
@@ -142,49 +170,80 @@ def _decode(blob: bytes) -> _Ring:
     )
 
 
-def locate(blobs: Sequence[bytes]) -> Pinpoint:
-    """The first step whose digests differ across the gathered rings (one per rank, in rank order)."""
-    rings = [_decode(b) for b in blobs]
+def compared_steps(rings: Sequence[Ring]) -> list[int]:
+    """The steps to compare: every step some rank recorded, from the first one every ring still holds.
+
+    A step recorded on some ranks only is a difference at that step (a skipped optimizer step); steps
+    before the latest start of a ring that overflowed are lost on that rank, so they are not compared.
+    """
+    union = sorted(set().union(*(r.steps for r in rings)))
+    if any(r.dropped for r in rings):
+        start = max((r.steps[0] for r in rings if r.steps), default=None)
+        union = [s for s in union if start is None or s >= start]
+    return union
+
+
+def step_differs(by_step: Sequence[dict[int, int]], step: int) -> bool:
+    """Some rank lacks ``step``, or the ranks' digests at it differ."""
+    first = by_step[0].get(step)
+    return any(d.get(step, _NONE) != first or step not in d for d in by_step)
+
+
+def missing_at(by_step: Sequence[dict[int, int]], step: int) -> list[int]:
+    """The ranks (positions) that recorded no ``step``."""
+    return [r for r, d in enumerate(by_step) if step not in d]
+
+
+def locate(blobs: Sequence[bytes], ranks: Sequence[int] | None = None) -> Pinpoint:
+    """The first step whose digests differ, or that some rank did not record, across the gathered rings.
+
+    One ring per rank, in rank order; ``ranks`` names them (global ranks) in notes. ``exact`` only when
+    every rank holds the same steps up to that step, each agreeing.
+    """
+    rings = [decode_ring(b) for b in blobs]
+    names = list(ranks) if ranks is not None else list(range(len(rings)))
     sampled = any(r.slices > 1 for r in rings)
     by_step = [dict(zip(r.steps, r.digests)) for r in rings]
-    common = sorted(set(by_step[0]).intersection(*by_step[1:])) if by_step else []
-    uneven = any(set(s) != set(common) for s in by_step)
+    steps = compared_steps(rings)
     dropped = any(r.dropped for r in rings)
     anchors = {r.anchor for r in rings}
     anchor = anchors.pop() if len(anchors) == 1 else None
     capacity_note = "raise pinpoint_ring to at least the number of steps between audits"
-    first = next((i for i, s in enumerate(common) if len({d[s] for d in by_step}) > 1), None)
+    first = next((i for i, s in enumerate(steps) if step_differs(by_step, s)), None)
     if first is None:
-        if not common:
+        if not steps:
             return Pinpoint(
                 state="unseen",
                 note="pinpoint: no optimizer step was recorded on every rank since the last in-sync audit "
                 "(is record_step called each step?)",
             )
-        last = common[-1]
+        last = steps[-1]
         return Pinpoint(
             state="unseen",
             last_in_sync_step=None if sampled else last,
             note=f"pinpoint: every rank's digests agreed at every recorded step up to step {last}; the change "
             "came after it, outside a recorded optimizer step",
         )
-    step = common[first]
+    step = steps[first]
+    lacking = missing_at(by_step, step)
+    missing = (
+        f"pinpoint: rank(s) {[names[r] for r in lacking]} recorded no step {step} while the others did "
+        "(a skipped optimizer step?): the replicas parted there"
+        if lacking
+        else None
+    )
     if sampled:
         return Pinpoint(
             state="sampled",
             first_diverged_step=step,
             note=f"pinpoint (sampled per-step digests): the replicas differed at step {step}; the divergence "
-            "may have begun earlier, after the last in-sync audit",
+            "may have begun earlier, after the last in-sync audit" + (f"; {missing}" if missing else ""),
         )
     if first > 0:
-        before = common[first - 1]
-        note = None
-        if uneven:
-            note = "pinpoint: the ranks recorded different steps; only steps recorded on every rank were compared"
-        return Pinpoint(state="exact", first_diverged_step=step, last_in_sync_step=before, note=note)
-    if not dropped and anchor is not None and anchor < step and not uneven:
+        return Pinpoint(state="exact", first_diverged_step=step, last_in_sync_step=steps[first - 1], note=missing)
+    if not dropped and anchor is not None and anchor < step:
         # Nothing lost since an in-sync audit at `anchor`, and the first step recorded after it differs.
-        return Pinpoint(state="exact", first_diverged_step=step, last_in_sync_step=anchor)
+        return Pinpoint(state="exact", first_diverged_step=step, last_in_sync_step=anchor, note=missing)
     if dropped:
         return Pinpoint(
             state="overflow",
@@ -203,11 +262,24 @@ class Pinpointer:
 
     Once a divergence is located, the ring stops recording (nothing more to learn, nothing to pay per
     step) and later divergent audits reuse the answer, until an audit finds the replicas in sync again.
+    A divergence every part of which is within the tolerance is dated but never freezes the answer: the
+    tensors within it are left out of the per-step digests from then on, so a real bug after it is
+    dated to its own step.
+
+    ``tensors``: each audited tensor's digests since the last audit, folded (one word per tensor): what
+    names the tensors of a divergence that appeared and healed between two audits.
     """
 
     def __init__(self, capacity: int = DEFAULT_RING, slices: int = 1) -> None:
         self.ring = StepRing(capacity, slices)
         self.found: Pinpoint | None = None
+        self.excluded: np.ndarray | None = None
+        """Positions in the manifest left out of the per-step digests (found within the tolerance)."""
+        self.drift: Pinpoint | None = None
+        """Where the divergence within the tolerance was dated, while ``excluded`` is in force."""
+        self.tensors: np.ndarray | None = None
+        self._tensors_before: np.ndarray | None = None
+        self._tensors_step: int | None = None
 
     def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> None:
         """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``."""
@@ -215,35 +287,83 @@ class Pinpointer:
             return  # this divergence is located already: nothing to record until the replicas agree again
         prepared, n = prepare(), self.ring.slices  # the audit's cached manifest: no per-tensor work per step
         digests = prepared.digests(slice_index=step % n, slices=n, method=method)
+        if self.excluded is not None and len(digests) > int(self.excluded.max(initial=-1)):
+            digests = digests.copy()
+            digests[self.excluded] = 0
+        self._fold_tensors(int(step), digests)
         self.record(step, overall_digest(digests, prepared.structure))
+
+    def _fold_tensors(self, step: int, digests: np.ndarray) -> None:
+        if self._tensors_step == step:  # the same step again (gradient accumulation): replace it
+            base = self._tensors_before
+        else:
+            base = self._tensors_before = self.tensors
+        if base is None or len(base) != len(digests):
+            base = np.zeros(len(digests), dtype=np.uint64)
+        self.tensors = (base ^ digests.view(np.uint64)) * _TENSOR_MIX
+        self._tensors_step = step
 
     def record(self, step: int, digest: int) -> None:
         """This rank's digest of everything audited after ``step`` (slice ``step % slices`` when sampled)."""
         if self.found is None:
             self.ring.record_digest(step, digest)
 
-    def in_sync(self, step: int | None, *, proven: bool = True) -> None:
-        """Every rank held the same values at ``step`` (an in-sync audit, or a confirmed resync)."""
+    def _forget(self) -> None:
         self.found = None
+        self.tensors = self._tensors_before = None
+        self._tensors_step = None
+
+    def in_sync(self, step: int | None, *, proven: bool = True) -> None:
+        """Every rank held the same values at ``step`` (an in-sync audit)."""
+        self._forget()
+        self.excluded = self.drift = None
         self.ring.mark_in_sync(step, proven=proven)
+
+    def restart(self, step: int | None) -> None:
+        """Every rank was made to hold the same values at ``step`` (a confirmed resync): the rings restart."""
+        self._forget()
+        self.excluded = self.drift = None
+        self.ring.restart(step)
 
     @property
     def position(self) -> str:
         """Part of the audit position: ranks must agree on whether the rings are exchanged again."""
         return " pinpoint=located" if self.found is not None else ""
 
-    def settle(self, comm: Comm, diverged: bool, step: int | None, proven: bool) -> Pinpoint | None:
-        """After an audit's verdict (the same on every rank): locate a divergence, or trim the ring."""
-        if diverged:
+    def settle(
+        self, comm: Comm, diverged: bool, step: int | None, proven: bool, tolerated: Sequence[int] | None = None
+    ) -> Pinpoint | None:
+        """After an audit's verdict (the same on every rank): locate a divergence, or trim the ring.
+
+        ``tolerated``: on a divergence every part of which is within the tolerance, the manifest positions
+        of those tensors; the divergence is dated, and the ring goes on without them.
+        """
+        if diverged and tolerated is None:
             return self.diverged(comm)
-        self.in_sync(step, proven=proven)
-        return None
+        if not diverged:
+            self.in_sync(step, proven=proven)
+            return None
+        pin = self.found or locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
+        if self.drift is not None and pin.state == "unseen":
+            pin = self.drift  # nothing new beyond what is left out: the drift's own date stands
+        self.drift = pin
+        known = [] if self.excluded is None else self.excluded.tolist()
+        self.excluded = np.array(sorted(set(known) | set(tolerated)), dtype=np.int64)
+        self._forget()
+        if proven:
+            self.ring.restart(step)  # what it holds includes the tensors now left out
+        else:
+            self.ring.mark_in_sync(step, proven=False)
+        return pin
 
     def diverged(self, comm: Comm) -> Pinpoint:
         """Collective: every rank calls it when an audit found a divergence; the same answer everywhere."""
         if self.found is None:
-            self.found = locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"))
+            self.found = locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
         return self.found
+
+
+_TENSOR_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def mark_pinpoint(result: AuditResult, pin: Pinpoint | None) -> None:

@@ -1,0 +1,190 @@
+"""Pinpoint says ``exact`` only when it is, on real gloo ranks: a skipped optimizer step is the first diverged
+step, drift within the tolerance never freezes the answer, a resync restarts the rings, and a divergence
+that appeared and healed between two audits is reported (``transient``) instead of being dropped unread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from torch import nn
+
+from weightsync_audit import Auditor, AuditResult
+from weightsync_audit.integrations.runner import AuditRunner
+
+
+def _record(result: AuditResult) -> dict[str, Any]:
+    return {k: v for k, v in result.to_dict().items() if k not in ("time", "duration_ms")}
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, world: int, *, skip: bool = False) -> None:
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    if not skip:
+        opt.step()
+
+
+def _skipped(rank: int, world: int) -> list[dict[str, Any]]:
+    """Rank 1 skips optimizer step 5 (a NaN-guard, say) and so never records it; audits every 10 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    auditor = Auditor(model, opt, pinpoint=True)
+    torch.manual_seed(7)  # the same batches everywhere: the replicas part only by the skipped step
+    out = []
+    for step in range(1, 21):
+        skipped = rank == 1 and step == 5
+        _train_step(model, opt, world, skip=skipped)
+        if not skipped:
+            auditor.record_step(step)
+        if step % 10 == 0:
+            out.append(_record(auditor.audit(step=step)))
+    return out
+
+
+def test_a_rank_that_skipped_an_optimizer_step_is_named_and_that_step_is_the_first_diverged() -> None:
+    results = run_ranks(_skipped, 2)
+    assert results[0] == results[1]
+    first = results[0][0]
+    assert first["in_sync"] is False
+    assert (first["pinpoint"], first["first_diverged_step"], first["last_in_sync_step"]) == ("exact", 5, 4)
+    assert any("rank(s) [1] recorded no step 5" in n for n in first["notes"]), first["notes"]
+
+
+def _drift_then_bug(rank: int, world: int) -> list[dict[str, Any]]:
+    """Harmless drift on rank 1 from step 3 (every element of a weight, one ulp-ish), a real bug at 12."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: nothing but the planted changes moves
+    auditor = Auditor(model, opt, pinpoint=True, tolerance=1e-5)
+    out = []
+    for step in range(1, 21):
+        _train_step(model, opt, world)
+        if rank == 1:
+            with torch.no_grad():
+                if step == 3:
+                    model[0].weight.mul_(1 + 2e-7)
+                if step == 12:
+                    model[1].weight[0, 0] += 1e-2
+        auditor.record_step(step)
+        if step % 5 == 0:
+            out.append(_record(auditor.audit(step=step)))
+    return out
+
+
+def test_drift_within_tolerance_never_freezes_the_answer_a_later_bug_is_dated_to_its_own_step() -> None:
+    results = run_ranks(_drift_then_bug, 2)
+    assert results[0] == results[1]
+    at5, at10, at15, at20 = results[0]
+    assert at5["within_tolerance"] is True and (at5["pinpoint"], at5["first_diverged_step"]) == ("exact", 3)
+    assert at10["within_tolerance"] is True
+    assert at15["within_tolerance"] is False
+    bug = {m["name"]: m for m in at15["mismatches"]}["1.weight"]
+    assert bug["within_tolerance"] is False
+    assert (at15["pinpoint"], at15["first_diverged_step"], at15["last_in_sync_step"]) == ("exact", 12, 11)
+    assert (at20["pinpoint"], at20["first_diverged_step"]) == ("exact", 12)
+
+
+def _resync_then_diverge(rank: int, world: int) -> list[dict[str, Any]]:
+    """Through the callbacks' core: a nudge at 4, resynced at the audit at 5; another nudge at 8."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    runner = AuditRunner(on_mismatch="resync", pinpoint=True, verbose=False, every_n=5)
+    runner.open(world_size=world, is_main=rank == 0)
+    torch.manual_seed(3)
+    out = []
+    for step in range(1, 11):
+        _train_step(model, opt, world)
+        if rank == 1 and step in (4, 8):
+            with torch.no_grad():
+                model[0].bias[0] += 1e-2
+        runner.record_step(model, [opt], step)
+        if step % 5 == 0:
+            result = runner.run(model, [opt], step=step, epoch=0, hook="test", is_main=rank == 0)
+            assert result is not None
+            out.append(_record(result))
+    runner.close()
+    return out
+
+
+def test_after_a_resync_the_rings_restart_and_the_next_divergence_gets_its_exact_step() -> None:
+    results = run_ranks(_resync_then_diverge, 2)
+    assert results[0] == results[1]
+    at5, at10 = results[0]
+    assert at5["action"] == "resynced" and (at5["pinpoint"], at5["first_diverged_step"]) == ("exact", 4)
+    assert at10["action"] == "resynced"
+    assert (at10["pinpoint"], at10["first_diverged_step"], at10["last_in_sync_step"]) == ("exact", 8, 7)
+
+
+def _healed(rank: int, world: int, heal: str) -> list[dict[str, Any]]:
+    """Rank 1 flips a weight at step 6 and it heals at step 8 (a low bit rounded away, or every rank's
+    weight turned into the same NaN); audits every 10 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    auditor = Auditor(model, opt, pinpoint=True)
+    out = []
+    saved = model[0].weight.detach().clone()
+    for step in range(1, 21):
+        _train_step(model, opt, world)
+        with torch.no_grad():
+            if step == 6 and rank == 1:
+                model[0].weight[2, 3] += 1e-3
+            if step == 8:
+                if heal == "restored":
+                    model[0].weight.copy_(saved)
+                else:
+                    model[0].weight[2, 3] = float("nan")
+        auditor.record_step(step)
+        if step % 10 == 0:
+            out.append(_record(auditor.audit(step=step)))
+    return out
+
+
+def test_a_divergence_that_appeared_and_healed_between_audits_is_reported_as_transient(tmp_path: Any) -> None:
+    from weightsync_audit.cli._reports import cmd_check
+    from weightsync_audit.reporting.jsonl import ReportWriter
+
+    for heal in ("restored", "nan_everywhere"):
+        results = run_ranks(_healed, 2, heal)
+        assert results[0] == results[1]
+        at10, at20 = results[0]
+        assert at10["in_sync"] is True and at10["mismatches"] == []
+        assert at10["transient"] == {"first_diverged_step": 6, "last_diverged_step": 7, "names": ["0.weight"]}
+        assert any("transient divergence" in n for n in at10["notes"])
+        assert at20["in_sync"] is True and "transient" not in at20  # the next interval was clean
+        path = tmp_path / f"{heal}.jsonl"
+        with ReportWriter(path) as w:
+            for r in (at10, at20):
+                w.write(AuditResult.from_dict(r))
+        from rich.console import Console
+
+        console = Console(record=True, width=200)
+        assert cmd_check(str(path), console=console) == 1  # counted as a divergence
+        assert "transient: the replicas differed at steps 6 .. 7 (0.weight)" in console.export_text()
+
+
+def test_a_transient_field_round_trips_and_is_refused_where_it_cannot_hold() -> None:
+    import pytest
+
+    from weightsync_audit import Mismatch
+    from weightsync_audit.errors import ReportFormatError
+
+    span = {"first_diverged_step": 6, "last_diverged_step": 7, "names": ["0.weight"]}
+    record = AuditResult(in_sync=True, step=10, world_size=2, transient=span).to_dict()
+    assert record["transient"] == span and AuditResult.from_dict(record).transient == span
+    assert "transient" not in AuditResult(in_sync=True, step=10, world_size=2).to_dict()
+    diverged = AuditResult(in_sync=False, step=10, world_size=2, mismatches=[Mismatch("w", "param", [1], [0])])
+    with pytest.raises(ReportFormatError, match="transient"):
+        AuditResult.from_dict({**diverged.to_dict(), "transient": span})
+    with pytest.raises(ReportFormatError, match="transient.last_diverged_step"):
+        AuditResult.from_dict({**record, "transient": {**span, "last_diverged_step": 5}})
