@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -277,3 +277,23 @@ def cmd_show(
     if summary.status in ("invalid", "empty"):
         return EXIT_ERROR
     return 0
+
+
+def print_report(path: str, *, file: IO[str] | None = None, allow_torn: bool = False) -> int:
+    """Print a JSONL report as ``weightsync-audit show`` does; returns its exit code (0 shown, 2 unreadable).
+
+    Needs no torch: a report is read with ``json`` only.
+
+    >>> import os, tempfile
+    >>> from weightsync_audit import AuditResult, ReportWriter, print_report
+    >>> path = os.path.join(tempfile.mkdtemp(), "audit.jsonl")
+    >>> with ReportWriter(path) as w:
+    ...     w.write(AuditResult(in_sync=True, step=1))
+    >>> print_report(path, file=open(os.devnull, "w"))
+    0
+    """
+    try:
+        return cmd_show(path, allow_torn=allow_torn, console=log_console(file))
+    except CliError as exc:
+        log_console(file).print(Text(f"error: {exc}", style="bold red"))
+        return EXIT_ERROR

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, Callable, Collection, Sequence
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.ddp.inspect import live_ddp, remembered_flags, synced_parameter_names, syncs_buffers
@@ -83,6 +82,8 @@ def _covered(ddp: DistributedDataParallel, synced: frozenset[str] | None) -> fro
 
 def uses_fsdp2(module: Any) -> bool:
     """Whether ``module`` (or a module inside it) is sharded by FSDP2's ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule  # lazy: the fsdp package costs ~0.3 s at import
+
     return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
 
 

@@ -16,7 +16,7 @@ from rich.text import Text
 
 from weightsync_audit.text import fmt_ranks, fmt_shard, is_tie, layer_of, without_tie
 
-__all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render_group", "render_result"]
+__all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render", "render_group", "render_result"]
 
 _NO_WRAP_WIDTH = 10_000
 """Console width off a terminal: wide enough that no verdict, table row or hint is ever wrapped."""
@@ -149,3 +149,18 @@ def render_result(result: ResultLike) -> Iterator[RenderableType]:
 
 def render_group(result: ResultLike) -> Group:
     return Group(*render_result(result))
+
+
+def render(result: ResultLike, file: IO[str] | None = None) -> None:
+    """Print ``result`` as the callbacks print it: the verdict, the table of diverged tensors, the hints.
+
+    On a terminal it is styled; anywhere else (a CI log, a file) one line per fact, never wrapped.
+
+    >>> import io
+    >>> from weightsync_audit import AuditResult, render
+    >>> out = io.StringIO()
+    >>> render(AuditResult(in_sync=True, step=3), file=out)
+    >>> out.getvalue().splitlines()[0]
+    'weightsync audit: step 3: in sync across 1 rank(s), 0 tensors checked'
+    """
+    log_console(file).print(render_group(result))
