@@ -10,18 +10,32 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap, pinpoint_line
+from weightsync_audit.cli._summary import (
+    EXIT_ERROR,
+    CliError,
+    ReportSummary,
+    diverged_ranks,
+    fmt_gap,
+    fmt_step,
+    pinpoint_line,
+)
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard
 
+#: Invalid lines named one by one; the rest are counted (``--json`` lists them all).
+MAX_ERROR_LINES = 10
+
 
 def _errors(console: Console, summary: ReportSummary) -> None:
-    for e in summary.errors:
+    for e in summary.errors[:MAX_ERROR_LINES]:
         forgiven = summary.allow_torn and e.torn
         style = "yellow" if forgiven else "bold red"
         label = "warning" if forgiven else "invalid"
         console.print(Text(f"{label}: {summary.path}: {e}", style=style))
+    if len(summary.errors) > MAX_ERROR_LINES:
+        more = len(summary.errors) - MAX_ERROR_LINES
+        console.print(Text(f"... and {more} more invalid line(s) (--json lists them all)", style="bold red"))
     if summary.status == "invalid":
         torn_only = all(e.torn for e in summary.blocking_errors)
         extra = " (pass --allow-torn to skip torn lines, left by a crash mid-write)" if torn_only else ""
@@ -29,7 +43,7 @@ def _errors(console: Console, summary: ReportSummary) -> None:
 
 
 def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
-    where = f"step {r.step}" + (
+    where = f"step {fmt_step(r.step)}" + (
         f" (epoch {r.epoch}" + (f", {r.hook})" if r.hook else ")") if r.epoch is not None else ""
     )
     out = [Text.assemble(("first divergence: ", "bold"), (where, "bold red"), f", report line {line}")]
@@ -69,9 +83,16 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     return out
 
 
-def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, console: Console | None = None) -> int:
-    """Summarise a report; 0 all in sync, 1 any divergence, 2 unreadable or invalid."""
-    summary = ReportSummary.read(path, allow_torn)
+def cmd_check(
+    path: str,
+    *,
+    as_json: bool = False,
+    allow_torn: bool = False,
+    accept_repaired: bool = False,
+    console: Console | None = None,
+) -> int:
+    """Summarise a report; 0 all in sync (or repaired, with ``accept_repaired``), 1 any divergence, 2 unreadable."""
+    summary = ReportSummary.read(path, allow_torn, accept_repaired)
     console = console or log_console()
     if as_json:
         console.file.write(json.dumps(summary.to_json(), indent=2) + "\n")
@@ -113,11 +134,17 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
                 )
             )
     elif rs:
-        console.print(
-            Text(
+        if summary.status == "repaired":
+            verdict = Text(
+                f"REPAIRED: {len(summary.diverged)} of {len(rs)} audit(s) found replicas out of sync, each repaired "
+                "by resync; in sync at the end (accepted: --accept-repaired): exit 0",
+                style="bold yellow",
+            )
+        else:
+            verdict = Text(
                 f"DIVERGED: {len(summary.diverged)} of {len(rs)} audit(s) found replicas out of sync", style="bold red"
             )
-        )
+        console.print(verdict)
         first = summary.first_divergence
         assert first is not None
         for t in _divergence_lines(first[1], first[0]):
@@ -127,7 +154,15 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
         if resynced:
             console.print(f"resynced: {resynced} audit(s) repaired the replicas from a healthy rank")
         state = "in sync" if last.in_sync else f"still diverged ({len(last.mismatches)} tensor(s))"
-        console.print(f"at the end (step {last.step}): {state}")
+        if not last.in_sync and last.action == "resynced":
+            state = "in sync (after its resync)"
+        console.print(f"at the end (step {fmt_step(last.step)}): {state}")
+        if summary.repaired and not summary.accept_repaired:
+            console.print(
+                Text(
+                    "every divergence was repaired by resync and the run ended in sync: pass --accept-repaired to exit 0"
+                )
+            )
     for note in dict.fromkeys(n for r in rs for n in r.notes if any(c in n for c in COMPARED_NOTES)):
         console.print(Text("note: " + note, style="yellow"))
     _errors(console, summary)
@@ -161,7 +196,8 @@ def _strip(summary: ReportSummary, width: int) -> Text:
             text.append(STRIP_CHARS["in_sync"], style="green")
     first, last = rs[0].step, rs[-1].step
     text.append(
-        f"  steps {first} .. {last}  (= in sync, ~ in sync on a sample, - within tolerance, X diverged)", style="dim"
+        f"  steps {fmt_step(first)} .. {fmt_step(last)}  (= in sync, ~ in sync on a sample, - within tolerance, X diverged)",
+        style="dim",
     )
     return text
 
@@ -208,7 +244,7 @@ def _layer_table(summary: ReportSummary) -> Table | None:
     for row in rows:
         first = row.first
         assert first is not None
-        where = f"step {first.step}" + (f", ep {first.epoch}" if first.epoch is not None else "")
+        where = f"step {fmt_step(first.step)}" + (f", ep {first.epoch}" if first.epoch is not None else "")
         short = [n[len(row.layer) + 1 :] if n.startswith(row.layer + ".") else n for n in row.tensors]
         kinds = "" if list(row.kinds) == ["param"] else f" ({','.join(row.kinds)})"
         ranks = Text.assemble(

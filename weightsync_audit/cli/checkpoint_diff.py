@@ -83,6 +83,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(f"{p}: is a folder, expected a checkpoint file")
     if not p.is_file():
         raise CheckpointError(f"{p}: not a regular file (a FIFO, socket or device); give a checkpoint file")
+    _check_looks_like_a_checkpoint(p)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal below says it all
@@ -108,6 +109,30 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(
             f"{p}: not a readable PyTorch checkpoint ({why or 'neither a torch.save file nor a pickle of tensors'})"
         ) from None
+
+
+def _check_looks_like_a_checkpoint(p: Path) -> None:
+    """Refuse, in one plain line, a file that is no ``torch.save`` output at all (a report, a text, an image).
+
+    ``torch.save`` writes a zip archive (``PK``), or with ``_use_new_zipfile_serialization=False`` a
+    pickle of protocol 2 or later (first byte ``0x80``); very old releases wrote a tar archive.
+    """
+    try:
+        with open(p, "rb") as f:
+            head = f.read(512)
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+    if head.startswith((b"PK\x03\x04", b"\x80")) or head[257:262] == b"ustar":
+        return
+    if not head:
+        why = "the file is empty"
+    elif head.lstrip()[:1] in (b"{", b"["):
+        why = "it is JSON text (an audit report? read it with: weightsync-audit check FILE)"
+    elif b"\0" not in head:
+        why = "it is a text file"
+    else:
+        why = "its bytes are neither a zip archive nor a pickle, as torch.save writes"
+    raise CheckpointError(f"{p}: not a PyTorch checkpoint: {why}")
 
 
 def _first_line(text: str) -> str:
@@ -193,16 +218,26 @@ class PairDiff:
     same: int = 0
     entries: list[EntryDiff] = field(default_factory=list)
     note: str | None = None
+    within_atol: list[EntryDiff] = field(default_factory=list)
+    """Tensors whose bits differ but whose max |diff| is within ``atol``: counted equal, not identical."""
 
     @property
     def identical(self) -> bool:
+        """Nothing differs beyond ``atol`` (see :attr:`exact` for equal bits)."""
         return not self.entries and self.a is not None and self.b is not None
+
+    @property
+    def exact(self) -> bool:
+        """Every shared entry has equal bits: identical, and nothing merely within ``atol``."""
+        return self.identical and not self.within_atol
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "a": self.a,
             "b": self.b,
             "identical": self.identical,
+            "exact": self.exact,
+            "within_atol": len(self.within_atol),
             "compared": self.compared,
             "same": self.same,
             "note": self.note,
@@ -260,7 +295,9 @@ def check_expansion(name: str, t: torch.Tensor, limit: int = MAX_EXPANDED_BYTES)
         )
 
 
-def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None) -> EntryDiff | None:
+def _compare_tensors(
+    name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None, within: list[EntryDiff] | None = None
+) -> EntryDiff | None:
     check_expansion(name, a)
     check_expansion(name, b)
     if a.layout != torch.strided or b.layout != torch.strided:
@@ -280,9 +317,12 @@ def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | 
     if changed == 0:
         return None
     gap = max_abs_diff(a, b)
+    entry = EntryDiff(name, "values", _describe(a), _describe(b), gap, changed, numel)
     if atol is not None and gap <= atol:
+        if within is not None:
+            within.append(entry)
         return None
-    return EntryDiff(name, "values", _describe(a), _describe(b), gap, changed, numel)
+    return entry
 
 
 def _equal_values(a: Any, b: Any) -> bool:
@@ -302,11 +342,13 @@ def diff_flat(
     *,
     atol: float | None = None,
     exclude: Sequence[str] = (),
+    within: list[EntryDiff] | None = None,
 ) -> tuple[int, int, list[EntryDiff]]:
     """Compare two flattened checkpoints: (names compared, names equal, differences in A's order).
 
     ``atol``: tensors whose max |diff| is at most this count as equal (default: equal bits only).
     ``exclude``: glob patterns over names to leave out.
+    ``within``: when given, the tensors that differ but only within ``atol`` are appended to it.
     """
 
     def keep(n: str) -> bool:
@@ -325,7 +367,7 @@ def diff_flat(
         vb = b[name]
         compared += 1
         if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
-            d = _compare_tensors(name, va, vb, atol)
+            d = _compare_tensors(name, va, vb, atol, within)
         elif isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
             d = EntryDiff(name, "dtype", _describe(va), _describe(vb))
         elif _equal_values(va, vb):
@@ -364,8 +406,9 @@ def _diff_files(a: Path, b: Path, atol: float | None, exclude: Sequence[str]) ->
         oa, note = oa["state_dict"], f"compared the state_dict of the Lightning checkpoint {a.name} with {b.name}"
     elif lb and not la:
         ob, note = ob["state_dict"], f"compared {a.name} with the state_dict of the Lightning checkpoint {b.name}"
-    compared, same, entries = diff_flat(flatten(oa), flatten(ob), atol=atol, exclude=exclude)
-    return PairDiff(str(a), str(b), compared, same, entries, note)
+    within: list[EntryDiff] = []
+    compared, same, entries = diff_flat(flatten(oa), flatten(ob), atol=atol, exclude=exclude, within=within)
+    return PairDiff(str(a), str(b), compared, same, entries, note, within)
 
 
 def diff_checkpoints(

@@ -259,7 +259,8 @@ class AuditResult:
         ordered = sorted(self.mismatches, key=lambda m: m.kind != "param")
         names = brief_names((m.name for m in ordered), 5)
         message = (
-            f"weights diverged across ranks at step {self.step}: {len(self.mismatches)} tensor(s) differ ({names})"
+            f"weights diverged across ranks at step {'-' if self.step is None else self.step}: "
+            f"{len(self.mismatches)} tensor(s) differ ({names})"
         )
         if self.hints:
             message += "\nhint: " + "\nhint: ".join(self.hints)
