@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         WeightSyncWarning,
     )
     from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+    from weightsync_audit.integrations.loop import LoopAudit
     from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
     from weightsync_audit.reporting.render import render
@@ -66,6 +67,7 @@ _LAZY = {
     "read_report": "weightsync_audit.reporting.jsonl",
     "render": "weightsync_audit.reporting.render",
     "print_report": "weightsync_audit.cli._reports",
+    "LoopAudit": "weightsync_audit.integrations.loop",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.integrations.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
@@ -82,6 +84,7 @@ __all__ = [
     "AuditTimeoutError",
     "Auditor",
     "DDPRewrapOnTrainableChange",
+    "LoopAudit",
     "Mismatch",
     "ReportContents",
     "ReportFormatError",

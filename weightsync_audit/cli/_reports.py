@@ -21,7 +21,7 @@ from weightsync_audit.cli._summary import (
 )
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.render import log_console
-from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard
+from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard, without_tie
 
 #: Invalid lines named one by one; the rest are counted (``--json`` lists them all).
 MAX_ERROR_LINES = 10
@@ -56,8 +56,9 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
             extra.append(f"rel {fmt_gap(m.rel_diff)}")
         if m.within_tolerance:
             extra.append("within tolerance")
-        if m.detail:
-            extra.append(m.detail)
+        detail = without_tie(m.detail)  # a tie is said once, on the TIE line below
+        if detail:
+            extra.append(detail)
         parts.append(f"{m.name} ({', '.join(extra)})")
     more = len(r.mismatches) - 8
     out.append(Text("  tensors: " + ", ".join(parts) + (f" and {more} more" if more > 0 else "")))

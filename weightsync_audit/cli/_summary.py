@@ -283,7 +283,7 @@ def fmt_gap(x: float | None) -> str:
 def pinpoint_line(r: AuditResult) -> str | None:
     """Where a divergent record says the divergence began, in words (None when it says nothing)."""
     if r.pinpoint == "exact" and r.first_diverged_step is not None:
-        return f"began at step {r.first_diverged_step} (pinpointed from per-step digests; in sync at step {r.last_in_sync_step})"
+        return f"began at step {r.first_diverged_step} (pinpointed from per-step digests; in sync at step {fmt_step(r.last_in_sync_step)})"
     if r.pinpoint == "sampled" and r.first_diverged_step is not None:
         return f"showed at step {r.first_diverged_step} (sampled per-step digests: it may have begun earlier)"
     if r.pinpoint in ("overflow", "earlier", "unseen"):

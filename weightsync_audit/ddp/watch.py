@@ -16,7 +16,7 @@ from typing import Any
 
 from weightsync_audit.ddp.hints import ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.ddp.inspect import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
-from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
 __all__ = ["TrainableSetWatch"]
 
@@ -61,6 +61,6 @@ class TrainableSetWatch:
                 f"weightsync audit (step {step}): the set of trainable parameters changed after "
                 "DistributedDataParallel wrapped the model. " + " ".join(parts),
                 WeightSyncWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         return True

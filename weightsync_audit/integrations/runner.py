@@ -21,11 +21,11 @@ from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
-from weightsync_audit.engine.repair.resync import resync
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
+from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
+from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
-from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
+from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
@@ -117,8 +117,8 @@ class AuditRunner:
         self.grad_auditor: Auditor | None = None
         self.confirm_auditor: Auditor | None = None
         self.writer: ReportWriter | None = None
-        self.last_reported: tuple[str, ...] = ()
-        """The diverged names last reported, so a divergence is printed when it appears or changes."""
+        self.voice = Voice()
+        """What the main process has said so far (each fact once; a persisting cause compacted)."""
         self.failures: list[str] = []
         """Audits that failed under ``warn``, noted in the next record written."""
         self._warned_failures: set[str] = set()
@@ -213,14 +213,19 @@ class AuditRunner:
         result.notes[:0], self.failures = self.failures, []
         if grads:
             self._note_grad_result(result)
-        if result.in_sync or result.within_tolerance:
-            result.action = "none"  # within the tolerance: kept in the record, not acted on
-        elif self.on_mismatch == "raise":
-            result.action = "raised"
-        elif self.on_mismatch == "resync":
-            self._resync(result, model, list(optimizers), step, epoch, hook)
-        else:
-            result.action = "warned"
+        confirm = self.confirm_auditor
+        assert confirm is not None
+        respond(
+            result,
+            self.on_mismatch,
+            model=model,
+            optimizers=optimizers,
+            resync_src=self.resync_src,
+            confirm=lambda: confirm.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook),
+            history=self.history,
+            pinpointer=self.auditor.pinpointer if self.auditor is not None else None,
+            timeout_s=self.timeout_s,
+        )
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
         if not result.in_sync and result.action == "raised":
@@ -238,7 +243,7 @@ class AuditRunner:
             warnings.warn(
                 f"weightsync audit at step {step} ({hook}) failed; training goes on (on_mismatch='warn'): {text}",
                 WeightSyncWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def _note_grad_result(self, result: AuditResult) -> None:
@@ -253,55 +258,27 @@ class AuditRunner:
         result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
         result.last_full_sync_step = self.history.last_full_sync_step
 
-    def _resync(
-        self, result: AuditResult, model: Any, optimizers: list[Any], step: int, epoch: int | None, hook: str
-    ) -> None:
-        structural = [m.name for m in result.mismatches if m.kind == "structure"]
-        if structural:
-            result.action = "raised"
-            result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
-            return
-        # Each tensor from a rank holding its reference value (engine/resync_plan.py): the same plan on
-        # every rank, from the same record; one broadcast per source rank.
-        plan = plan_resync(result.mismatches, self.resync_src)
-        result.notes.extend(plan.notes)
-        for source, tensors in plan.sources.items():
-            resync(model, optimizers or None, src=source, names=tensors, timeout_s=self.timeout_s)
-        assert self.confirm_auditor is not None
-        confirm = self.confirm_auditor.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
-        if confirm.in_sync:
-            result.action = "resynced"
-            result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")
-            self.history.resyncs += 1
-            self.history.last_in_sync_step = step
-            self.history.last_full_sync_step = step
-            if self.auditor is not None and self.auditor.pinpointer is not None:
-                self.auditor.pinpointer.in_sync(step)  # pinpoint starts afresh
-        else:
-            result.action = "raised"
-            result.notes.append(f"resync ({plan.describe()}) did not restore agreement: {confirm.summary()}")
-
     def _publish(
         self, result: AuditResult, is_main: bool, log_metrics: Callable[[dict[str, float]], None] | None
     ) -> None:
-        """Report on the main process: the record, metrics, and a printed report when the divergence changes."""
+        """Report on the main process: the record, metrics, and a printed report when it says something new."""
         if not is_main:
-            self.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
+            self.voice.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
             return
         if self.writer is not None:
             self.writer.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
-        if result.in_sync or result.within_tolerance:
-            self.last_reported = ()
-            return
-        names = tuple(result.diverged_names)
-        if names != self.last_reported or result.action in ("raised", "resynced"):
-            if self.verbose:
-                self.print(result)
-            else:
-                log.warning("weightsync audit: %s", result.summary())
-        self.last_reported = names
+        self.voice.speak(result, verbose=self.verbose, print_fn=self.print)
+
+    @property
+    def last_reported(self) -> tuple[str, ...]:
+        """The diverged names last reported, so a divergence is printed when it appears or changes."""
+        return self.voice.last_reported
+
+    @last_reported.setter
+    def last_reported(self, value: tuple[str, ...]) -> None:
+        self.voice.last_reported = tuple(value)
 
     def print(self, renderable: Any) -> None:
         """Print with rich on the main process's console (stderr unless ``console`` is set); off a

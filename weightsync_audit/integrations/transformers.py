@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n
 from weightsync_audit.reporting.record import AuditResult
 
@@ -139,7 +139,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         self._disabled = sharded_reason(args)
         if self._disabled:
             if state.is_world_process_zero:
-                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
+                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
             return
         self.runner.open(
             world_size=args.world_size,

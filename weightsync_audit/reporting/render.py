@@ -64,7 +64,7 @@ class ResultLike(Protocol):
     @property
     def mismatches(self) -> Sequence[MismatchLike]: ...
 
-    def summary(self) -> str: ...
+    def summary(self, *, tie: bool = True) -> str: ...
 
 
 def _fmt_diff(x: float | None) -> str:
@@ -107,7 +107,7 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
                 m.kind,
                 "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
                 m.dtype or "-",
-                ",".join(map(str, m.ranks)) + (" (tie)" if is_tie(m.detail) else ""),
+                ",".join(map(str, m.ranks)),
                 ",".join(map(str, m.reference_ranks)),
                 _fmt_diff(m.max_abs_diff) + _fmt_rel(m),
             )
@@ -117,11 +117,8 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
 
 def render_result(result: ResultLike) -> Iterator[RenderableType]:
     style = "bold green" if result.in_sync else "bold red"
-    yield Text("weightsync audit: " + result.summary(), style=style)
-    began = getattr(result, "first_diverged_step", None)
-    if began is not None and not result.in_sync:
-        how = getattr(result, "pinpoint", None)
-        yield Text(f"diverged from step {began} (pinpointed, {how})", style="bold red")
+    # The headline carries the pinpointed step; a tie is said once, on its own line below.
+    yield Text("weightsync audit: " + result.summary(tie=False), style=style)
     if result.last_in_sync_step is not None and not result.in_sync:
         yield Text(f"last in sync at step {result.last_in_sync_step}", style="dim")
     ties = [m for m in result.mismatches if is_tie(m.detail)]

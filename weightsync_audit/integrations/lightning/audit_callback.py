@@ -17,7 +17,7 @@ from typing_extensions import override
 from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n
 from weightsync_audit.reporting.record import AuditResult
 
@@ -171,7 +171,7 @@ class WeightSyncAuditMixin:
             return
         if self._disabled:
             if trainer.is_global_zero:
-                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
+                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
             return
         self.runner.open(world_size=trainer.world_size, is_main=trainer.is_global_zero)
         self._opened = True
