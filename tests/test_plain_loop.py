@@ -43,8 +43,16 @@ def _loop(rank: int, world: int, on_mismatch: str, report: str | None, nudge_eve
         raised = exc.result.first_diverged_step == 3
     audit.close()
     seen.__exit__(None, None, None)
-    said = [str(w.message) for w in caught if issubclass(w.category, weightsync_audit.WeightSyncWarning)]
-    return {"actions": actions, "raised": raised, "printed": out.getvalue(), "summary": audit.summary(), "warned": said}
+    ours = [w for w in caught if issubclass(w.category, weightsync_audit.WeightSyncWarning)]
+    said, files = [str(w.message) for w in ours], [w.filename for w in ours]
+    return {
+        "warned_from": files,
+        "actions": actions,
+        "raised": raised,
+        "printed": out.getvalue(),
+        "summary": audit.summary(),
+        "warned": said,
+    }
 
 
 def test_loop_audit_raise_on_every_rank_with_the_pinpointed_step(tmp_path: Path) -> None:
@@ -70,6 +78,7 @@ def test_loop_audit_resync_repairs_and_a_persisting_cause_is_said_in_one_line(
     assert "resynced again, 2 times, same cause" in printed and "resynced again, 3 times, same cause" in printed
     # After ESCALATE_AFTER repairs of the same tensors, one warning that the cause persists.
     assert len([w for w in main["warned"] if "the cause persists" in w]) == 1, main["warned"]
+    assert main["warned_from"] == [__file__]  # the user's loop, not the library's internals
     assert results[1]["warned"] == [] and "3 resync(s)" in main["summary"]
     from weightsync_audit.cli import main as cli
 

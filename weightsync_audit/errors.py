@@ -128,7 +128,8 @@ _NOT_USER_CODE += ("accelerate", "torch")
 def user_stacklevel() -> int:
     """The ``stacklevel`` that attributes a warning to the user's line (``trainer.fit(...)``, the training
     loop), not to a framework's dispatch (``pytorch_lightning/trainer/call.py``); call it as the argument
-    of ``warnings.warn``. Without such a frame (all internal), the line that warns.
+    of ``warnings.warn``. Where no user line is on the stack (a rank forked or spawned by a launcher), the
+    outermost frame of this package: the callback's hook.
 
     >>> import warnings
     >>> def deep() -> None:
@@ -139,10 +140,16 @@ def user_stacklevel() -> int:
     >>> seen[0].filename.endswith("errors.py")
     False
     """
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
     frame = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
-    level = 1
+    level, ours = 1, 1
     while frame is not None:
-        if str(frame.f_globals.get("__name__", "")).split(".")[0] not in _NOT_USER_CODE:
+        package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        if package == "weightsync_audit":
+            ours = level
+        elif package not in _NOT_USER_CODE and not frame.f_code.co_filename.startswith(stdlib):
             return level
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
-    return 1
+    return ours

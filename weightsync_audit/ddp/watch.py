@@ -26,6 +26,8 @@ class TrainableSetWatch:
 
     def __init__(self) -> None:
         self.warned = False
+        self.said: list[str] = []
+        """The hints the warning gave (a report that follows refers to them instead of repeating them)."""
         self._flags_seen: tuple[bool, ...] = ()
 
     def snapshot(self, model: Any) -> None:
@@ -57,6 +59,7 @@ class TrainableSetWatch:
             return False
         self.warned = True
         if warn:
+            self.said = parts
             warnings.warn(
                 f"weightsync audit (step {step}): the set of trainable parameters changed after "
                 "DistributedDataParallel wrapped the model. " + " ".join(parts),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from weightsync_audit.engine.repair.resync import resync
@@ -96,6 +96,24 @@ class Voice:
     repeats: int = 0
     """Resyncs in a row of the same tensors (the same cause)."""
     escalated: bool = False
+    said: dict[str, str] = field(default_factory=dict)
+    """Hint texts already said elsewhere (a warning), and where: a report refers to them, not repeats them."""
+
+    def note_said(self, texts: Sequence[str], where: str) -> None:
+        """``texts`` were said ``where`` (e.g. "the warning at step 12"): later reports refer to them."""
+        for text in texts:
+            self.said.setdefault(text, where)
+
+    def _unsaid(self, result: AuditResult) -> AuditResult:
+        """``result`` for printing: a hint said before is a reference to it plus what it adds (the record keeps it whole)."""
+        hints = []
+        for hint in result.hints:
+            said = next((t for t in self.said if hint.startswith(t)), None)
+            if said is None:
+                hints.append(hint)
+            else:
+                hints.append(f"the cause and its fix are in {self.said[said]} above." + hint[len(said) :])
+        return result if hints == result.hints else replace(result, hints=hints)
 
     def speak(self, result: AuditResult, *, verbose: bool, print_fn: Callable[[Any], None]) -> None:
         """Print ``result`` when it says something new; a persisting cause in one line."""
@@ -124,7 +142,7 @@ class Voice:
             return
         self.repeats = 0
         if verbose:
-            print_fn(result)
+            print_fn(self._unsaid(result))
         else:
             log.warning("weightsync audit: %s", result.summary())
 

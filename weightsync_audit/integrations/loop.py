@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.integrations.runner import AuditRunner, check_every_n
+from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["LoopAudit"]
@@ -63,7 +63,9 @@ class LoopAudit:
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
+        **unknown: Any,
     ) -> None:
+        reject_unknown_options(type(self).__init__, unknown, "every_n_steps")
         self.module = module
         self.optimizers = as_optimizers(optimizer)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")

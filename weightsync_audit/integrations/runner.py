@@ -30,7 +30,7 @@ from weightsync_audit.integrations.worker_history import HistoryHandoff, summary
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["AuditRunner", "audit_metrics", "check_every_n"]
+__all__ = ["CADENCE_NAMES", "AuditRunner", "audit_metrics", "check_every_n", "reject_unknown_options"]
 
 log = logging.getLogger("weightsync_audit")
 
@@ -44,6 +44,38 @@ def check_every_n(value: object, argument: str) -> Optional[int]:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{argument}={value!r}: must be an integer >= 1, or None to turn the cadence off")
     return value
+
+
+#: Each framework's name for the audit cadence: a name meant for another callback is answered with this one's.
+CADENCE_NAMES = {
+    "every_n_train_steps": "the Lightning callback's (WeightSyncAudit), after Lightning's own",
+    "every_n_steps": "the Hugging Face callback's and LoopAudit's, after TrainingArguments' logging_steps",
+}
+
+
+def reject_unknown_options(owner: Callable[..., Any], unknown: dict[str, Any], cadence: str) -> None:
+    """Answer an unknown keyword with the option meant: the other framework's cadence name gets this
+    callback's, a typo its closest option (``TypeError``, as Python's own, with the suggestion).
+
+    >>> def f(every_n_steps: int = 1, report_path: str = "") -> None: ...
+    >>> reject_unknown_options(f, {"every_n_train_steps": 5}, "every_n_steps")
+    Traceback (most recent call last):
+    TypeError: f() got an unexpected option every_n_train_steps=5: did you mean every_n_steps=5? (every_n_train_steps is the Lightning callback's (WeightSyncAudit), after Lightning's own)
+    """
+    if not unknown:
+        return
+    import difflib
+    import inspect
+
+    known = [n for n in inspect.signature(owner).parameters if n not in ("self", "args", "kwargs", "unknown")]
+    name, value = next(iter(unknown.items()))
+    if name in CADENCE_NAMES and name != cadence:
+        suggestion = f"did you mean {cadence}={value!r}? ({name} is {CADENCE_NAMES[name]})"
+    else:
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        suggestion = f"did you mean {close[0]}={value!r}?" if close else f"the options are {', '.join(known)}"
+    what = getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
+    raise TypeError(f"{what}() got an unexpected option {name}={value!r}: {suggestion}")
 
 
 def audit_metrics(result: AuditResult) -> dict[str, float]:
