@@ -136,3 +136,23 @@ def test_loop_audit_names_a_bad_argument() -> None:
         LoopAudit(torch.nn.Linear(2, 2), every_n_steps=0)
     with pytest.raises(ValueError, match="on_mismatch='explode'"):
         LoopAudit(torch.nn.Linear(2, 2), on_mismatch="explode")  # type: ignore[arg-type]
+
+
+def test_tables_are_capped_and_every_dash_is_explained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ms = [Mismatch(f"l{i // 2}.w{i}", "param", [1], [0], [4, 4], "float32", 0.5 if i < 8 else None) for i in range(84)]
+    result = AuditResult(in_sync=False, step=3, world_size=3, mismatches=ms, action="warned")
+    out = io.StringIO()
+    weightsync_audit.render(result, file=out)
+    text = out.getvalue()
+    assert text.count("float32") == 20 and "... and 64 more tensor(s)" in text
+    assert "max |diff| -: not measured" in text
+    from weightsync_audit.cli import main
+
+    path = tmp_path / "many.jsonl"
+    with weightsync_audit.ReportWriter(path) as w:
+        w.write(AuditResult(in_sync=True, step=1, world_size=3))
+        w.write(result)
+    assert main(["show", str(path)]) == 0
+    shown = capsys.readouterr().out
+    assert "... and 12 more layer(s)" in shown and "-: in sync (no tensor differs)" in shown
+    assert "-: max |diff| not measured" in shown

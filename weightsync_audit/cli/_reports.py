@@ -23,6 +23,9 @@ from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard, without_tie
 
+#: Rows of a printed table (timeline stretches, layers); the rest are counted below it.
+MAX_ROWS = 30
+
 #: Invalid lines named one by one; the rest are counted (``--json`` lists them all).
 MAX_ERROR_LINES = 10
 
@@ -204,7 +207,7 @@ def _strip(summary: ReportSummary, width: int) -> Text:
 
 
 def _timeline_table(summary: ReportSummary) -> Table:
-    table = Table(title="timeline", header_style="bold", title_justify="left")
+    table = Table(title="timeline", header_style="bold", title_justify="left", caption_justify="left")
     for col, kw in (
         ("steps", {"justify": "right"}),
         ("epochs", {"justify": "right"}),
@@ -214,7 +217,8 @@ def _timeline_table(summary: ReportSummary) -> Table:
         ("max |diff|", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
-    for seg in summary.segments():
+    segments = summary.segments()
+    for seg in segments[:MAX_ROWS]:
         if seg.in_sync:
             state = Text("in sync", style="green")
         elif seg.first.within_tolerance and seg.last.within_tolerance:
@@ -223,6 +227,11 @@ def _timeline_table(summary: ReportSummary) -> Table:
             state = Text("DIVERGED", style="bold red")
         names = brief_names(seg.names, 6)
         table.add_row(seg.steps(), seg.epochs(), str(seg.audits), state, escape(names) or "-", fmt_gap(seg.max_gap))
+    notes = []
+    if len(segments) > MAX_ROWS:
+        notes.append(f"... and {len(segments) - MAX_ROWS} more stretch(es) (check --json, or the report, has them all)")
+    notes.append("-: in sync (no tensor differs), no epoch recorded, or max |diff| not measured")
+    table.caption = "\n".join(notes)
     return table
 
 
@@ -231,7 +240,7 @@ def _layer_table(summary: ReportSummary) -> Table | None:
     if not rows:
         return None
     total = len(summary.results)
-    table = Table(title="layers that diverged", header_style="bold", title_justify="left")
+    table = Table(title="layers that diverged", header_style="bold", title_justify="left", caption_justify="left")
     for col, kw in (
         ("layer", {"style": "cyan"}),
         ("tensors", {}),
@@ -242,7 +251,7 @@ def _layer_table(summary: ReportSummary) -> Table | None:
         ("last |diff|", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
-    for row in rows:
+    for row in rows[:MAX_ROWS]:
         first = row.first
         assert first is not None
         where = f"step {fmt_step(first.step)}" + (f", ep {first.epoch}" if first.epoch is not None else "")
@@ -262,6 +271,14 @@ def _layer_table(summary: ReportSummary) -> Table | None:
             fmt_gap(row.worst_gap),
             fmt_gap(row.last_gap),
         )
+    notes = []
+    if len(rows) > MAX_ROWS:
+        notes.append(f"... and {len(rows) - MAX_ROWS} more layer(s)")
+    if any(r.worst_gap is None or r.last_gap is None for r in rows[:MAX_ROWS]):
+        notes.append(
+            "-: max |diff| not measured (at most max_diff_tensors tensors an audit; none for a structure mismatch)"
+        )
+    table.caption = "\n".join(notes) or None
     return table
 
 

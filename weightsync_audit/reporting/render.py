@@ -78,9 +78,23 @@ def _fmt_rel(m: MismatchLike) -> str:
     return text + (" within tol." if getattr(m, "within_tolerance", None) else "")
 
 
-def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
-    """A table of mismatches grouped by layer."""
-    table = Table(title=title, show_lines=False, header_style="bold")
+MAX_TABLE_ROWS = 20
+"""Rows a printed table of mismatches shows; the rest are counted below it (the record holds them all)."""
+
+#: What a "-" means in each column of :func:`mismatch_table`, said below the table when one is shown.
+DASH_MEANS = {
+    "shape": "shape/dtype -: not the same on every rank or missing on some (a structure mismatch)",
+    "gap": "max |diff| -: not measured (an audit measures at most max_diff_tensors tensors, 8 by default; "
+    "a structure mismatch or a rank too late for the transfer has none; the tensor's note says which)",
+}
+
+
+def mismatch_table(
+    mismatches: Sequence[MismatchLike], title: str | None = None, max_rows: int = MAX_TABLE_ROWS
+) -> Table:
+    """A table of mismatches grouped by layer: at most ``max_rows`` rows, then "and N more"; a caption
+    says what each "-" shown means."""
+    table = Table(title=title, show_lines=False, header_style="bold", caption_justify="left")
     for col, kw in (
         ("layer", {"style": "cyan"}),
         ("tensor", {}),
@@ -93,7 +107,8 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
     ):
         table.add_column(col, **kw)
     by_layer: dict[str, list[MismatchLike]] = {}
-    for m in mismatches:
+    dashes: dict[str, None] = {}
+    for m in mismatches[:max_rows]:
         by_layer.setdefault(layer_of(m.name, m.kind), []).append(m)
     for layer, ms in by_layer.items():
         for i, m in enumerate(ms):
@@ -111,7 +126,16 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
                 ",".join(map(str, m.reference_ranks)),
                 _fmt_diff(m.max_abs_diff) + _fmt_rel(m),
             )
+            if m.shape is None or not m.dtype:
+                dashes.setdefault("shape", None)
+            if m.max_abs_diff is None:
+                dashes.setdefault("gap", None)
         table.add_section()
+    notes = [DASH_MEANS[k] for k in dashes]
+    if len(mismatches) > max_rows:
+        notes.insert(0, f"... and {len(mismatches) - max_rows} more tensor(s) (the report's record lists them all)")
+    if notes:
+        table.caption = "\n".join(notes)
     return table
 
 
