@@ -2,7 +2,8 @@
 below it, max |diff| per layer over steps on a log scale (drift that grows and a jump that appears at
 once look different); the step a divergence was pinpointed to is marked on both.
 
-Needs matplotlib, the ``plot`` extra (``pip install 'weightsync-audit[plot]'``); everything else in the
+Needs matplotlib, the ``plot`` extra (``pip install matplotlib``, or ``pip install -e '.[plot]'`` in a
+checkout); everything else in the
 library works without it. No pyplot, no GUI backend: the figure is drawn straight to a file.
 
 >>> import os, tempfile
@@ -27,8 +28,8 @@ from weightsync_audit.text import layer_of
 __all__ = ["PLOT_EXTRA_MISSING", "PlotUnavailableError", "plot_report"]
 
 PLOT_EXTRA_MISSING = (
-    "drawing a plot needs matplotlib, which is not installed: pip install 'weightsync-audit[plot]' "
-    "(or pip install matplotlib)"
+    "drawing a plot needs matplotlib, which is not installed: pip install matplotlib "
+    "(the plot extra; in a checkout: pip install -e '.[plot]')"
 )
 
 _GREEN = (0.30, 0.69, 0.31, 1.0)
