@@ -91,4 +91,6 @@ def test_hf_metrics_reach_a_logging_integration_listed_before_the_callback(tmp_p
     trainer.train()
     logged = [s for s in reporter.seen if "loss" in s]
     assert logged and all(s.get("weightsync/in_sync") == 1.0 for s in logged), reporter.seen
-    assert trainer.callback_handler.callbacks[0] is audit  # ahead of every integration
+    lead = trainer.callback_handler.callbacks[0]  # ahead of every integration, for on_log only
+    assert type(lead).__name__ == "_LogLead" and lead.owner is audit
+    assert trainer.callback_handler.callbacks[1:].index(audit) > trainer.callback_handler.callbacks[1:].index(reporter)

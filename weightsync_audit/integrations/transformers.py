@@ -52,12 +52,22 @@ def buffer_policy(args: Any) -> bool | None:
     return True if value is None else bool(value)
 
 
+class _LogLead(TrainerCallback):
+    """Stands first in the Trainer's callback list, ahead of the ``report_to`` integrations (TensorBoard,
+    W&B, MLflow...) that the Trainer lists before user callbacks: its ``on_log`` adds the audit's figures
+    to ``logs`` before they write them. Only ``on_log``: every other event keeps the user's order."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.owner.on_log(args, state, control, logs=logs, **kwargs)
+
+
 def lead_the_log(callback: Any) -> bool:
-    """Move ``callback`` to the front of the Trainer's callback list, ahead of the ``report_to``
-    integrations (TensorBoard, W&B, MLflow...) that the Trainer puts first: its ``on_log`` then adds the
-    audit's figures to ``logs`` before they write them. The list is the calling ``CallbackHandler``'s
-    public ``callbacks``, found on the stack of the event being dispatched; moving the running callback
-    to the front leaves the rest of the dispatch unchanged. Returns whether it was found.
+    """Put a :class:`_LogLead` for ``callback`` at the front of the Trainer's callback list (once). The list
+    is the calling ``CallbackHandler``'s public ``callbacks``, found on the stack of the event being
+    dispatched; inserting at the front leaves the rest of that dispatch unchanged. Returns whether it is there.
     """
     frame = sys._getframe(1)
     for _ in range(4):
@@ -66,8 +76,8 @@ def lead_the_log(callback: Any) -> bool:
             return False
         callbacks = getattr(frame.f_locals.get("self"), "callbacks", None)
         if isinstance(callbacks, list) and any(c is callback for c in callbacks):
-            at = next(i for i, c in enumerate(callbacks) if c is callback)
-            callbacks.insert(0, callbacks.pop(at))
+            if not any(isinstance(c, _LogLead) and c.owner is callback for c in callbacks):
+                callbacks.insert(0, _LogLead(callback))
             return True
     return False
 
