@@ -65,7 +65,7 @@ class LoopAudit:
         pinpoint_coverage: float | str = 1,
         **unknown: Any,
     ) -> None:
-        reject_unknown_options(type(self).__init__, unknown, "every_n_steps")
+        reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
         self.module = module
         self.optimizers = as_optimizers(optimizer)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")

@@ -53,7 +53,9 @@ CADENCE_NAMES = {
 }
 
 
-def reject_unknown_options(owner: Callable[..., Any], unknown: dict[str, Any], cadence: str) -> None:
+def reject_unknown_options(
+    owner: Callable[..., Any], unknown: dict[str, Any], cadence: str, name: str | None = None
+) -> None:
     """Answer an unknown keyword with the option meant: the other framework's cadence name gets this
     callback's, a typo its closest option (``TypeError``, as Python's own, with the suggestion).
 
@@ -68,14 +70,14 @@ def reject_unknown_options(owner: Callable[..., Any], unknown: dict[str, Any], c
     import inspect
 
     known = [n for n in inspect.signature(owner).parameters if n not in ("self", "args", "kwargs", "unknown")]
-    name, value = next(iter(unknown.items()))
-    if name in CADENCE_NAMES and name != cadence:
-        suggestion = f"did you mean {cadence}={value!r}? ({name} is {CADENCE_NAMES[name]})"
+    given, value = next(iter(unknown.items()))
+    if given in CADENCE_NAMES and given != cadence:
+        suggestion = f"did you mean {cadence}={value!r}? ({given} is {CADENCE_NAMES[given]})"
     else:
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
         suggestion = f"did you mean {close[0]}={value!r}?" if close else f"the options are {', '.join(known)}"
-    what = getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
-    raise TypeError(f"{what}() got an unexpected option {name}={value!r}: {suggestion}")
+    what = name or getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
+    raise TypeError(f"{what}() got an unexpected option {given}={value!r}: {suggestion}")
 
 
 def audit_metrics(result: AuditResult) -> dict[str, float]:

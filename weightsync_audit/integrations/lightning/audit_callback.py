@@ -113,7 +113,7 @@ class WeightSyncAuditMixin:
         pinpoint_coverage: float | str = 1,
         **unknown: Any,
     ) -> None:
-        reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps")
+        reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
         super().__init__()
         check_every_n(every_n_train_steps, "every_n_train_steps")
         if isinstance(hooks, str):
