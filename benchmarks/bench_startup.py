@@ -28,11 +28,11 @@ EAGER = "import weightsync_audit as w; [getattr(w, n) for n in w.__all__ if n no
 
 
 def _time(argv: list[str], root: Path, runs: int) -> float:
-    env = dict(os.environ, PYTHONPATH=str(root))
+    env = dict(os.environ, PYTHONPATH=str(root))  # and cwd=root: `-m`/`-c` put the cwd first on sys.path
     times = []
     for _ in range(runs):
         t = time.perf_counter()
-        code = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+        code = subprocess.run(argv, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
         assert code in (0, 1), f"{argv} exited {code}"
         times.append(time.perf_counter() - t)
     return statistics.median(times)

@@ -207,7 +207,7 @@ def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     }
     env.pop("WEIGHTSYNC_AUDIT", None)
     proc = subprocess.run(
-        [sys.executable, "runner.py", "steps.json"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env
+        [sys.executable, "runner.py", "steps.json"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
