@@ -56,7 +56,9 @@ def test_demo_shows_the_divergence_then_the_fix(demo: tuple[subprocess.Completed
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = proc.stdout
     assert "DIVERGED" in text and "first at step 49 (epoch 3)" in text
-    assert "hint: backbone.weight, backbone.bias require grad" in text
+    # The hint is said once: in the trainable-set warning; the report that follows refers to it.
+    assert text.count("backbone.weight, backbone.bias require grad") == 1
+    assert "hint: the cause and its fix are in the warning at step 48 above" in text
     assert "DDPRewrapOnTrainableChange" in text
     assert "in sync throughout" in text
     assert text.index("first at step 49") < text.index("run 2/2")
