@@ -2,12 +2,17 @@
 
 Per page, in a fresh temporary folder and one fresh Python process:
 
-- each ```python block is executed in order, in one shared namespace (like a notebook), with
-  ``__name__ == "__main__"``;
+- each ```python block is executed in order, each in a namespace of its own, with ``__name__ == "__main__"``;
 - a python block preceded by ``<!-- file: NAME -->`` is not executed but written to ``NAME`` (a script
   the page then runs from a shell block);
 - a ```bash block preceded by ``<!-- run -->`` (or ``<!-- run: exit=N -->``) is run with bash in the same
   folder, with the venv's ``bin`` first on PATH, and must exit with N (default 0);
+- a ```text block preceded by ``<!-- output -->`` is the real output of the block run just before it:
+  each of its lines must appear in what that block printed, in order (a line ending in ``...`` matches
+  a printed line it begins);
+- each python block runs alone, in a fresh namespace, as a reader would copy it; a block that imports
+  one Lightning namespace (``pytorch_lightning`` or ``lightning.pytorch``) runs with the other one
+  unimportable, as on a machine that has only the one it names;
 - a block preceded by ``<!-- not-run: reason -->`` is skipped (used sparingly, for YAML-like snippets
   of other systems); other bash blocks (install commands, make targets) are checked for existing
   ``weightsync-audit`` sub-commands only.
@@ -22,6 +27,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,7 +36,7 @@ PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
 COMMANDS = ("demo", "check", "show", "diff")
 
 _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
-_MARK = re.compile(r"<!--\s*(run(?::\s*exit=(\d+))?|not-run:[^>]*|file:\s*([\w./-]+))\s*-->\s*$")
+_MARK = re.compile(r"<!--\s*(run(?::\s*exit=(\d+))?|not-run:[^>]*|output|file:\s*([\w./-]+))\s*-->\s*$")
 
 
 @dataclass
@@ -63,34 +69,98 @@ def blocks(page: Path) -> list[Block]:
 
 
 _RUNNER = r"""
-import json, subprocess, sys, traceback
+import json, os, subprocess, sys, tempfile, traceback
 steps = json.load(open(sys.argv[1]))
-ns = {"__name__": "__main__"}
+
+
+def fail(step, why):
+    print(f"BLOCK FAILED: {step['page']} line {step['line']}: {why}"); sys.exit(1)
+
+
+def other_namespace(code):
+    # A block written for one Lightning namespace must run where only that one is installed.
+    if "pytorch_lightning" in code and "lightning.pytorch" not in code and "import lightning\n" not in code:
+        return "lightning"
+    if "lightning.pytorch" in code and "pytorch_lightning" not in code:
+        return "pytorch_lightning"
+    return None
+
+
+def run_python(step):
+    blocked = other_namespace(step["code"])
+    saved = {m: sys.modules.pop(m) for m in list(sys.modules) if blocked and (m == blocked or m.startswith(blocked + "."))}
+    if blocked:
+        sys.modules[blocked] = None  # import fails as if the package were not installed
+    ns = {"__name__": "__main__"}  # every block alone, as a reader copies it: no name from an earlier block
+    try:
+        exec(compile(step["code"], f"{step['page']}:{step['line']}", "exec"), ns)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            fail(step, f"SystemExit({exc.code})")
+    except BaseException:
+        traceback.print_exc()
+        fail(step, "raised")
+    finally:
+        if blocked:
+            del sys.modules[blocked]
+            sys.modules.update(saved)
+
+
+def matches(sample, output):
+    # Every line of the sample appears in the output, in order ("..." at the end of a line: a prefix).
+    lines = [l.rstrip() for l in output.splitlines()]
+    at = 0
+    for want in (l.rstrip() for l in sample.splitlines()):
+        if not want.strip():
+            continue
+        prefix = want[:-3].rstrip() if want.endswith("...") else None
+        while at < len(lines) and not (lines[at].startswith(prefix) if prefix is not None else lines[at] == want):
+            at += 1
+        if at == len(lines):
+            return want
+        at += 1
+    return None
+
+
 for step in steps:
-    if step["kind"] == "python":
-        try:
-            exec(compile(step["code"], f"{step['page']}:{step['line']}", "exec"), ns)
-        except SystemExit as exc:
-            if exc.code not in (None, 0):
-                print(f"BLOCK FAILED: {step['page']} line {step['line']}: SystemExit({exc.code})"); sys.exit(1)
-        except BaseException:
-            traceback.print_exc()
-            print(f"BLOCK FAILED: {step['page']} line {step['line']}"); sys.exit(1)
-    elif step["kind"] == "file":
+    if step["kind"] == "file":
         open(step["name"], "w").write(step["code"])
-    else:
-        sys.stdout.flush()
-        proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["code"]])
-        if proc.returncode != step["exit"]:
-            print(f"BLOCK FAILED: {step['page']} line {step['line']}: bash exited {proc.returncode}, expected {step['exit']}")
-            sys.exit(1)
+        continue
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as out:  # fd 1 itself, so forked ranks and shells are captured too
+        real = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            if step["kind"] == "python":
+                run_python(step)
+            else:
+                proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["code"]])
+                if proc.returncode != step["exit"]:
+                    fail(step, f"bash exited {proc.returncode}, expected {step['exit']}")
+        finally:
+            sys.stdout.flush()
+            os.dup2(real, 1)
+            os.close(real)
+            out.seek(0)
+            text = out.read().decode(errors="replace")
+            sys.stdout.write(text)
+            sys.stdout.flush()
+    for sample in step.get("outputs", []):
+        missing = matches(sample["text"], text)
+        if missing is not None:
+            fail(step, f"the sample output at line {sample['line']} is not what the block printed: {missing!r} is missing")
 """
 
 
 def _steps(page: Path) -> list[dict[str, object]]:
-    steps: list[dict[str, object]] = []
+    steps: list[dict[str, Any]] = []
     for b in blocks(page):
         where = {"page": page.name, "line": b.line}
+        if b.mark == "output":  # the real output of the block run just before (checked by the runner)
+            ran = [s for s in steps if s["kind"] != "file"]
+            assert ran, f"{page.name}:{b.line}: an output block follows no block that runs"
+            ran[-1].setdefault("outputs", []).append({"text": b.code, "line": b.line})
+            continue
         if b.mark and b.mark.startswith("not-run"):
             continue
         if b.lang == "python":
@@ -137,7 +207,7 @@ def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     }
     env.pop("WEIGHTSYNC_AUDIT", None)
     proc = subprocess.run(
-        [sys.executable, "runner.py", "steps.json"], cwd=tmp_path, capture_output=True, text=True, timeout=180, env=env
+        [sys.executable, "runner.py", "steps.json"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
 
@@ -157,3 +227,21 @@ def test_relative_links_resolve(page: Path) -> None:
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (page.parent / target).exists(), f"{page.name}: broken link {target}"
+
+
+def test_the_20340_plain_pytorch_example_runs_with_and_without_the_fix_and_shows_both() -> None:
+    page = ROOT / "docs" / "lightning-20340.md"
+    runs = [b for b in blocks(page) if b.mark == "run" and "plain_ddp.py" in b.code]
+    assert [("--without-fix" in b.code) for b in runs] == [False, True]
+    outputs = [b.code for b in blocks(page) if b.mark == "output" and "epoch 4: in sync" in b.code]
+    assert "epoch 3: in sync: True" in outputs[0] and "epoch 3: in sync: False" in outputs[1]
+    [script] = [b.code for b in blocks(page) if b.file == "plain_ddp.py"]
+    assert "torch.manual_seed(1 + dist.get_rank())" in script  # each rank its own data, or nothing diverges
+
+
+def test_no_page_tells_to_pip_install_from_an_index() -> None:
+    # weightsync-audit is installed from a checkout or a built wheel (README); there is no index release.
+    for page in PAGES:
+        for b in blocks(page):
+            for line in b.code.splitlines():
+                assert not re.search(r"pip install [\"']?weightsync-audit", line), f"{page.name}:{b.line}: {line}"

@@ -188,6 +188,14 @@ def test_without_the_fix_the_audit_reports_the_divergence_at_the_first_step_of_e
     [warning] = rank_info(tmp_path, 0)["warnings"]
     assert "(step 48)" in warning and "trainable parameters changed" in warning and "backbone.weight" in warning
     assert rank_info(tmp_path, 1)["warnings"] == []
+    # Attributed to the user's line (trainer.fit in the script), not to Lightning's dispatch.
+    [where] = rank_info(tmp_path, 0)["warned_from"]
+    assert where.endswith("lightning_20340_run.py"), where
+    # The ~900-character hint is said once: the printed report refers to the warning, the record keeps it whole.
+    printed = (tmp_path / "printed0.txt").read_text()
+    assert "DIVERGED" in printed and "the cause and its fix are in the warning at step 48 above" in printed
+    assert "they became trainable after DDP wrapped the model" not in printed
+    assert "Re-wrapping stops new drift" in printed  # what the report's hint adds to the warning
 
 
 def test_freezing_mid_training_under_ddp_spawn_with_the_fix_trains_on_in_sync(tmp_path: Path) -> None:

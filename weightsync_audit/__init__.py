@@ -5,7 +5,9 @@
 >>> audit(torch.nn.Linear(2, 2)).in_sync
 True
 
-The Lightning callbacks load on first use, so the core never imports Lightning.
+Every public name loads on first use (PEP 562), so ``import weightsync_audit`` costs next to nothing
+and reading a report (``weightsync-audit check``) never imports torch; the Lightning callbacks load
+only when asked for, so the core never imports Lightning.
 """
 
 from __future__ import annotations
@@ -13,32 +15,59 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
-
-# `resync` is both a submodule and a function: importing the function eagerly keeps the package
-# attribute bound to the function (a lazy import would let the submodule shadow it).
-from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
-from weightsync_audit.engine.repair.resync import resync
-from weightsync_audit.errors import (
-    AuditOutOfStepError,
-    AuditPreparationError,
-    AuditTimeoutError,
-    ReportFormatError,
-    ResyncError,
-    TrainableSetMismatchError,
-    UnauditableTensorError,
-    WeightDivergenceError,
-    WeightSyncAuditError,
-    WeightSyncWarning,
-)
-from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
-
 if TYPE_CHECKING:
+    from weightsync_audit.cli._reports import print_report
+    from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
+    from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
+    from weightsync_audit.engine.repair.resync import resync
+    from weightsync_audit.errors import (
+        AuditOutOfStepError,
+        AuditPreparationError,
+        AuditTimeoutError,
+        ReportFormatError,
+        ResyncError,
+        TrainableSetMismatchError,
+        UnauditableTensorError,
+        WeightDivergenceError,
+        WeightSyncAuditError,
+        WeightSyncWarning,
+    )
     from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+    from weightsync_audit.integrations.loop import LoopAudit
+    from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
+    from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
+    from weightsync_audit.reporting.render import render
 
 __version__ = "0.1.0"
 
+_ERRORS = "weightsync_audit.errors"
 _LAZY = {
+    "maybe_rewrap": "weightsync_audit.ddp.rewrap",
+    "rewrap_ddp": "weightsync_audit.ddp.rewrap",
+    "AuditConfig": "weightsync_audit.engine.auditor",
+    "AuditHistory": "weightsync_audit.engine.auditor",
+    "Auditor": "weightsync_audit.engine.auditor",
+    "audit": "weightsync_audit.engine.auditor",
+    "resync": "weightsync_audit.engine.repair.resync",
+    "AuditOutOfStepError": _ERRORS,
+    "AuditPreparationError": _ERRORS,
+    "AuditTimeoutError": _ERRORS,
+    "ReportFormatError": _ERRORS,
+    "ResyncError": _ERRORS,
+    "TrainableSetMismatchError": _ERRORS,
+    "UnauditableTensorError": _ERRORS,
+    "WeightDivergenceError": _ERRORS,
+    "WeightSyncAuditError": _ERRORS,
+    "WeightSyncWarning": _ERRORS,
+    "SCHEMA": "weightsync_audit.reporting.record",
+    "AuditResult": "weightsync_audit.reporting.record",
+    "Mismatch": "weightsync_audit.reporting.record",
+    "ReportWriter": "weightsync_audit.reporting.jsonl",
+    "ReportContents": "weightsync_audit.reporting.jsonl",
+    "read_report": "weightsync_audit.reporting.jsonl",
+    "render": "weightsync_audit.reporting.render",
+    "print_report": "weightsync_audit.cli._reports",
+    "LoopAudit": "weightsync_audit.integrations.loop",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.integrations.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
@@ -55,8 +84,11 @@ __all__ = [
     "AuditTimeoutError",
     "Auditor",
     "DDPRewrapOnTrainableChange",
+    "LoopAudit",
     "Mismatch",
+    "ReportContents",
     "ReportFormatError",
+    "ReportWriter",
     "TrainableSetMismatchError",
     "ResyncError",
     "UnauditableTensorError",
@@ -66,6 +98,9 @@ __all__ = [
     "WeightSyncWarning",
     "audit",
     "maybe_rewrap",
+    "print_report",
+    "read_report",
+    "render",
     "resync",
     "rewrap_ddp",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Sequence
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "WeightSyncWarning",
     "TrainableSetMismatchError",
     "ResyncError",
+    "user_stacklevel",
 ]
 
 
@@ -116,3 +118,38 @@ class ResyncError(WeightSyncAuditError, RuntimeError):
         self.partial = list(partial)
         self.untouched = list(untouched)
         super().__init__(message)
+
+
+#: Packages whose frames a warning is not attributed to: this one and the frameworks that call it.
+_NOT_USER_CODE = ("weightsync_audit", "pytorch_lightning", "lightning", "lightning_fabric", "transformers")
+_NOT_USER_CODE += ("accelerate", "torch")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that attributes a warning to the user's line (``trainer.fit(...)``, the training
+    loop), not to a framework's dispatch (``pytorch_lightning/trainer/call.py``); call it as the argument
+    of ``warnings.warn``. Where no user line is on the stack (a rank forked or spawned by a launcher), the
+    outermost frame of this package: the callback's hook.
+
+    >>> import warnings
+    >>> def deep() -> None:
+    ...     warnings.warn("x", stacklevel=user_stacklevel())
+    >>> with warnings.catch_warnings(record=True) as seen:
+    ...     warnings.simplefilter("always")
+    ...     deep()
+    >>> seen[0].filename.endswith("errors.py")
+    False
+    """
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    frame = sys._getframe(1)  # the function that calls warnings.warn: stacklevel 1
+    level, ours = 1, 1
+    while frame is not None:
+        package = str(frame.f_globals.get("__name__", "")).split(".")[0]
+        if package == "weightsync_audit":
+            ours = level
+        elif package not in _NOT_USER_CODE and not frame.f_code.co_filename.startswith(stdlib):
+            return level
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    return ours

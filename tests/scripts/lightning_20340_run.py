@@ -44,6 +44,12 @@ class Probe(pl.Callback):
         self._catcher = warnings.catch_warnings(record=True)
         self._caught = self._catcher.__enter__()
         warnings.simplefilter("always", WeightSyncWarning)
+        from rich.console import Console
+
+        for cb in trainer.callbacks:  # what the audit prints on this rank, kept whole (no wrapping)
+            if isinstance(cb, WeightSyncAudit):
+                printed = open(self.out / f"printed{trainer.global_rank}.txt", "w")
+                cb.console = Console(file=printed, width=10_000, soft_wrap=True)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.current_epoch == UNFREEZE_EPOCH:
@@ -60,6 +66,7 @@ class Probe(pl.Callback):
                 vars(e) | {"joined": list(e.joined), "left": list(e.left)} for e in (fix.rewraps if fix else [])
             ],
             "warnings": [str(w.message) for w in self._caught if issubclass(w.category, WeightSyncWarning)],
+            "warned_from": [w.filename for w in self._caught if issubclass(w.category, WeightSyncWarning)],
         }
         (self.out / f"rank{r}.json").write_text(json.dumps(info))
 

@@ -1,7 +1,8 @@
 """The ``weightsync-audit`` command: ``demo``, ``check``, ``show``, ``diff``.
 
-Exit codes (the contract): ``check`` 0 in sync, 1 diverged, 2 unreadable; ``show`` 0 / 2; ``diff``
-0 identical, 1 different, 2 error; every error is one line on stderr, never a traceback.
+Exit codes (the contract): ``check`` 0 in sync, 1 diverged, 2 unreadable (0 for a run repaired by
+resync and in sync at the end with ``--accept-repaired``); ``show`` 0 / 2; ``diff`` 0 identical or
+equal within ``--atol``, 1 different, 2 error; every error is one line on stderr, never a traceback.
 
 >>> main(["--version"])
 0
@@ -13,7 +14,7 @@ import argparse
 import os
 import sys
 import textwrap
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
 from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, CliError
 
@@ -34,14 +35,29 @@ def _help(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
 
+EXIT_CODES = _help(
+    """
+    exit codes:
+      check  0 every audit in sync (or within the run's tolerance; or, with --accept-repaired, every
+               divergence repaired by resync and in sync at the end), 1 a divergence, 2 unreadable/invalid/empty
+      show   0 shown, 2 unreadable or invalid
+      diff   0 identical (or equal within --atol), 1 different, 2 unreadable, refused or not a checkpoint
+      demo   0 the audit told the two runs apart as expected, 1 it did not
+    every error is one line on stderr (set WEIGHTSYNC_AUDIT_DEBUG=1 for a traceback)
+    """
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show`` and ``diff``."""
     from weightsync_audit import __version__
 
-    fmt = argparse.RawDescriptionHelpFormatter
     parser = _Parser(
         prog=PROG,
-        formatter_class=fmt,
-        description="Audit whether data-parallel replicas hold the same weights: read audit reports, compare checkpoints, run the demo.",
+        formatter_class=_FMT,
+        description="Audit whether data-parallel replicas hold the same weights: read audit reports, compare "
+        "checkpoints, run the demo. A report is the JSONL file the audit writes with report_path=... "
+        "(WeightSyncAudit, WeightSyncAuditCallback, Auditor) or WEIGHTSYNC_AUDIT=report_path=...",
         epilog=_help(
             """
             examples:
@@ -50,21 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
               weightsync-audit show audit.jsonl --plot run.png
               weightsync-audit diff rank0.ckpt rank1.ckpt
 
-            exit codes: 0 ok / in sync / identical, 1 diverged / different, 2 error.
-            docs: docs/cli.md in the source tree
+            run `weightsync-audit COMMAND --help` for each command's options and examples.
             """
-        ),
+        )
+        + "\n\n"
+        + EXIT_CODES,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_demo(sub)
+    _add_check(sub)
+    _add_show(sub)
+    _add_diff(sub)
+    return parser
 
+
+_FMT = argparse.RawDescriptionHelpFormatter
+
+
+def _add_demo(sub: Any) -> None:
     p = sub.add_parser(
         "demo",
         help="run Lightning #20340 on CPU ranks: the divergence found and explained, then fixed",
-        formatter_class=fmt,
+        formatter_class=_FMT,
         description="Train the bug report's model twice with DDP on CPU ranks: as reported (the replicas part at "
         "epoch 3, when BackboneFinetuning unfreezes the backbone) and with DDPRewrapOnTrainableChange (in sync "
-        "throughout). Every step is audited; the reports are written as JSONL.",
+        "throughout). Every step is audited; the reports are written as JSONL. Exit 0 when the audit tells the "
+        "two runs apart as expected, 1 when it does not, 2 on an error.",
         epilog=_help(
             """
             example:
@@ -81,34 +109,46 @@ def build_parser() -> argparse.ArgumentParser:
         "--report", metavar="DIR", help="folder for without-fix.jsonl and with-fix.jsonl (default: a temp folder)"
     )
 
+
+def _add_check(sub: Any) -> None:
     p = sub.add_parser(
         "check",
         help="summarise a report; exit 0 in sync, 1 diverged, 2 unreadable",
-        formatter_class=fmt,
+        formatter_class=_FMT,
         description="Read a JSONL audit report and say whether every audit found the replicas in sync; name the "
         "first divergence (step, epoch, tensors, ranks, hint). Exit 0 when every record is in sync, 1 when any "
-        "is not, 2 when the file cannot be read, holds no records, or a line is not a valid record.",
+        "is not, 2 when the file cannot be read, holds no records, or a line is not a valid record. A run with "
+        "on_mismatch='resync' whose every divergence was repaired and that ended in sync exits 1 too, unless "
+        "--accept-repaired is given (then 0, status 'repaired').",
         epilog=_help(
             """
             example (a CI step that fails on divergence):
               WEIGHTSYNC_AUDIT=report_path=audit.jsonl python train.py
               weightsync-audit check audit.jsonl
               weightsync-audit check audit.jsonl --json > audit-summary.json
+              weightsync-audit check audit.jsonl --accept-repaired   # a resync run that ended in sync passes
             """
         ),
     )
     p.add_argument("report", metavar="REPORT.jsonl")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (same exit codes)")
     p.add_argument("--allow-torn", action="store_true", help="accept a torn last line (a run that crashed mid-write)")
+    p.add_argument(
+        "--accept-repaired",
+        action="store_true",
+        help="exit 0 when every divergence was repaired by resync and the run ended in sync",
+    )
 
+
+def _add_show(sub: Any) -> None:
     p = sub.add_parser(
         "show",
         help="timeline and per-layer table of a report; --plot draws it",
-        formatter_class=fmt,
+        formatter_class=_FMT,
         description="Lay out a JSONL audit report in the terminal: a timeline of in-sync and diverged stretches "
         "and a table of the layers that diverged, with their ranks and gaps. --plot draws tensors (or layers) "
-        "against steps, coloured by in sync / diverged and by max |diff| (needs the plot extra: matplotlib). "
-        "Exit 0 when shown, 2 when the file is unreadable or holds an invalid line.",
+        "against steps, coloured by in sync / diverged and by max |diff| (needs matplotlib: "
+        "pip install matplotlib). Exit 0 when shown, 2 when the file is unreadable or holds an invalid line.",
         epilog=_help(
             """
             example:
@@ -122,14 +162,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--by", choices=("tensor", "layer"), default="tensor", help="plot rows (default: tensor)")
     p.add_argument("--allow-torn", action="store_true", help="accept a torn last line (a run that crashed mid-write)")
 
+
+def _add_diff(sub: Any) -> None:
     p = sub.add_parser(
         "diff",
         help="compare two checkpoints tensor by tensor; exit 0 identical, 1 different, 2 error",
-        formatter_class=fmt,
+        formatter_class=_FMT,
         description="Compare checkpoints tensor by tensor: Lightning .ckpt files, torch.save'd state dicts, or "
         "folders of per-rank files. Reports missing, extra, shape and dtype changes, and values with their max "
         "|diff|. Files are loaded with torch.load(weights_only=True): one that needs code to load is refused "
-        "(exit 2), never executed. With one folder, every file in it is compared with the first.",
+        "(exit 2), never executed; a file that is no checkpoint at all (a report, a text) is named as such "
+        "(exit 2). With one folder, every file in it is compared with the first. With --atol, tensors that "
+        "differ within it are 'EQUAL within atol' (exit 0), told apart from IDENTICAL (equal bits).",
         epilog=_help(
             """
             examples:
@@ -152,14 +196,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=int, default=50, help="rows shown per file pair (default: 50)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON (same exit codes)")
-    return parser
 
 
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
         from weightsync_audit.cli._reports import cmd_check
 
-        return cmd_check(args.report, as_json=args.json, allow_torn=args.allow_torn)
+        return cmd_check(
+            args.report, as_json=args.json, allow_torn=args.allow_torn, accept_repaired=args.accept_repaired
+        )
     if args.command == "show":
         from weightsync_audit.cli._reports import cmd_show
 

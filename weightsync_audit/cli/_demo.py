@@ -15,13 +15,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.rule import Rule
 from rich.text import Text
 
-from weightsync_audit.cli._summary import CliError, ReportSummary, diverged_ranks
+from weightsync_audit.cli._summary import CliError, ReportSummary, diverged_ranks, fmt_step
 from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.reporting.render import log_console
 
 _QUIET_LOGGERS = ("pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric")
 
@@ -44,7 +45,7 @@ def _progress_callback(base: type, audit: Any, label: str) -> Any:
                 MofNCompleteColumn(),
                 TextColumn("epoch {task.fields[epoch]}  {task.fields[state]}"),
                 TimeElapsedColumn(),
-                console=Console(),
+                console=log_console(),
                 transient=False,
             )
             audit.console = self.progress.console
@@ -125,14 +126,14 @@ def run_demo(ranks: int = 2, epochs: int = 5, report_dir: str | None = None, con
         raise CliError(f"--ranks {ranks}: a replica audit needs at least 2 ranks")
     if epochs < 1:
         raise CliError(f"--epochs {epochs}: must be at least 1")
-    console = console or Console()
+    console = console or log_console()
     out = Path(report_dir) if report_dir else Path(tempfile.mkdtemp(prefix="weightsync-demo-"))
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CliError(f"--report {out}: cannot create the folder ({exc.strerror or exc})") from None
     steps = 64 // (2 * ranks)
-    console.print(Rule("weightsync-audit demo: Lightning #20340"))
+    console.print(_rule(console, "weightsync-audit demo: Lightning #20340"))
     console.print(
         f"A 32->16 backbone and a 16->2 head on {ranks} CPU ranks (DDP over gloo), {epochs} epochs of {steps} steps. "
         f"BackboneFinetuning freezes the backbone before DDP wraps the model and unfreezes it at epoch {UNFREEZE_EPOCH}; "
@@ -150,7 +151,7 @@ def run_demo(ranks: int = 2, epochs: int = 5, report_dir: str | None = None, con
         for filename, fixed, title, label in runs:
             report = out / filename
             report.unlink(missing_ok=True)
-            console.print(Rule(title, style="dim"))
+            console.print(_rule(console, title, "dim"))
             sys.stdout.flush()  # the ranks are forked: nothing buffered may be inherited and printed twice
             sys.stderr.flush()
             with warnings.catch_warnings():
@@ -164,7 +165,7 @@ def run_demo(ranks: int = 2, epochs: int = 5, report_dir: str | None = None, con
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
     broken, fixed_run = summaries
-    console.print(Rule("what the demo showed", style="dim"))
+    console.print(_rule(console, "what the demo showed", "dim"))
     ok = fixed_run.status == "in_sync"
     if epochs > UNFREEZE_EPOCH:
         ok = ok and broken.status == "diverged"
@@ -181,13 +182,20 @@ def run_demo(ranks: int = 2, epochs: int = 5, report_dir: str | None = None, con
     return 0 if ok else 1
 
 
+def _rule(console: Console, title: str, style: str = "rule.line") -> RenderableType:
+    """A rule across a terminal; off one (a log, a pipe) a short titled line, never 10,000 dashes."""
+    if console.is_terminal:
+        return Rule(title, style=style)
+    return Text(f"--- {title} ---", style=style)
+
+
 def _verdict(summary: ReportSummary) -> Text:
     first = summary.first_divergence
     if first is None:
         return Text(f"report: {len(summary.records)} audits, in sync throughout", style="bold green")
     _, r = first
     return Text(
-        f"report: {len(summary.records)} audits, {len(summary.diverged)} diverged; first at step {r.step} "
+        f"report: {len(summary.records)} audits, {len(summary.diverged)} diverged; first at step {fmt_step(r.step)} "
         f"(epoch {r.epoch}): {', '.join(r.diverged_names[:4])} on rank(s) {diverged_ranks(r.mismatches)}",
         style="bold red",
     )

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError, fmt_gap
 from weightsync_audit.cli.checkpoint_diff import CheckpointError, diff_checkpoints
+from weightsync_audit.reporting.render import log_console
 
 _STYLE = {"missing": "red", "extra": "blue", "shape": "magenta", "dtype": "magenta", "values": "yellow"}
 
@@ -32,7 +33,7 @@ def cmd_diff(
         result = diff_checkpoints(a, b, atol=atol, exclude=exclude)
     except CheckpointError as exc:
         raise CliError(str(exc)) from None
-    console = console or Console()
+    console = console or log_console()
     code = EXIT_OK if result.identical else EXIT_DIFFERENT
     if as_json:
         console.file.write(json.dumps(result.to_dict(), indent=2) + "\n")
@@ -44,8 +45,18 @@ def cmd_diff(
             continue
         if pair.note:
             console.print(Text(pair.note, style="dim"))
-        if pair.identical:
+        if pair.exact:
             console.print(Text(f"IDENTICAL: {title}: all {pair.compared} entries equal", style="bold green"))
+            continue
+        if pair.identical:
+            worst = max(e.max_abs_diff or 0.0 for e in pair.within_atol)
+            console.print(
+                Text(
+                    f"EQUAL within atol {atol:g}: {title}: {len(pair.within_atol)} of {pair.compared} entries differ, "
+                    f"all within atol (largest max |diff| {fmt_gap(worst)}); the others have equal bits",
+                    style="bold green",
+                )
+            )
             continue
         counts: dict[str, int] = {}
         for e in pair.entries:

@@ -3,25 +3,42 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.cli._summary import EXIT_ERROR, CliError, ReportSummary, diverged_ranks, fmt_gap, pinpoint_line
+from weightsync_audit.cli._summary import (
+    EXIT_ERROR,
+    CliError,
+    ReportSummary,
+    diverged_ranks,
+    fmt_gap,
+    fmt_step,
+    pinpoint_line,
+)
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.render import log_console
-from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard
+from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard, without_tie
+
+#: Rows of a printed table (timeline stretches, layers); the rest are counted below it.
+MAX_ROWS = 30
+
+#: Invalid lines named one by one; the rest are counted (``--json`` lists them all).
+MAX_ERROR_LINES = 10
 
 
 def _errors(console: Console, summary: ReportSummary) -> None:
-    for e in summary.errors:
+    for e in summary.errors[:MAX_ERROR_LINES]:
         forgiven = summary.allow_torn and e.torn
         style = "yellow" if forgiven else "bold red"
         label = "warning" if forgiven else "invalid"
         console.print(Text(f"{label}: {summary.path}: {e}", style=style))
+    if len(summary.errors) > MAX_ERROR_LINES:
+        more = len(summary.errors) - MAX_ERROR_LINES
+        console.print(Text(f"... and {more} more invalid line(s) (--json lists them all)", style="bold red"))
     if summary.status == "invalid":
         torn_only = all(e.torn for e in summary.blocking_errors)
         extra = " (pass --allow-torn to skip torn lines, left by a crash mid-write)" if torn_only else ""
@@ -29,7 +46,7 @@ def _errors(console: Console, summary: ReportSummary) -> None:
 
 
 def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
-    where = f"step {r.step}" + (
+    where = f"step {fmt_step(r.step)}" + (
         f" (epoch {r.epoch}" + (f", {r.hook})" if r.hook else ")") if r.epoch is not None else ""
     )
     out = [Text.assemble(("first divergence: ", "bold"), (where, "bold red"), f", report line {line}")]
@@ -52,8 +69,9 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
             extra.append(f"{m.diff_count:,} element(s) differ")
         if m.within_tolerance:
             extra.append("within tolerance")
-        if m.detail:
-            extra.append(m.detail)
+        detail = without_tie(m.detail)  # a tie is said once, on the TIE line below
+        if detail:
+            extra.append(detail)
         parts.append(f"{m.name} ({', '.join(extra)})")
     more = len(r.mismatches) - 8
     out.append(Text("  tensors: " + ", ".join(parts) + (f" and {more} more" if more > 0 else "")))
@@ -79,9 +97,16 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     return out
 
 
-def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, console: Console | None = None) -> int:
-    """Summarise a report; 0 all in sync, 1 any divergence, 2 unreadable or invalid."""
-    summary = ReportSummary.read(path, allow_torn)
+def cmd_check(
+    path: str,
+    *,
+    as_json: bool = False,
+    allow_torn: bool = False,
+    accept_repaired: bool = False,
+    console: Console | None = None,
+) -> int:
+    """Summarise a report; 0 all in sync (or repaired, with ``accept_repaired``), 1 any divergence, 2 unreadable."""
+    summary = ReportSummary.read(path, allow_torn, accept_repaired)
     console = console or log_console()
     if as_json:
         console.file.write(json.dumps(summary.to_json(), indent=2) + "\n")
@@ -93,55 +118,79 @@ def cmd_check(path: str, *, as_json: bool = False, allow_torn: bool = False, con
             Text("no audit records: the run did not audit (or wrote its report elsewhere): exit 2", style="bold red")
         )
     elif not summary.diverged and rs:
-        valid = " valid" if summary.errors else ""
-        sampled = [r for r in rs if r.sampled]
-        within = len(summary.within_tolerance)
-        if within:
-            console.print(
-                Text(
-                    f"IN SYNC WITHIN TOLERANCE: {within} of {len(rs)}{valid} audit(s) found differences, every one "
-                    f"within the run's tolerance (largest rel_diff {fmt_gap(_worst_rel(summary))})",
-                    style="bold green",
-                )
-            )
-        elif not sampled:
-            console.print(
-                Text(
-                    f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
-                    style="bold green",
-                )
-            )
-        else:
-            shares = "/".join(sorted({f"1/{r.coverage.split('/')[1]}" for r in sampled if r.coverage}))
-            full = rs[-1].last_full_sync_step
-            console.print(
-                Text(
-                    f"IN SYNC as far as read: all {len(rs)}{valid} audit(s) agreed, but {len(sampled)} of them were "
-                    f"sampled and read {shares} of each large tensor; last full verification in sync: "
-                    + ("never" if full is None else f"step {full}"),
-                    style="bold green",
-                )
-            )
+        _print_in_sync(console, summary)
     elif rs:
-        console.print(
-            Text(
-                f"DIVERGED: {len(summary.diverged)} of {len(rs)} audit(s) found replicas out of sync", style="bold red"
-            )
-        )
-        first = summary.first_divergence
-        assert first is not None
-        for t in _divergence_lines(first[1], first[0]):
-            console.print(t)
-        last = rs[-1]
-        resynced = sum(r.action == "resynced" for r in rs)
-        if resynced:
-            console.print(f"resynced: {resynced} audit(s) repaired the replicas from a healthy rank")
-        state = "in sync" if last.in_sync else f"still diverged ({len(last.mismatches)} tensor(s))"
-        console.print(f"at the end (step {last.step}): {state}")
+        _print_diverged(console, summary)
     for note in dict.fromkeys(n for r in rs for n in r.notes if any(c in n for c in COMPARED_NOTES)):
         console.print(Text("note: " + note, style="yellow"))
     _errors(console, summary)
     return summary.exit_code
+
+
+def _print_in_sync(console: Console, summary: ReportSummary) -> None:
+    """``check``'s verdict for a run whose audits all agreed (within tolerance, or as far as sampled)."""
+    rs = summary.results
+    valid = " valid" if summary.errors else ""
+    sampled = [r for r in rs if r.sampled]
+    within = len(summary.within_tolerance)
+    if within:
+        console.print(
+            Text(
+                f"IN SYNC WITHIN TOLERANCE: {within} of {len(rs)}{valid} audit(s) found differences, every one "
+                f"within the run's tolerance (largest rel_diff {fmt_gap(_worst_rel(summary))})",
+                style="bold green",
+            )
+        )
+    elif not sampled:
+        console.print(
+            Text(
+                f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
+                style="bold green",
+            )
+        )
+    else:
+        shares = "/".join(sorted({f"1/{r.coverage.split('/')[1]}" for r in sampled if r.coverage}))
+        full = rs[-1].last_full_sync_step
+        console.print(
+            Text(
+                f"IN SYNC as far as read: all {len(rs)}{valid} audit(s) agreed, but {len(sampled)} of them were "
+                f"sampled and read {shares} of each large tensor; last full verification in sync: "
+                + ("never" if full is None else f"step {full}"),
+                style="bold green",
+            )
+        )
+
+
+def _print_diverged(console: Console, summary: ReportSummary) -> None:
+    """``check``'s verdict for a run with a divergence: the first one, resyncs, and the state at the end."""
+    rs = summary.results
+    if summary.status == "repaired":
+        verdict = Text(
+            f"REPAIRED: {len(summary.diverged)} of {len(rs)} audit(s) found replicas out of sync, each repaired "
+            "by resync; in sync at the end (accepted: --accept-repaired): exit 0",
+            style="bold yellow",
+        )
+    else:
+        verdict = Text(
+            f"DIVERGED: {len(summary.diverged)} of {len(rs)} audit(s) found replicas out of sync", style="bold red"
+        )
+    console.print(verdict)
+    first = summary.first_divergence
+    assert first is not None
+    for t in _divergence_lines(first[1], first[0]):
+        console.print(t)
+    last = rs[-1]
+    resynced = sum(r.action == "resynced" for r in rs)
+    if resynced:
+        console.print(f"resynced: {resynced} audit(s) repaired the replicas from a healthy rank")
+    state = "in sync" if last.in_sync else f"still diverged ({len(last.mismatches)} tensor(s))"
+    if not last.in_sync and last.action == "resynced":
+        state = "in sync (after its resync)"
+    console.print(f"at the end (step {fmt_step(last.step)}): {state}")
+    if summary.repaired and not summary.accept_repaired:
+        console.print(
+            Text("every divergence was repaired by resync and the run ended in sync: pass --accept-repaired to exit 0")
+        )
 
 
 #: Timeline characters, distinct without colour: in sync, in sync on a sample only, within the tolerance, diverged.
@@ -171,13 +220,14 @@ def _strip(summary: ReportSummary, width: int) -> Text:
             text.append(STRIP_CHARS["in_sync"], style="green")
     first, last = rs[0].step, rs[-1].step
     text.append(
-        f"  steps {first} .. {last}  (= in sync, ~ in sync on a sample, - within tolerance, X diverged)", style="dim"
+        f"  steps {fmt_step(first)} .. {fmt_step(last)}  (= in sync, ~ in sync on a sample, - within tolerance, X diverged)",
+        style="dim",
     )
     return text
 
 
 def _timeline_table(summary: ReportSummary) -> Table:
-    table = Table(title="timeline", header_style="bold", title_justify="left")
+    table = Table(title="timeline", header_style="bold", title_justify="left", caption_justify="left")
     for col, kw in (
         ("steps", {"justify": "right"}),
         ("epochs", {"justify": "right"}),
@@ -187,7 +237,8 @@ def _timeline_table(summary: ReportSummary) -> Table:
         ("max |diff|", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
-    for seg in summary.segments():
+    segments = summary.segments()
+    for seg in segments[:MAX_ROWS]:
         if seg.in_sync:
             state = Text("in sync", style="green")
         elif seg.first.within_tolerance and seg.last.within_tolerance:
@@ -196,6 +247,11 @@ def _timeline_table(summary: ReportSummary) -> Table:
             state = Text("DIVERGED", style="bold red")
         names = brief_names(seg.names, 6)
         table.add_row(seg.steps(), seg.epochs(), str(seg.audits), state, escape(names) or "-", fmt_gap(seg.max_gap))
+    notes = []
+    if len(segments) > MAX_ROWS:
+        notes.append(f"... and {len(segments) - MAX_ROWS} more stretch(es) (check --json, or the report, has them all)")
+    notes.append("-: in sync (no tensor differs), no epoch recorded, or max |diff| not measured")
+    table.caption = "\n".join(notes)
     return table
 
 
@@ -204,7 +260,7 @@ def _layer_table(summary: ReportSummary) -> Table | None:
     if not rows:
         return None
     total = len(summary.results)
-    table = Table(title="layers that diverged", header_style="bold", title_justify="left")
+    table = Table(title="layers that diverged", header_style="bold", title_justify="left", caption_justify="left")
     for col, kw in (
         ("layer", {"style": "cyan"}),
         ("tensors", {}),
@@ -215,10 +271,10 @@ def _layer_table(summary: ReportSummary) -> Table | None:
         ("last |diff|", {"justify": "right"}),
     ):
         table.add_column(col, **kw)
-    for row in rows:
+    for row in rows[:MAX_ROWS]:
         first = row.first
         assert first is not None
-        where = f"step {first.step}" + (f", ep {first.epoch}" if first.epoch is not None else "")
+        where = f"step {fmt_step(first.step)}" + (f", ep {first.epoch}" if first.epoch is not None else "")
         short = [n[len(row.layer) + 1 :] if n.startswith(row.layer + ".") else n for n in row.tensors]
         kinds = "" if list(row.kinds) == ["param"] else f" ({','.join(row.kinds)})"
         ranks = Text.assemble(
@@ -235,6 +291,14 @@ def _layer_table(summary: ReportSummary) -> Table | None:
             fmt_gap(row.worst_gap),
             fmt_gap(row.last_gap),
         )
+    notes = []
+    if len(rows) > MAX_ROWS:
+        notes.append(f"... and {len(rows) - MAX_ROWS} more layer(s)")
+    if any(r.worst_gap is None or r.last_gap is None for r in rows[:MAX_ROWS]):
+        notes.append(
+            "-: max |diff| not measured (at most max_diff_tensors tensors an audit; none for a structure mismatch)"
+        )
+    table.caption = "\n".join(notes) or None
     return table
 
 
@@ -287,3 +351,23 @@ def cmd_show(
     if summary.status in ("invalid", "empty"):
         return EXIT_ERROR
     return 0
+
+
+def print_report(path: str, *, file: IO[str] | None = None, allow_torn: bool = False) -> int:
+    """Print a JSONL report as ``weightsync-audit show`` does; returns its exit code (0 shown, 2 unreadable).
+
+    Needs no torch: a report is read with ``json`` only.
+
+    >>> import os, tempfile
+    >>> from weightsync_audit import AuditResult, ReportWriter, print_report
+    >>> path = os.path.join(tempfile.mkdtemp(), "audit.jsonl")
+    >>> with ReportWriter(path) as w:
+    ...     w.write(AuditResult(in_sync=True, step=1))
+    >>> print_report(path, file=open(os.devnull, "w"))
+    0
+    """
+    try:
+        return cmd_show(path, allow_torn=allow_torn, console=log_console(file))
+    except CliError as exc:
+        log_console(file).print(Text(f"error: {exc}", style="bold red"))
+        return EXIT_ERROR

@@ -31,7 +31,7 @@ class Segment:
 
     def steps(self) -> str:
         a, b = self.first.step, self.last.step
-        return str(a) if a == b else f"{a}-{b}"
+        return fmt_step(a) if a == b else f"{fmt_step(a)}-{fmt_step(b)}"
 
     def epochs(self) -> str:
         a, b = self.first.epoch, self.last.epoch
@@ -64,9 +64,13 @@ class ReportSummary:
     records: list[tuple[int, AuditResult]]
     errors: list[ReportFormatError]
     allow_torn: bool = False
+    accept_repaired: bool = False
+    """Count a run whose every divergence ``resync`` repaired, and that ended in sync, as passing."""
 
     @classmethod
-    def read(cls, path: str | os.PathLike[str], allow_torn: bool = False) -> ReportSummary:
+    def read(
+        cls, path: str | os.PathLike[str], allow_torn: bool = False, accept_repaired: bool = False
+    ) -> ReportSummary:
         """Read and summarise ``path``; :class:`CliError` when the file cannot be read at all."""
         p = os.fspath(path)
         if os.path.isdir(p):
@@ -77,7 +81,13 @@ class ReportSummary:
             raise CliError(f"{p}: no such file") from None
         except OSError as exc:
             raise CliError(f"{p}: cannot be read ({exc.strerror or exc})") from None
-        return cls(p, contents.records, contents.errors, allow_torn)
+        if not contents.records and contents.errors:
+            kind = _not_a_report(p)
+            if kind is not None:
+                raise CliError(
+                    f"{p}: not an audit report ({kind}); a report is the JSONL text written by report_path=..."
+                )
+        return cls(p, contents.records, contents.errors, allow_torn, accept_repaired)
 
     # -- derived facts -------------------------------------------------------------------------
 
@@ -108,17 +118,30 @@ class ReportSummary:
         return next(iter(self.diverged), None)
 
     @property
+    def repaired(self) -> bool:
+        """Every divergence was repaired by ``resync`` (confirmed by a full audit) and the run ended in sync."""
+        rs = self.results
+        if not self.diverged or not rs:
+            return False
+        last = rs[-1]
+        ended_in_sync = last.in_sync or last.within_tolerance or last.action == "resynced"
+        return ended_in_sync and all(r.action == "resynced" for _, r in self.diverged)
+
+    @property
     def status(self) -> str:
-        """``invalid``, ``empty``, ``diverged`` or ``in_sync``."""
+        """``invalid``, ``empty``, ``diverged``, ``repaired`` (only with ``accept_repaired``) or ``in_sync``."""
         if self.blocking_errors:
             return "invalid"
         if not self.records:
             return "empty"
+        if self.diverged and self.accept_repaired and self.repaired:
+            return "repaired"
         return "diverged" if self.diverged else "in_sync"
 
     @property
     def exit_code(self) -> int:
-        return {"invalid": EXIT_ERROR, "empty": EXIT_ERROR, "diverged": EXIT_DIFFERENT, "in_sync": EXIT_OK}[self.status]
+        codes = {"invalid": EXIT_ERROR, "empty": EXIT_ERROR, "diverged": EXIT_DIFFERENT, "repaired": EXIT_OK}
+        return codes.get(self.status, EXIT_OK)
 
     def headline(self) -> str:
         rs = self.results
@@ -199,6 +222,7 @@ class ReportSummary:
             "resynced_audits": sum(r.action == "resynced" for r in rs),
             "within_tolerance_audits": len(self.within_tolerance),
             "in_sync_at_end": rs[-1].in_sync if rs else None,
+            "repaired": self.repaired,
             "sampled_audits": sum(r.sampled for r in rs),
             "last_full_sync_step": rs[-1].last_full_sync_step if rs else None,
             "first_divergence": None,
@@ -225,6 +249,30 @@ class ReportSummary:
         return out
 
 
+def _not_a_report(path: str) -> str | None:
+    """What ``path`` holds when it is plainly no text report (binary data, a checkpoint), else None."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return None
+    if head.startswith(b"PK\x03\x04") or head.startswith(b"\x80"):
+        return "a zip archive or pickle: a checkpoint? compare checkpoints with: weightsync-audit diff A B"
+    if b"\0" in head:
+        return "binary data"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start < len(head) - 4:  # not merely a character cut at the end of the chunk
+            return "binary data, not UTF-8 text"
+    return None
+
+
+def fmt_step(step: int | None) -> str:
+    """A step for a table or a sentence: ``-`` when the record has none (an audit outside training)."""
+    return "-" if step is None else str(step)
+
+
 def diverged_ranks(mismatches: list[Mismatch]) -> list[int]:
     return sorted({r for m in mismatches for r in m.ranks})
 
@@ -236,7 +284,7 @@ def fmt_gap(x: float | None) -> str:
 def pinpoint_line(r: AuditResult) -> str | None:
     """Where a divergent record says the divergence began, in words (None when it says nothing)."""
     if r.pinpoint == "exact" and r.first_diverged_step is not None:
-        return f"began at step {r.first_diverged_step} (pinpointed from per-step digests; in sync at step {r.last_in_sync_step})"
+        return f"began at step {r.first_diverged_step} (pinpointed from per-step digests; in sync at step {fmt_step(r.last_in_sync_step)})"
     if r.pinpoint == "sampled" and r.first_diverged_step is not None:
         return f"showed at step {r.first_diverged_step} (sampled per-step digests: it may have begun earlier)"
     if r.pinpoint in ("overflow", "earlier", "unseen"):

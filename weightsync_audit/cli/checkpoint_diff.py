@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import pickle
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from weightsync_audit.cli.checkpoint_load import CheckpointError, UnsafeCheckpointError, load_checkpoint
 from weightsync_audit.engine.measure.gaps import max_abs_diff
 
 __all__ = [
@@ -57,61 +56,6 @@ _STATUSES = ("missing", "extra", "shape", "dtype", "values")
 
 MAX_EXPANDED_BYTES = 256 << 20
 """How far past its stored bytes a tensor may expand (overlapping strides) before it is refused."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint could not be read (the message says which file and why)."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A file that needs code to load; it was refused and nothing in it was executed."""
-
-
-# -- loading -----------------------------------------------------------------------------------
-
-
-def load_checkpoint(path: str | os.PathLike[str]) -> Any:
-    """Load one file with ``weights_only=True`` onto the CPU; refuse anything that needs code.
-
-    Raises :class:`UnsafeCheckpointError` for a file whose unpickling would import or call something
-    outside PyTorch's allow-list, and :class:`CheckpointError` for any other unreadable file.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or folder")
-    if p.is_dir():
-        raise CheckpointError(f"{p}: is a folder, expected a checkpoint file")
-    if not p.is_file():
-        raise CheckpointError(f"{p}: not a regular file (a FIFO, socket or device); give a checkpoint file")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal below says it all
-            return torch.load(p, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        if "weights_only" in text or "Weights only" in text or "Unsupported" in text:
-            glob = re.search(r"GLOBAL ([\w.]+)", text)
-            operand = re.search(r"Unsupported operand (\d+)", text)
-            if glob:
-                what = f" (it asks for {glob.group(1)})"
-            elif operand:
-                what = f" (pickle instruction {operand.group(1)} is not allowed)"
-            else:
-                what = ""
-            raise UnsafeCheckpointError(
-                f"{p}: refused: loading it would need code from outside PyTorch's weights-only allow-list{what}; "
-                "weightsync-audit loads with weights_only=True and never executes a file's code"
-            ) from None
-        raise CheckpointError(f"{p}: not a readable PyTorch checkpoint ({_first_line(text)})") from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError, IndexError) as exc:
-        why = _first_line(str(exc)) if isinstance(exc, (RuntimeError, OSError)) else ""
-        raise CheckpointError(
-            f"{p}: not a readable PyTorch checkpoint ({why or 'neither a torch.save file nor a pickle of tensors'})"
-        ) from None
-
-
-def _first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else ""
 
 
 def is_lightning_checkpoint(obj: Any) -> bool:
@@ -193,16 +137,26 @@ class PairDiff:
     same: int = 0
     entries: list[EntryDiff] = field(default_factory=list)
     note: str | None = None
+    within_atol: list[EntryDiff] = field(default_factory=list)
+    """Tensors whose bits differ but whose max |diff| is within ``atol``: counted equal, not identical."""
 
     @property
     def identical(self) -> bool:
+        """Nothing differs beyond ``atol`` (see :attr:`exact` for equal bits)."""
         return not self.entries and self.a is not None and self.b is not None
+
+    @property
+    def exact(self) -> bool:
+        """Every shared entry has equal bits: identical, and nothing merely within ``atol``."""
+        return self.identical and not self.within_atol
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "a": self.a,
             "b": self.b,
             "identical": self.identical,
+            "exact": self.exact,
+            "within_atol": len(self.within_atol),
             "compared": self.compared,
             "same": self.same,
             "note": self.note,
@@ -260,7 +214,9 @@ def check_expansion(name: str, t: torch.Tensor, limit: int = MAX_EXPANDED_BYTES)
         )
 
 
-def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None) -> EntryDiff | None:
+def _compare_tensors(
+    name: str, a: torch.Tensor, b: torch.Tensor, atol: float | None, within: list[EntryDiff] | None = None
+) -> EntryDiff | None:
     check_expansion(name, a)
     check_expansion(name, b)
     if a.layout != torch.strided or b.layout != torch.strided:
@@ -280,9 +236,12 @@ def _compare_tensors(name: str, a: torch.Tensor, b: torch.Tensor, atol: float | 
     if changed == 0:
         return None
     gap = max_abs_diff(a, b)
+    entry = EntryDiff(name, "values", _describe(a), _describe(b), gap, changed, numel)
     if atol is not None and gap <= atol:
+        if within is not None:
+            within.append(entry)
         return None
-    return EntryDiff(name, "values", _describe(a), _describe(b), gap, changed, numel)
+    return entry
 
 
 def _equal_values(a: Any, b: Any) -> bool:
@@ -302,11 +261,13 @@ def diff_flat(
     *,
     atol: float | None = None,
     exclude: Sequence[str] = (),
+    within: list[EntryDiff] | None = None,
 ) -> tuple[int, int, list[EntryDiff]]:
     """Compare two flattened checkpoints: (names compared, names equal, differences in A's order).
 
     ``atol``: tensors whose max |diff| is at most this count as equal (default: equal bits only).
     ``exclude``: glob patterns over names to leave out.
+    ``within``: when given, the tensors that differ but only within ``atol`` are appended to it.
     """
 
     def keep(n: str) -> bool:
@@ -325,7 +286,7 @@ def diff_flat(
         vb = b[name]
         compared += 1
         if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
-            d = _compare_tensors(name, va, vb, atol)
+            d = _compare_tensors(name, va, vb, atol, within)
         elif isinstance(va, torch.Tensor) or isinstance(vb, torch.Tensor):
             d = EntryDiff(name, "dtype", _describe(va), _describe(vb))
         elif _equal_values(va, vb):
@@ -364,8 +325,9 @@ def _diff_files(a: Path, b: Path, atol: float | None, exclude: Sequence[str]) ->
         oa, note = oa["state_dict"], f"compared the state_dict of the Lightning checkpoint {a.name} with {b.name}"
     elif lb and not la:
         ob, note = ob["state_dict"], f"compared {a.name} with the state_dict of the Lightning checkpoint {b.name}"
-    compared, same, entries = diff_flat(flatten(oa), flatten(ob), atol=atol, exclude=exclude)
-    return PairDiff(str(a), str(b), compared, same, entries, note)
+    within: list[EntryDiff] = []
+    compared, same, entries = diff_flat(flatten(oa), flatten(ob), atol=atol, exclude=exclude, within=within)
+    return PairDiff(str(a), str(b), compared, same, entries, note, within)
 
 
 def diff_checkpoints(

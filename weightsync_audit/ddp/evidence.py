@@ -17,7 +17,6 @@ from functools import cached_property
 from typing import Any, Callable, Collection, Sequence
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.ddp.inspect import live_ddp, remembered_flags, synced_parameter_names
@@ -48,6 +47,8 @@ GRADIENT_STATE = frozenset(
 
 def uses_fsdp2(module: Any) -> bool:
     """Whether ``module`` (or a module inside it) is sharded by FSDP2's ``fully_shard``."""
+    from torch.distributed.fsdp import FSDPModule  # lazy: the fsdp package costs ~0.3 s at import
+
     return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
 
 

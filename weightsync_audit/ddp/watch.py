@@ -16,7 +16,7 @@ from typing import Any
 
 from weightsync_audit.ddp.hints import ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.ddp.inspect import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
-from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
 __all__ = ["TrainableSetWatch"]
 
@@ -26,6 +26,8 @@ class TrainableSetWatch:
 
     def __init__(self) -> None:
         self.warned = False
+        self.said: list[str] = []
+        """The hints the warning gave (a report that follows refers to them instead of repeating them)."""
         self._flags_seen: tuple[bool, ...] = ()
 
     def snapshot(self, model: Any) -> None:
@@ -57,10 +59,11 @@ class TrainableSetWatch:
             return False
         self.warned = True
         if warn:
+            self.said = parts
             warnings.warn(
                 f"weightsync audit (step {step}): the set of trainable parameters changed after "
                 "DistributedDataParallel wrapped the model. " + " ".join(parts),
                 WeightSyncWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         return True

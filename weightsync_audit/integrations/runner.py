@@ -21,16 +21,16 @@ from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
-from weightsync_audit.engine.repair.resync import resync
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
+from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
+from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
-from weightsync_audit.errors import ResyncError, WeightDivergenceError, WeightSyncWarning
+from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["AuditRunner", "audit_metrics", "check_every_n"]
+__all__ = ["CADENCE_NAMES", "AuditRunner", "audit_metrics", "check_every_n", "reject_unknown_options"]
 
 log = logging.getLogger("weightsync_audit")
 
@@ -44,6 +44,40 @@ def check_every_n(value: object, argument: str) -> Optional[int]:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{argument}={value!r}: must be an integer >= 1, or None to turn the cadence off")
     return value
+
+
+#: Each framework's name for the audit cadence: a name meant for another callback is answered with this one's.
+CADENCE_NAMES = {
+    "every_n_train_steps": "the Lightning callback's (WeightSyncAudit), after Lightning's own",
+    "every_n_steps": "the Hugging Face callback's and LoopAudit's, after TrainingArguments' logging_steps",
+}
+
+
+def reject_unknown_options(
+    owner: Callable[..., Any], unknown: dict[str, Any], cadence: str, name: str | None = None
+) -> None:
+    """Answer an unknown keyword with the option meant: the other framework's cadence name gets this
+    callback's, a typo its closest option (``TypeError``, as Python's own, with the suggestion).
+
+    >>> def f(every_n_steps: int = 1, report_path: str = "") -> None: ...
+    >>> reject_unknown_options(f, {"every_n_train_steps": 5}, "every_n_steps")
+    Traceback (most recent call last):
+    TypeError: f() got an unexpected option every_n_train_steps=5: did you mean every_n_steps=5? (every_n_train_steps is the Lightning callback's (WeightSyncAudit), after Lightning's own)
+    """
+    if not unknown:
+        return
+    import difflib
+    import inspect
+
+    known = [n for n in inspect.signature(owner).parameters if n not in ("self", "args", "kwargs", "unknown")]
+    given, value = next(iter(unknown.items()))
+    if given in CADENCE_NAMES and given != cadence:
+        suggestion = f"did you mean {cadence}={value!r}? ({given} is {CADENCE_NAMES[given]})"
+    else:
+        close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
+        suggestion = f"did you mean {close[0]}={value!r}?" if close else f"the options are {', '.join(known)}"
+    what = name or getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
+    raise TypeError(f"{what}() got an unexpected option {given}={value!r}: {suggestion}")
 
 
 def audit_metrics(result: AuditResult) -> dict[str, float]:
@@ -119,8 +153,8 @@ class AuditRunner:
         self.confirm_grad_auditor: Auditor | None = None
         """Confirms a resync that moved gradients: the main kinds and the gradients."""
         self.writer: ReportWriter | None = None
-        self.last_reported: tuple[str, ...] = ()
-        """The diverged names last reported, so a divergence is printed when it appears or changes."""
+        self.voice = Voice()
+        """What the main process has said so far (each fact once; a persisting cause compacted)."""
         self.failures: list[str] = []
         """Audits that failed under ``warn``, noted in the next record written."""
         self._warned_failures: set[str] = set()
@@ -234,14 +268,25 @@ class AuditRunner:
         result.notes[:0], self.failures = self.failures, []
         if grads:
             self._note_grad_result(result)
-        if result.in_sync or result.within_tolerance:
-            result.action = "none"  # within the tolerance: kept in the record, not acted on
-        elif self.on_mismatch == "raise":
-            result.action = "raised"
-        elif self.on_mismatch == "resync":
-            self._resync(result, model, list(optimizers), step, epoch, hook)
-        else:
-            result.action = "warned"
+        plain, with_grads = self.confirm_auditor, self.confirm_grad_auditor
+        assert plain is not None
+
+        def confirm(grads_moved: bool) -> AuditResult:
+            # The confirming audit compares every kind that had diverged: gradients too when they had.
+            confirmer = with_grads if grads_moved and with_grads is not None else plain
+            return confirmer.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+
+        respond(
+            result,
+            self.on_mismatch,
+            model=model,
+            optimizers=optimizers,
+            resync_src=self.resync_src,
+            confirm=confirm,
+            history=self.history,
+            pinpointer=self.auditor.pinpointer if self.auditor is not None else None,
+            timeout_s=self.timeout_s,
+        )
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
         if not result.in_sync and result.action == "raised":
@@ -259,7 +304,7 @@ class AuditRunner:
             warnings.warn(
                 f"weightsync audit at step {step} ({hook}) failed; training goes on (on_mismatch='warn'): {text}",
                 WeightSyncWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
 
     def _note_grad_result(self, result: AuditResult) -> None:
@@ -274,63 +319,27 @@ class AuditRunner:
         result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
         result.last_full_sync_step = self.history.last_full_sync_step
 
-    def _resync(
-        self, result: AuditResult, model: Any, optimizers: list[Any], step: int, epoch: int | None, hook: str
-    ) -> None:
-        structural = [m.name for m in result.mismatches if m.kind == "structure"]
-        if structural:
-            result.action = "raised"
-            result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
-            return
-        # Each tensor from a rank holding its reference value (engine/resync_plan.py): the same plan on
-        # every rank, from the same record; one broadcast per source rank.
-        try:
-            plan = plan_resync(result.mismatches, self.resync_src)  # never a source holding NaN/inf
-        except ResyncError as exc:  # no finite copy anywhere: nothing moves
-            result.action = "raised"
-            result.notes.append(f"resync impossible: {exc}")
-            return
-        result.notes.extend(plan.notes)
-        for source in plan.ranks():
-            names, grads = plan.sources.get(source, []), plan.grads.get(source, [])
-            resync(model, optimizers or None, src=source, names=names, grads=grads, timeout_s=self.timeout_s)
-        # The confirming audit compares every kind that had diverged: gradients too when they had.
-        confirmer = self.confirm_grad_auditor if plan.grads else self.confirm_auditor
-        assert confirmer is not None
-        confirm = confirmer.audit(model, optimizers or None, step=step, epoch=epoch, hook=hook)
-        if confirm.in_sync:
-            result.action = "resynced"
-            result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")
-            self.history.resyncs += 1
-            self.history.last_in_sync_step = step
-            self.history.last_full_sync_step = step
-            if self.auditor is not None and self.auditor.pinpointer is not None:
-                self.auditor.pinpointer.restart(step)  # pinpoint starts afresh: no pre-resync entry stays
-        else:
-            result.action = "raised"
-            result.notes.append(f"resync ({plan.describe()}) did not restore agreement: {confirm.summary()}")
-
     def _publish(
         self, result: AuditResult, is_main: bool, log_metrics: Callable[[dict[str, float]], None] | None
     ) -> None:
-        """Report on the main process: the record, metrics, and a printed report when the divergence changes."""
+        """Report on the main process: the record, metrics, and a printed report when it says something new."""
         if not is_main:
-            self.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
+            self.voice.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
             return
         if self.writer is not None:
             self.writer.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
-        if result.in_sync or result.within_tolerance:
-            self.last_reported = ()
-            return
-        names = tuple(result.diverged_names)
-        if names != self.last_reported or result.action in ("raised", "resynced"):
-            if self.verbose:
-                self.print(result)
-            else:
-                log.warning("weightsync audit: %s", result.summary())
-        self.last_reported = names
+        self.voice.speak(result, verbose=self.verbose, print_fn=self.print)
+
+    @property
+    def last_reported(self) -> tuple[str, ...]:
+        """The diverged names last reported, so a divergence is printed when it appears or changes."""
+        return self.voice.last_reported
+
+    @last_reported.setter
+    def last_reported(self, value: tuple[str, ...]) -> None:
+        self.voice.last_reported = tuple(value)
 
     def print(self, renderable: Any) -> None:
         """Print with rich on the main process's console (stderr unless ``console`` is set); off a

@@ -17,6 +17,7 @@ only one in the package that imports ``transformers``.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Any, Optional, Sequence
 
@@ -25,8 +26,8 @@ from typing_extensions import override
 
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.errors import WeightSyncWarning
-from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["WeightSyncAuditCallback"]
@@ -49,6 +50,36 @@ def buffer_policy(args: Any) -> bool | None:
         return None
     value = getattr(args, "ddp_broadcast_buffers", None)
     return True if value is None else bool(value)
+
+
+class _LogLead(TrainerCallback):
+    """Stands first in the Trainer's callback list, ahead of the ``report_to`` integrations (TensorBoard,
+    W&B, MLflow...) that the Trainer lists before user callbacks: its ``on_log`` adds the audit's figures
+    to ``logs`` before they write them. Only ``on_log``: every other event keeps the user's order."""
+
+    def __init__(self, owner: Any) -> None:
+        self.owner = owner
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        self.owner.on_log(args, state, control, logs=logs, **kwargs)
+
+
+def lead_the_log(callback: Any) -> bool:
+    """Put a :class:`_LogLead` for ``callback`` at the front of the Trainer's callback list (once). The list
+    is the calling ``CallbackHandler``'s public ``callbacks``, found on the stack of the event being
+    dispatched; inserting at the front leaves the rest of that dispatch unchanged. Returns whether it is there.
+    """
+    frame = sys._getframe(1)
+    for _ in range(4):
+        frame = frame.f_back  # type: ignore[assignment]
+        if frame is None:
+            return False
+        callbacks = getattr(frame.f_locals.get("self"), "callbacks", None)
+        if isinstance(callbacks, list) and any(c is callback for c in callbacks):
+            if not any(isinstance(c, _LogLead) and c.owner is callback for c in callbacks):
+                callbacks.insert(0, _LogLead(callback))
+            return True
+    return False
 
 
 def epoch_of(state: Any) -> int:
@@ -107,7 +138,9 @@ class WeightSyncAuditCallback(TrainerCallback):
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
+        **unknown: Any,
     ) -> None:
+        reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.runner = AuditRunner(
             include=include,
@@ -135,11 +168,16 @@ class WeightSyncAuditCallback(TrainerCallback):
     # -- Trainer events ------------------------------------------------------------------------
 
     @override
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        lead_the_log(self)
+
+    @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        lead_the_log(self)  # again: a callback added with trainer.add_callback missed on_init_end
         self._disabled = sharded_reason(args)
         if self._disabled:
             if state.is_world_process_zero:
-                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
+                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
             return
         self.runner.open(
             world_size=args.world_size,

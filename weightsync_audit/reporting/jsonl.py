@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from weightsync_audit.errors import ReportFormatError, WeightSyncWarning
+from weightsync_audit.errors import ReportFormatError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.validate import json_skeleton, loads_record
 
@@ -138,7 +138,7 @@ class ReportWriter:
                         f"weightsync audit: cannot write the report {str(self.path)!r} ({exc.strerror or exc}); "
                         f"keeping the record(s) in memory and writing them once it is writable again",
                         WeightSyncWarning,
-                        stacklevel=4,
+                        stacklevel=user_stacklevel(),
                     )
                 return
             self._kept.popleft()
@@ -148,7 +148,7 @@ class ReportWriter:
             warnings.warn(
                 f"weightsync audit: the report {str(self.path)!r} is writable again; the kept records are in it{lost}",
                 WeightSyncWarning,
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
             self._lost = 0
 
@@ -177,7 +177,7 @@ class ReportWriter:
                 warnings.warn(
                     f"weightsync audit: {len(self._kept)} record(s) could not be written to {str(self.path)!r}",
                     WeightSyncWarning,
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
         self._close_fd()
 

@@ -2,7 +2,8 @@
 below it, max |diff| per layer over steps on a log scale (drift that grows and a jump that appears at
 once look different); the step a divergence was pinpointed to is marked on both.
 
-Needs matplotlib, the ``plot`` extra (``pip install 'weightsync-audit[plot]'``); everything else in the
+Needs matplotlib, the ``plot`` extra (``pip install matplotlib``, or ``pip install -e '.[plot]'`` in a
+checkout); everything else in the
 library works without it. No pyplot, no GUI backend: the figure is drawn straight to a file.
 
 >>> import os, tempfile
@@ -27,8 +28,8 @@ from weightsync_audit.text import layer_of
 __all__ = ["PLOT_EXTRA_MISSING", "PlotUnavailableError", "plot_report"]
 
 PLOT_EXTRA_MISSING = (
-    "drawing a plot needs matplotlib, which is not installed: pip install 'weightsync-audit[plot]' "
-    "(or pip install matplotlib)"
+    "drawing a plot needs matplotlib, which is not installed: pip install matplotlib "
+    "(the plot extra; in a checkout: pip install -e '.[plot]')"
 )
 
 _GREEN = (0.30, 0.69, 0.31, 1.0)
@@ -90,19 +91,66 @@ def plot_report(
     hidden = max(0, len(names) - max_rows)
     names = names[:max_rows]
     gaps = [v for col in cells for v in col.values() if v is not None and v > 0 and math.isfinite(v)]
-    lo = min(gaps) if gaps else 1e-8
-    hi = max(gaps) if gaps else 1.0
-    if hi <= lo:
-        lo, hi = lo / 10, hi * 10
-    norm = LogNorm(vmin=lo, vmax=hi)
+    norm = LogNorm(*color_range(gaps))
     cmap = matplotlib.colormaps["Reds"]
 
     def red(v: float) -> tuple[float, float, float, float]:
-        return tuple(cmap(0.35 + 0.65 * float(norm(max(v, lo)))))  # type: ignore[return-value]
+        return tuple(cmap(0.35 + 0.65 * float(norm(min(max(v, norm.vmin), norm.vmax)))))  # type: ignore[return-value]
 
     labels = ["whole model", *names]
-    n_audits = len(records)
-    image = []
+    image = _image(records, cells, names, red)
+    height = 1.6 + 0.32 * len(labels)
+    series = _gap_series(records)
+    width = max(7.0, min(16.0, 4 + len(records) * 0.06))
+    fig = Figure(figsize=(width, height + (3.2 if series else 0.0)), layout="constrained")
+    if series:
+        ax, gap_ax = fig.subplots(2, 1, height_ratios=[height, 3.2])
+    else:
+        ax, gap_ax = fig.add_subplot(), None
+    pinned = next((r for r in records if r.first_diverged_step is not None), None)
+    _draw_grid(ax, records, image, labels, pinned)
+    if gap_ax is not None:
+        _draw_gaps(gap_ax, series, pinned, [r.step for r in records if r.in_sync and r.step is not None])
+    title = _title(records, pinned) if title is None else title
+    if hidden:
+        title += f"; {hidden} more {by}s not drawn"
+    fig.suptitle(title, fontsize=10)
+    legend = [Patch(color=_GREEN, label="in sync"), Patch(color=red(norm.vmax), label="diverged")]
+    if any(c == _GREY for row in image for c in row):
+        legend.append(Patch(color=_GREY, label="diverged, gap unknown"))
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if gaps:
+        _colorbar(fig, ax, norm, cmap)
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+MIN_DECADES = 1.0
+"""The colour scale spans at least this many decades of max |diff|: gaps that all sit near one value
+(9.996e-5 .. 1e-4) get one colour, not a fade from dark to light red."""
+
+
+def color_range(gaps: Sequence[float]) -> tuple[float, float]:
+    """``(vmin, vmax)`` of the colour scale: the measured gaps, widened around their geometric middle to
+    at least :data:`MIN_DECADES` decades.
+
+    >>> lo, hi = color_range([9.996e-5, 1e-4])
+    >>> round(math.log10(hi / lo), 6), lo < 9.996e-5 and hi > 1e-4
+    (1.0, True)
+    """
+    if not gaps:
+        return 1e-8, 1.0
+    lo, hi = min(gaps), max(gaps)
+    if math.log10(hi / lo) < MIN_DECADES:
+        mid = math.sqrt(lo * hi)
+        half = 10 ** (MIN_DECADES / 2)
+        lo, hi = mid / half, mid * half
+    return lo, hi
+
+
+def _image(records: Sequence[AuditResult], cells: list[dict[str, float | None]], names: list[str], red: Any) -> list:
+    """The grid's colours: a row for the whole model, then one per name; a column per audit."""
     whole = []
     for r, col in zip(records, cells):
         if r.in_sync:
@@ -110,7 +158,7 @@ def plot_report(
         else:
             known = [v for v in col.values() if v is not None and v > 0]
             whole.append(red(max(known)) if known else _GREY)
-    image.append(whole)
+    image = [whole]
     for name in names:
         row = []
         for col in cells:
@@ -120,15 +168,11 @@ def plot_report(
             else:
                 row.append(_GREEN)
         image.append(row)
+    return image
 
-    height = 1.6 + 0.32 * len(labels)
-    series = _gap_series(records)
-    width = max(7.0, min(16.0, 4 + n_audits * 0.06))
-    fig = Figure(figsize=(width, height + (3.2 if series else 0.0)), layout="constrained")
-    if series:
-        ax, gap_ax = fig.subplots(2, 1, height_ratios=[height, 3.2])
-    else:
-        ax, gap_ax = fig.add_subplot(), None
+
+def _draw_grid(ax: Any, records: Sequence[AuditResult], image: list, labels: list[str], pinned: Any) -> None:
+    n_audits = len(records)
     ax.imshow(image, aspect="auto", interpolation="nearest")
     ax.set_yticks(range(len(labels)), labels=labels, fontsize=8)
     every = max(1, n_audits // 12)
@@ -145,41 +189,38 @@ def plot_report(
         if e0 is not None and e1 is not None and e1 != e0:
             ax.axvline(i - 0.5, color="black", linestyle=":", linewidth=0.8)
             ax.text(i - 0.4, -0.6, f"epoch {e1}", fontsize=7, va="bottom")
-    pinned = next((r for r in records if r.first_diverged_step is not None), None)
     if pinned is not None:
         step = pinned.first_diverged_step
-        at = next((i for i, r in enumerate(records) if r.step is not None and r.step >= step), n_audits)  # type: ignore[operator]
+        at = next((i for i, r in enumerate(records) if r.step is not None and r.step >= step), n_audits)
         ax.axvline(at - 0.5, color="black", linestyle="--", linewidth=1.2)
     for i, r in enumerate(records):
         if r.within_tolerance:
             ax.add_patch(_within_box(i))
-    if gap_ax is not None:
-        _draw_gaps(gap_ax, series, pinned, [r.step for r in records if r.in_sync and r.step is not None])
-    if title is None:
-        diverged = sum(not r.in_sync for r in records)
-        first = next((r for r in records if not r.in_sync), None)
-        title = f"weightsync audit: {n_audits} audits, {diverged} diverged"
-        if first is not None:
-            title += f"; first at step {first.step}" + (f" (epoch {first.epoch})" if first.epoch is not None else "")
-        if pinned is not None:
-            title += f"; began at step {pinned.first_diverged_step} ({pinned.pinpoint})"
-    if hidden:
-        title += f"; {hidden} more {by}s not drawn"
-    fig.suptitle(title, fontsize=10)
-    legend = [Patch(color=_GREEN, label="in sync"), Patch(color=red(hi), label="diverged")]
-    if any(c == _GREY for row in image for c in row):
-        legend.append(Patch(color=_GREY, label="diverged, gap unknown"))
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
-    if gaps:
-        from matplotlib.cm import ScalarMappable
 
-        sm = ScalarMappable(norm=norm, cmap=cmap)
-        bar = fig.colorbar(sm, ax=ax, fraction=0.04, pad=0.02)
-        bar.set_label("max |diff|", fontsize=8)
-        bar.ax.tick_params(labelsize=7)
-    out = Path(path)
-    fig.savefig(out, dpi=120)
-    return out
+
+def _title(records: Sequence[AuditResult], pinned: AuditResult | None) -> str:
+    diverged = sum(not r.in_sync for r in records)
+    first = next((r for r in records if not r.in_sync), None)
+    title = f"weightsync audit: {len(records)} audits, {diverged} diverged"
+    if first is not None:
+        title += f"; first at step {'-' if first.step is None else first.step}"
+        title += f" (epoch {first.epoch})" if first.epoch is not None else ""
+    if pinned is not None:
+        title += f"; began at step {pinned.first_diverged_step} ({pinned.pinpoint})"
+    return title
+
+
+def _colorbar(fig: Any, ax: Any, norm: Any, cmap: Any) -> None:
+    """The max |diff| scale: labelled at whole decades only (1e-05, 1e-04), no crowded minor labels."""
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.ticker import LogFormatterSciNotation, LogLocator, NullFormatter
+
+    bar = fig.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, fraction=0.04, pad=0.02)
+    bar.set_label("max |diff|", fontsize=8)
+    bar.ax.yaxis.set_major_locator(LogLocator(base=10, numticks=6))
+    bar.ax.yaxis.set_major_formatter(LogFormatterSciNotation(base=10))
+    bar.ax.yaxis.set_minor_formatter(NullFormatter())
+    bar.ax.tick_params(labelsize=7)
 
 
 def _gap_series(records: Sequence[AuditResult]) -> dict[str, list[tuple[int, float]]]:
@@ -216,6 +257,10 @@ def _draw_gaps(
             label="audit in sync",
         )
     ax.set_yscale("log")
+    ax.set_ylim(*color_range([y for points in series.values() for _, y in points]))  # a decade at least
+    from matplotlib.ticker import NullFormatter
+
+    ax.yaxis.set_minor_formatter(NullFormatter())  # whole decades labelled, never 9.9965e-5
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("max |diff|", fontsize=8)
     ax.tick_params(labelsize=7)

@@ -262,8 +262,9 @@ class AuditResult:
             transient=v["transient"],
         )
 
-    def summary(self) -> str:
-        """One line: what was checked and what differs (and, when sampled, what share was read)."""
+    def summary(self, *, tie: bool = True) -> str:
+        """One line: what was checked, what differs, from which step when pinpointed (and, when sampled,
+        what share was read). ``tie=False`` leaves out the tie clause (a report that says it on its own line)."""
         where = f"step {self.step}" if self.step is not None else "audit"
         if self.epoch is not None:
             where += f" (epoch {self.epoch})"
@@ -275,13 +276,16 @@ class AuditResult:
         lead = self.lead_mismatch
         assert lead is not None
         ties = [m for m in self.mismatches if m.tie]
-        tie = ""
-        if ties:
+        tie_clause = ""
+        if ties and tie:
             sides = sorted({r for m in ties for r in m.reference_ranks}), sorted({r for m in ties for r in m.ranks})
-            tie = f"; TIE vote on {len(ties)}: {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])}, no majority"
+            tie_clause = f"; TIE vote on {len(ties)}: {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])}, no majority"
+        began = ""
+        if self.first_diverged_step is not None:
+            began = f"; diverged from step {self.first_diverged_step} (pinpointed, {self.pinpoint})"
         return (
             f"{where}: DIVERGED, {len(self.mismatches)} of {n} tensors differ on rank(s) {ranks}"
-            f" (first: {lead.name}){tie}{share}"
+            f" (first: {lead.name}){began}{tie_clause}{share}"
         )
 
     def divergence_message(self) -> str:
@@ -289,7 +293,8 @@ class AuditResult:
         ordered = sorted(self.mismatches, key=lambda m: m.kind != "param")
         names = brief_names((m.name for m in ordered), 5)
         message = (
-            f"weights diverged across ranks at step {self.step}: {len(self.mismatches)} tensor(s) differ ({names})"
+            f"weights diverged across ranks at step {'-' if self.step is None else self.step}: "
+            f"{len(self.mismatches)} tensor(s) differ ({names})"
         )
         if self.hints:
             message += "\nhint: " + "\nhint: ".join(self.hints)

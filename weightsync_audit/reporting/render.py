@@ -16,7 +16,7 @@ from rich.text import Text
 
 from weightsync_audit.text import fmt_ranks, fmt_shard, is_tie, layer_of, without_tie
 
-__all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render_group", "render_result"]
+__all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render", "render_group", "render_result"]
 
 _NO_WRAP_WIDTH = 10_000
 """Console width off a terminal: wide enough that no verdict, table row or hint is ever wrapped."""
@@ -64,7 +64,7 @@ class ResultLike(Protocol):
     @property
     def mismatches(self) -> Sequence[MismatchLike]: ...
 
-    def summary(self) -> str: ...
+    def summary(self, *, tie: bool = True) -> str: ...
 
 
 def _fmt_diff(x: float | None) -> str:
@@ -81,9 +81,23 @@ def _fmt_rel(m: MismatchLike) -> str:
     return text + (" within tol." if getattr(m, "within_tolerance", None) else "")
 
 
-def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
-    """A table of mismatches grouped by layer."""
-    table = Table(title=title, show_lines=False, header_style="bold")
+MAX_TABLE_ROWS = 20
+"""Rows a printed table of mismatches shows; the rest are counted below it (the record holds them all)."""
+
+#: What a "-" means in each column of :func:`mismatch_table`, said below the table when one is shown.
+DASH_MEANS = {
+    "shape": "shape/dtype -: not the same on every rank or missing on some (a structure mismatch)",
+    "gap": "max |diff| -: not measured (an audit measures at most max_diff_tensors tensors, 8 by default; "
+    "a structure mismatch or a rank too late for the transfer has none; the tensor's note says which)",
+}
+
+
+def mismatch_table(
+    mismatches: Sequence[MismatchLike], title: str | None = None, max_rows: int = MAX_TABLE_ROWS
+) -> Table:
+    """A table of mismatches grouped by layer: at most ``max_rows`` rows, then "and N more"; a caption
+    says what each "-" shown means."""
+    table = Table(title=title, show_lines=False, header_style="bold", caption_justify="left")
     for col, kw in (
         ("layer", {"style": "cyan"}),
         ("tensor", {}),
@@ -96,7 +110,8 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
     ):
         table.add_column(col, **kw)
     by_layer: dict[str, list[MismatchLike]] = {}
-    for m in mismatches:
+    dashes: dict[str, None] = {}
+    for m in mismatches[:max_rows]:
         by_layer.setdefault(layer_of(m.name, m.kind), []).append(m)
     for layer, ms in by_layer.items():
         for i, m in enumerate(ms):
@@ -110,21 +125,27 @@ def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None)
                 m.kind,
                 "-" if m.shape is None else "x".join(map(str, m.shape)) or "scalar",
                 m.dtype or "-",
-                ",".join(map(str, m.ranks)) + (" (tie)" if is_tie(m.detail) else ""),
+                ",".join(map(str, m.ranks)),
                 ",".join(map(str, m.reference_ranks)),
                 _fmt_diff(m.max_abs_diff) + _fmt_rel(m),
             )
+            if m.shape is None or not m.dtype:
+                dashes.setdefault("shape", None)
+            if m.max_abs_diff is None:
+                dashes.setdefault("gap", None)
         table.add_section()
+    notes = [DASH_MEANS[k] for k in dashes]
+    if len(mismatches) > max_rows:
+        notes.insert(0, f"... and {len(mismatches) - max_rows} more tensor(s) (the report's record lists them all)")
+    if notes:
+        table.caption = "\n".join(notes)
     return table
 
 
 def render_result(result: ResultLike) -> Iterator[RenderableType]:
     style = "bold green" if result.in_sync else "bold red"
-    yield Text("weightsync audit: " + result.summary(), style=style)
-    began = getattr(result, "first_diverged_step", None)
-    if began is not None and not result.in_sync:
-        how = getattr(result, "pinpoint", None)
-        yield Text(f"diverged from step {began} (pinpointed, {how})", style="bold red")
+    # The headline carries the pinpointed step; a tie is said once, on its own line below.
+    yield Text("weightsync audit: " + result.summary(tie=False), style=style)
     if result.last_in_sync_step is not None and not result.in_sync:
         yield Text(f"last in sync at step {result.last_in_sync_step}", style="dim")
     ties = [m for m in result.mismatches if is_tie(m.detail)]
@@ -152,3 +173,18 @@ def render_result(result: ResultLike) -> Iterator[RenderableType]:
 
 def render_group(result: ResultLike) -> Group:
     return Group(*render_result(result))
+
+
+def render(result: ResultLike, file: IO[str] | None = None) -> None:
+    """Print ``result`` as the callbacks print it: the verdict, the table of diverged tensors, the hints.
+
+    On a terminal it is styled; anywhere else (a CI log, a file) one line per fact, never wrapped.
+
+    >>> import io
+    >>> from weightsync_audit import AuditResult, render
+    >>> out = io.StringIO()
+    >>> render(AuditResult(in_sync=True, step=3), file=out)
+    >>> out.getvalue().splitlines()[0]
+    'weightsync audit: step 3: in sync across 1 rank(s), 0 tensors checked'
+    """
+    log_console(file).print(render_group(result))

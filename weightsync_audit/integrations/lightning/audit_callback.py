@@ -17,8 +17,8 @@ from typing_extensions import override
 from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.errors import WeightSyncWarning
-from weightsync_audit.integrations.runner import AuditRunner, check_every_n
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 
 if TYPE_CHECKING:
@@ -111,7 +111,9 @@ class WeightSyncAuditMixin:
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
+        **unknown: Any,
     ) -> None:
+        reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
         super().__init__()
         check_every_n(every_n_train_steps, "every_n_train_steps")
         if isinstance(hooks, str):
@@ -171,7 +173,7 @@ class WeightSyncAuditMixin:
             return
         if self._disabled:
             if trainer.is_global_zero:
-                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=2)
+                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
             return
         self.runner.open(world_size=trainer.world_size, is_main=trainer.is_global_zero)
         self._opened = True
@@ -223,7 +225,8 @@ class WeightSyncAuditMixin:
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         if not self._disabled:
-            self._trainable.check(trainer.strategy.model, trainer.global_step, warn=trainer.is_global_zero)
+            if self._trainable.check(trainer.strategy.model, trainer.global_step, warn=trainer.is_global_zero):
+                self.runner.voice.note_said(self._trainable.said, f"the warning at step {trainer.global_step}")
         if self.runner.grad_auditor is None or self._disabled:
             return
         upcoming = trainer.global_step + 1

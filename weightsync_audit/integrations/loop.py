@@ -1,0 +1,133 @@
+"""The callbacks' behaviour for a plain PyTorch training loop: :class:`LoopAudit`.
+
+It is the same :class:`~weightsync_audit.integrations.runner.AuditRunner` the Lightning and Hugging Face
+callbacks run on, so ``on_mismatch`` (warn, raise on every rank together, resync and confirm),
+``report_path``, ``verbose`` (the table printed on rank 0, once per new divergence), the cadence and the
+run summary behave exactly as they do there. :class:`~weightsync_audit.Auditor` stays the bare engine
+(an audit returns its result and does nothing else).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.inventory.manifest import as_optimizers
+from weightsync_audit.engine.repair.resync_plan import ResyncSource
+from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["LoopAudit"]
+
+
+class LoopAudit:
+    """Audit a plain training loop the way the callbacks audit a Trainer. Collective: every rank calls
+    :meth:`step` (or :meth:`audit`) at the same points.
+
+    Args:
+        module, optimizer: what is audited (the model or its DDP wrapper; an optimizer or a list of them).
+        every_n_steps: :meth:`step` audits when ``step % every_n_steps == 0`` (``None``: only :meth:`audit`).
+        on_mismatch: ``warn`` (print on rank 0 when a divergence appears or changes), ``raise``
+            (:class:`~weightsync_audit.WeightDivergenceError` on every rank together) or ``resync``
+            (broadcast the diverged tensors from ``resync_src``, then confirm with a full audit).
+        report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
+        verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
+        The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with LoopAudit(model, opt, every_n_steps=2, on_mismatch="raise", verbose=False) as audit:
+    ...     for step in range(1, 5):
+    ...         opt.step()
+    ...         _ = audit.step(step)
+    >>> audit.summary()
+    'weightsync audit: 2 audit(s), replicas in sync throughout, last at step 4'
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        optimizer: Any = None,
+        *,
+        every_n_steps: Optional[int] = None,
+        on_mismatch: OnMismatch = "warn",
+        resync_src: ResyncSource = 0,
+        report_path: Optional[str] = None,
+        verbose: bool = True,
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
+        timeout_s: Optional[float] = 600.0,
+        coverage: float | str = 1,
+        tolerance: Optional[float] = None,
+        pinpoint: bool = False,
+        pinpoint_ring: Optional[int] = None,
+        pinpoint_coverage: float | str = 1,
+        **unknown: Any,
+    ) -> None:
+        reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
+        self.module = module
+        self.optimizers = as_optimizers(optimizer)
+        self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
+        self.runner = AuditRunner(
+            include=include,
+            exclude=exclude,
+            on_mismatch=on_mismatch,
+            resync_src=resync_src,
+            report_path=report_path,
+            timeout_s=timeout_s,
+            coverage=coverage,
+            verbose=verbose,
+            tolerance=tolerance,
+            pinpoint=pinpoint,
+            pinpoint_ring=pinpoint_ring,
+            pinpoint_coverage=pinpoint_coverage,
+            every_n=every_n_steps,
+        )
+        self.is_main = True
+        self._opened = False
+
+    def _open(self) -> None:
+        if self._opened:
+            return
+        import torch.distributed as dist
+
+        joined = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if joined else 1
+        self.is_main = dist.get_rank() == 0 if joined else True
+        self.runner.open(world_size=world, is_main=self.is_main)
+        self._opened = True
+
+    def step(self, step: int, epoch: int | None = None) -> AuditResult | None:
+        """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence."""
+        self._open()
+        self.runner.record_step(self.module, self.optimizers, step)
+        if self.every_n_steps is None or step % self.every_n_steps:
+            return None
+        return self.audit(step, epoch, hook="step")
+
+    def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
+        """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
+        self._open()
+        return self.runner.run(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
+
+    @property
+    def history(self) -> Any:
+        """The run's :class:`~weightsync_audit.AuditHistory` (audits, first divergence, resyncs)."""
+        return self.runner.history
+
+    def summary(self) -> str:
+        """One line over the run, as the callbacks print at the end."""
+        return self.runner.summary()
+
+    def close(self) -> None:
+        """Close the report; with ``verbose``, print the run's summary on rank 0."""
+        if self._opened and self.is_main and self.runner.verbose:
+            self.runner.print(self.summary())
+        self.runner.close()
+
+    def __enter__(self) -> LoopAudit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
