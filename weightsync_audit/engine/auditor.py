@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.compat import self_check
 from weightsync_audit.ddp.inspect import find_ddp, syncs_buffers
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
@@ -190,6 +191,18 @@ class Auditor:
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(module) if module is not None else None
         return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+
+    def checkpoint_saved(self, path: Any, step: int | None, *, state: Any = None, **kwargs: Any) -> AuditResult:
+        """After saving a checkpoint at ``path``: audit and write its sidecar (collective; see docs/restarts.md).
+
+        ``state``: what was saved (default: the module's ``state_dict``). The result's ``checkpoint`` says
+        ``verified`` when every replica agreed at this step."""
+        return checkpoint_saved(self, path, step, state=state, **kwargs)
+
+    def checkpoint_loaded(self, path: Any, step: int | None = None, *, state: Any = None, **kwargs: Any) -> AuditResult:
+        """After loading the checkpoint at ``path``, before the first step: audit, and compare what every rank
+        holds with the sidecar (collective). A tensor that differs from what was saved is a mismatch."""
+        return checkpoint_loaded(self, path, step, state=state, **kwargs)
 
 
 def audit(

@@ -82,6 +82,8 @@ class Mismatch:
     """``max_abs_diff`` over the largest magnitude in the reference copy (None: not measured)."""
     within_tolerance: bool | None = None
     """With a ``tolerance`` in force: ``rel_diff`` is measured and at most the tolerance. None: no tolerance."""
+    stability: str | None = None
+    """``stable`` / ``unstable``: whether a second read of the odd ranks' copy gave the same digest (None: not read)."""
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -100,6 +102,8 @@ class Mismatch:
             d["rel_diff"] = _finite_or_none(self.rel_diff)
         if self.within_tolerance is not None:
             d["within_tolerance"] = bool(self.within_tolerance)
+        if self.stability is not None:
+            d["stability"] = self.stability
         return d
 
     @property
@@ -160,6 +164,10 @@ class AuditResult:
     """On a divergent record: ``exact``, ``sampled``, ``overflow``, ``earlier``, ``unseen``, ``off`` (see PINPOINT_STATES)."""
     tolerance: float | None = None
     """The relative tolerance in force, or None (exact)."""
+    hosts: dict[str, str] | None = None
+    """On a divergent record: global rank -> ``"host local_rank device"`` of each rank it names."""
+    checkpoint: dict[str, Any] | None = None
+    """At a checkpoint save or load: ``{"path", "event", "status", "saved_step"}`` (docs/restarts.md)."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -205,6 +213,10 @@ class AuditResult:
             d["tolerance"] = float(self.tolerance)
             if not self.in_sync:
                 d["within_tolerance"] = self.within_tolerance
+        if self.hosts:
+            d["hosts"] = dict(self.hosts)
+        if self.checkpoint is not None:
+            d["checkpoint"] = dict(self.checkpoint)
         return d
 
     @classmethod
@@ -230,6 +242,8 @@ class AuditResult:
             first_diverged_step=v["first_diverged_step"],
             pinpoint=v["pinpoint"],
             tolerance=v["tolerance"],
+            hosts=v["hosts"],
+            checkpoint=v["checkpoint"],
         )
 
     def summary(self) -> str:
@@ -283,4 +297,5 @@ _MISMATCH_ARGS = (
     "shard",
     "rel_diff",
     "within_tolerance",
+    "stability",
 )
