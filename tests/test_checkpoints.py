@@ -142,3 +142,47 @@ def test_a_distributed_checkpoint_folder_records_each_shard_with_its_owner(tmp_p
     assert set(sidecar["rank_tensors"]) == {"0", "1"}
     [m] = [m for m in out[0]["loaded"]["mismatches"] if "sidecar" in (m["detail"] or "")]
     assert (m["name"], m["ranks"], m["reference_ranks"]) == ("model.0.weight", [1], [0])
+
+
+def test_verify_exits_0_on_a_verified_checkpoint_1_when_changed_or_unverified_2_when_unreadable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from weightsync_audit.cli import main
+
+    model = torch.nn.Linear(3, 2)
+    path = tmp_path / "m.pt"
+    torch.save({"state_dict": model.state_dict(), "epoch": 1}, path)
+    Auditor(model).checkpoint_saved(path, 7, state={"state_dict": model.state_dict(), "epoch": 1})
+    assert main(["verify", str(path)]) == 0
+    assert "VERIFIED" in capsys.readouterr().out
+    copy = tmp_path / "copy.pt"
+    copy.write_bytes(path.read_bytes())
+    (tmp_path / "copy.pt.weightsync.json").write_text(sidecar_path(path).read_text())
+    assert main(["diff", str(path), str(copy)]) == 0 and "by their sidecars" in capsys.readouterr().out
+    state = torch.load(path, weights_only=True)
+    state["state_dict"]["bias"][1] += 1
+    torch.save(state, path)
+    assert main(["verify", str(path)]) == 1
+    assert "changed since saved: state_dict.bias" in capsys.readouterr().out
+    assert main(["diff", str(path), str(copy)]) == 0  # the sidecars agree: the change is verify's to find
+    assert main(["diff", "--full", str(path), str(copy)]) == 1
+    capsys.readouterr()
+    sidecar_path(path).unlink()
+    assert main(["verify", str(path)]) == 1 and "UNVERIFIED" in capsys.readouterr().out
+    sidecar_path(copy).write_text("{not json")
+    assert main(["verify", str(copy)]) == 2
+    assert main(["verify", str(tmp_path / "nothing.pt")]) == 2
+
+
+def test_verify_names_a_changed_shard_of_a_distributed_checkpoint_with_its_owner(tmp_path: Path) -> None:
+    from weightsync_audit.cli._verify import verify_checkpoint
+
+    folder = tmp_path / "dcp"
+    run_ranks(_dcp, 2, str(folder), False)
+    assert verify_checkpoint(folder)["status"] == "verified"
+    shard = folder / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    outcome = verify_checkpoint(folder)
+    assert outcome["status"] == "changed" and outcome["changed"] == ["__1_0.distcp (rank 1)"]

@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--limit", type=int, default=50, help="rows shown per file pair (default: 50)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON (same exit codes)")
+    p.add_argument("--full", action="store_true", help="load the files even when both sides have a sidecar")
+    from weightsync_audit.cli._verify import add_verify_parser
+
+    add_verify_parser(sub, fmt)
     return parser
 
 
@@ -170,8 +174,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.atol is not None and not args.atol >= 0:
             raise CliError(f"--atol {args.atol}: must be a number >= 0")
         return cmd_diff(
-            args.a, args.b, atol=args.atol, exclude=args.exclude, limit=max(0, args.limit), as_json=args.json
+            args.a,
+            args.b,
+            atol=args.atol,
+            exclude=args.exclude,
+            limit=max(0, args.limit),
+            as_json=args.json,
+            sidecars=not args.full and args.atol is None and not args.exclude,
         )
+    if args.command == "verify":
+        from weightsync_audit.cli._verify import cmd_verify
+
+        return cmd_verify(args.path, as_json=args.json)
     if args.command == "demo":
         from weightsync_audit.cli._demo import run_demo
 
