@@ -46,7 +46,7 @@ from weightsync_audit.checkpoints.sidecar import (
     tensor_digests,
     write_sidecar,
 )
-from weightsync_audit.engine.inventory.manifest import unwrap_module
+from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult, Mismatch
@@ -134,8 +134,9 @@ def checkpoint_saved(
     return result
 
 
-def _held_differences(expected: dict[str, Any], held: dict[str, Any], exact_names: bool) -> list[str]:
-    prefix = "" if exact_names else match_prefix(expected, held)
+def _held_differences(expected: dict[str, Any], held: dict[str, Any], prefix: str | None) -> list[str]:
+    """Names (as saved) of the tensors ``held`` whose digest, shape or dtype differ from ``expected``."""
+    prefix = match_prefix(expected, held) if prefix is None else prefix
     out = []
     for n, e in held.items():
         saved = expected.get(prefix + n)
@@ -144,8 +145,18 @@ def _held_differences(expected: dict[str, Any], held: dict[str, Any], exact_name
             e["shape"],
             e["dtype"],
         ):
-            out.append(n)
-    return sorted(out)
+            out.append(prefix + n)
+    return out
+
+
+def _holdings(state: Any, module: nn.Module | None, optimizer: Any) -> list[tuple[str | None, dict[str, Any]]]:
+    """What this rank holds, in groups matched to the saved names: ``state`` by its own names; else the
+    module's ``state_dict`` and each optimizer's, each under the prefix it was saved at."""
+    if state is not None:
+        return [("", tensor_digests(state))]
+    groups: list[tuple[str | None, dict[str, Any]]] = [(None, tensor_digests(_model_state(module)))]
+    groups += [(None, tensor_digests(opt.state_dict())) for opt in as_optimizers(optimizer)]
+    return groups
 
 
 def checkpoint_loaded(
@@ -186,11 +197,13 @@ def checkpoint_loaded(
         return result
     me = str(comm.global_ranks[comm.rank])
     expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
-    held = tensor_digests(state if state is not None else _model_state(module))
-    differ = _held_differences(expected or {}, held, exact_names=state is not None)
+    differ: list[str] = []
+    for prefix, held in _holdings(state, module, optimizer):
+        found = _held_differences(expected or {}, held, prefix)
+        differ += found
     lists = [json.loads(p) for p in comm.exchange_bytes(json.dumps(differ).encode(), "the checkpoint comparison")]
     entry["saved_step"] = sidecar.get("step")
-    changed = _changed_mismatches(comm, lists, held, module, path, sidecar.get("step"))
+    changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))
     result.mismatches.extend(changed)
     entry["status"] = "changed" if changed else ("matching" if sidecar["verdict"] == "verified" else "diverged")
     if sidecar["verdict"] != "verified":
@@ -206,20 +219,25 @@ def checkpoint_loaded(
 
 
 def _changed_mismatches(
-    comm: Comm, lists: list[list[str]], held: dict[str, Any], module: nn.Module | None, path: Any, saved_step: Any
+    comm: Comm, lists: list[list[str]], saved: dict[str, Any], module: nn.Module | None, path: Any, saved_step: Any
 ) -> list[Mismatch]:
-    """One mismatch per tensor some rank holds differently from the sidecar (the same on every rank)."""
+    """One mismatch per tensor some rank holds differently from the sidecar (the same on every rank),
+    named as saved (``state_dict.net.0.bias`` in a Lightning checkpoint)."""
     params = {n for n, _ in unwrap_module(module).named_parameters()} if module is not None else set()
+    buffers = {n for n, _ in unwrap_module(module).named_buffers()} if module is not None else set()
+    prefix = match_prefix(saved, params | buffers) if module is not None else ""
     ranks = comm.global_ranks
     out = []
     for name in sorted({n for names in lists for n in names}):
         odd = [ranks[r] for r, names in enumerate(lists) if name in names]
         ref = [g for g in ranks if g not in odd]
-        e = held.get(name)
+        e = saved.get(name)
+        own = name[len(prefix) :] if name.startswith(prefix) else None
+        kind = "param" if own in params or module is None else ("buffer" if own in buffers else "optimizer")
         out.append(
             Mismatch(
                 name,
-                "param" if name in params or module is None else "buffer",
+                kind,
                 odd,
                 ref,
                 e["shape"] if e else None,
