@@ -78,6 +78,7 @@ from weightsync_audit.channel.verdicts import (
     verdict_error,
     wait_until,
 )
+from weightsync_audit.compat import describe_this_rank
 from weightsync_audit.errors import AuditPreparationError
 
 __all__ = ["DEFAULT_GRACE_S", "Comm", "Rule", "forget_groups"]
@@ -139,6 +140,17 @@ class Comm:
         """Create the dedicated audit group now (collective over the group's ranks, with the deadline)."""
         if self.distributed and self._group is None:
             self._group = open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
+            if self._group.hosts is None:  # once per group, every rank at once: where each rank runs
+                parts = self.exchange_bytes(describe_this_rank().encode(), "where each rank runs")
+                self._group.hosts = [p.decode("utf-8", "replace") for p in parts]
+
+    def hosts_of(self, ranks: list[int]) -> dict[str, str] | None:
+        """Global rank -> where it runs, for ``ranks`` (once the channel is open; ``None`` before)."""
+        hosts = self._group.hosts if self._group is not None else [describe_this_rank()]
+        if not hosts or not ranks:
+            return None
+        where = dict(zip(self.global_ranks, hosts))
+        return {str(r): where[r] for r in ranks if r in where} or None
 
     def audit_pg(self) -> Any:
         """The dedicated gloo process group once opened, else ``None``."""

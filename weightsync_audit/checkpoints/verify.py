@@ -205,6 +205,8 @@ def checkpoint_loaded(
     entry["saved_step"] = sidecar.get("step")
     changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))
     result.mismatches.extend(changed)
+    if changed:
+        result.hosts = comm.hosts_of(sorted({r for m in result.mismatches for r in m.ranks}))
     entry["status"] = "changed" if changed else ("matching" if sidecar["verdict"] == "verified" else "diverged")
     if sidecar["verdict"] != "verified":
         result.notes.append(

@@ -373,6 +373,7 @@ class AuditRun:
             notes=self.notes,
             coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
+            hosts=self.comm.hosts_of(sorted({r for m in self.mismatches for r in m.ranks})) if not in_sync else None,
         )
         mark_pinpoint(result, self.pin)
         history.record(result)
