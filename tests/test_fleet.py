@@ -45,3 +45,43 @@ def test_a_divergent_record_names_host_and_process_of_each_odd_rank_and_check_an
     assert f"rank 2 runs on {socket.gethostname()} cpu pid={out[2]['pid']}" in capsys.readouterr().out
     assert main(["show", str(report)]) == 0
     assert f"rank 2 (diverged) runs on {socket.gethostname()}" in capsys.readouterr().out
+
+
+def _flipping(rank: int, world: int) -> dict:
+    """Rank 1 has a thread writing a new value into one weight continuously: its bytes never hold still."""
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    auditor = Auditor(model)
+    assert auditor.audit(step=0).in_sync
+    stop = threading.Event()
+
+    def flip() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            with torch.no_grad():
+                model[0].weight[0, 0] = float(n)
+            time.sleep(0.0002)
+
+    if rank == 1:
+        with torch.no_grad():
+            model[1].bias[0] += 1  # a plain, stable difference beside the unstable one
+        thread = threading.Thread(target=flip, daemon=True)
+        thread.start()
+        time.sleep(0.01)
+    result = auditor.audit(step=1)
+    stop.set()
+    return result.to_dict()
+
+
+def test_a_tensor_whose_bytes_change_between_two_reads_is_unstable_and_a_plain_difference_stable() -> None:
+    out = run_ranks(_flipping, 2)
+    assert out[0]["mismatches"] == out[1]["mismatches"] and out[0]["hints"] == out[1]["hints"]
+    by_name = {m["name"]: m for m in out[0]["mismatches"]}
+    assert by_name["0.weight"]["stability"] == "unstable" and by_name["0.weight"]["ranks"] == [1]
+    assert by_name["1.bias"]["stability"] == "stable"
+    [hint] = [h for h in out[0]["hints"] if "unstable read" in h]
+    assert "0.weight" in hint and "1.bias" not in hint and f"rank 1 on {socket.gethostname()}" in hint

@@ -47,6 +47,7 @@ from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps
+from weightsync_audit.engine.measure.stability import mark_stability, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer, mark_pinpoint
@@ -304,6 +305,9 @@ class AuditRun:
         if value_mismatches:
             entries = [self.by_uid[d.uid] for d in self.value_diffs]
             measure_gaps(comm, self.auditor.config, value_mismatches, entries)
+            cfg = self.auditor.config  # the odd ranks read the diverged tensors again: stable or not
+            mark_stability(comm, value_mismatches, self.value_diffs, self.entries, self.digests,
+                           slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
         self.mismatches.extend(value_mismatches)
         if comm.global_ranks != tuple(range(comm.world_size)):
             # Decided on positions in the group; reported, like every error, in global ranks.
@@ -329,6 +333,8 @@ class AuditRun:
         )
         if self.mismatches:
             self._share_hints()
+            hosts = self.comm.hosts_of(sorted({r for m in self.mismatches for r in m.ranks}))
+            self.hints += unstable_hints(self.mismatches, hosts)
 
     def _share_hints(self) -> None:
         """Hints read a wrapper and notes a manifest: the first rank's are everyone's, so the record is the
