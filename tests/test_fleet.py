@@ -85,3 +85,31 @@ def test_a_tensor_whose_bytes_change_between_two_reads_is_unstable_and_a_plain_d
     assert by_name["1.bias"]["stability"] == "stable"
     [hint] = [h for h in out[0]["hints"] if "unstable read" in h]
     assert "0.weight" in hint and "1.bias" not in hint and f"rank 1 on {socket.gethostname()}" in hint
+
+
+def _diverges_twice(rank: int, world: int) -> list[dict]:
+    from weightsync_audit.integrations.runner import AuditRunner
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    runner = AuditRunner(on_mismatch="resync", verbose=False)
+    runner.open(world_size=world, is_main=rank == 0)
+    out = []
+    for step in (1, 2):
+        if rank == 1:
+            with torch.no_grad():
+                model.weight[0, 0] += 0.5  # the same machine corrupts the same weight again
+        result = runner.run(model, [], step=step, epoch=0, hook="test", is_main=rank == 0)
+        assert result is not None
+        out.append(result.to_dict())
+    runner.close()
+    return out
+
+
+def test_a_rank_that_diverges_again_after_a_resync_is_called_a_persistent_fault_to_evict() -> None:
+    first, second = run_ranks(_diverges_twice, 2)[0]
+    assert first["action"] == second["action"] == "resynced"
+    assert not any("persistent fault" in h for h in first["hints"])
+    [hint] = [h for h in second["hints"] if "persistent fault" in h]
+    assert "rank 1 diverged again after a resync repaired it at step 1" in hint and socket.gethostname() in hint
+    assert "evict" in hint

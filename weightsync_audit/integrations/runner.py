@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 from weightsync_audit.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
+from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.repair.resync import resync
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -151,6 +152,8 @@ class AuditRunner:
         self.is_main = False
         self.from_workers = False
         self.last_step_recorded: int | None = None
+        self.resynced_ranks: dict[int, int] = {}
+        """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
 
     # -- set-up and teardown -------------------------------------------------------------------
 
@@ -237,6 +240,8 @@ class AuditRunner:
             self._audit_failed(hook, step, exc, is_main)
             return None
         result.notes[:0], self.failures = self.failures, []
+        if not result.in_sync and self.resynced_ranks:
+            result.hints += persistent_hints(result.mismatches, self.resynced_ranks, result.hosts)
         if grads:
             self._note_grad_result(result)
         if result.in_sync or result.within_tolerance:
@@ -329,6 +334,7 @@ class AuditRunner:
             result.action = "resynced"
             result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")
             self.history.resyncs += 1
+            self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
             self.history.last_in_sync_step = step
             self.history.last_full_sync_step = step
             if self.auditor is not None and self.auditor.pinpointer is not None:

@@ -20,7 +20,7 @@ from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.reporting.record import Mismatch
 
-__all__ = ["mark_stability", "unstable_hints"]
+__all__ = ["mark_stability", "persistent_hints", "unstable_hints"]
 
 
 def mark_stability(
@@ -61,4 +61,17 @@ def unstable_hints(mismatches: Sequence[Mismatch], hosts: dict[str, str] | None)
     return [
         f"{names}: a second read on the odd rank(s) gave other bytes with no step between the reads (an unstable "
         f"read): suspect memory or hardware, not a software bug ({where}); if it recurs, evict that machine"
+    ]
+
+
+def persistent_hints(
+    mismatches: Sequence[Mismatch], resynced: dict[int, int], hosts: dict[str, str] | None
+) -> list[str]:
+    """One hint per rank that diverges again after a resync repaired it (``resynced``: rank -> step):
+    a persistent fault on that machine, to evict."""
+    again = sorted({r for m in mismatches if not m.within_tolerance for r in m.ranks if r in resynced})
+    return [
+        f"rank {r} diverged again after a resync repaired it at step {resynced[r]}: a persistent fault on that "
+        f"machine ({(hosts or {}).get(str(r), 'host unknown')}); evict it and restart from the last verified checkpoint"
+        for r in again
     ]
