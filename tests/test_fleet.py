@@ -113,3 +113,33 @@ def test_a_rank_that_diverges_again_after_a_resync_is_called_a_persistent_fault_
     [hint] = [h for h in second["hints"] if "persistent fault" in h]
     assert "rank 1 diverged again after a resync repaired it at step 1" in hint and socket.gethostname() in hint
     assert "evict" in hint
+
+
+def _frozen_on_rank_1(rank: int, world: int) -> list[str]:
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    if rank == 1:
+        model.requires_grad_(False)  # frozen by mistake on this rank only
+    opt = torch.optim.SGD(
+        [p for p in model.parameters()] if rank == 0 else [torch.zeros(1, requires_grad=True)], lr=0.1
+    )
+    auditor = Auditor(model, opt, pinpoint=True)
+    said = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(1, 4):
+            if rank == 0:
+                model(torch.ones(1, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            auditor.record_step(step)
+        said = [str(w.message) for w in caught if "changed over optimizer step" in str(w.message)]
+    return said
+
+
+def test_a_rank_whose_weights_did_not_change_over_a_step_with_lr_above_zero_is_warned_naming_the_step() -> None:
+    said = run_ranks(_frozen_on_rank_1, 2)
+    assert said[0] == []
+    assert len(said[1]) == 1 and "on rank 1 nothing audited changed over optimizer step 2 although lr=0.1" in said[1][0]

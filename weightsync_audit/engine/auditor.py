@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
@@ -36,6 +37,7 @@ from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, 
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
+from weightsync_audit.engine.timeline.stalled import StallWatch
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]
@@ -101,6 +103,7 @@ class Auditor:
         self._manifests = ManifestCache()
         self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
         self.pinpointer = Pinpointer(config.pinpoint_ring, config.pinpoint_slices) if config.pinpoint else None
+        self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -171,7 +174,8 @@ class Auditor:
         mod = module if module is not None else self.module
         opts = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(mod) if mod is not None else None
-        self.pinpointer.record_step(step, lambda: self.prepare(mod, opts, ddp=ddp), self.config.method)
+        digest = self.pinpointer.record_step(step, lambda: self.prepare(mod, opts, ddp=ddp), self.config.method)
+        self._stall.check(step, digest, opts)  # a step that changed nothing, with lr > 0: warned
 
     # -- the audit -----------------------------------------------------------------------------
 

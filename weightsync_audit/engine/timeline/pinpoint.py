@@ -209,13 +209,16 @@ class Pinpointer:
         self.ring = StepRing(capacity, slices)
         self.found: Pinpoint | None = None
 
-    def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> None:
-        """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``."""
+    def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> int | None:
+        """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``;
+        the digest when it covers every byte (no sampling), else ``None``."""
         if self.found is not None:
-            return  # this divergence is located already: nothing to record until the replicas agree again
+            return None  # this divergence is located already: nothing to record until the replicas agree again
         prepared, n = prepare(), self.ring.slices  # the audit's cached manifest: no per-tensor work per step
         digests = prepared.digests(slice_index=step % n, slices=n, method=method)
-        self.record(step, overall_digest(digests, prepared.structure))
+        digest = overall_digest(digests, prepared.structure)
+        self.record(step, digest)
+        return digest if n == 1 else None
 
     def record(self, step: int, digest: int) -> None:
         """This rank's digest of everything audited after ``step`` (slice ``step % slices`` when sampled)."""
