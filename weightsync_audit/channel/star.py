@@ -141,16 +141,27 @@ class Comm:
         if self.distributed and self._group is None:
             self._group = open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
             if self._group.hosts is None:  # once per group, every rank at once: where each rank runs
-                parts = self.exchange_bytes(describe_this_rank().encode(), "where each rank runs")
-                self._group.hosts = [p.decode("utf-8", "replace") for p in parts]
+                group = self._group
+                group.hosts = []  # the coordinator keeps them (W short lines); the others hold none
+
+                def keep(parts: list[bytes]) -> bytes:
+                    group.hosts = [p.decode("utf-8", "replace") for p in parts]
+                    return b""
+
+                self.decide(describe_this_rank().encode(), keep, "where each rank runs")
 
     def hosts_of(self, ranks: list[int]) -> dict[str, str] | None:
-        """Global rank -> where it runs, for ``ranks`` (once the channel is open; ``None`` before)."""
-        hosts = self._group.hosts if self._group is not None else [describe_this_rank()]
-        if not hosts or not ranks:
+        """Global rank -> where it runs, for ``ranks``, on every rank (collective: the coordinator, which
+        gathered every rank's line when the channel opened, shares those of ``ranks`` only)."""
+        if not ranks:
             return None
-        where = dict(zip(self.global_ranks, hosts))
-        return {str(r): where[r] for r in ranks if r in where} or None
+        if not self.distributed:
+            return {str(r): describe_this_rank() for r in ranks}
+        mine = None
+        if self.rank == 0:
+            where = dict(zip(self.global_ranks, self._group.hosts if self._group is not None else []))
+            mine = json.dumps({str(r): where[r] for r in ranks if r in where}).encode()
+        return json.loads(self.share_bytes(0, mine, "where the odd ranks run")) or None
 
     def audit_pg(self) -> Any:
         """The dedicated gloo process group once opened, else ``None``."""

@@ -105,6 +105,7 @@ class AuditRun:
         "failure",
         "hints",
         "hook",
+        "hosts",
         "mismatches",
         "module",
         "notes",
@@ -153,6 +154,7 @@ class AuditRun:
         self.notes: list[str] = []
         self.hints: list[str] = []
         self.pin: Pinpoint | None = None
+        self.hosts: dict[str, str] | None = None
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
@@ -333,8 +335,8 @@ class AuditRun:
         )
         if self.mismatches:
             self._share_hints()
-            hosts = self.comm.hosts_of(sorted({r for m in self.mismatches for r in m.ranks}))
-            self.hints += unstable_hints(self.mismatches, hosts)
+            self.hosts = self.comm.hosts_of(sorted({r for m in self.mismatches for r in m.ranks}))  # collective
+            self.hints += unstable_hints(self.mismatches, self.hosts)
 
     def _share_hints(self) -> None:
         """Hints read a wrapper and notes a manifest: the first rank's are everyone's, so the record is the
@@ -379,7 +381,7 @@ class AuditRun:
             notes=self.notes,
             coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
-            hosts=self.comm.hosts_of(sorted({r for m in self.mismatches for r in m.ranks})) if not in_sync else None,
+            hosts=self.hosts,
         )
         mark_pinpoint(result, self.pin)
         history.record(result)

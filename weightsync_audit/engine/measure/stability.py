@@ -44,10 +44,14 @@ def mark_stability(
             [entries[index[diffs[i].uid]] for i in mine], slice_index=slice_index, slices=slices, method=method
         )
         changed = [i for i, d in zip(mine, again.tolist()) if int(first[index[diffs[i].uid]]) != int(d)]
-    parts = comm.exchange_bytes(json.dumps(changed).encode(), "the second read")
-    unstable = {i for p in parts for i in json.loads(p)}
+    # Only the union comes back: a fixed-size answer per rank, whatever the number of ranks.
+    unstable = set(json.loads(comm.decide(json.dumps(changed).encode(), _union, "the second read")))
     for i, m in enumerate(mismatches):
         m.stability = "unstable" if i in unstable else "stable"
+
+
+def _union(parts: list[bytes]) -> bytes:
+    return json.dumps(sorted({i for p in parts for i in json.loads(p)})).encode()
 
 
 def unstable_hints(mismatches: Sequence[Mismatch], hosts: dict[str, str] | None) -> list[str]:
