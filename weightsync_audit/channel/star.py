@@ -150,17 +150,21 @@ class Comm:
 
                 self.decide(describe_this_rank().encode(), keep, "where each rank runs")
 
+    def known_hosts(self, ranks: list[int]) -> dict[str, str]:
+        """Where ``ranks`` run, as the coordinator knows it (local: meaningful on the group's first rank only)."""
+        if not self.distributed:
+            return {str(r): describe_this_rank() for r in ranks}
+        where = dict(zip(self.global_ranks, self._group.hosts if self._group is not None else []))
+        return {str(r): where[r] for r in ranks if r in where}
+
     def hosts_of(self, ranks: list[int]) -> dict[str, str] | None:
         """Global rank -> where it runs, for ``ranks``, on every rank (collective: the coordinator, which
         gathered every rank's line when the channel opened, shares those of ``ranks`` only)."""
         if not ranks:
             return None
         if not self.distributed:
-            return {str(r): describe_this_rank() for r in ranks}
-        mine = None
-        if self.rank == 0:
-            where = dict(zip(self.global_ranks, self._group.hosts if self._group is not None else []))
-            mine = json.dumps({str(r): where[r] for r in ranks if r in where}).encode()
+            return self.known_hosts(ranks)
+        mine = json.dumps(self.known_hosts(ranks)).encode() if self.rank == 0 else None
         return json.loads(self.share_bytes(0, mine, "where the odd ranks run")) or None
 
     def audit_pg(self) -> Any:

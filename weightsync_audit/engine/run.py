@@ -335,7 +335,6 @@ class AuditRun:
         )
         if self.mismatches:
             self._share_hints()
-            self.hosts = self.comm.hosts_of(sorted({r for m in self.mismatches for r in m.ranks}))  # collective
             self.hints += unstable_hints(self.mismatches, self.hosts)
 
     def _share_hints(self) -> None:
@@ -356,8 +355,10 @@ class AuditRun:
                 )
             except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
                 self.notes.append(f"no hint: {type(exc).__name__}: {exc}")
-            mine = json.dumps([hints, self.notes]).encode()
-        self.hints, self.notes = json.loads(self.comm.share_bytes(0, mine, "the hints"))
+            odd = sorted({r for m in self.mismatches for r in m.ranks})
+            mine = json.dumps([hints, self.notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
+        self.hints, self.notes, hosts = json.loads(self.comm.share_bytes(0, mine, "the hints"))
+        self.hosts = hosts or None
 
     # -- record --------------------------------------------------------------------------------
 
