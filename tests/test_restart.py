@@ -20,6 +20,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
+@pytest.mark.slow
 def test_a_divergence_under_raise_with_exit_code_ends_every_rank_with_that_status_after_the_record(
     tmp_path: Path,
 ) -> None:
