@@ -62,3 +62,32 @@ def test_differing_columns_rule_failures_and_shares_come_back_alike_on_every_ran
     assert "could not decide a failing rule" in first[3] and "bad rule" in first[3]
     assert first[4] == b"0123"  # a rule that raised leaves the channel usable
     assert all(r == first for r in results)
+
+
+def _bucketed(rank: int, world: int, n: int, odd: dict) -> tuple[list[Any], int]:
+    from weightsync_audit.channel.star import Comm
+
+    comm = Comm(timeout_s=30)
+    comm.setup()
+    digests = np.arange(n, dtype=np.int64) * 7919
+    for column, ranks in odd.items():
+        if rank in ranks:
+            digests[column] = -1 - rank
+    before = comm.sent_bytes
+    diffs = compare_columns(comm, [f"t{i}" for i in range(n)], digests)
+    return [(d.uid, d.reference_ranks, d.ranks) for d in diffs], comm.sent_bytes - before
+
+
+def test_a_divergence_among_many_tensors_is_localized_in_two_rounds_the_same_as_in_one() -> None:
+    odd = {3: (2,), 999: (1, 3), 1000: (2,), 4095: (0,)}
+    results = run_ranks(_bucketed, 4, 4096, odd)
+    first = results[0][0]
+    assert first == [
+        ("t3", (0, 1, 3), (2,)),
+        ("t999", (0, 2), (1, 3)),
+        ("t1000", (0, 1, 3), (2,)),
+        ("t4095", (1, 2, 3), (0,)),
+    ]
+    assert all(r[0] == first for r in results)
+    # Each rank sent a digest per bucket of 64 and then 4 buckets' digests: far less than 8 bytes x 4,096.
+    assert all(sent < 8 * 4096 // 4 for _, sent in results[1:])

@@ -104,6 +104,22 @@ def test_hf_trainer_weight_nudged_on_rank_1_makes_every_rank_raise_naming_it_wit
         assert out["seconds_after_the_nudge"] < 10
 
 
+def test_hf_trainer_saves_a_verified_sidecar_and_a_resume_names_the_rank_that_holds_another_head(
+    runs: dict[str, Any],
+) -> None:
+    from weightsync_audit.cli import main
+
+    got = scenario(runs, "hf_checkpoint")[0]
+    [save] = [r for r in got["saved"] if r.get("checkpoint")]
+    assert save["hook"] == "on_save" and save["checkpoint"]["status"] == "verified" and save["step"] == 3
+    assert main(["verify", got["folder"]]) == 0
+    start = got["resumed"][0]
+    assert start["hook"] == "on_train_begin" and start["checkpoint"]["status"] == "changed"
+    named = {(m["name"], tuple(m["ranks"]), tuple(m["reference_ranks"])) for m in start["mismatches"]}
+    assert ("transformer.h.1.mlp.c_fc.weight", (1,), (0,)) in named
+    assert any("saved at step 3" in (m["detail"] or "") for m in start["mismatches"])
+
+
 def test_hf_trainer_resync_repairs_the_nudge_and_ends_bit_identical(runs: dict[str, Any]) -> None:
     got = scenario(runs, "hf_resync")
     records = got[0]["records"]

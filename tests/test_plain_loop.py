@@ -32,6 +32,8 @@ def _loop(rank: int, world: int, on_mismatch: str, report: str | None, nudge_eve
     warnings.simplefilter("always")
     try:
         for step in range(1, 9):
+            opt.zero_grad()
+            model(torch.ones(2, 4)).square().sum().backward()  # the same batch everywhere: a real step
             opt.step()
             if rank == 1 and step % nudge_every == 3 % nudge_every and step >= 3:
                 with torch.no_grad():

@@ -271,3 +271,31 @@ def self_check() -> None:
     _require(dist.distributed_c10d, "_get_default_store", "torch.distributed's default store accessor")
     _require(nn.parallel.DistributedDataParallel, "_remove_autograd_hooks", "DistributedDataParallel's hook removal")
     _checked = True
+
+
+def describe_this_rank() -> str:
+    """Where this process runs, in one line: host, local rank, and the CUDA device (its UUID and PCI bus id)
+    when this process already uses CUDA, else ``cpu pid=<pid>``. Never initialises CUDA."""
+    import os
+    import socket
+
+    where = [socket.gethostname()]
+    if "LOCAL_RANK" in os.environ:
+        where.append(f"local_rank={os.environ['LOCAL_RANK']}")
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            index = torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            where.append(f"cuda:{index}")
+            uuid = getattr(props, "uuid", None)
+            if uuid is not None:
+                where.append(f"GPU-{uuid}")
+            bus = getattr(props, "pci_bus_id", None)
+            if bus is not None:
+                domain, device = getattr(props, "pci_domain_id", 0), getattr(props, "pci_device_id", 0)
+                where.append(f"pci={domain:04x}:{bus:02x}:{device:02x}.0")
+            return " ".join(where)
+    except Exception:  # noqa: BLE001 - a description is never worth failing the audit for
+        pass
+    where.append(f"cpu pid={os.getpid()}")
+    return " ".join(where)

@@ -152,6 +152,26 @@ def hf_healthy() -> dict[str, Any]:
 
 
 @scenario
+def hf_checkpoint() -> dict[str, Any]:
+    """Save at step 3 (a sidecar in checkpoint-3), then resume from it with rank 1 holding another head."""
+    from transformers import Trainer, TrainingArguments
+
+    path, out_dir = OUT / "hf_checkpoint.jsonl", OUT / "hf_ckpt"
+    cb = WeightSyncAuditCallback(every_n_steps=None, report_path=str(path))
+    train(gpt2(), tokens(), [cb], output_dir=str(out_dir), save_strategy="steps", save_steps=3, max_steps=3)
+    saved = records(path)
+    args = TrainingArguments(
+        output_dir=str(out_dir), use_cpu=True, ddp_backend="gloo", max_steps=4, per_device_train_batch_size=4,
+        save_strategy="no", report_to=[], disable_tqdm=True, seed=0, ddp_timeout=120,
+    )  # fmt: skip
+    plant = At("on_train_begin", 3, nudge_head)
+    cb = WeightSyncAuditCallback(every_n_steps=None, report_path=str(path))
+    trainer = Trainer(model=gpt2(), args=args, train_dataset=tokens(), callbacks=[plant, cb])
+    trainer.train(resume_from_checkpoint=str(out_dir / "checkpoint-3"))
+    return {"saved": saved, "resumed": records(path)[len(saved) :], "folder": str(out_dir / "checkpoint-3")}
+
+
+@scenario
 def hf_raise() -> dict[str, Any]:
     cb = WeightSyncAuditCallback(every_n_steps=1, on_mismatch="raise", timeout_s=30)
     nudged: list[float] = []

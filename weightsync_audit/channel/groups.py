@@ -51,6 +51,9 @@ class AuditGroup:
         # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
         self.lock = threading.Lock()
+        self.hosts: list[str] | None = None
+        """Where each rank of the group runs (:func:`~weightsync_audit.compat.describe_this_rank`), gathered
+        once when the group opens."""
 
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditGroup]] = {}

@@ -78,6 +78,7 @@ from weightsync_audit.channel.verdicts import (
     verdict_error,
     wait_until,
 )
+from weightsync_audit.compat import describe_this_rank
 from weightsync_audit.errors import AuditPreparationError
 
 __all__ = ["DEFAULT_GRACE_S", "Comm", "Rule", "forget_groups"]
@@ -139,6 +140,32 @@ class Comm:
         """Create the dedicated audit group now (collective over the group's ranks, with the deadline)."""
         if self.distributed and self._group is None:
             self._group = open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
+            if self._group.hosts is None:  # once per group, every rank at once: where each rank runs
+                group = self._group
+                group.hosts = []  # the coordinator keeps them (W short lines); the others hold none
+
+                def keep(parts: list[bytes]) -> bytes:
+                    group.hosts = [p.decode("utf-8", "replace") for p in parts]
+                    return b""
+
+                self.decide(describe_this_rank().encode(), keep, "where each rank runs")
+
+    def known_hosts(self, ranks: list[int]) -> dict[str, str]:
+        """Where ``ranks`` run, as the coordinator knows it (local: meaningful on the group's first rank only)."""
+        if not self.distributed:
+            return {str(r): describe_this_rank() for r in ranks}
+        where = dict(zip(self.global_ranks, self._group.hosts if self._group is not None else []))
+        return {str(r): where[r] for r in ranks if r in where}
+
+    def hosts_of(self, ranks: list[int]) -> dict[str, str] | None:
+        """Global rank -> where it runs, for ``ranks``, on every rank (collective: the coordinator, which
+        gathered every rank's line when the channel opened, shares those of ``ranks`` only)."""
+        if not ranks:
+            return None
+        if not self.distributed:
+            return self.known_hosts(ranks)
+        mine = json.dumps(self.known_hosts(ranks)).encode() if self.rank == 0 else None
+        return json.loads(self.share_bytes(0, mine, "where the odd ranks run")) or None
 
     def audit_pg(self) -> Any:
         """The dedicated gloo process group once opened, else ``None``."""

@@ -49,7 +49,7 @@ EXIT_CODES = _help(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show`` and ``diff``."""
+    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff`` and ``verify``."""
     from weightsync_audit import __version__
 
     parser = _Parser(
@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check(sub)
     _add_show(sub)
     _add_diff(sub)
+    _add_verify(sub)
     return parser
 
 
@@ -196,6 +197,23 @@ def _add_diff(sub: Any) -> None:
     )
     p.add_argument("--limit", type=int, default=50, help="rows shown per file pair (default: 50)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON (same exit codes)")
+    p.add_argument("--full", action="store_true", help="load the files even when both sides have a sidecar")
+
+
+def _add_verify(sub: Any) -> None:
+    """Register ``verify`` on the command line's subparsers."""
+    p = sub.add_parser(
+        "verify",
+        help="check a checkpoint against its sidecar; exit 0 verified and unchanged, 1 not, 2 unreadable",
+        formatter_class=_FMT,
+        description="Check a checkpoint (a file, a Hugging Face checkpoint folder, or a torch.distributed.checkpoint "
+        "folder) against the sidecar weightsync wrote when it was saved: exit 0 when the replicas agreed at that "
+        "step and every tensor (every shard) still has its digest, 1 when it has no sidecar, was saved while the "
+        "replicas differed, or changed since (naming the tensors or shards and their ranks), 2 when unreadable.",
+        epilog="example:\n  weightsync-audit verify checkpoints/epoch=3-step=400.ckpt\n",
+    )
+    p.add_argument("path", metavar="PATH", help="checkpoint file or folder")
+    p.add_argument("--json", action="store_true", help="print the outcome as JSON (same exit codes)")
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -215,8 +233,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.atol is not None and not args.atol >= 0:
             raise CliError(f"--atol {args.atol}: must be a number >= 0")
         return cmd_diff(
-            args.a, args.b, atol=args.atol, exclude=args.exclude, limit=max(0, args.limit), as_json=args.json
+            args.a,
+            args.b,
+            atol=args.atol,
+            exclude=args.exclude,
+            limit=max(0, args.limit),
+            as_json=args.json,
+            sidecars=not args.full and args.atol is None and not args.exclude,
         )
+    if args.command == "verify":
+        from weightsync_audit.cli._verify import cmd_verify
+
+        return cmd_verify(args.path, as_json=args.json)
     if args.command == "demo":
         from weightsync_audit.cli._demo import run_demo
 

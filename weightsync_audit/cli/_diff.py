@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError, fmt_gap
+from weightsync_audit.cli._verify import sidecar_diff
 from weightsync_audit.cli.checkpoint_diff import CheckpointError, diff_checkpoints
 from weightsync_audit.reporting.render import log_console
 
@@ -27,8 +28,14 @@ def cmd_diff(
     limit: int = 50,
     as_json: bool = False,
     console: Console | None = None,
+    sidecars: bool = False,
 ) -> int:
-    """Compare checkpoints; 0 identical, 1 different, 2 unreadable or refused."""
+    """Compare checkpoints; 0 identical, 1 different, 2 unreadable or refused. With ``sidecars``, two
+    checkpoints that both have a weightsync sidecar are compared by their digests, without loading them."""
+    if sidecars and b is not None:
+        code = sidecar_diff(a, b, console or Console(soft_wrap=True), as_json)
+        if code is not None:
+            return code
     try:
         result = diff_checkpoints(a, b, atol=atol, exclude=exclude)
     except CheckpointError as exc:

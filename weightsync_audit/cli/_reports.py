@@ -77,6 +77,7 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     out.append(Text("  tensors: " + ", ".join(parts) + (f" and {more} more" if more > 0 else "")))
     refs = sorted({x for m in r.mismatches for x in m.reference_ranks})
     out.append(Text(f"  ranks: {diverged_ranks(r.mismatches)} differ from the reference held by {refs}"))
+    out.extend(Text(f"  rank {rank} runs on {where}") for rank, where in (r.hosts or {}).items())
     ties = [m for m in r.mismatches if m.tie]
     if ties:
         sides = sorted({x for m in ties for x in m.reference_ranks}), diverged_ranks(ties)
@@ -327,6 +328,8 @@ def cmd_show(
             share = f"; {sampled} sampled audit(s) read a share of each large tensor only" if sampled else ""
             console.print(Text(f"every audit in sync ({what or 'nothing'} checked in the last{share})", style="green"))
         first = summary.first_divergence
+        for rank, where in (first[1].hosts or {}).items() if first is not None else ():
+            console.print(Text(f"rank {rank} (diverged) runs on {where}", style="red"))
         began = pinpoint_line(first[1]) if first is not None else None
         if began is not None:
             console.print(Text(f"divergence {began}", style="bold red"))

@@ -23,9 +23,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.compat import self_check
 from weightsync_audit.ddp.inspect import find_ddp, syncs_buffers
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
@@ -35,6 +37,7 @@ from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, 
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
+from weightsync_audit.engine.timeline.stalled import StallWatch
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]
@@ -102,6 +105,7 @@ class Auditor:
         self._manifests = ManifestCache()
         self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
         self.pinpointer = Pinpointer(config.pinpoint_ring, config.pinpoint_slices) if config.pinpoint else None
+        self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -172,7 +176,8 @@ class Auditor:
         mod = module if module is not None else self.module
         opts = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(mod) if mod is not None else None
-        self.pinpointer.record_step(step, lambda: self.prepare(mod, opts, ddp=ddp), self.config.method)
+        digest = self.pinpointer.record_step(step, lambda: self.prepare(mod, opts, ddp=ddp), self.config.method)
+        self._stall.check(step, digest, opts)  # a step that changed nothing, with lr > 0: warned
 
     # -- the audit -----------------------------------------------------------------------------
 
@@ -192,6 +197,18 @@ class Auditor:
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(module) if module is not None else None
         return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+
+    def checkpoint_saved(self, path: Any, step: int | None, *, state: Any = None, **kwargs: Any) -> AuditResult:
+        """After saving a checkpoint at ``path``: audit and write its sidecar (collective; see docs/restarts.md).
+
+        ``state``: what was saved (default: the module's ``state_dict``). The result's ``checkpoint`` says
+        ``verified`` when every replica agreed at this step."""
+        return checkpoint_saved(self, path, step, state=state, **kwargs)
+
+    def checkpoint_loaded(self, path: Any, step: int | None = None, *, state: Any = None, **kwargs: Any) -> AuditResult:
+        """After loading the checkpoint at ``path``, before the first step: audit, and compare what every rank
+        holds with the sidecar (collective). A tensor that differs from what was saved is a mismatch."""
+        return checkpoint_loaded(self, path, step, state=state, **kwargs)
 
 
 def audit(

@@ -49,6 +49,7 @@ from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.measure.finite import count_everywhere, in_sync_note, mark_nonfinite
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps
+from weightsync_audit.engine.measure.stability import mark_stability, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer, mark_pinpoint
@@ -107,6 +108,7 @@ class AuditRun:
         "failure",
         "hints",
         "hook",
+        "hosts",
         "mismatches",
         "module",
         "nonfinite",
@@ -159,6 +161,7 @@ class AuditRun:
         self.pin: Pinpoint | None = None
         self.nonfinite: tuple[int, list[str]] | None = None
         self.transient: dict[str, Any] | None = None
+        self.hosts: dict[str, str] | None = None
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
@@ -311,6 +314,9 @@ class AuditRun:
             entries = [self.by_uid[d.uid] for d in self.value_diffs]
             measure_gaps(comm, self.auditor.config, value_mismatches, entries)
             mark_nonfinite(comm, value_mismatches, entries)  # which side holds NaN/inf, for texts and resync
+            cfg = self.auditor.config  # the odd ranks read the diverged tensors again: stable or not
+            mark_stability(comm, value_mismatches, self.value_diffs, self.entries, self.digests,
+                           slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
         self.mismatches.extend(value_mismatches)
         if comm.global_ranks != tuple(range(comm.world_size)):
             # Decided on positions in the group; reported, like every error, in global ranks.
@@ -346,6 +352,7 @@ class AuditRun:
         )
         if self.mismatches:
             self._share_hints()
+            self.hints += unstable_hints(self.mismatches, self.hosts)
 
     def _tolerated(self) -> list[int] | None:
         """Manifest positions of the diverged tensors when every one is within the tolerance, else None."""
@@ -373,8 +380,10 @@ class AuditRun:
                 )
             except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
                 self.notes.append(f"no hint: {type(exc).__name__}: {exc}")
-            mine = json.dumps([hints, self.notes]).encode()
-        self.hints, self.notes = json.loads(self.comm.share_bytes(0, mine, "the hints"))
+            odd = sorted({r for m in self.mismatches for r in m.ranks})
+            mine = json.dumps([hints, self.notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
+        self.hints, self.notes, hosts = json.loads(self.comm.share_bytes(0, mine, "the hints"))
+        self.hosts = hosts or None
 
     # -- record --------------------------------------------------------------------------------
 
@@ -399,6 +408,7 @@ class AuditRun:
             coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
             transient=self.transient,
+            hosts=self.hosts,
         )
         if self.nonfinite is not None:
             result.nonfinite_count, names = self.nonfinite

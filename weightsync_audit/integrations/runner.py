@@ -13,14 +13,17 @@ It imports no framework.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
+from weightsync_audit.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
+from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -30,7 +33,18 @@ from weightsync_audit.integrations.worker_history import HistoryHandoff, summary
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["CADENCE_NAMES", "AuditRunner", "audit_metrics", "check_every_n", "reject_unknown_options"]
+__all__ = [
+    "CADENCE_NAMES",
+    "EXIT_DIVERGED",
+    "AuditRunner",
+    "audit_metrics",
+    "check_every_n",
+    "check_exit_code",
+    "reject_unknown_options",
+]
+
+EXIT_DIVERGED = 17
+"""The suggested ``exit_code``: the replicas diverged; restart from the last verified checkpoint."""
 
 log = logging.getLogger("weightsync_audit")
 
@@ -80,6 +94,21 @@ def reject_unknown_options(
     raise TypeError(f"{what}() got an unexpected option {given}={value!r}: {suggestion}")
 
 
+def check_exit_code(value: object, on_mismatch: str) -> Optional[int]:
+    """Validate ``exit_code``: ``None``, or an integer 1..255 together with ``on_mismatch="raise"``.
+
+    >>> check_exit_code(17, "raise")
+    17
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 255:
+        raise ValueError(f"exit_code={value!r}: must be an integer from 1 to 255, or None")
+    if on_mismatch != "raise":
+        raise ValueError(f"exit_code={value!r} acts on a divergence under on_mismatch='raise', not {on_mismatch!r}")
+    return value
+
+
 def audit_metrics(result: AuditResult) -> dict[str, float]:
     """The numbers a callback logs per audit: ``weightsync/in_sync``, ``diverged_tensors``, ``audit_ms``."""
     return {
@@ -119,6 +148,7 @@ class AuditRunner:
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         every_n: Optional[int] = None,
+        exit_code: Optional[int] = None,
     ) -> None:
         # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
         self.config = AuditConfig(
@@ -133,6 +163,9 @@ class AuditRunner:
             pinpoint_slices=parse_coverage(pinpoint_coverage),
         )
         self.on_mismatch = check_on_mismatch(on_mismatch)
+        self.exit_code = check_exit_code(exit_code, self.on_mismatch)
+        """With ``on_mismatch="raise"``: every rank ends its process with this status after the record is
+        written (docs/restarts.md), so ``torchrun --max-restarts`` or a scheduler restarts the run."""
         resync_src = check_resync_src(resync_src)
         if report_path is not None:
             check_report_path(report_path, "report_path")
@@ -163,6 +196,8 @@ class AuditRunner:
         self.is_main = False
         self.from_workers = False
         self.last_step_recorded: int | None = None
+        self.resynced_ranks: dict[int, int] = {}
+        """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
 
     # -- set-up and teardown -------------------------------------------------------------------
 
@@ -249,23 +284,27 @@ class AuditRunner:
         is_main: bool,
         grads: bool = False,
         log_metrics: Callable[[dict[str, float]], None] | None = None,
+        audit: Callable[..., AuditResult] | None = None,
     ) -> AuditResult | None:
         """Audit, act on the result, report it on the main process; raise on every rank if asked.
 
-        ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise.
+        ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise. ``audit``
+        replaces the auditor's own (a checkpoint's: :meth:`checkpoint`).
         """
         auditor = self.grad_auditor if grads else self.auditor
         if auditor is None:
             return None
         t0 = time.perf_counter()
         try:
-            result = auditor.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+            result = (audit or auditor.audit)(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
         except Exception as exc:
             if self.on_mismatch != "warn":
                 raise
             self._audit_failed(hook, step, exc, is_main)
             return None
         result.notes[:0], self.failures = self.failures, []
+        if not result.in_sync and self.resynced_ranks:
+            result.hints += persistent_hints(result.mismatches, self.resynced_ranks, result.hosts)
         if grads:
             self._note_grad_result(result)
         plain, with_grads = self.confirm_auditor, self.confirm_grad_auditor
@@ -287,11 +326,43 @@ class AuditRunner:
             pinpointer=self.auditor.pinpointer if self.auditor is not None else None,
             timeout_s=self.timeout_s,
         )
+        if result.action == "resynced":  # a rank that diverges again after this is a persistent fault
+            self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
         if not result.in_sync and result.action == "raised":
+            if self.exit_code is not None:
+                self._exit(result, is_main)
             raise WeightDivergenceError(result)
         return result
+
+    def checkpoint(
+        self, event: str, path: Any, model: Any, optimizers: Sequence[Any], *, state: Any = None, **kw: Any
+    ) -> AuditResult | None:
+        """:meth:`run` at a checkpoint ``event`` (``saved``: audit and write its sidecar; ``loaded``: audit and
+        compare every rank with the sidecar); the keyword arguments are :meth:`run`'s."""
+        if self.auditor is None:
+            return None
+        fn = checkpoint_saved if event == "saved" else checkpoint_loaded
+        auditor = self.auditor
+
+        def audit(module: Any, optimizer: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
+            return fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
+
+        return self.run(model, optimizers, audit=audit, **kw)
+
+    def _exit(self, result: AuditResult, is_main: bool) -> None:
+        """End this process with :attr:`exit_code` (every rank at this same point, from the same record)."""
+        if self.writer is not None:
+            self.writer.close()
+        if is_main:
+            sys.stderr.write(
+                f"weightsync audit: {result.summary()}; exiting with status {self.exit_code} (exit_code=) so that "
+                "the run restarts from its last verified checkpoint\n"
+            )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(self.exit_code or 1))  # no teardown that could wait on a peer: every rank leaves here
 
     def _audit_failed(self, hook: str, step: int, exc: Exception, is_main: bool) -> None:
         """Under ``warn`` a failed audit (a rank late or gone, a broken channel) is reported and training

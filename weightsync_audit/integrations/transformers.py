@@ -17,6 +17,7 @@ only one in the package that imports ``transformers``.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import warnings
 from typing import Any, Optional, Sequence
@@ -82,6 +83,11 @@ def lead_the_log(callback: Any) -> bool:
     return False
 
 
+def checkpoint_dir(args: Any, state: Any) -> str:
+    """The folder the Trainer saves the checkpoint of this step in: ``<output_dir>/checkpoint-<global_step>``."""
+    return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
+
+
 def epoch_of(state: Any) -> int:
     """The epoch as a whole number: the Trainer's ``state.epoch`` reaches ``1.0`` at the end of epoch 0."""
     return max(0, math.ceil(state.epoch or 0) - 1)
@@ -113,6 +119,11 @@ class WeightSyncAuditCallback(TrainerCallback):
             a divergent audit names the step it began (``first_diverged_step``).
         pinpoint_ring: steps kept between audits (default: enough for ``every_n_steps``).
         pinpoint_coverage: ``1/n`` makes each per-step digest hash one n-th of every large tensor.
+        checkpoints: audit at every ``on_save`` and write a sidecar into the ``checkpoint-N`` folder
+            (``verified`` only if every replica agreed); when training resumes (``global_step > 0`` at
+            ``on_train_begin``), compare every rank with that checkpoint's sidecar before the first step.
+        exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
+            record is written (docs/restarts.md).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -138,6 +149,8 @@ class WeightSyncAuditCallback(TrainerCallback):
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
+        checkpoints: bool = True,
+        exit_code: Optional[int] = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -156,7 +169,9 @@ class WeightSyncAuditCallback(TrainerCallback):
             pinpoint_ring=pinpoint_ring,
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
+            exit_code=exit_code,
         )
+        self.checkpoints = bool(checkpoints)
         self.history = self.runner.history
         self.last_result: AuditResult | None = None
         """The latest audit's result (the same on every rank)."""
@@ -187,7 +202,18 @@ class WeightSyncAuditCallback(TrainerCallback):
         )
         self._opened = True
         self._last_step_audited = state.global_step
-        self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step)
+        resumed = None
+        if self.checkpoints and state.global_step > 0:  # resumed: the checkpoint of this step was loaded
+            given = args.resume_from_checkpoint
+            resumed = given if isinstance(given, str) and os.path.isdir(given) else checkpoint_dir(args, state)
+        checkpoint = ("loaded", resumed) if resumed else None
+        self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step, checkpoint=checkpoint)
+
+    @override
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self.checkpoints and self._opened:
+            checkpoint = ("saved", checkpoint_dir(args, state))
+            self._run(state, model, kwargs.get("optimizer"), "on_save", state.global_step, checkpoint=checkpoint)
 
     @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
@@ -239,19 +265,16 @@ class WeightSyncAuditCallback(TrainerCallback):
     # -- the audit -----------------------------------------------------------------------------
 
     def _run(
-        self, state: Any, model: Any, optimizer: Any, hook: str, step: int, grads: bool = False
+        self, state: Any, model: Any, optimizer: Any, hook: str, step: int, grads: bool = False, checkpoint: Any = None
     ) -> AuditResult | None:
         if model is None:
             raise ValueError(f"weightsync audit: the Trainer passed no model to {hook}")
-        result = self.runner.run(
-            model,
-            [optimizer] if optimizer is not None else [],
-            step=step,
-            epoch=epoch_of(state),
-            hook=hook,
-            is_main=state.is_world_process_zero,
-            grads=grads,
-        )
+        optimizers = [optimizer] if optimizer is not None else []
+        kw: dict[str, Any] = dict(step=step, epoch=epoch_of(state), hook=hook, is_main=state.is_world_process_zero)
+        if checkpoint is not None:
+            result = self.runner.checkpoint(checkpoint[0], checkpoint[1], model, optimizers, **kw)
+        else:
+            result = self.runner.run(model, optimizers, grads=grads, **kw)
         if result is not None:
             self.last_result = result
             self._unlogged = audit_metrics(result)

@@ -88,6 +88,8 @@ class Mismatch:
     value mismatch). Counted on every diverged tensor."""
     diff_count: int | None = None
     """How many elements differ from the reference copy (the odd rank furthest off); None: not measured."""
+    stability: str | None = None
+    """``stable`` / ``unstable``: whether a second read of the odd ranks' copy gave the same digest (None: not read)."""
 
     @property
     def diff_share(self) -> float | None:
@@ -118,6 +120,8 @@ class Mismatch:
         if self.diff_count is not None:
             d["diff_count"] = int(self.diff_count)
             d["diff_share"] = self.diff_share
+        if self.stability is not None:
+            d["stability"] = self.stability
         return d
 
     @property
@@ -184,6 +188,10 @@ class AuditResult:
     transient: dict[str, Any] | None = None
     """Replicas that differed at some step since the last audit and agree again now (seen through the
     pinpoint rings): ``{"first_diverged_step", "last_diverged_step", "names"}``; None: nothing seen."""
+    hosts: dict[str, str] | None = None
+    """On a divergent record: global rank -> ``"host local_rank device"`` of each rank it names."""
+    checkpoint: dict[str, Any] | None = None
+    """At a checkpoint save or load: ``{"path", "event", "status", "saved_step"}`` (docs/restarts.md)."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -233,6 +241,10 @@ class AuditResult:
                 d["within_tolerance"] = self.within_tolerance
         if self.nonfinite_count is not None:
             d["nonfinite_count"] = int(self.nonfinite_count)
+        if self.hosts:
+            d["hosts"] = dict(self.hosts)
+        if self.checkpoint is not None:
+            d["checkpoint"] = dict(self.checkpoint)
         return d
 
     @classmethod
@@ -260,6 +272,8 @@ class AuditResult:
             tolerance=v["tolerance"],
             nonfinite_count=v["nonfinite_count"],
             transient=v["transient"],
+            hosts=v["hosts"],
+            checkpoint=v["checkpoint"],
         )
 
     def summary(self, *, tie: bool = True) -> str:
@@ -320,4 +334,5 @@ _MISMATCH_ARGS = (
     "within_tolerance",
     "nonfinite",
     "diff_count",
+    "stability",
 )

@@ -48,6 +48,8 @@ ACTIONS = ("none", "warned", "raised", "resynced")
 MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
 CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
 PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "off")
+STABILITIES = ("stable", "unstable")
+CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed")
 
 _INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
 _COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")
@@ -295,6 +297,26 @@ def mismatch_list(v: Any, path: str) -> list[dict[str, Any]]:
     return [validate_mismatch(m, f"{path}[{i}]") for i, m in enumerate(v)]
 
 
+def rank_hosts(v: Any, path: str) -> dict[str, str]:
+    """Global rank (as a string) -> where it runs: ``{"1": "node-7 local_rank=1 cuda:1 GPU-..."}``."""
+    if not isinstance(v, dict) or not all(
+        isinstance(k, str) and k.isdigit() and isinstance(x, str) for k, x in v.items()
+    ):
+        raise _fail(path, "an object of rank -> host and device text", v)
+    return dict(v)
+
+
+def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
+    """``{"path", "event": saved|loaded, "status", "saved_step"}`` of an audit at a checkpoint."""
+    if not isinstance(v, dict):
+        raise _fail(path, "an object with path, event and status", v)
+    string(v.get("path"), f"{path}.path")
+    one_of(("saved", "loaded"))(v.get("event"), f"{path}.event")
+    one_of(CHECKPOINT_STATES)(v.get("status"), f"{path}.status")
+    optional(integer())(v.get("saved_step"), f"{path}.saved_step")
+    return dict(v)
+
+
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
     """How one field is checked: ``check`` its value; ``required`` or else ``default``."""
@@ -321,6 +343,7 @@ MISMATCH_FIELDS: dict[str, FieldSpec] = {
     "nonfinite": FieldSpec(optional(rank_counts)),
     "diff_count": FieldSpec(optional(integer(0))),
     "diff_share": FieldSpec(optional(number)),
+    "stability": FieldSpec(optional(one_of(STABILITIES))),
 }
 """One line per field of a mismatch; fields not listed are accepted and ignored."""
 
@@ -347,6 +370,8 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "within_tolerance": FieldSpec(optional(boolean)),
     "nonfinite_count": FieldSpec(optional(integer(0))),
     "transient": FieldSpec(optional(transient_span)),
+    "hosts": FieldSpec(optional(rank_hosts)),
+    "checkpoint": FieldSpec(optional(checkpoint_entry)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

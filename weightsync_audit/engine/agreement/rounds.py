@@ -14,10 +14,12 @@ each rank a fixed-size verdict, and a divergence answers only the columns that d
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+import xxhash
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import (
@@ -77,14 +79,45 @@ def _columns(parts: list[bytes]) -> bytes:
     return json.dumps({"sets": [list(s) for s in sets], "cols": cols}).encode()
 
 
+BUCKETS_FROM = 256
+"""From this many tensors on, a divergence is localized in two rounds (buckets, then their entries)."""
+
+
+def _bucket_size(n: int) -> int:
+    return max(8, math.isqrt(n))  # ~sqrt(n): n/s bucket digests, then s digests per differing bucket
+
+
+def _differing_buckets(parts: list[bytes]) -> bytes:
+    if len({len(p) for p in parts}) > 1:
+        raise ValueError("ranks sent bucket digests of different lengths")
+    table = np.frombuffer(b"".join(parts), dtype=np.int64).reshape(len(parts), -1)
+    return json.dumps(np.flatnonzero((table != table[0]).any(axis=0)).tolist()).encode()
+
+
 def compare_columns(comm: Comm, uids: Sequence[str], digests: np.ndarray) -> list[ValueDiff]:
     """Phase (b): which tensors differ, with their reference and differing ranks, on every rank.
 
-    The coordinator finds each column's majority; each rank receives only the differing columns, each
-    set of differing ranks once.
+    From :data:`BUCKETS_FROM` tensors on, in two rounds, so that the bytes through the coordinator grow
+    with the ranks and with what differs, not with the number of tensors: each rank sends one digest per
+    bucket of about sqrt(n) tensors; every rank learns the differing buckets; then each sends only those
+    buckets' digests. The coordinator finds each column's majority; each rank receives only the differing
+    columns, each set of differing ranks once.
     """
     row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
-    answer = json.loads(comm.decide(row, _columns, "the per-tensor digests"))
+    if row.size >= BUCKETS_FROM and comm.distributed:
+        size = _bucket_size(row.size)
+        buckets = np.array(
+            [xxhash.xxh3_64_intdigest(row[i : i + size].tobytes()) >> 1 for i in range(0, row.size, size)],
+            dtype=np.int64,
+        )
+        picked_buckets = json.loads(comm.decide(buckets, _differing_buckets, "the bucket digests"))
+        picked = [j for b in picked_buckets for j in range(b * size, min(row.size, (b + 1) * size))]
+        return _compare_picked(comm, [uids[j] for j in picked], row[picked])
+    return _compare_picked(comm, uids, row)
+
+
+def _compare_picked(comm: Comm, uids: Sequence[str], row: np.ndarray) -> list[ValueDiff]:
+    answer = json.loads(comm.decide(np.ascontiguousarray(row), _columns, "the per-tensor digests"))
     sets = [tuple(s) for s in answer["sets"]]
     out = []
     for j, k, tie in answer["cols"]:

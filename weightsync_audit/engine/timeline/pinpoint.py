@@ -281,17 +281,20 @@ class Pinpointer:
         self._tensors_before: np.ndarray | None = None
         self._tensors_step: int | None = None
 
-    def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> None:
-        """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``."""
+    def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> int | None:
+        """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``;
+        the digest when it covers every byte (no sampling), else ``None``."""
         if self.found is not None:
-            return  # this divergence is located already: nothing to record until the replicas agree again
+            return None  # this divergence is located already: nothing to record until the replicas agree again
         prepared, n = prepare(), self.ring.slices  # the audit's cached manifest: no per-tensor work per step
         digests = prepared.digests(slice_index=step % n, slices=n, method=method)
         if self.excluded is not None and len(digests) > int(self.excluded.max(initial=-1)):
             digests = digests.copy()
             digests[self.excluded] = 0
         self._fold_tensors(int(step), digests)
-        self.record(step, overall_digest(digests, prepared.structure))
+        digest = overall_digest(digests, prepared.structure)
+        self.record(step, digest)
+        return digest if n == 1 else None
 
     def _fold_tensors(self, step: int, digests: np.ndarray) -> None:
         if self._tensors_step == step:  # the same step again (gradient accumulation): replace it

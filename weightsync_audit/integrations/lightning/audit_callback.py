@@ -88,6 +88,11 @@ class WeightSyncAuditMixin:
         pinpoint_ring: steps kept between audits (default: enough for ``every_n_train_steps``).
         pinpoint_coverage: ``1/n`` makes each per-step digest hash one n-th of every large tensor
             (n times cheaper; the record's ``pinpoint`` then says ``sampled``).
+        checkpoints: audit at every checkpoint the Trainer saves and write a sidecar beside it
+            (``verified`` only if every replica agreed); on resume (``ckpt_path``), compare every rank
+            with the sidecar before the first step (docs/restarts.md).
+        exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after
+            the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
 
     Example::
 
@@ -111,6 +116,8 @@ class WeightSyncAuditMixin:
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
+        checkpoints: bool = True,
+        exit_code: Optional[int] = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -136,7 +143,10 @@ class WeightSyncAuditMixin:
             pinpoint_ring=pinpoint_ring,
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_train_steps,
+            exit_code=exit_code,
         )
+        self.checkpoints = bool(checkpoints)
+        self._saving: Any = None
         self.config = self.runner.config
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
@@ -177,6 +187,21 @@ class WeightSyncAuditMixin:
             return
         self.runner.open(world_size=trainer.world_size, is_main=trainer.is_global_zero)
         self._opened = True
+        if self.checkpoints and "save_checkpoint" not in vars(trainer):
+            self._wrap_save(trainer)
+
+    def _wrap_save(self, trainer: Any) -> None:
+        """After the Trainer writes a checkpoint (every rank calls ``save_checkpoint``): audit, sidecar."""
+        original = trainer.save_checkpoint
+
+        def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> None:
+            self._saving = None
+            original(filepath, *args, **kwargs)
+            saved, self._saving = self._saving, None
+            if self._opened and not self._disabled:
+                self._run(trainer, "on_save_checkpoint", checkpoint=("saved", filepath, saved))
+
+        trainer.save_checkpoint = save_checkpoint
 
     @property
     def console(self) -> Any:
@@ -189,6 +214,8 @@ class WeightSyncAuditMixin:
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if "save_checkpoint" in vars(trainer):
+            del trainer.save_checkpoint  # the Trainer's own method again
         self.runner.close()
 
     # -- triggers ------------------------------------------------------------------------------
@@ -201,6 +228,10 @@ class WeightSyncAuditMixin:
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step_audited = trainer.global_step
+        if self.checkpoints and trainer.ckpt_path and not getattr(trainer, "sanity_checking", False):
+            # Restored from a checkpoint: every rank against its sidecar, before the first step.
+            self._run(trainer, "on_train_start", checkpoint=("loaded", trainer.ckpt_path, None))
+            return
         self._maybe_hook(trainer, "on_train_start")
 
     @override
@@ -250,6 +281,9 @@ class WeightSyncAuditMixin:
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        if self.checkpoints and self._opened:
+            self._saving = checkpoint  # digested once written (the audit runs after the save)
+            return
         self._maybe_hook(trainer, "on_save_checkpoint")
 
     @override
@@ -270,7 +304,9 @@ class WeightSyncAuditMixin:
 
     # -- the audit -----------------------------------------------------------------------------
 
-    def _run(self, trainer: Any, hook: str, grads: bool = False, step: int | None = None) -> AuditResult | None:
+    def _run(
+        self, trainer: Any, hook: str, grads: bool = False, step: int | None = None, checkpoint: Any = None
+    ) -> AuditResult | None:
         if not self._opened or self._disabled:
             return None
         loggers = list(trainer.loggers) if trainer.is_global_zero else []
@@ -279,16 +315,17 @@ class WeightSyncAuditMixin:
             for logger in loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-        return self.runner.run(
-            trainer.strategy.model,
-            [] if grads else list(trainer.optimizers),
+        kw: dict[str, Any] = dict(
             step=trainer.global_step if step is None else step,
             epoch=trainer.current_epoch,
             hook=hook,
             is_main=trainer.is_global_zero,
-            grads=grads,
             log_metrics=log_metrics,
         )
+        if checkpoint is not None:
+            event, path, state = checkpoint
+            return self.runner.checkpoint(event, path, trainer.strategy.model, trainer.optimizers, state=state, **kw)
+        return self.runner.run(trainer.strategy.model, [] if grads else list(trainer.optimizers), grads=grads, **kw)
 
     # -- reporting and checkpoints -------------------------------------------------------------
 

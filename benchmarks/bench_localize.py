@@ -1,0 +1,121 @@
+"""Bytes through any rank when a divergence is localized: one round (every digest column to the
+coordinator) against two rounds (bucket digests, then only the differing buckets' entries).
+
+    python benchmarks/bench_localize.py                        # 2..32 ranks, 1,000 and 100,000 entries
+    python benchmarks/bench_localize.py --worlds 2,4,16 --entries 1000
+
+What is counted: the audit channel's own count of the bytes each rank hands to gloo (``Comm.sent_bytes``:
+frames and bodies, the payloads only, no TCP/IP headers; not kernel counters, which need a network
+namespace this machine does not give). Every message goes through the coordinator (rank 0), so the
+bytes through rank 0 are its own sends plus every other rank's sends, and that is the most through any
+rank; a peer's traffic is its sends plus the answers it gets (rank 0's sends / (W - 1)).
+
+Two measurements, both on real forked gloo ranks:
+
+- ``columns``: the localization exchanges alone (``compare_columns`` over synthetic digests), one entry
+  diverged on rank 1, with the bucketed rounds on and off (``BUCKETS_FROM`` raised past the size);
+- ``audit``: a whole divergent ``Auditor.audit`` of a model of ``--audit-entries`` small tensors, one of
+  them changed on rank 1 (summary, localization, gap transfer, second read, hints, hosts), against a
+  healthy audit of the same model.
+
+The 1,024-rank, 100,000-entry figure is extrapolated from the per-peer bytes at 100,000 entries (the
+coordinator's traffic is (W - 1) times the traffic with one peer, which the measurements show constant
+in W), times 1,023.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from harness import launch, machine, table
+
+from weightsync_audit import Auditor
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.agreement import rounds
+
+
+def _columns(rank: int, world: int, n: int, bucketed: bool) -> int:
+    if not bucketed:
+        rounds.BUCKETS_FROM = 1 << 62
+    comm = Comm(timeout_s=300)
+    comm.setup()
+    digests = np.arange(n, dtype=np.int64) * 7919
+    if rank == 1:
+        digests[n // 2] = -1
+    before = comm.sent_bytes
+    diffs = rounds.compare_columns(comm, [str(i) for i in range(n)], digests)
+    assert [d.uid for d in diffs] == [str(n // 2)]
+    return comm.sent_bytes - before
+
+
+def _audit(rank: int, world: int, n: int) -> tuple[int, int]:
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4)) for _ in range(n)])
+    auditor = Auditor(model, timeout_s=300)
+    assert auditor.audit(step=0).in_sync  # opens the channel (hosts gathered once, here)
+    before = auditor.comm.sent_bytes
+    assert auditor.audit(step=1).in_sync
+    healthy = auditor.comm.sent_bytes - before
+    if rank == 1:
+        with torch.no_grad():
+            model[n // 2][0] += 1
+    before = auditor.comm.sent_bytes
+    result = auditor.audit(step=2)
+    assert [m.ranks for m in result.mismatches] == [[1]]
+    return healthy, auditor.comm.sent_bytes - before
+
+
+def through(sent: list[int]) -> tuple[int, float]:
+    """Bytes through rank 0 (its sends and every peer's), and through a peer (its sends and its answers)."""
+    w = len(sent)
+    return sent[0] + sum(sent[1:]), max(sent[1:]) + sent[0] / (w - 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", default="2,4,8,16,32")
+    p.add_argument("--entries", default="1000,100000")
+    p.add_argument("--audit-entries", type=int, default=1000)
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    print(f"# {machine()}", file=sys.stderr)
+    raw: dict[str, Any] = {"columns": {}, "audit": {}}
+    rows = []
+    for n in [int(x) for x in args.entries.split(",")]:
+        for w in worlds:
+            one = through(launch(_columns, w, n, False))
+            two = through(launch(_columns, w, n, True))
+            raw["columns"][f"{n}/{w}"] = {"one_round": one, "two_rounds": two}
+            rows.append([f"{n:,}", str(w), f"{one[0]:,}", f"{two[0]:,}", f"{two[0] / (w - 1):,.0f}", f"{two[1]:,.0f}"])
+            print(f"  columns n={n} W={w}: rank 0 {one[0]:,} -> {two[0]:,} bytes", file=sys.stderr)
+    print(table(["entries", "ranks", "rank 0, one round", "rank 0, two rounds", "per peer", "a peer"], rows))
+    rows = []
+    n = args.audit_entries
+    for w in worlds:
+        out = launch(_audit, w, n)
+        healthy, diverged = through([h for h, _ in out]), through([d for _, d in out])
+        raw["audit"][str(w)] = {"healthy": healthy, "diverged": diverged}
+        rows.append([str(w), f"{healthy[0] / (w - 1):,.0f}", f"{diverged[0]:,}", f"{diverged[0] / (w - 1):,.0f}"])
+    print(f"\nwhole audits, {n:,} tensors, 1 diverged on rank 1 (bytes handed to gloo by the audit channel):")
+    print(table(["ranks", "healthy, per peer", "divergent, through rank 0", "divergent, per peer"], rows))
+    big = [k for k in raw["columns"] if k.startswith("100000/")]
+    if big:
+        per_peer = max(raw["columns"][k]["two_rounds"][0] / (int(k.split("/")[1]) - 1) for k in big)
+        one_peer = max(raw["columns"][k]["one_round"][0] / (int(k.split("/")[1]) - 1) for k in big)
+        print(
+            f"\nextrapolated, 1,024 ranks, 100,000 entries, 1 diverged: through rank 0 {per_peer * 1023 / 1e6:.2f} MB "
+            f"in two rounds (one round: {one_peer * 1023 / 1e6:.0f} MB); goal < 10 MB"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(raw, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""The sidecar a verified checkpoint carries: what was saved, digested, and whether the replicas agreed.
+
+A single-file checkpoint ``epoch=3.ckpt`` gets ``epoch=3.ckpt.weightsync.json`` beside it; a checkpoint
+folder (a Hugging Face ``checkpoint-N``, a ``torch.distributed.checkpoint`` directory) gets
+``weightsync.json`` inside it, so it goes when the folder is rotated away. The sidecar is JSON:
+
+``schema`` (``weightsync-checkpoint/1``), ``checkpoint`` (the path's base name), ``step``, ``epoch``,
+``world_size``, ``time``, ``verdict`` (``verified``: every replica agreed at that step; ``diverged``: they
+did not, ``diverged`` names the tensors), ``tensors`` (dotted name in the saved object -> ``digest``
+(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``) and, for a
+``torch.distributed.checkpoint`` folder, ``shards`` (file -> ``rank`` that wrote it, ``digest`` of the
+file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that rank's local tensors, as ``tensors``).
+
+>>> import torch
+>>> entry = tensor_digests({"model": {"w": torch.ones(2)}})["model.w"]
+>>> entry["dtype"], entry["shape"], len(entry["digest"])
+('float32', [2], 16)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+import xxhash
+
+from weightsync_audit.compat import is_dtensor
+from weightsync_audit.engine.hashing.digest import digest_tensors
+from weightsync_audit.engine.inventory.manifest import dtype_name
+
+__all__ = [
+    "SIDECAR_SCHEMA",
+    "VERDICTS",
+    "SidecarError",
+    "dcp_shards",
+    "file_digest",
+    "flat_tensors",
+    "is_dcp_folder",
+    "match_prefix",
+    "new_sidecar",
+    "read_sidecar",
+    "sidecar_path",
+    "tensor_digests",
+    "write_sidecar",
+]
+
+SIDECAR_SCHEMA = "weightsync-checkpoint/1"
+VERDICTS = ("verified", "diverged")
+_DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+_MASK64 = (1 << 64) - 1
+
+
+class SidecarError(ValueError):
+    """A sidecar that cannot be read or is not a ``weightsync-checkpoint/1`` object (the message says why)."""
+
+
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """Where ``path``'s sidecar lives: ``<file>.weightsync.json`` beside a file, ``<folder>/weightsync.json``.
+
+    >>> sidecar_path("/ckpt/epoch=3.ckpt").name
+    'epoch=3.ckpt.weightsync.json'
+    """
+    p = Path(path)
+    return p / "weightsync.json" if p.is_dir() else p.with_name(p.name + ".weightsync.json")
+
+
+def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Dotted name -> tensor for every tensor in any nesting of mappings, lists and tuples (a DTensor
+    enters as this rank's local shard)."""
+    out: dict[str, torch.Tensor] = {}
+    stack: list[tuple[str, Any]] = [(prefix, obj)]
+    while stack:
+        name, v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            out[name or "(root)"] = v.to_local() if is_dtensor(v) else v
+        elif isinstance(v, Mapping):
+            stack.extend((f"{name}.{k}" if name else str(k), x) for k, x in reversed(list(v.items())))
+        elif isinstance(v, (list, tuple)):
+            stack.extend((f"{name}.{i}" if name else str(i), x) for i, x in reversed(list(enumerate(v))))
+    return out
+
+
+def _hex(d: int) -> str:
+    return f"{d & _MASK64:016x}"
+
+
+def tensor_digests(obj: Any) -> dict[str, dict[str, Any]]:
+    """Name -> ``{"digest", "dtype", "shape"}`` for every tensor in ``obj`` (xxh3 of its exact bytes)."""
+    flat = {n: t.detach() for n, t in flat_tensors(obj).items()}
+    host = [t if t.device.type == "cpu" else t.cpu() for t in flat.values()]
+    digests = digest_tensors(host, method="xxh3").tolist() if host else []
+    return {
+        n: {"digest": _hex(int(d)), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        for (n, t), d in zip(flat.items(), digests)
+    }
+
+
+def file_digest(path: str | os.PathLike[str], block: int = 16 << 20) -> str:
+    """xxh3-64 of a file's bytes, as 16 hex digits."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return _hex(h.intdigest())
+
+
+def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
+    """A ``torch.distributed.checkpoint`` folder: a ``.metadata`` file or ``__<rank>_<n>.distcp`` shards."""
+    p = Path(path)
+    return p.is_dir() and ((p / ".metadata").is_file() or any(_DCP_FILE.fullmatch(q.name) for q in p.iterdir()))
+
+
+def dcp_shards(folder: str | os.PathLike[str], rank: int | None = None) -> dict[str, dict[str, Any]]:
+    """File -> ``{"rank", "digest", "bytes"}`` for the shard files of a DCP folder (only ``rank``'s if given)."""
+    out = {}
+    for q in sorted(Path(folder).iterdir()):
+        m = _DCP_FILE.fullmatch(q.name)
+        if m and (rank is None or int(m.group(1)) == rank):
+            out[q.name] = {"rank": int(m.group(1)), "digest": file_digest(q), "bytes": q.stat().st_size}
+    return out
+
+
+def new_sidecar(
+    path: str | os.PathLike[str],
+    *,
+    step: int | None,
+    epoch: int | None,
+    world_size: int,
+    in_sync: bool,
+    diverged: Iterable[str],
+    tensors: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The sidecar object (see the module's docstring for its fields)."""
+    return {
+        "schema": SIDECAR_SCHEMA,
+        "checkpoint": Path(path).name,
+        "step": step,
+        "epoch": epoch,
+        "world_size": int(world_size),
+        "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "verdict": "verified" if in_sync else "diverged",
+        "diverged": sorted(set(diverged)),
+        "tensors": dict(tensors),
+    }
+
+
+def write_sidecar(path: str | os.PathLike[str], sidecar: Mapping[str, Any]) -> Path:
+    """Write ``sidecar`` for the checkpoint at ``path`` atomically (a reader never sees half of it)."""
+    target = sidecar_path(path)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(sidecar, separators=(",", ":")))
+    os.replace(tmp, target)
+    return target
+
+
+def _check_tensors(v: Any, where: str) -> None:
+    if not isinstance(v, dict):
+        raise SidecarError(f"{where} must be an object of name -> digest")
+    for n, e in v.items():
+        if not (isinstance(e, dict) and isinstance(e.get("digest"), str) and isinstance(e.get("shape"), list)):
+            raise SidecarError(f"{where}[{n!r}] must hold a digest, dtype and shape")
+
+
+def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The sidecar of the checkpoint at ``path``, or ``None`` when it has none; :class:`SidecarError` when
+    it has one that is unreadable or malformed."""
+    target = sidecar_path(path)
+    if not target.exists():
+        return None
+    try:
+        data = json.loads(target.read_text())
+    except (OSError, ValueError) as exc:
+        raise SidecarError(f"{target}: unreadable sidecar ({exc})") from None
+    if not isinstance(data, dict) or data.get("schema") != SIDECAR_SCHEMA:
+        raise SidecarError(f"{target}: not a {SIDECAR_SCHEMA} sidecar")
+    if data.get("verdict") not in VERDICTS:
+        raise SidecarError(f"{target}: field 'verdict' must be one of {list(VERDICTS)}")
+    _check_tensors(data.get("tensors"), f"{target}: field 'tensors'")
+    for r, t in (data.get("rank_tensors") or {}).items():
+        _check_tensors(t, f"{target}: field 'rank_tensors'[{r!r}]")
+    return data
+
+
+def match_prefix(saved: Iterable[str], held: Iterable[str]) -> str:
+    """The prefix under which names ``held`` (a model's ``state_dict`` keys) sit among ``saved`` (a
+    sidecar's names): ``"state_dict."`` for a Lightning checkpoint, ``""`` for a plain state dict.
+
+    >>> match_prefix(["epoch", "state_dict.w", "state_dict.b"], ["w", "b"])
+    'state_dict.'
+    """
+    saved_set = set(saved)
+    held = list(held)
+    if not held:
+        return ""
+    first = held[0]
+    candidates = {
+        n[: len(n) - len(first)]
+        for n in saved_set
+        if n.endswith(first) and (len(n) == len(first) or n[len(n) - len(first) - 1] in "./")
+    }
+    if not candidates:
+        return ""
+    return max(sorted(candidates), key=lambda p: sum(p + k in saved_set for k in held))

@@ -1,0 +1,252 @@
+"""A checkpoint saved with an audit and a sidecar; a checkpoint loaded, checked against its sidecar.
+
+Both are collective (every rank of the audit calls them at the same point) and return the same
+:class:`~weightsync_audit.AuditResult` on every rank, with a ``checkpoint`` entry in its record:
+
+- :func:`checkpoint_saved` audits the replicas at the save step; the group's first rank writes the
+  sidecar (:mod:`~weightsync_audit.checkpoints.sidecar`) with the verdict and the digest of every tensor
+  saved. A ``torch.distributed.checkpoint`` folder gets, in addition, each shard file's digest with the
+  rank that wrote it, and every rank's local tensors.
+- :func:`checkpoint_loaded` audits the replicas and compares, on every rank, what the rank now holds with
+  what the sidecar says was saved: a tensor that differs is a mismatch naming the ranks that hold
+  something else (``reference_ranks`` are the ranks that hold what was saved). A checkpoint without a
+  sidecar is reported ``unverified`` (warned once per path).
+
+>>> import os, tempfile, torch
+>>> from weightsync_audit import Auditor
+>>> model = torch.nn.Linear(2, 2)
+>>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+>>> torch.save(model.state_dict(), path)
+>>> auditor = Auditor(model)
+>>> checkpoint_saved(auditor, path, step=10).checkpoint["status"]
+'verified'
+>>> checkpoint_loaded(auditor, path, step=10).checkpoint["status"]
+'matching'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Protocol
+
+from torch import nn
+
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.checkpoints.sidecar import (
+    SidecarError,
+    dcp_shards,
+    is_dcp_folder,
+    match_prefix,
+    new_sidecar,
+    read_sidecar,
+    sidecar_path,
+    tensor_digests,
+    write_sidecar,
+)
+from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
+from weightsync_audit.engine.timeline.history import AuditHistory
+from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.reporting.record import AuditResult, Mismatch
+
+__all__ = ["checkpoint_loaded", "checkpoint_saved"]
+
+_warned_unverified: set[str] = set()
+
+
+class CheckpointAuditor(Protocol):
+    """What these functions use of an :class:`~weightsync_audit.Auditor` (no import of it here)."""
+
+    module: nn.Module | None
+    history: AuditHistory
+
+    @property
+    def comm(self) -> Comm: ...
+
+    def audit(
+        self, module: Any = None, optimizer: Any = None, *, step: Any = None, epoch: Any = None, hook: Any = None
+    ) -> AuditResult: ...
+
+
+def _model_state(module: nn.Module | None) -> dict[str, Any]:
+    if module is None:
+        raise ValueError("a checkpoint needs `state=` or an auditor built with a module")
+    return unwrap_module(module).state_dict()
+
+
+def _on_first_rank(comm: Comm, fn: Any, what: str) -> Any:
+    """``fn()`` on the group's first rank, its JSON result on every rank (an error there: ``{"error"}``)."""
+    mine = None
+    if comm.rank == 0:
+        try:
+            mine = json.dumps(fn()).encode()
+        except Exception as exc:  # noqa: BLE001 - said on every rank, never a rank-0-only raise
+            mine = json.dumps({"error": f"{type(exc).__name__}: {exc}"}).encode()
+    return json.loads(comm.share_bytes(0, mine, what))
+
+
+def checkpoint_saved(
+    auditor: CheckpointAuditor,
+    path: str | os.PathLike[str],
+    step: int | None,
+    *,
+    state: Any = None,
+    module: nn.Module | None = None,
+    optimizer: Any = None,
+    epoch: int | None = None,
+    hook: str = "checkpoint_saved",
+    result: AuditResult | None = None,
+) -> AuditResult:
+    """Audit at the save step and write the sidecar of the checkpoint at ``path``. Collective.
+
+    ``state`` is what was saved (default: the module's ``state_dict``); ``result`` an audit already run
+    at this step (then no second one). The sidecar says ``verified`` only when every replica agreed.
+    """
+    comm = auditor.comm
+    if result is None:
+        result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook)
+    obj = state if state is not None else _model_state(module if module is not None else auditor.module)
+    dcp = bool(_on_first_rank(comm, lambda: is_dcp_folder(path), "the checkpoint's kind"))
+    sidecar = new_sidecar(
+        path,
+        step=step,
+        epoch=epoch,
+        world_size=comm.world_size,
+        in_sync=result.in_sync,
+        diverged=result.diverged_names,
+        tensors={} if dcp else (tensor_digests(obj) if comm.rank == 0 else {}),
+    )
+    if dcp:  # every rank digests what it wrote: its shard files and its local tensors
+        me = comm.global_ranks[comm.rank]
+        mine = {"rank": me, "tensors": tensor_digests(obj), "shards": dcp_shards(path, me)}
+        parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), "the checkpoint shards")]
+        sidecar["rank_tensors"] = {str(p["rank"]): p["tensors"] for p in parts}
+        sidecar["shards"] = {f: s for p in parts for f, s in p["shards"].items()}
+    status = sidecar["verdict"]
+    if comm.rank == 0:
+        try:
+            write_sidecar(path, sidecar)
+        except OSError as exc:  # a sidecar that cannot be written never ends the run
+            warnings.warn(f"weightsync: could not write {sidecar_path(path)}: {exc}", WeightSyncWarning, stacklevel=2)
+    result.checkpoint = {"path": str(path), "event": "saved", "status": status, "saved_step": step}
+    return result
+
+
+def _held_differences(expected: dict[str, Any], held: dict[str, Any], prefix: str | None) -> list[str]:
+    """Names (as saved) of the tensors ``held`` whose digest, shape or dtype differ from ``expected``."""
+    prefix = match_prefix(expected, held) if prefix is None else prefix
+    out = []
+    for n, e in held.items():
+        saved = expected.get(prefix + n)
+        if saved is not None and (saved["digest"], saved["shape"], saved.get("dtype")) != (
+            e["digest"],
+            e["shape"],
+            e["dtype"],
+        ):
+            out.append(prefix + n)
+    return out
+
+
+def _holdings(state: Any, module: nn.Module | None, optimizer: Any) -> list[tuple[str | None, dict[str, Any]]]:
+    """What this rank holds, in groups matched to the saved names: ``state`` by its own names; else the
+    module's ``state_dict`` and each optimizer's, each under the prefix it was saved at."""
+    if state is not None:
+        return [("", tensor_digests(state))]
+    groups: list[tuple[str | None, dict[str, Any]]] = [(None, tensor_digests(_model_state(module)))]
+    groups += [(None, tensor_digests(opt.state_dict())) for opt in as_optimizers(optimizer)]
+    return groups
+
+
+def checkpoint_loaded(
+    auditor: CheckpointAuditor,
+    path: str | os.PathLike[str],
+    step: int | None = None,
+    *,
+    state: Any = None,
+    module: nn.Module | None = None,
+    optimizer: Any = None,
+    epoch: int | None = None,
+    hook: str = "checkpoint_loaded",
+) -> AuditResult:
+    """After loading the checkpoint at ``path``: audit the replicas and compare, on every rank, what it
+    holds (``state``, default the module's ``state_dict``) with the sidecar. Collective; call it before
+    the first step. A tensor that differs from what was saved is a mismatch naming the ranks that hold it.
+    """
+    comm = auditor.comm
+    module = module if module is not None else auditor.module
+
+    def read() -> Any:
+        try:
+            return read_sidecar(path)
+        except SidecarError as exc:
+            return {"error": str(exc)}
+
+    sidecar = _on_first_rank(comm, read, "the checkpoint sidecar")
+    before = auditor.history.state_dict()
+    result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook)
+    entry: dict[str, Any] = {"path": str(path), "event": "loaded", "status": "unverified", "saved_step": None}
+    if sidecar is None or "error" in sidecar:
+        why = "it has no sidecar" if sidecar is None else sidecar["error"]
+        result.notes.append(f"checkpoint {path} is unverified: {why}")
+        if comm.rank == 0 and str(path) not in _warned_unverified:
+            _warned_unverified.add(str(path))
+            warnings.warn(f"weightsync: checkpoint {path} is unverified ({why})", WeightSyncWarning, stacklevel=2)
+        result.checkpoint = entry
+        return result
+    me = str(comm.global_ranks[comm.rank])
+    expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
+    differ: list[str] = []
+    for prefix, held in _holdings(state, module, optimizer):
+        found = _held_differences(expected or {}, held, prefix)
+        differ += found
+    lists = [json.loads(p) for p in comm.exchange_bytes(json.dumps(differ).encode(), "the checkpoint comparison")]
+    entry["saved_step"] = sidecar.get("step")
+    changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))
+    result.mismatches.extend(changed)
+    if changed:
+        result.hosts = comm.hosts_of(sorted({r for m in result.mismatches for r in m.ranks}))
+    entry["status"] = "changed" if changed else ("matching" if sidecar["verdict"] == "verified" else "diverged")
+    if sidecar["verdict"] != "verified":
+        result.notes.append(
+            f"checkpoint {path} was saved while the replicas differed ({', '.join(sidecar.get('diverged', [])[:5])})"
+        )
+    if changed and result.in_sync:  # the history records this audit as the divergence it is
+        result.in_sync = False
+        auditor.history.load_state_dict(before)
+        auditor.history.record(result)
+    result.checkpoint = entry
+    return result
+
+
+def _changed_mismatches(
+    comm: Comm, lists: list[list[str]], saved: dict[str, Any], module: nn.Module | None, path: Any, saved_step: Any
+) -> list[Mismatch]:
+    """One mismatch per tensor some rank holds differently from the sidecar (the same on every rank),
+    named as saved (``state_dict.net.0.bias`` in a Lightning checkpoint)."""
+    params = {n for n, _ in unwrap_module(module).named_parameters()} if module is not None else set()
+    buffers = {n for n, _ in unwrap_module(module).named_buffers()} if module is not None else set()
+    prefix = match_prefix(saved, params | buffers) if module is not None else ""
+    ranks = comm.global_ranks
+    out = []
+    for name in sorted({n for names in lists for n in names}):
+        odd = [ranks[r] for r, names in enumerate(lists) if name in names]
+        ref = [g for g in ranks if g not in odd]
+        e = saved.get(name)
+        own = name[len(prefix) :] if name.startswith(prefix) else None
+        kind = "param" if own in params or module is None else ("buffer" if own in buffers else "optimizer")
+        out.append(
+            Mismatch(
+                name,
+                kind,
+                odd,
+                ref,
+                e["shape"] if e else None,
+                e["dtype"] if e else None,
+                None,
+                f"differs from what {Path(str(path)).name} saved at step {saved_step} (its sidecar); "
+                + ("every rank holds something else" if not ref else "the reference ranks hold what was saved"),
+            )
+        )
+    return out

@@ -1,0 +1,81 @@
+"""Transient or persistent: on a divergence, the odd ranks read each diverged tensor a second time.
+
+A digest that changes between the audit's read and this one, with no optimizer step between them, means
+the bytes in memory are not holding still: an *unstable* read, which points at memory or hardware (or a
+thread writing the weights behind the training loop's back), not at a software bug that replicas share.
+Each rank re-reads only the tensors it holds the odd value of; one small exchange (on divergence only)
+tells every rank which re-reads changed, so every rank sets the same ``Mismatch.stability``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import numpy as np
+
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.agreement.consensus import ValueDiff
+from weightsync_audit.engine.hashing.digest import digest_entries
+from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.reporting.record import Mismatch
+
+__all__ = ["mark_stability", "persistent_hints", "unstable_hints"]
+
+
+def mark_stability(
+    comm: Comm,
+    mismatches: Sequence[Mismatch],
+    diffs: Sequence[ValueDiff],
+    entries: Sequence[Entry],
+    first: np.ndarray,
+    *,
+    slice_index: int,
+    slices: int,
+    method: str,
+) -> None:
+    """Set ``stability`` on each value mismatch (``diffs[i]`` is ``mismatches[i]``'s; ``first`` the audit's
+    digests of ``entries``, in order). Collective: every rank calls it with the same ``diffs``."""
+    index = {e.uid: i for i, e in enumerate(entries)}
+    mine = [i for i, d in enumerate(diffs) if comm.rank in d.ranks and d.uid in index]
+    changed: list[int] = []
+    if mine:
+        again = digest_entries(
+            [entries[index[diffs[i].uid]] for i in mine], slice_index=slice_index, slices=slices, method=method
+        )
+        changed = [i for i, d in zip(mine, again.tolist()) if int(first[index[diffs[i].uid]]) != int(d)]
+    # Only the union comes back: a fixed-size answer per rank, whatever the number of ranks.
+    unstable = set(json.loads(comm.decide(json.dumps(changed).encode(), _union, "the second read")))
+    for i, m in enumerate(mismatches):
+        m.stability = "unstable" if i in unstable else "stable"
+
+
+def _union(parts: list[bytes]) -> bytes:
+    return json.dumps(sorted({i for p in parts for i in json.loads(p)})).encode()
+
+
+def unstable_hints(mismatches: Sequence[Mismatch], hosts: dict[str, str] | None) -> list[str]:
+    """One hint naming the ranks (and where they run) whose second read gave other bytes."""
+    shaky = [m for m in mismatches if m.stability == "unstable"]
+    if not shaky:
+        return []
+    ranks = sorted({r for m in shaky for r in m.ranks})
+    where = "; ".join(f"rank {r} on {(hosts or {}).get(str(r), 'an unknown host')}" for r in ranks)
+    names = ", ".join(m.name for m in shaky[:5])
+    return [
+        f"{names}: a second read on the odd rank(s) gave other bytes with no step between the reads (an unstable "
+        f"read): suspect memory or hardware, not a software bug ({where}); if it recurs, evict that machine"
+    ]
+
+
+def persistent_hints(
+    mismatches: Sequence[Mismatch], resynced: dict[int, int], hosts: dict[str, str] | None
+) -> list[str]:
+    """One hint per rank that diverges again after a resync repaired it (``resynced``: rank -> step):
+    a persistent fault on that machine, to evict."""
+    again = sorted({r for m in mismatches if not m.within_tolerance for r in m.ranks if r in resynced})
+    return [
+        f"rank {r} diverged again after a resync repaired it at step {resynced[r]}: a persistent fault on that "
+        f"machine ({(hosts or {}).get(str(r), 'host unknown')}); evict it and restart from the last verified checkpoint"
+        for r in again
+    ]
