@@ -232,3 +232,29 @@ def test_a_divergence_an_audit_reported_is_never_reported_again_as_transient(tmp
     console = Console(record=True, width=200)
     assert cmd_check(str(path), console=console) == 1
     assert "DIVERGED: 2 of 4 audit(s)" in console.export_text()
+
+
+def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_audit_before_reported(
+    tmp_path: Any,
+) -> None:
+    from rich.console import Console
+
+    from weightsync_audit import Mismatch
+    from weightsync_audit.cli._reports import cmd_check
+    from weightsync_audit.reporting.jsonl import ReportWriter
+
+    # As an engine before the fix wrote it: diverged at 16, then "transient 16 .. 16" at the in-sync 20.
+    repeat = {"first_diverged_step": 16, "last_diverged_step": 16, "names": ["3.weight"]}
+    fresh = {"first_diverged_step": 22, "last_diverged_step": 23, "names": ["3.weight"]}
+    records = [
+        AuditResult(in_sync=False, step=16, world_size=2, mismatches=[Mismatch("3.weight", "param", [1], [0])]),
+        AuditResult(in_sync=True, step=20, world_size=2, transient=repeat),
+        AuditResult(in_sync=True, step=24, world_size=2, transient=fresh),
+    ]
+    path = tmp_path / "old.jsonl"
+    with ReportWriter(path) as w:
+        for r in records:
+            w.write(r)
+    console = Console(record=True, width=200)
+    assert cmd_check(str(path), console=console) == 1
+    assert "DIVERGED: 2 of 3 audit(s)" in console.export_text()  # 16 and the new one at 24, not 20
