@@ -258,3 +258,24 @@ def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_
     console = Console(record=True, width=200)
     assert cmd_check(str(path), console=console) == 1
     assert "DIVERGED: 2 of 3 audit(s)" in console.export_text()  # 16 and the new one at 24, not 20
+
+
+def test_after_a_sampled_or_divergent_audit_a_transient_names_only_the_steps_recorded_since() -> None:
+    from weightsync_audit.engine.timeline.pinpoint import StepRing, decode_ring
+    from weightsync_audit.engine.timeline.transient import transient_from
+
+    a, b = StepRing(16), StepRing(16)
+    for step in range(1, 9):  # the rings differ at step 3
+        a.record_digest(step, step)
+        b.record_digest(step, step + (step == 3))
+    for ring in (a, b):
+        ring.mark_in_sync(8, proven=False)  # a sampled audit keeps the ring: step 3 stays in it
+    for step in range(9, 13):  # and differ again at step 10 only
+        a.record_digest(step, step)
+        b.record_digest(step, step + (step == 10))
+    span = transient_from([a.encode(recent=True), b.encode(recent=True)], [b"", b""], [])
+    assert (span["first_diverged_step"], span["last_diverged_step"]) == (10, 10)
+    assert decode_ring(a.encode()).steps[0] == 1  # the whole ring is still there for pinpoint
+    for ring in (a, b):
+        ring.audited()  # a divergent audit reported it
+    assert transient_from([a.encode(recent=True), b.encode(recent=True)], [b"", b""], [])["last_diverged_step"] is None
