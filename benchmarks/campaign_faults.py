@@ -40,6 +40,7 @@ FAULTS: dict[str, str] = {
     "nonfinite_state": "one element of Adam's exp_avg_sq set to +inf on one rank",
     "counter_off_by_one": "the int64 num_batches_tracked counter off by one on one rank",
     "nan_param": "one parameter element set to NaN on one rank (spreads to every rank through the all-reduce)",
+    "counter_under_tolerance": "the int64 counter at 200,000+ off by one on one rank, audited with tolerance=1e-4",
 }
 """Faulty kinds: what each injects."""
 
@@ -126,7 +127,7 @@ def make_spec(world: int, kind: str, n: int, base_seed: int) -> RunSpec:
         seed=seed,
         cadence=cadence,
         coverage="1/4" if kind == "healthy_sampled_every5" else "1",
-        tolerance=1e-6 if kind == "healthy_every3_tolerance" else None,
+        tolerance={"healthy_every3_tolerance": 1e-6, "counter_under_tolerance": 1e-4}.get(kind),
         fault_step=step if kind not in HEALTHY else None,
         fault_rank=rank if kind not in HEALTHY else None,
         target=target,
@@ -150,6 +151,8 @@ class Injector:
         self.saved: tuple[Any, Any] | None = None
         self.lr: float | None = None
         self.mine = spec.fault_rank == rank
+        if spec.kind == "counter_under_tolerance":  # a long run: 1 in 200,000 is far inside tolerance=1e-4
+            model[1].num_batches_tracked.fill_(200_000)
 
     def active(self, step: int) -> bool:
         return self.mine and step == self.spec.fault_step
@@ -195,7 +198,7 @@ class Injector:
             self.opt.load_state_dict(self.saved[1])
         elif kind == "nonfinite_state":
             state["exp_avg_sq"].view(-1)[i] = math.inf
-        elif kind == "counter_off_by_one":
+        elif kind in ("counter_off_by_one", "counter_under_tolerance"):
             self.model[1].num_batches_tracked += 1
         elif kind == "nan_param":
             p.view(-1)[i] = math.nan

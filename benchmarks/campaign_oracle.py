@@ -165,7 +165,7 @@ def _first_detection(
     row: dict[str, Any], rec: dict[str, Any], truth: dict[str, list[int]], between: set[str], first: int
 ) -> None:
     transient = rec.get("transient")
-    if not rec["in_sync"] and rec.get("mismatches"):
+    if not rec["in_sync"] and rec.get("mismatches") and not rec.get("within_tolerance"):
         row["reported"] = {m["name"]: sorted(m["ranks"]) for m in rec["mismatches"]}
         row.update(
             detected=True,

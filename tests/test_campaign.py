@@ -58,6 +58,7 @@ def test_each_fault_is_detected_localized_to_tensor_and_rank_and_dated_exactly(
     assert r["localized"], r
     assert r["exact"], r
     assert r["false_alarm_audits"] == 0, r
+    assert r["repeated_transients"] == 0, r  # a transient report never repeats what an audit reported
 
 
 @pytest.mark.parametrize("kind", [*HEALTHY, *CONTROLS])

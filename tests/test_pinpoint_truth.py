@@ -188,3 +188,94 @@ def test_a_transient_field_round_trips_and_is_refused_where_it_cannot_hold() -> 
         AuditResult.from_dict({**diverged.to_dict(), "transient": span})
     with pytest.raises(ReportFormatError, match="transient.last_diverged_step"):
         AuditResult.from_dict({**record, "transient": {**span, "last_diverged_step": 5}})
+
+
+def _reported_then_healed(rank: int, world: int) -> list[dict[str, Any]]:
+    """Rank 1 nudges a weight at step 6 (reported by the audit at 10), restored at 12; a new nudge at 24
+    heals at 26; audits every 10 steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    auditor = Auditor(model, opt, pinpoint=True)
+    out = []
+    saved = model[0].weight.detach().clone()
+    for step in range(1, 41):
+        _train_step(model, opt, world)
+        with torch.no_grad():
+            if step in (6, 24) and rank == 1:
+                model[0].weight[2, 3] += 1e-3
+            if step in (12, 26):
+                model[0].weight.copy_(saved)
+        auditor.record_step(step)
+        if step % 10 == 0:
+            out.append(_record(auditor.audit(step=step)))
+    return out
+
+
+def test_a_divergence_an_audit_reported_is_never_reported_again_as_transient(tmp_path: Any) -> None:
+    from rich.console import Console
+
+    from weightsync_audit.cli._reports import cmd_check
+    from weightsync_audit.reporting.jsonl import ReportWriter
+
+    results = run_ranks(_reported_then_healed, 2)
+    assert results[0] == results[1]
+    at10, at20, at30, at40 = results[0]
+    assert at10["in_sync"] is False and (at10["pinpoint"], at10["first_diverged_step"]) == ("exact", 6)
+    assert at20["in_sync"] is True and "transient" not in at20, at20.get("transient")  # healed, reported at 10
+    assert at30["transient"] == {"first_diverged_step": 24, "last_diverged_step": 25, "names": ["0.weight"]}
+    assert at40["in_sync"] is True and "transient" not in at40
+    path = tmp_path / "r.jsonl"
+    with ReportWriter(path) as w:
+        for r in results[0]:
+            w.write(AuditResult.from_dict(r))
+    console = Console(record=True, width=200)
+    assert cmd_check(str(path), console=console) == 1
+    assert "DIVERGED: 2 of 4 audit(s)" in console.export_text()
+
+
+def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_audit_before_reported(
+    tmp_path: Any,
+) -> None:
+    from rich.console import Console
+
+    from weightsync_audit import Mismatch
+    from weightsync_audit.cli._reports import cmd_check
+    from weightsync_audit.reporting.jsonl import ReportWriter
+
+    # As an engine before the fix wrote it: diverged at 16, then "transient 16 .. 16" at the in-sync 20.
+    repeat = {"first_diverged_step": 16, "last_diverged_step": 16, "names": ["3.weight"]}
+    fresh = {"first_diverged_step": 22, "last_diverged_step": 23, "names": ["3.weight"]}
+    records = [
+        AuditResult(in_sync=False, step=16, world_size=2, mismatches=[Mismatch("3.weight", "param", [1], [0])]),
+        AuditResult(in_sync=True, step=20, world_size=2, transient=repeat),
+        AuditResult(in_sync=True, step=24, world_size=2, transient=fresh),
+    ]
+    path = tmp_path / "old.jsonl"
+    with ReportWriter(path) as w:
+        for r in records:
+            w.write(r)
+    console = Console(record=True, width=200)
+    assert cmd_check(str(path), console=console) == 1
+    assert "DIVERGED: 2 of 3 audit(s)" in console.export_text()  # 16 and the new one at 24, not 20
+
+
+def test_after_a_sampled_or_divergent_audit_a_transient_names_only_the_steps_recorded_since() -> None:
+    from weightsync_audit.engine.timeline.pinpoint import StepRing, decode_ring
+    from weightsync_audit.engine.timeline.transient import transient_from
+
+    a, b = StepRing(16), StepRing(16)
+    for step in range(1, 9):  # the rings differ at step 3
+        a.record_digest(step, step)
+        b.record_digest(step, step + (step == 3))
+    for ring in (a, b):
+        ring.mark_in_sync(8, proven=False)  # a sampled audit keeps the ring: step 3 stays in it
+    for step in range(9, 13):  # and differ again at step 10 only
+        a.record_digest(step, step)
+        b.record_digest(step, step + (step == 10))
+    span = transient_from([a.encode(recent=True), b.encode(recent=True)], [b"", b""], [])
+    assert (span["first_diverged_step"], span["last_diverged_step"]) == (10, 10)
+    assert decode_ring(a.encode()).steps[0] == 1  # the whole ring is still there for pinpoint
+    for ring in (a, b):
+        ring.audited()  # a divergent audit reported it
+    assert transient_from([a.encode(recent=True), b.encode(recent=True)], [b"", b""], [])["last_diverged_step"] is None

@@ -105,8 +105,15 @@ class ReportSummary:
     @property
     def diverged(self) -> list[tuple[int, AuditResult]]:
         """Audits that found replicas apart beyond the run's tolerance (any difference without one), or in
-        sync again after a transient divergence since the audit before (``transient``)."""
-        return [(i, r) for i, r in self.records if (not r.in_sync and not r.within_tolerance) or r.transient]
+        sync again after a transient divergence since the audit before (``transient``). A transient span
+        that ends at or before the previous audit's step repeats what that audit covered (a report written
+        before the engine trimmed its rings after every audit): not counted twice."""
+        out, prev = [], None
+        for i, r in self.records:
+            if (not r.in_sync and not r.within_tolerance) or (r.transient and not _repeated(r, prev)):
+                out.append((i, r))
+            prev = r
+        return out
 
     @property
     def within_tolerance(self) -> list[tuple[int, AuditResult]]:
@@ -291,3 +298,11 @@ def pinpoint_line(r: AuditResult) -> str | None:
     if r.pinpoint in ("overflow", "earlier", "unseen"):
         return f"began: not pinpointed ({r.pinpoint}; see the record's notes)"
     return None
+
+
+def _repeated(r: AuditResult, prev: AuditResult | None) -> bool:
+    """``r``'s transient span lies wholly within the steps the audit before it (same run) already covered."""
+    last = (r.transient or {}).get("last_diverged_step")
+    if prev is None or last is None or prev.step is None or r.step is None or not prev.step < r.step:
+        return False
+    return last <= prev.step

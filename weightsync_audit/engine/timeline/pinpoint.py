@@ -89,6 +89,8 @@ class StepRing:
         self.anchor: int | None = None
         self.trace = 0
         """Every ``(step, digest)`` recorded since the last audit, folded into one word (overflow or not)."""
+        self.recorded = 0
+        """Steps recorded since the last audit (in sync or not): what a transient divergence may name."""
         self._trace_before = 0  # the trace before the last step, for a step recorded again
 
     def __len__(self) -> int:
@@ -100,8 +102,10 @@ class StepRing:
         if self.entries and self.entries[-1][0] == step:
             self.entries[-1] = (step, int(digest))
             self.trace = _fold(self._trace_before, step, int(digest))
+            self.recorded = max(self.recorded, 1)
             return
         self._trace_before = self.trace
+        self.recorded += 1
         self.trace = _fold(self.trace, step, int(digest))
         self.entries.append((step, int(digest)))
         if len(self.entries) > self.capacity:
@@ -114,7 +118,7 @@ class StepRing:
         ``proven=False`` (a sampled audit, which saw only part of the values) keeps the ring as it is.
         The trace starts afresh either way: the audit compared it.
         """
-        self.trace = self._trace_before = 0
+        self.audited()
         if step is None or not proven:
             return
         step = int(step)
@@ -128,12 +132,27 @@ class StepRing:
         self.entries.clear()
         self.dropped = 0
         self.anchor = None if step is None else int(step)
-        self.trace = self._trace_before = 0
+        self.audited()
 
-    def encode(self) -> bytes:
-        head = [self.dropped, _NONE if self.anchor is None else self.anchor, self.slices, len(self.entries)]
-        steps = [s for s, _ in self.entries]
-        digests = [d for _, d in self.entries]
+    def audited(self) -> None:
+        """An audit compared the trace (whatever its verdict): the trace, and what is new, start afresh.
+
+        The entries stay (a divergent audit's answer was located from them); a transient divergence is
+        looked for only among the steps recorded after this audit, so what it reported is never repeated.
+        """
+        self.trace = self._trace_before = 0
+        self.recorded = 0
+
+    def encode(self, *, recent: bool = False) -> bytes:
+        """The ring, to exchange; ``recent``: only the steps recorded since the last audit."""
+        entries = list(self.entries)
+        dropped = self.dropped
+        if recent:
+            entries = entries[len(entries) - min(self.recorded, len(entries)) :]
+            dropped = max(0, self.recorded - len(entries))
+        head = [dropped, _NONE if self.anchor is None else self.anchor, self.slices, len(entries)]
+        steps = [s for s, _ in entries]
+        digests = [d for _, d in entries]
         return np.array(head + steps + digests, dtype=np.int64).tobytes()
 
 
@@ -360,9 +379,16 @@ class Pinpointer:
         return pin
 
     def diverged(self, comm: Comm) -> Pinpoint:
-        """Collective: every rank calls it when an audit found a divergence; the same answer everywhere."""
+        """Collective: every rank calls it when an audit found a divergence; the same answer everywhere.
+
+        The audit reported what the trace holds: it starts afresh, so a later in-sync audit never
+        reports this divergence again as a transient one.
+        """
         if self.found is None:
             self.found = locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
+        self.ring.audited()
+        self.tensors = self._tensors_before = None
+        self._tensors_step = None
         return self.found
 
 

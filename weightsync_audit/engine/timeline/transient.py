@@ -53,7 +53,7 @@ def transient_from(rings: Sequence[bytes], tensors: Sequence[bytes], names: Sequ
 
 def find_transient(comm: Comm, pinpointer: Pinpointer, names: Sequence[str]) -> dict[str, Any]:
     """Collective, off the healthy path: every rank calls it when the summaries' ring words differ."""
-    rings = comm.exchange_bytes(pinpointer.ring.encode(), "the pinpoint rings")
+    rings = comm.exchange_bytes(pinpointer.ring.encode(recent=True), "the pinpoint rings")
     mine = b"" if pinpointer.tensors is None else pinpointer.tensors.tobytes()
     return transient_from(rings, comm.exchange_bytes(mine, "the per-tensor traces"), names)
 
