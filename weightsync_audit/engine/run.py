@@ -322,8 +322,9 @@ class AuditRun:
             self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1)
         counts = self.prepared.counts()
         self.checked, unpaired = compared_counts(self.entries, self.peers) if self.peers is not None else (counts, 0)
-        if self.union is not None:
-            self.checked = self.union  # not this rank's own count: the same on every rank
+        if self.union is not None:  # not this rank's own count: the same on every rank
+            self.checked = {k: v for k, v in self.union.items() if not k.startswith("unreplicated:")}
+            unpaired = {k.split(":", 1)[1]: v for k, v in self.union.items() if k.startswith("unreplicated:")}
         self.notes = list(self.prepared.notes) + sharded_notes(
             self.checked, unpaired, counts["param"], "params" in cfg.include
         )
