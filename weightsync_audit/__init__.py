@@ -18,6 +18,7 @@ from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
 # `resync` is both a submodule and a function: importing the function eagerly keeps the package
 # attribute bound to the function (a lazy import would let the submodule shadow it).
 from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
+from weightsync_audit.engine.inventory.replicas import declare_replicas
 from weightsync_audit.engine.repair.resync import resync
 from weightsync_audit.errors import (
     AuditOutOfStepError,
@@ -65,6 +66,7 @@ __all__ = [
     "WeightSyncAuditError",
     "WeightSyncWarning",
     "audit",
+    "declare_replicas",
     "maybe_rewrap",
     "resync",
     "rewrap_ddp",

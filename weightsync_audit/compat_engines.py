@@ -27,6 +27,9 @@ __all__ = [
     "zero12_master_matches",
     "fsdp1_modules",
     "fsdp1_flat_param",
+    "fsdp1_orig_params",
+    "fsdp1_orig_shapes",
+    "fsdp1_shard_world",
     "fsdp1_replicate_ranks",
     "fsdp1_strategy",
     "pipeline_stage_index",
@@ -112,6 +115,11 @@ def fsdp1_flat_param(fsdp: nn.Module) -> Any:
 def fsdp1_orig_params(flat: Any) -> list[Any]:
     """The original parameters of a ``FlatParameter`` (``_params``; empty without ``use_orig_params``)."""
     return list(getattr(flat, "_params", None) or [])
+
+
+def fsdp1_orig_shapes(flat: Any) -> list[tuple[int, ...]]:
+    """The unsharded shapes of a ``FlatParameter``'s original parameters (``_shapes``), in order."""
+    return [tuple(int(d) for d in s) for s in (getattr(flat, "_shapes", None) or [])]
 
 
 def fsdp1_strategy(fsdp: nn.Module) -> str:

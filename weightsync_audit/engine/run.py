@@ -33,6 +33,7 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.ddp.hints import explain
 from weightsync_audit.engine.agreement.consensus import (
+    HOLDERS_VALUE,
     PROTOCOL,
     PROTOCOL_FAILED,
     StructureDiff,
@@ -276,7 +277,7 @@ class AuditRun:
     def _structure_mismatch(self, d: StructureDiff) -> Mismatch:
         return Mismatch(
             d.name,
-            "structure",
+            d.kind if d.detail.startswith(HOLDERS_VALUE) else "structure",  # a pipeline stage's own value
             list(d.ranks),
             list(d.reference_ranks),
             list(d.shape) if d.shape else None,

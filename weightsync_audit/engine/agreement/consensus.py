@@ -155,9 +155,15 @@ class ValueDiff:
     """The groups tied for the majority (reference first), when the vote was a tie."""
 
 
+HOLDERS_VALUE = "value differs among the ranks holding it,"
+"""Opening of the detail of a tensor held by some ranks by design whose value differs among them: reported
+with its own kind (``param``...), not as a structure difference, and without a measured gap."""
+
+
 @dataclass(frozen=True, slots=True)
 class StructureDiff:
-    """One tensor missing on some ranks, or with another shape or dtype."""
+    """One tensor missing on some ranks, or with another shape or dtype (or, see :data:`HOLDERS_VALUE`, a
+    value that differs among the ranks holding a tensor that the others do not hold)."""
 
     uid: str
     kind: str
@@ -230,13 +236,17 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
         held = [r for r, sig in enumerate(sigs) if sig is not None]
         if len(held) < world and all(is_holders(sigs[r][2]) for r in held):  # type: ignore[index]
             # Held by some ranks by design (a pipeline stage's tensors): compared among its holders only.
+            # Other ranks do not hold it, so its gap is not measured: reported here, the same on every rank.
             for members in peer_sets([per_rank[r][uid][4] if r in held else NEVER for r in range(world)]):
                 if len(members) > 1:
                     digests = [per_rank[r][uid][2] if r in members else 0 for r in range(world)]
                     vref, vother = majority_within(digests, members)
                     if vother:
-                        values.append(
-                            ValueDiff(uid, tuple(vref), tuple(vother), tuple(members), tie_within(digests, members))
+                        dtype, shape = per_rank[vref[0]][uid][:2]
+                        detail = f"{HOLDERS_VALUE} {fmt_ranks(members)}"
+                        tie = tie_within(digests, members)
+                        structure.append(
+                            StructureDiff(uid, kind, name, tuple(vref), tuple(vother), shape, dtype, detail, tie)
                         )
             continue
         ref, other = majority(sigs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["remember_wrapper", "wrapper_of"]
+__all__ = ["remember_wrapper", "unwrap_optimizer", "wrapper_of"]
 
 _WRAPPERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
@@ -30,3 +30,29 @@ def wrapper_of(inner: Any) -> Any:
     except TypeError:
         return None
     return ref() if ref is not None else None
+
+
+def unwrap_optimizer(opt: Any) -> Any:
+    """The ``torch.optim.Optimizer`` to audit inside ``opt``.
+
+    A torch optimizer is itself (an Accelerate ``AcceleratedOptimizer`` over a torch one too). Below a link
+    that is no torch optimizer (a DeepSpeed ZeRO optimizer, reached directly or through Lightning's or
+    Accelerate's wrappers), the innermost torch optimizer is audited and that link is remembered.
+    """
+    import torch
+
+    chain = [opt]
+    while len(chain) < 6:
+        inner = getattr(chain[-1], "optimizer", None)
+        if inner is None or any(inner is c for c in chain):
+            break
+        chain.append(inner)
+    engine = next((i for i, o in enumerate(chain) if not isinstance(o, torch.optim.Optimizer)), None)
+    if engine is None:
+        return opt
+    below = [o for o in chain[engine + 1 :] if isinstance(o, torch.optim.Optimizer)]
+    if not below:
+        return opt
+    last_engine = max(i for i, o in enumerate(chain) if not isinstance(o, torch.optim.Optimizer))
+    remember_wrapper(below[-1], chain[last_engine])
+    return below[-1]

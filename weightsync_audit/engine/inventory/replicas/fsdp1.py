@@ -20,6 +20,7 @@ from weightsync_audit.compat_engines import (
     fsdp1_flat_param,
     fsdp1_modules,
     fsdp1_orig_params,
+    fsdp1_orig_shapes,
     fsdp1_replicate_ranks,
     fsdp1_strategy,
 )
@@ -42,7 +43,7 @@ def fsdp1_rules(rules: Rules, root: nn.Module | None) -> str | None:
         flat = fsdp1_flat_param(fsdp)
         if flat is None or strategy == "NO_SHARD":
             continue
-        shapes = list(getattr(flat, "_shapes", None) or [])
+        shapes = fsdp1_orig_shapes(flat)
         held = [(flat, (-1,))] + [
             (p, tuple(shapes[i]) if i < len(shapes) else (-1,)) for i, p in enumerate(fsdp1_orig_params(flat))
         ]
