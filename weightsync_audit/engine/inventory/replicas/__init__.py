@@ -36,13 +36,16 @@ __all__ = ["assign_replicas", "declare_replicas", "detect_engine", "remember_wra
 
 
 def _rules(
-    module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer], include: Sequence[str]
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    include: Sequence[str],
+    names: Sequence[str] = (),
 ) -> tuple[Rules, list[str]]:
     rules = Rules()
     user = unwrap_module(module) if module is not None else None
     engines = [
         deepspeed_rules(rules, user, optimizers, include),
-        fsdp1_rules(rules, user),
+        fsdp1_rules(rules, user, names),
         declared_rules(rules, module, user),
     ]
     return rules, [e for e in engines if e]
@@ -60,7 +63,7 @@ def assign_replicas(
     include: Sequence[str] = ("params", "buffers", "optimizer"),
 ) -> Manifest:
     """Give every entry of ``manifest`` its replica rule (in place; returns it). A plain model: untouched."""
-    rules, _ = _rules(module, optimizers, include)
+    rules, _ = _rules(module, optimizers, include, [e.name for e in manifest.entries])
     if not rules.empty:
         apply_rules(manifest, unwrap_module(module) if module is not None else None, optimizers, rules)
     return manifest

@@ -40,16 +40,21 @@ def deepspeed_rules(
     """Fill ``rules`` for a DeepSpeed-trained model; return the engine's name (``"DeepSpeed ZeRO-2"``) or
     ``None`` when nothing here is DeepSpeed's."""
     found: str | None = None
-    for p in named_params(user).values():
+    # ZeRO-3 converts every parameter of the model it holds: the first one tells, at no per-parameter cost.
+    first = next(iter(user.parameters()), None) if user is not None else None
+    stages = [zero_stage(wrapper_of(opt)) for opt in optimizers]
+    if (first is None or zero3_param_status(first) is None) and all(s is None for s in stages):
+        return None  # not DeepSpeed's: no walk over the parameters
+    params = list(named_params(user).values())
+    for p in params:
         status = zero3_param_status(p)
         if status is None:
             continue
         found = "DeepSpeed ZeRO-3"
         if status[0] == "placeholder":
             rules.params[id(p)] = alone("ZeRO-3 partitioned parameter", status[1])
-    module_params = {id(p) for p in named_params(user).values()}
-    for opt in optimizers:
-        stage = zero_stage(wrapper_of(opt))
+    module_params = {id(p) for p in params}
+    for opt, stage in zip(optimizers, stages):
         if stage is None:
             continue
         found = f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed (bf16/fp16)"

@@ -13,6 +13,8 @@ Names drop FSDP's ``_fsdp_wrapped_module.`` prefixes, so they are the user's own
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch.distributed as dist
 from torch import nn
 
@@ -32,9 +34,12 @@ __all__ = ["fsdp1_rules", "WRAPPED_PREFIX"]
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 
 
-def fsdp1_rules(rules: Rules, root: nn.Module | None) -> str | None:
-    """Fill ``rules`` for every FSDP1 instance under ``root``; return ``"FSDP1 <strategy>"`` or ``None``."""
-    if root is None:
+def fsdp1_rules(rules: Rules, root: nn.Module | None, names: Sequence[str] = ()) -> str | None:
+    """Fill ``rules`` for every FSDP1 instance under ``root``; return ``"FSDP1 <strategy>"`` or ``None``.
+
+    ``names`` (the manifest's): FSDP1 puts ``_fsdp_wrapped_module.`` in every name it holds, so a model
+    without it is not walked at all."""
+    if root is None or (names and not any(WRAPPED_PREFIX in n for n in names)):
         return None
     found = None
     for _, fsdp in fsdp1_modules(root):
