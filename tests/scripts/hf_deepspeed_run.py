@@ -16,7 +16,7 @@ from typing import Any
 
 import deepspeed  # noqa: F401 - imported before the Trainer: its accelerator is settled once
 import torch.distributed as dist
-from trainers_run import At, gpt2, records, tokens, train  # the Trainer helpers of tests/scripts
+from trainers_run import At, BNNet, features, gpt2, records, tokens, train  # the Trainer helpers of tests/scripts
 
 from weightsync_audit.transformers import WeightSyncAuditCallback
 
@@ -24,8 +24,8 @@ OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
 
 
-def zero(stage: int, plant: bool) -> dict[str, Any]:
-    path = OUT / f"zero{stage}_{plant}.jsonl"
+def zero(stage: int, plant: int) -> dict[str, Any]:
+    path = OUT / f"zero{stage}_{int(plant)}.jsonl"
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -42,16 +42,35 @@ def zero(stage: int, plant: bool) -> dict[str, Any]:
     return {"records": records(path)}
 
 
+def zero2_batchnorm() -> dict[str, Any]:
+    """DeepSpeed broadcasts buffers at initialisation only: per-rank BatchNorm statistics are compared."""
+    path = OUT / "zero2_batchnorm.jsonl"
+    config = {"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}
+    cb = WeightSyncAuditCallback(every_n_steps=2, report_path=str(path), timeout_s=60)
+    train(BNNet(), features(), [cb], deepspeed={**config, "zero_allow_untested_optimizer": True}, max_steps=2)
+    return {"records": records(path)}
+
+
+def fsdp_on_cpu() -> dict[str, Any]:
+    """``fsdp="full_shard"`` on CPU: Accelerate trains plain DDP, so the run is audited as DDP."""
+    path = OUT / "fsdp_on_cpu.jsonl"
+    cb = WeightSyncAuditCallback(every_n_steps=2, report_path=str(path), timeout_s=60)
+    train(gpt2(), tokens(), [cb], fsdp="full_shard", max_steps=2)
+    return {"records": records(path)}
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    for stage in (2, 3):
-        for plant in (False, True):
-            name = f"zero{stage}_{plant}"
-            try:
-                out = zero(stage, plant)
-            except Exception as exc:  # noqa: BLE001 - reported to the test
-                out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-            (OUT / f"{name}.rank{RANK}.json").write_text(json.dumps(out, default=str))
+    # FSDP first: Accelerate's state keeps DeepSpeed's plugin for every later Trainer of the process.
+    runs: dict[str, Any] = {"fsdp_on_cpu": fsdp_on_cpu}
+    runs.update({f"zero{st}_{pl}": (lambda st=st, pl=pl: zero(st, pl)) for st in (2, 3) for pl in (0, 1)})
+    runs.update(zero2_batchnorm=zero2_batchnorm)
+    for name, fn in runs.items():
+        try:
+            out = fn()
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        (OUT / f"{name}.rank{RANK}.json").write_text(json.dumps(out, default=str))
     dist.barrier()
     dist.destroy_process_group()
