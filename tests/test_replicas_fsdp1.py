@@ -89,3 +89,31 @@ def test_fsdp1_no_shard_is_compared_like_ddp() -> None:
     recs = run_ranks(_train_and_audit, 2, "NO_SHARD", False, "param")
     assert not recs[0]["in_sync"] and [m["ranks"] for m in recs[0]["mismatches"]] == [[1]]
     assert recs[0]["checked"]["param"] == 1 and not any("no replica" in n for n in recs[0].get("notes", []))
+
+
+def test_fsdp1_hybrid_resync_copies_a_shard_only_within_its_replicate_group() -> None:
+    def fn(rank: int, world: int) -> list[Any]:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
+        from weightsync_audit import audit, resync
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        m = FSDP(
+            model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_id=torch.device("cpu"), device_mesh=mesh
+        )
+        flat = next(iter(m.parameters())).data
+        before = flat.clone()
+        if rank == 3:
+            flat[0] += 1.0
+        dist.barrier()
+        resync(m)  # src=0 holds shard 0 only: shard 1 comes from its own replicate group
+        return [audit(m).in_sync, torch.equal(flat, before)]
+
+    out = run_ranks(fn, 4)
+    assert [o[0] for o in out] == [True] * 4
+    assert [o[1] for o in out] == [True, True, True, True], out  # rank 3 got rank 1's shard back
