@@ -339,11 +339,11 @@ def test_both_lightning_namespaces_take_their_own_class(tmp_path: Path) -> None:
     assert isinstance(WeightSyncAudit(), pl.Callback) and not isinstance(WeightSyncAudit(), L.Callback)
 
 
-def test_sharded_strategies_are_not_compared_as_replicas() -> None:
+def test_fsdp1_and_ddp_strategies_are_audited_not_refused() -> None:
     # Lightning's FSDP needs a GPU to build a Trainer; the decision only reads the strategy.
     from pytorch_lightning.strategies import FSDPStrategy
 
-    assert "not audited" in sharded_strategy_reason(FSDPStrategy())
+    assert sharded_strategy_reason(FSDPStrategy()) is None  # FSDP1: audited through its replica adapter
     assert sharded_strategy_reason(DDPStrategy()) is None
 
 

@@ -168,6 +168,8 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
         return orig
     if name == "_LightningModuleWrapperBase" and hasattr(module, "_forward_module"):
         return module._forward_module  # Lightning < 2.2
+    if "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__} and isinstance(module.module, nn.Module):
+        return module.module  # deepspeed.DeepSpeedEngine (also Lightning's and Accelerate's)
     return None
 
 

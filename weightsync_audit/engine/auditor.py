@@ -34,6 +34,7 @@ from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, build_manifest
+from weightsync_audit.engine.inventory.replicas import assign_replicas
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
@@ -147,7 +148,7 @@ class Auditor:
         key = (cfg.include, cfg.exclude, skip, self.comm.global_ranks)
 
         def build() -> Manifest:
-            return build_manifest(
+            manifest = build_manifest(
                 module,
                 optimizers,
                 include=cfg.include,
@@ -155,6 +156,7 @@ class Auditor:
                 skip_buffers_reason=skip,
                 audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
             )
+            return assign_replicas(manifest, module, optimizers, cfg.include)  # DeepSpeed, FSDP1, stages...
 
         return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method)
 

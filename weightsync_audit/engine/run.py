@@ -33,6 +33,7 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.ddp.hints import explain
 from weightsync_audit.engine.agreement.consensus import (
+    HOLDERS_VALUE,
     PROTOCOL,
     PROTOCOL_FAILED,
     StructureDiff,
@@ -285,7 +286,7 @@ class AuditRun:
     def _structure_mismatch(self, d: StructureDiff) -> Mismatch:
         return Mismatch(
             d.name,
-            "structure",
+            d.kind if d.detail.startswith(HOLDERS_VALUE) else "structure",  # a pipeline stage's own value
             list(d.ranks),
             list(d.reference_ranks),
             list(d.shape) if d.shape else None,
@@ -343,8 +344,9 @@ class AuditRun:
             self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1, self._tolerated())
         counts = self.prepared.counts()
         self.checked, unpaired = compared_counts(self.entries, self.peers) if self.peers is not None else (counts, 0)
-        if self.union is not None:
-            self.checked = self.union  # not this rank's own count: the same on every rank
+        if self.union is not None:  # not this rank's own count: the same on every rank
+            self.checked = {k: v for k, v in self.union.items() if not k.startswith("unreplicated:")}
+            unpaired = {k.split(":", 1)[1]: v for k, v in self.union.items() if k.startswith("unreplicated:")}
         self.notes = (
             self.notes
             + list(self.prepared.notes)

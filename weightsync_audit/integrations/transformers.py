@@ -3,8 +3,11 @@
 A thin adapter over :class:`~weightsync_audit.integrations.runner.AuditRunner` (the same engine and the
 same options as the Lightning callback). What is particular to the Trainer:
 
-* callback events receive the *unwrapped* model, so DDP's buffer policy cannot be read from a wrapper:
-  it comes from ``args.ddp_broadcast_buffers`` (``None`` is DDP's default, on);
+* callback events receive the *unwrapped* model, so the buffer policy cannot be read from a wrapper: it
+  comes from the engine Accelerate runs (:func:`engine_of`): DDP's ``args.ddp_broadcast_buffers``
+  (``None`` is DDP's default, on); DeepSpeed and FSDP: buffers compared;
+* DeepSpeed (ZeRO 0-3) and FSDP runs are audited, however launched: the replica adapters decide from the
+  model and optimizer the events carry what has replicas and what has one owner (docs/sharded.md);
 * the optimizer as it stands right before the step is only visible at ``on_pre_optimizer_step``: an
   ``lr`` set differently on one rank is gone again by ``on_step_end`` (the scheduler resets it), so the
   gradient audit there also compares the optimizer;
@@ -34,21 +37,49 @@ from weightsync_audit.reporting.record import AuditResult
 __all__ = ["WeightSyncAuditCallback"]
 
 
+def engine_of(args: Any) -> str | None:
+    """What the Trainer trains with: ``"deepspeed"``, ``"fsdp"``, ``"ddp"`` or ``None`` (one process).
+
+    Read from Accelerate's state first (``accelerate launch`` with a DeepSpeed or FSDP config sets it and
+    leaves ``args.deepspeed``/``args.fsdp`` unset; ``fsdp="full_shard"`` on CPU silently trains plain
+    DDP), from ``args`` only when Accelerate has no state yet.
+    """
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+
+        if is_initialized():
+            kind = str(getattr(AcceleratorState().distributed_type, "value", "")).upper()
+            if "DEEPSPEED" in kind:
+                return "deepspeed"
+            if "FSDP" in kind:
+                return "fsdp"
+            return "ddp" if getattr(args, "world_size", 1) > 1 else None
+    except ImportError:  # pragma: no cover - accelerate is a dependency of the Trainer
+        pass
+    if getattr(args, "deepspeed", None):
+        return "deepspeed"
+    if getattr(args, "fsdp", None):
+        return "fsdp"
+    return "ddp" if getattr(args, "world_size", 1) > 1 else None
+
+
 def sharded_reason(args: Any) -> str | None:
-    """Why the Trainer's ranks cannot be compared as replicas (FSDP, DeepSpeed), or ``None``."""
-    if getattr(args, "fsdp", None) or getattr(args, "deepspeed", None):
-        which = "FSDP" if getattr(args, "fsdp", None) else "DeepSpeed"
-        return (
-            f"{which} shards parameters across ranks; weightsync audits replicas and does not compare shards "
-            "in the Trainer yet, so this run is not audited"
-        )
+    """Kept for callers: no engine the Trainer runs is refused any more (DeepSpeed and FSDP are audited
+    through their replica adapters, see docs/sharded.md), so this is always ``None``."""
     return None
 
 
 def buffer_policy(args: Any) -> bool | None:
-    """Whether the Trainer's DDP overwrites buffers from rank 0 at every forward (``None``: not under DDP)."""
-    if getattr(args, "world_size", 1) <= 1:
+    """Whether the Trainer's engine overwrites buffers from rank 0 at every forward (``None``: no engine).
+
+    Only DDP does (``args.ddp_broadcast_buffers``, ``None`` is DDP's default, on); DeepSpeed broadcasts
+    buffers at initialisation only and FSDP not at all, so their buffers are compared.
+    """
+    engine = engine_of(args)
+    if engine is None:
         return None
+    if engine != "ddp":
+        return False
     value = getattr(args, "ddp_broadcast_buffers", None)
     return True if value is None else bool(value)
 

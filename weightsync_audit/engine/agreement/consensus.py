@@ -13,7 +13,8 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.inventory.peers import ALL, column_peers, peer_sets
+from weightsync_audit.engine.inventory.peers import ALL, NEVER, column_peers, peer_sets
+from weightsync_audit.engine.inventory.replicas.keys import is_holders, unreplicated_label_of
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 from weightsync_audit.vote import majority
 
@@ -117,10 +118,15 @@ def tie_detail(
 def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[str]) -> dict[str, int]:
     """Tensors per kind over the union of every rank's manifest: the same ``checked`` on every rank."""
     seen: dict[str, set[str]] = {k: set() for k in kinds}
+    alone: dict[str, set[str]] = {}
     for rows in manifests:
         for row in rows:
-            seen.setdefault(row[0], set()).add(row[1])
-    return {k: len(seen.get(k, ())) for k in kinds}
+            label = unreplicated_label_of(str(row[5])) if len(row) >= 7 else None
+            if label is None:
+                seen.setdefault(row[0], set()).add(row[1])
+            else:  # one owner: never compared, counted apart ("unreplicated:<what>")
+                alone.setdefault(f"unreplicated:{label}", set()).add(f"{row[0]}:{row[1]}")
+    return {k: len(seen.get(k, ())) for k in kinds} | {k: len(v) for k, v in alone.items()}
 
 
 def judge_summaries(table: np.ndarray) -> SummaryVerdict:
@@ -153,9 +159,15 @@ class ValueDiff:
     """The groups tied for the majority (reference first), when the vote was a tie."""
 
 
+HOLDERS_VALUE = "value differs among the ranks holding it,"
+"""Opening of the detail of a tensor held by some ranks by design whose value differs among them: reported
+with its own kind (``param``...), not as a structure difference, and without a measured gap."""
+
+
 @dataclass(frozen=True, slots=True)
 class StructureDiff:
-    """One tensor missing on some ranks, or with another shape or dtype."""
+    """One tensor missing on some ranks, or with another shape or dtype (or, see :data:`HOLDERS_VALUE`, a
+    value that differs among the ranks holding a tensor that the others do not hold)."""
 
     uid: str
     kind: str
@@ -241,6 +253,22 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
         sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5], d[uid][6]) if uid in d else None for d in per_rank]
+        held = [r for r, sig in enumerate(sigs) if sig is not None]
+        if len(held) < world and all(is_holders(sigs[r][2]) for r in held):  # type: ignore[index]
+            # Held by some ranks by design (a pipeline stage's tensors): compared among its holders only.
+            # Other ranks do not hold it, so its gap is not measured: reported here, the same on every rank.
+            for members in peer_sets([per_rank[r][uid][4] if r in held else NEVER for r in range(world)]):
+                if len(members) > 1:
+                    digests = [per_rank[r][uid][2] if r in members else 0 for r in range(world)]
+                    vref, vother = majority_within(digests, members)
+                    if vother:
+                        dtype, shape = per_rank[vref[0]][uid][:2]
+                        detail = f"{HOLDERS_VALUE} {fmt_ranks(members)}"
+                        tie = tie_within(digests, members)
+                        structure.append(
+                            StructureDiff(uid, kind, name, tuple(vref), tuple(vother), shape, dtype, detail, tie)
+                        )
+            continue
         ref, other = majority(sigs)
         if other:
             ref_sig = sigs[ref[0]]

@@ -16,6 +16,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import ValueDiff, compare_digest_table
 from weightsync_audit.engine.inventory.manifest import KINDS, Entry
 from weightsync_audit.engine.inventory.peers import ALL, unpaired_columns
+from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
 from weightsync_audit.text import COMPARED_NOTES
 
 __all__ = ["peer_keys", "compare_sharded", "shard_names", "compared_counts", "sharded_notes"]
@@ -59,21 +60,36 @@ def shard_names(comm: Comm, diffs: Sequence[ValueDiff], by_uid: dict[str, Entry]
     return out
 
 
-def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple[dict[str, int], int]:
-    """Per kind, the tensors compared on at least one peer set; and how many sharded tensors had no peer."""
+def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple[dict[str, int], dict[str, int]]:
+    """Per kind, the tensors compared on at least one peer set; and the tensors with no peer, by what they
+    are (``DTensor shard``, ``ZeRO optimizer partition``...: an engine's single-owner entries are never
+    compared, whatever the world size, so a ZeRO-3 placeholder is never counted)."""
     counts = dict.fromkeys(KINDS, 0)
     for e in entries:
         counts[e.kind] += 1
-    alone = unpaired_columns(peers)
-    for j in alone:
+    alone = set(unpaired_columns(peers)) | {j for j, e in enumerate(entries) if unreplicated_label(e.shard)}
+    unpaired: dict[str, int] = {}
+    for j in sorted(alone):
         counts[entries[j].kind] -= 1
-    return counts, len(alone)
+        label = unreplicated_label(entries[j].shard) or "DTensor shard"
+        unpaired[label] = unpaired.get(label, 0) + 1
+    return counts, unpaired
 
 
-def sharded_notes(counts: dict[str, int], unpaired: int, params_held: int, params_wanted: bool) -> list[str]:
-    """One summary note for the shards nobody else holds, and one when no parameter was compared."""
+def sharded_notes(
+    counts: dict[str, int], unpaired: dict[str, int] | int, params_held: int, params_wanted: bool
+) -> list[str]:
+    """One summary note for the tensors nobody else holds, and one when no parameter was compared."""
     notes = []
-    if unpaired:
+    if isinstance(unpaired, dict) and set(unpaired) - {"DTensor shard"}:
+        total = sum(unpaired.values())
+        kinds = ", ".join(f"{n} {label}{'' if n == 1 else 's'}" for label, n in unpaired.items())
+        notes.append(
+            f"{total} tensor{' has' if total == 1 else 's have'} {COMPARED_NOTES[1]} ({kinds}): each is held by one "
+            "rank only, so it is not counted in checked; see docs/sharded.md"
+        )
+    elif unpaired:
+        unpaired = sum(unpaired.values()) if isinstance(unpaired, dict) else unpaired
         notes.append(
             f"{unpaired} sharded tensor{' has' if unpaired == 1 else 's have'} {COMPARED_NOTES[1]}: each is held by "
             "one rank only (a pure FSDP shard, a Partial placement); see docs/sharded.md"

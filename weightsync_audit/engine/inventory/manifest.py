@@ -26,6 +26,7 @@ from torch import nn
 from weightsync_audit.compat import is_dtensor, peel_wrapper
 from weightsync_audit.engine.hashing.hostbytes import storage_fits
 from weightsync_audit.engine.inventory.peers import ShardInfo, shard_info
+from weightsync_audit.engine.inventory.wrappers import unwrap_optimizer
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
@@ -127,9 +128,8 @@ def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     out = []
     for i, opt in enumerate(items):
-        inner = getattr(opt, "optimizer", None)  # LightningOptimizer / _FabricOptimizer
-        if not isinstance(opt, torch.optim.Optimizer) and isinstance(inner, torch.optim.Optimizer):
-            opt = inner
+        # LightningOptimizer / _FabricOptimizer / a DeepSpeed ZeRO optimizer (remembered for the replica rules)
+        opt = unwrap_optimizer(opt)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"optimizer[{i}] is a {type(opt).__name__}, not a torch.optim.Optimizer")
         out.append(opt)

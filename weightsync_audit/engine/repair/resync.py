@@ -25,6 +25,7 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.hashing.digest import structure_digest
 from weightsync_audit.engine.hashing.hostbytes import host_bytes
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
+from weightsync_audit.engine.inventory.replicas import assign_replicas
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.repair.resync_transfer import move_tensors
 from weightsync_audit.engine.repair.shard_resync import resync_shards
@@ -91,6 +92,9 @@ def resync(
     optimizers = as_optimizers(optimizer)
     wanted = set(names) if names is not None else None
     manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
+    # Each engine's replica rules (FSDP1 shards, ZeRO partitions, expert groups): a tensor is copied only
+    # within its holders, never broadcast over ranks that hold other shards.
+    assign_replicas(manifest, module, optimizers, refuse_stages="resync")
     entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
     grad_entries = _grad_entries(comm, module, grads, wanted)
 
@@ -193,7 +197,9 @@ def _reconcile(
     src_state = json.loads(comm.share_bytes(src, blob, "the resync optimizer state"))
     if comm.rank != src:
         _install_state(src_state, optimizers, module)
-        entries = build_manifest(module, optimizers, include=("params", "buffers", "optimizer")).entries
+        entries = assign_replicas(
+            build_manifest(module, optimizers, include=("params", "buffers", "optimizer")), module, optimizers
+        ).entries
     # Installed Python values are already the source's; tensors (created empty) and the rest are
     # broadcast by the (now equal) structure.
     installed = {name for name, spec in src_state.items() if "v" in spec}

@@ -39,22 +39,22 @@ AUDIT_HOOKS: tuple[str, ...] = (
 )
 
 
-#: Strategies whose ranks hold shards the audit cannot see as DTensors (FSDP1's flat parameters,
-#: DeepSpeed's partitions): comparing them as replicas would be wrong. ``ModelParallelStrategy``
-#: (Trainer and Fabric) builds FSDP2 / tensor parallel DTensors, which are compared among their peers.
-_SHARDED_STRATEGIES = ("FSDP", "DeepSpeed", "XLAFSDP")
+#: Strategies whose ranks hold shards the audit cannot tell apart: XLA's FSDP. FSDP1 (``FSDPStrategy``) and
+#: DeepSpeed (``DeepSpeedStrategy``) are audited: the replica adapters (engine/inventory/replicas) compare
+#: what has replicas among its holders and count what has one owner; ``ModelParallelStrategy`` builds
+#: DTensors, compared among their peers.
+_SHARDED_STRATEGIES = ("XLAFSDP",)
 
 _STATE_VERSION = 1
 
 
 def sharded_strategy_reason(strategy: Any) -> str | None:
-    """Why a strategy's ranks cannot be compared as replicas, or ``None`` when they can."""
+    """Why a strategy's ranks cannot be compared, or ``None`` when they can (DDP, FSDP1, DeepSpeed, DTensors)."""
     name = type(strategy).__name__
     if "ModelParallel" not in name and any(s in name for s in _SHARDED_STRATEGIES):
         return (
-            f"{name} shards parameters across ranks in a form weightsync cannot compare (only DTensors, "
-            "as built by ModelParallelStrategy / FSDP2 / tensor parallel, are compared shard by shard); "
-            "this run is not audited"
+            f"{name} shards parameters across ranks in a form weightsync cannot compare (DDP, FSDP1, DeepSpeed "
+            "and DTensors are compared; see docs/sharded.md); this run is not audited"
         )
     return None
 

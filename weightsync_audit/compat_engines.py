@@ -1,0 +1,151 @@
+"""Every private DeepSpeed and FSDP1 internal the library touches, in one place (beside compat.py).
+
+The replica adapters (:mod:`weightsync_audit.engine.inventory.replicas`) ask these accessors which
+engine holds a tensor and how; nothing else reads an engine's private attributes. DeepSpeed is
+recognised by class names, so it is never imported here. Each accessor returns ``None`` (or a neutral
+answer) when what it relies on is missing, and the adapter then treats the tensor as a plain replica
+or as unreplicated, never guessing a peer it cannot name.
+
+>>> import torch
+>>> zero_stage(torch.optim.SGD([torch.zeros(1)], lr=0.1)) is None
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "class_names",
+    "is_deepspeed_engine",
+    "zero_stage",
+    "zero3_param_status",
+    "zero12_master_matches",
+    "fsdp1_modules",
+    "fsdp1_flat_param",
+    "fsdp1_orig_params",
+    "fsdp1_orig_shapes",
+    "fsdp1_shard_world",
+    "fsdp1_replicate_ranks",
+    "fsdp1_strategy",
+    "pipeline_stage_index",
+]
+
+
+def class_names(obj: Any) -> set[str]:
+    """The names of ``obj``'s class and its bases (recognises a class without importing its package)."""
+    return {c.__name__ for c in type(obj).__mro__}
+
+
+# -- DeepSpeed ---------------------------------------------------------------------------------
+
+
+def is_deepspeed_engine(module: Any) -> bool:
+    """Whether ``module`` is a ``deepspeed.DeepSpeedEngine`` (its ``.module`` is the user's model)."""
+    return "DeepSpeedEngine" in class_names(module) and isinstance(getattr(module, "module", None), nn.Module)
+
+
+def zero_stage(optimizer: Any) -> int | None:
+    """The ZeRO stage of a DeepSpeed optimizer wrapper: 1 or 2 (``DeepSpeedZeroOptimizer``, whose
+    ``partition_gradients`` tells them apart), 3 (``DeepSpeedZeroOptimizer_Stage3``), 0 for the bf16/fp16
+    wrappers that keep a partitioned fp32 master without ZeRO; ``None`` for anything else."""
+    names = class_names(optimizer)
+    if "DeepSpeedZeroOptimizer_Stage3" in names:
+        return 3
+    if "DeepSpeedZeroOptimizer" in names:
+        return 2 if getattr(optimizer, "partition_gradients", False) else 1
+    if names & {"BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"}:
+        return 0
+    return None
+
+
+def zero3_param_status(p: Any) -> tuple[str, tuple[int, ...]] | None:
+    """For a ZeRO-3 parameter: ``("placeholder" | "gathered" | "persistent", full shape)``; ``None`` for a
+    parameter ZeRO-3 does not manage. Reads ``ds_status``, ``ds_persist`` and ``ds_shape``."""
+    status = getattr(p, "ds_status", None)
+    if status is None:
+        return None
+    shape = tuple(int(s) for s in getattr(p, "ds_shape", p.shape))
+    if getattr(status, "name", str(status)) != "AVAILABLE":
+        return "placeholder", shape
+    return ("persistent" if getattr(p, "ds_persist", False) else "gathered"), shape
+
+
+def zero12_master_matches(optimizer: Any) -> bool | None:
+    """ZeRO-1/2: whether this rank's slice of the flat compute-dtype parameters equals the cast of its own
+    fp32 master partition (``parallel_partitioned_bit16_groups``, ``single_partition_of_fp32_groups``,
+    ``real_dp_process_group``). ``None`` when these are missing or offloaded."""
+    try:
+        bit16 = optimizer.parallel_partitioned_bit16_groups
+        masters = optimizer.single_partition_of_fp32_groups
+        groups = optimizer.real_dp_process_group
+        for i, master in enumerate(masters):
+            mine = bit16[i][dist.get_rank(group=groups[i])]
+            if master.device != mine.device or master.numel() != mine.numel():
+                return None
+            if not torch.equal(master.detach().to(mine.dtype).view(-1), mine.detach().view(-1)):
+                return False
+        return True
+    except (AttributeError, IndexError, TypeError, RuntimeError):
+        return None
+
+
+# -- FSDP1 -------------------------------------------------------------------------------------
+
+
+def fsdp1_modules(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every FSDP1 ``FullyShardedDataParallel`` instance in ``root`` (itself included), with its name."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without FSDP
+        return []
+    return [(n, m) for n, m in root.named_modules() if isinstance(m, FSDP)]
+
+
+def fsdp1_flat_param(fsdp: nn.Module) -> Any:
+    """The FSDP1 instance's ``FlatParameter`` (``_flat_param``), or ``None``; its ``_params`` (with
+    ``use_orig_params=True``) are the original parameters, views into it."""
+    return getattr(fsdp, "_flat_param", None)
+
+
+def fsdp1_orig_params(flat: Any) -> list[Any]:
+    """The original parameters of a ``FlatParameter`` (``_params``; empty without ``use_orig_params``)."""
+    return list(getattr(flat, "_params", None) or [])
+
+
+def fsdp1_orig_shapes(flat: Any) -> list[tuple[int, ...]]:
+    """The unsharded shapes of a ``FlatParameter``'s original parameters (``_shapes``), in order."""
+    return [tuple(int(d) for d in s) for s in (getattr(flat, "_shapes", None) or [])]
+
+
+def fsdp1_strategy(fsdp: nn.Module) -> str:
+    """The sharding strategy's name: ``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, ``HYBRID_SHARD``,
+    ``_HYBRID_SHARD_ZERO2``."""
+    return str(getattr(getattr(fsdp, "sharding_strategy", None), "name", "FULL_SHARD"))
+
+
+def fsdp1_replicate_ranks(fsdp: nn.Module) -> tuple[int, ...] | None:
+    """HYBRID_SHARD: the global ranks of this rank's replicate group (``_inter_node_pg``), else ``None``."""
+    pg = getattr(fsdp, "_inter_node_pg", None)
+    if pg is None:
+        return None
+    return tuple(sorted(dist.get_process_group_ranks(pg)))
+
+
+def fsdp1_shard_world(fsdp: nn.Module) -> int:
+    """How many ranks share this instance's shards (the size of its sharding group)."""
+    pg = getattr(fsdp, "process_group", None)
+    return dist.get_world_size(pg) if pg is not None else 1
+
+
+# -- torch.distributed.pipelining ---------------------------------------------------------------
+
+
+def pipeline_stage_index(stage: Any) -> int | None:
+    """The index of a ``torch.distributed.pipelining`` stage (``stage_index``), or ``None``."""
+    index = getattr(stage, "stage_index", None)
+    return int(index) if isinstance(index, int) else None

@@ -1,0 +1,84 @@
+"""Replica discovery: for every audited tensor, which ranks hold a replica of it, decided from the engine.
+
+One adapter per engine fills the same :class:`~weightsync_audit.engine.inventory.replicas.rules.Rules`:
+
+========================  ===============================================================================
+DDP, plain replicas       nothing to fill: every tensor is compared on every rank (the cached fast path)
+DTensor (FSDP2, HSDP, TP)  the tensor's own peers (:mod:`~weightsync_audit.engine.inventory.peers`)
+DeepSpeed ZeRO 0-3        :mod:`.deepspeed`
+FSDP1                     :mod:`.fsdp1`
+pipeline stages, experts  :mod:`.declared` (:func:`declare_replicas`)
+========================  ===============================================================================
+
+A tensor with replicas is compared among their holders; a tensor with one owner is never compared and
+never counted in ``checked``: the record says, in one note, how many there were and of which kinds
+(:func:`unreplicated_note`). Every decision reads the engine's own state, which is the same kind of state
+on every rank, so every rank builds the same structure and takes the same path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from weightsync_audit.engine.inventory.manifest import Manifest, unwrap_module
+from weightsync_audit.engine.inventory.replicas.declared import declare_replicas, declared_rules
+from weightsync_audit.engine.inventory.replicas.deepspeed import deepspeed_rules
+from weightsync_audit.engine.inventory.replicas.fsdp1 import fsdp1_rules
+from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
+from weightsync_audit.engine.inventory.replicas.rules import Rules, apply_rules
+from weightsync_audit.engine.inventory.wrappers import remember_wrapper
+
+__all__ = ["assign_replicas", "declare_replicas", "detect_engine", "remember_wrapper", "unreplicated_kinds"]
+
+
+def _rules(
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    include: Sequence[str],
+    names: Sequence[str] = (),
+) -> tuple[Rules, list[str]]:
+    rules = Rules()
+    user = unwrap_module(module) if module is not None else None
+    engines = [
+        deepspeed_rules(rules, user, optimizers, include),
+        fsdp1_rules(rules, user, names),
+        declared_rules(rules, module, user),
+    ]
+    return rules, [e for e in engines if e]
+
+
+def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[str]:
+    """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas)."""
+    return _rules(module, optimizers, ())[1]
+
+
+def assign_replicas(
+    manifest: Manifest,
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    include: Sequence[str] = ("params", "buffers", "optimizer"),
+    *,
+    refuse_stages: str | None = None,
+) -> Manifest:
+    """Give every entry of ``manifest`` its replica rule (in place; returns it). A plain model: untouched.
+
+    ``refuse_stages`` (an operation's name): raise ``ValueError`` for a declared pipeline stage, whose
+    tensors other stages do not hold (every rank of the declaration raises alike, before any exchange)."""
+    rules, _ = _rules(module, optimizers, include, [e.name for e in manifest.entries])
+    if refuse_stages and rules.prefix:
+        raise ValueError(
+            f"{refuse_stages} of a pipeline stage ({rules.prefix.rstrip('.')}): pass group= the stage's "
+            "data-parallel group, whose ranks hold the same tensors"
+        )
+    if not rules.empty:
+        apply_rules(manifest, unwrap_module(module) if module is not None else None, optimizers, rules)
+    return manifest
+
+
+def unreplicated_kinds(entries: Sequence[object]) -> Counter[str]:
+    """How many entries of each unreplicated kind (``ZeRO optimizer partition``: 4, ...)."""
+    return Counter(lbl for e in entries if (lbl := unreplicated_label(getattr(e, "shard", None))) is not None)

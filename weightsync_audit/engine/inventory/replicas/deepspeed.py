@@ -1,0 +1,70 @@
+"""DeepSpeed ZeRO 0-3: which of a rank's tensors are replicas, which are its own partition.
+
+- Module parameters: replicas under ZeRO 0-2 (the compute-dtype copies every rank all-gathers); under
+  ZeRO-3 a parameter between steps is a ``Tensor(0,)`` placeholder (``ds_status`` NOT_AVAILABLE) and
+  is *unreplicated* (its partition ``ds_tensor`` has one owner), while a gathered or persistent one
+  (``ds_persist``, under ``stage3_param_persistence_threshold``) is a replica. No ZeRO-3 parameter is
+  ever gathered for the audit: that would cost the whole model on every rank and compare nothing.
+- Buffers: replicas (DeepSpeed broadcasts them at initialisation only, so they are compared).
+- The inner optimizer: its parameters are this rank's fp32 master partitions, so they and their
+  ``exp_avg``/``exp_avg_sq`` have one owner; its ``step`` and its param groups' hyper-parameters are
+  replicas.
+- ZeRO-1/2 (fp32 master beside the compute copies): a local check that this rank's slice of the
+  parameters equals the cast of its own master partition, entered as one boolean entry
+  (``zero.fp32_master_matches_params``) that every rank compares. A corrupted master partition is
+  otherwise invisible until the next all-gather hands it to every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from weightsync_audit.compat_engines import zero3_param_status, zero12_master_matches, zero_stage
+from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.inventory.replicas.keys import alone
+from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
+from weightsync_audit.engine.inventory.wrappers import wrapper_of
+
+__all__ = ["MASTER_CHECK", "deepspeed_rules"]
+
+MASTER_CHECK = "zero.fp32_master_matches_params"
+"""Name of the entry holding the ZeRO-1/2 local check (``True`` on a healthy rank)."""
+
+
+def deepspeed_rules(
+    rules: Rules, user: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer], include: Sequence[str]
+) -> str | None:
+    """Fill ``rules`` for a DeepSpeed-trained model; return the engine's name (``"DeepSpeed ZeRO-2"``) or
+    ``None`` when nothing here is DeepSpeed's."""
+    found: str | None = None
+    # ZeRO-3 converts every parameter of the model it holds: the first one tells, at no per-parameter cost.
+    first = next(iter(user.parameters()), None) if user is not None else None
+    stages = [zero_stage(wrapper_of(opt)) for opt in optimizers]
+    if (first is None or zero3_param_status(first) is None) and all(s is None for s in stages):
+        return None  # not DeepSpeed's: no walk over the parameters
+    params = list(named_params(user).values())
+    for p in params:
+        status = zero3_param_status(p)
+        if status is None:
+            continue
+        found = "DeepSpeed ZeRO-3"
+        if status[0] == "placeholder":
+            rules.params[id(p)] = alone("ZeRO-3 partitioned parameter", status[1])
+    module_params = {id(p) for p in params}
+    for opt, stage in zip(optimizers, stages):
+        if stage is None:
+            continue
+        found = f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed (bf16/fp16)"
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if id(p) not in module_params:  # an fp32 master partition, not a module parameter
+                    rules.params[id(p)] = alone("ZeRO optimizer partition", tuple(p.shape))
+        if stage in (1, 2) and "optimizer" in include:
+            ok = zero12_master_matches(wrapper_of(opt))
+            if ok is not None:
+                t = torch.tensor(bool(ok))
+                rules.extra.append(Entry(MASTER_CHECK, "optimizer", t, "bool", ()))
+    return found

@@ -1,0 +1,62 @@
+"""Replica keys: how an adapter says which ranks hold a replica of a tensor, on the DTensor peer-key rails.
+
+Every audited entry may carry a :class:`~weightsync_audit.engine.inventory.peers.ShardInfo`; the audit
+gathers one peer key per rank and entry and compares a tensor only among the ranks with equal keys
+(:mod:`~weightsync_audit.engine.agreement.sharded`). The engines add two layouts to the DTensor ones:
+
+- :func:`among`: "compared among the ranks of this group" (an FSDP1 HYBRID_SHARD replicate group, the
+  data-parallel group of a pipeline stage, an expert's data-parallel group). The key hashes the group's
+  global ranks, so ranks of one group agree and ranks of another never meet them. Its layout starts with
+  :data:`HOLDERS`: ranks outside every group of that name may lack the tensor altogether.
+- :func:`alone`: one owner (a ZeRO partition, an FSDP1 shard, a ZeRO-3 placeholder): key ``NEVER``,
+  never compared, never counted in ``checked``, counted in the record's one note instead.
+
+>>> alone("ZeRO-3 partitioned parameter", (4, 2)).key == NEVER
+True
+>>> among("pp", (0, 2), {"stage": 0}, (3,)).key == among("pp", (0, 2), {"stage": 0}, (3,)).key
+True
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import xxhash
+
+from weightsync_audit.engine.inventory.peers import NEVER, ShardInfo
+
+__all__ = ["HOLDERS", "UNREPLICATED", "among", "alone", "unreplicated_label", "unreplicated_label_of", "is_holders"]
+
+HOLDERS = "holders:"
+"""Layout prefix of a tensor compared among its group's ranks only (present on those ranks only)."""
+
+UNREPLICATED = "unreplicated:"
+"""Layout prefix of a tensor held by one rank only: never compared."""
+
+
+def among(label: str, ranks: Sequence[int], coords: dict[str, int], shape: tuple[int, ...]) -> ShardInfo:
+    """Compared among global ``ranks`` (this rank's group); ``coords`` name the copy in a mismatch."""
+    text = f"{label}|{tuple(sorted(int(r) for r in ranks))}"
+    key = (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2  # never ALL (0) nor NEVER (1)
+    return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key)
+
+
+def alone(label: str, shape: tuple[int, ...]) -> ShardInfo:
+    """Held by this rank only (``label`` says what it is, e.g. ``ZeRO optimizer partition``)."""
+    return ShardInfo(f"{UNREPLICATED}{label}", tuple(shape), {}, NEVER, f"a {label} is held by one rank only")
+
+
+def unreplicated_label(info: ShardInfo | None) -> str | None:
+    """What an unreplicated entry is (``None`` for anything compared, DTensors included)."""
+    return None if info is None else unreplicated_label_of(info.layout)
+
+
+def unreplicated_label_of(layout: str) -> str | None:
+    """:func:`unreplicated_label` from the layout text alone (as the gathered manifests carry it)."""
+    return layout[len(UNREPLICATED) :] if layout.startswith(UNREPLICATED) else None
+
+
+def is_holders(layout: str) -> bool:
+    """Whether a layout says "held by some ranks by design": compared among its holders (an unreplicated
+    tensor among nobody), so a rank without it is no structure difference."""
+    return layout.startswith((HOLDERS, UNREPLICATED))
