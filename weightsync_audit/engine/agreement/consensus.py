@@ -228,15 +228,13 @@ def structure_row(e: Any, digest: int) -> list[Any]:
     return row
 
 
-def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
-    """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
-    by ``layout, peer_key, device, frozen`` (see :func:`structure_row`; a DTensor's global shape in ``shape``).
+Row = tuple[str, tuple[int, ...], int, str, int, str, bool]
+"""One rank's view of a tensor: dtype, shape, digest, layout, peer key, device type, frozen."""
 
-    Returns the structure differences and, for tensors whose structure agrees everywhere, the value
-    differences (within each peer set), so a missing layer does not hide a diverged one.
-    """
-    world = len(manifests)
-    per_rank: list[dict[str, tuple[str, tuple[int, ...], int, str, int, str, bool]]] = []
+
+def _read_rows(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[dict[str, Row]], dict[str, tuple[str, str]]]:
+    """Each rank's rows by uid (``kind:name``), and every uid in first-seen order with its kind and name."""
+    per_rank: list[dict[str, Row]] = []
     order: dict[str, tuple[str, str]] = {}
     for rows in manifests:
         d = {}
@@ -249,6 +247,45 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
             d[uid] = (dtype, tuple(shape), int(digest), layout, key, device, frozen)
             order.setdefault(uid, (kind, name))
         per_rank.append(d)
+    return per_rank, order
+
+
+def _differences(sigs: Sequence[Any], ref_sig: Any, other: Sequence[int]) -> list[str]:
+    """What differs from the reference signature ``(dtype, shape, layout, device, frozen)``, per group of ranks."""
+    groups: dict[Any, list[int]] = {}
+    for r in other:
+        groups.setdefault(sigs[r], []).append(r)
+    parts = []
+    for sig, ranks in groups.items():
+        if sig is None:
+            parts.append(f"missing on {fmt_ranks(ranks)}")
+        elif ref_sig is None:
+            parts.append(f"present only on {fmt_ranks(ranks)} ({sig[0]}, shape {list(sig[1])})")
+        else:
+            what = []
+            if sig[0] != ref_sig[0]:
+                what.append(f"dtype {sig[0]} instead of {ref_sig[0]}")
+            if sig[1] != ref_sig[1]:
+                what.append(f"shape {list(sig[1])} instead of {list(ref_sig[1])}")
+            if sig[2] != ref_sig[2]:
+                what.append(f"layout {sig[2] or 'plain tensor'} instead of {ref_sig[2] or 'plain tensor'}")
+            if sig[3] != ref_sig[3]:
+                what.append(f"on device {sig[3]} instead of {ref_sig[3]}")
+            if sig[4] != ref_sig[4]:
+                what.append("frozen (requires_grad=False)" if sig[4] else "trainable (requires_grad=True)")
+            parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
+    return parts
+
+
+def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
+    """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
+    by ``layout, peer_key, device, frozen`` (see :func:`structure_row`; a DTensor's global shape in ``shape``).
+
+    Returns the structure differences and, for tensors whose structure agrees everywhere, the value
+    differences (within each peer set), so a missing layer does not hide a diverged one.
+    """
+    world = len(manifests)
+    per_rank, order = _read_rows(manifests)
     structure: list[StructureDiff] = []
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
@@ -272,28 +309,7 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
         ref, other = majority(sigs)
         if other:
             ref_sig = sigs[ref[0]]
-            groups: dict[Any, list[int]] = {}
-            for r in other:
-                groups.setdefault(sigs[r], []).append(r)
-            parts = []
-            for sig, ranks in groups.items():
-                if sig is None:
-                    parts.append(f"missing on {fmt_ranks(ranks)}")
-                elif ref_sig is None:
-                    parts.append(f"present only on {fmt_ranks(ranks)} ({sig[0]}, shape {list(sig[1])})")
-                else:
-                    what = []
-                    if sig[0] != ref_sig[0]:
-                        what.append(f"dtype {sig[0]} instead of {ref_sig[0]}")
-                    if sig[1] != ref_sig[1]:
-                        what.append(f"shape {list(sig[1])} instead of {list(ref_sig[1])}")
-                    if sig[2] != ref_sig[2]:
-                        what.append(f"layout {sig[2] or 'plain tensor'} instead of {ref_sig[2] or 'plain tensor'}")
-                    if sig[3] != ref_sig[3]:
-                        what.append(f"on device {sig[3]} instead of {ref_sig[3]}")
-                    if sig[4] != ref_sig[4]:
-                        what.append("frozen (requires_grad=False)" if sig[4] else "trainable (requires_grad=True)")
-                    parts.append(f"{' and '.join(what)} on {fmt_ranks(ranks)}")
+            parts = _differences(sigs, ref_sig, other)
             structure.append(
                 StructureDiff(
                     uid,
