@@ -11,7 +11,7 @@ import torch
 
 from tests.ranks import run_ranks
 from weightsync_audit import Auditor
-from weightsync_audit.checkpoints.sidecar import read_sidecar, sidecar_path
+from weightsync_audit.engine.checkpoints.sidecar import read_sidecar, sidecar_path
 from weightsync_audit.reporting.record import AuditResult
 
 

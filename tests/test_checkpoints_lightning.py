@@ -8,8 +8,8 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 
 from tests.lightning_helpers import SmallModel, fit, records
 from weightsync_audit import WeightSyncAudit
-from weightsync_audit.checkpoints.sidecar import read_sidecar
 from weightsync_audit.cli import main
+from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 
 
 class _ResumedOnRank0Only(SmallModel):

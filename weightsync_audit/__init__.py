@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
     from weightsync_audit.reporting.render import render
 
-__version__ = "0.1.0"
+from weightsync_audit.version import __version__ as __version__
 
 _ERRORS = "weightsync_audit.errors"
 _LAZY = {

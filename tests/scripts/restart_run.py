@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 import torch.distributed as dist
 
-from weightsync_audit.checkpoints.sidecar import read_sidecar
+from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 from weightsync_audit.integrations.runner import EXIT_DIVERGED, AuditRunner
 
 

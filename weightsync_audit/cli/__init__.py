@@ -50,7 +50,7 @@ EXIT_CODES = _help(
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff`` and ``verify``."""
-    from weightsync_audit import __version__
+    from weightsync_audit.version import __version__
 
     parser = _Parser(
         prog=PROG,

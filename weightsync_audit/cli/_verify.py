@@ -16,15 +16,15 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from weightsync_audit.checkpoints.sidecar import (
+from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError
+from weightsync_audit.cli.checkpoint_diff import CHECKPOINT_SUFFIXES, CheckpointError, load_checkpoint
+from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
     read_sidecar,
     sidecar_path,
     tensor_digests,
 )
-from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError
-from weightsync_audit.cli.checkpoint_diff import CHECKPOINT_SUFFIXES, CheckpointError, load_checkpoint
 
 __all__ = ["cmd_verify", "sidecar_diff", "verify_checkpoint"]
 

@@ -20,8 +20,8 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
-from weightsync_audit.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.auditor import Auditor
+from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src

@@ -30,9 +30,10 @@ import xxhash
 
 from weightsync_audit import compat
 from weightsync_audit.engine.hashing.device_digest import digest_streams
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view, storage_fits
+from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view
 from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
 from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.inventory.storage import storage_fits
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [

@@ -30,9 +30,9 @@ import xxhash
 
 from weightsync_audit.compat import layout_guard
 from weightsync_audit.engine.hashing.digest import digest_tensors, structure_digest
-from weightsync_audit.engine.hashing.hostbytes import storage_fits
 from weightsync_audit.engine.hashing.sampling import SMALL
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest, has_shards
+from weightsync_audit.engine.inventory.storage import storage_fits
 
 __all__ = ["DigestPlan", "PreparedManifest", "StructureSnapshot"]
 

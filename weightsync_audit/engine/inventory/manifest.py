@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from weightsync_audit.compat import is_dtensor, peel_wrapper
-from weightsync_audit.engine.hashing.hostbytes import storage_fits
 from weightsync_audit.engine.inventory.peers import ShardInfo, shard_info
+from weightsync_audit.engine.inventory.storage import storage_fits
 from weightsync_audit.engine.inventory.wrappers import unwrap_optimizer
 from weightsync_audit.errors import UnauditableTensorError
 

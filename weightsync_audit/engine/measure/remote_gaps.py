@@ -16,13 +16,13 @@ the same plan is made on every rank, so the deadlines agree too.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 import xxhash
 
 from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.hostbytes import host_chunk
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.measure.gaps import GapMeter
@@ -30,6 +30,16 @@ from weightsync_audit.engine.measure.transfer import Sink, receive_tensor, send_
 from weightsync_audit.reporting.record import Mismatch
 
 __all__ = ["measure_gaps"]
+
+
+class GapSettings(Protocol):
+    """What the gap phase reads of the audit's settings (an :class:`~weightsync_audit.engine.config.AuditConfig`)."""
+
+    max_diff_tensors: int
+    max_diff_bytes: int
+    gap_budget_s: float
+    tolerance: float | None
+
 
 _OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL = range(5)
 _FIELDS = 5  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer, count
@@ -56,7 +66,7 @@ def _receivers(layouts: np.ndarray, m: Mismatch, i: int) -> list[int]:
     return [r for r in m.ranks if (layouts[r, 2 * i : 2 * i + 2] == layouts[ref, 2 * i : 2 * i + 2]).all()]
 
 
-def _choose(cfg: AuditConfig, mismatches: list[Mismatch], layouts: np.ndarray, grace_s: float) -> list[int]:
+def _choose(cfg: GapSettings, mismatches: list[Mismatch], layouts: np.ndarray, grace_s: float) -> list[int]:
     """Which tensors to measure: the same list on every rank (from the gathered layouts and settings)."""
     chosen: list[int] = []
     planned = 0
@@ -104,7 +114,7 @@ def _why(code: int, rank: int, peer: int) -> str:
     return f"rank {rank} could not compare the two copies"
 
 
-def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entries: list[Entry]) -> None:
+def measure_gaps(comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], entries: list[Entry]) -> None:
     """Fill ``max_abs_diff``, ``diff_count`` (and ``rel_diff`` where the record has it) of value mismatches.
 
     Collective over ``comm``: every rank calls it with the same mismatches (ranks as positions in the

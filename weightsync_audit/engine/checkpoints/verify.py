@@ -4,7 +4,7 @@ Both are collective (every rank of the audit calls them at the same point) and r
 :class:`~weightsync_audit.AuditResult` on every rank, with a ``checkpoint`` entry in its record:
 
 - :func:`checkpoint_saved` audits the replicas at the save step; the group's first rank writes the
-  sidecar (:mod:`~weightsync_audit.checkpoints.sidecar`) with the verdict and the digest of every tensor
+  sidecar (:mod:`~weightsync_audit.engine.checkpoints.sidecar`) with the verdict and the digest of every tensor
   saved. A ``torch.distributed.checkpoint`` folder gets, in addition, each shard file's digest with the
   rank that wrote it, and every rank's local tensors.
 - :func:`checkpoint_loaded` audits the replicas and compares, on every rank, what the rank now holds with
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.checkpoints.sidecar import (
+from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
     is_dcp_folder,
