@@ -1,2 +1,4 @@
-"""What is audited (manifest), how it is hashed (digest, device_digest, sampling, hostbytes), how ranks
-agree (consensus), how large a gap is (gaps), and the phases that tie them together (auditor, resync)."""
+"""The engine, one folder per phase of an audit: what is audited (``inventory``), how it is hashed
+(``hashing``), how ranks agree (``agreement``), how far apart they are (``measure``), when they parted
+(``timeline``), how replicas are made equal again (``repair``) and trusted across restarts
+(``checkpoints``); ``auditor`` and ``run`` on top, ``respond`` for what a result leads to."""
