@@ -119,7 +119,7 @@ def mark_nonfinite(comm: Comm, mismatches: Sequence[Mismatch], entries: Sequence
     if not mismatches:
         return
     mine = np.array([_safe_count(e.tensor) for e in entries], dtype=np.int64)
-    table = comm.exchange(mine, "the non-finite counts")
+    table = comm.exchange(mine, "the non-finite counts", compact=True)
     g = comm.global_ranks
     for j, m in enumerate(mismatches):
         counts = {g[r]: int(table[r, j]) for r in range(table.shape[0]) if table[r, j] > 0}

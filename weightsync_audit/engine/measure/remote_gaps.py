@@ -48,7 +48,7 @@ def _layouts(comm: Comm, entries: list[Entry]) -> np.ndarray:
             t = e.tensor
             row[2 * j] = tensor_bytes(t)
             row[2 * j + 1] = xxhash.xxh3_64_intdigest(f"{t.dtype}{tuple(t.shape)}".encode()) >> 1
-    return comm.exchange(row, "the layouts of the diverged tensors")
+    return comm.exchange(row, "the layouts of the diverged tensors", compact=True)
 
 
 def _receivers(layouts: np.ndarray, m: Mismatch, i: int) -> list[int]:
@@ -155,7 +155,7 @@ def measure_gaps(comm: Comm, cfg: AuditConfig, mismatches: list[Mismatch], entri
                 row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
                 row[at + 4] = meter.diff_count
         before += sizes[i] * len(receivers)
-    table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total))
+    table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total), compact=True)
     if (table[:, 2::_FIELDS] != _OK).any():
         plane.discard()  # every rank sees the same table, so every rank retires the group alike
     g = comm.global_ranks
