@@ -3,10 +3,13 @@ coordinator) against two rounds (bucket digests, then only the differing buckets
 
     python benchmarks/bench_localize.py                        # 2..32 ranks, 1,000 and 100,000 entries
     python benchmarks/bench_localize.py --worlds 2,4,16 --entries 1000
+    python benchmarks/bench_localize.py --kernel --entries 1000   # and loopback bytes (root, unshare -n)
 
 What is counted: the audit channel's own count of the bytes each rank hands to gloo (``Comm.sent_bytes``:
-frames and bodies, the payloads only, no TCP/IP headers; not kernel counters, which need a network
-namespace this machine does not give). Every message goes through the coordinator (rank 0), so the
+frames and bodies, the payloads only, no TCP/IP headers). With ``--kernel`` (root: the script reruns itself
+under ``unshare -n`` with its own loopback up) the whole audits are also counted by the kernel: every byte
+through the private namespace's ``lo`` (payloads, gloo's handshakes, TCP/IP and link headers, ACKs, the data
+plane's transfer), read from ``/proc/net/dev`` on rank 0 between barriers, less one barrier's bytes. Every message goes through the coordinator (rank 0), so the
 bytes through rank 0 are its own sends plus every other rank's sends, and that is the most through any
 rank; a peer's traffic is its sends plus the answers it gets (rank 0's sends / (W - 1)).
 
