@@ -3,10 +3,13 @@ coordinator) against two rounds (bucket digests, then only the differing buckets
 
     python benchmarks/bench_localize.py                        # 2..32 ranks, 1,000 and 100,000 entries
     python benchmarks/bench_localize.py --worlds 2,4,16 --entries 1000
+    python benchmarks/bench_localize.py --kernel --entries 1000   # and loopback bytes (root, unshare -n)
 
 What is counted: the audit channel's own count of the bytes each rank hands to gloo (``Comm.sent_bytes``:
-frames and bodies, the payloads only, no TCP/IP headers; not kernel counters, which need a network
-namespace this machine does not give). Every message goes through the coordinator (rank 0), so the
+frames and bodies, the payloads only, no TCP/IP headers). With ``--kernel`` (root: the script reruns itself
+under ``unshare -n`` with its own loopback up) the whole audits are also counted by the kernel: every byte
+through the private namespace's ``lo`` (payloads, gloo's handshakes, TCP/IP and link headers, ACKs, the data
+plane's transfer), read from ``/proc/net/dev`` on rank 0 between barriers, less one barrier's bytes. Every message goes through the coordinator (rank 0), so the
 bytes through rank 0 are its own sends plus every other rank's sends, and that is the most through any
 rank; a peer's traffic is its sends plus the answers it gets (rank 0's sends / (W - 1)).
 
@@ -27,12 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from harness import launch, machine, table
 
 from weightsync_audit import Auditor
@@ -54,7 +60,28 @@ def _columns(rank: int, world: int, n: int, bucketed: bool) -> int:
     return comm.sent_bytes - before
 
 
-def _audit(rank: int, world: int, n: int) -> tuple[int, int]:
+def _lo_bytes() -> int:
+    """Bytes through the loopback interface so far (kernel count: payload, TCP/IP and link headers, ACKs)."""
+    time.sleep(0.2)  # let the last ACKs of what came before land
+    for line in Path("/proc/net/dev").read_text().splitlines():
+        name, _, fields = line.partition(":")
+        if name.strip() == "lo":
+            return int(fields.split()[0])
+    return 0
+
+
+def _kernel(fn: Any) -> int:
+    """Loopback bytes of collective ``fn`` on rank 0, less a barrier's (the fences around it)."""
+    dist.barrier()
+    a = _lo_bytes()
+    fn()
+    dist.barrier()
+    b = _lo_bytes()
+    dist.barrier()
+    return (b - a) - (_lo_bytes() - b)
+
+
+def _audit(rank: int, world: int, n: int) -> tuple[int, int, int, int]:
     torch.manual_seed(0)
     model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4)) for _ in range(n)])
     auditor = Auditor(model, timeout_s=300)
@@ -62,13 +89,16 @@ def _audit(rank: int, world: int, n: int) -> tuple[int, int]:
     before = auditor.comm.sent_bytes
     assert auditor.audit(step=1).in_sync
     healthy = auditor.comm.sent_bytes - before
+    k_healthy = _kernel(lambda: auditor.audit(step=1))
     if rank == 1:
         with torch.no_grad():
             model[n // 2][0] += 1
     before = auditor.comm.sent_bytes
     result = auditor.audit(step=2)
     assert [m.ranks for m in result.mismatches] == [[1]]
-    return healthy, auditor.comm.sent_bytes - before
+    diverged = auditor.comm.sent_bytes - before
+    k_diverged = _kernel(lambda: auditor.audit(step=2))
+    return healthy, diverged, k_healthy, k_diverged
 
 
 def through(sent: list[int]) -> tuple[int, float]:
@@ -83,7 +113,12 @@ def main() -> None:
     p.add_argument("--entries", default="1000,100000")
     p.add_argument("--audit-entries", type=int, default=1000)
     p.add_argument("--json", type=Path)
+    p.add_argument("--kernel", action="store_true", help="also count loopback bytes in a private netns (root)")
     args = p.parse_args()
+    if args.kernel and not os.environ.get("WSA_PRIVATE_NETNS"):
+        os.environ["WSA_PRIVATE_NETNS"] = "1"
+        up = 'ip link set lo up && exec "$0" "$@"'
+        os.execvp("unshare", ["unshare", "-n", "sh", "-c", up, sys.executable, *sys.argv])
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"# {machine()}", file=sys.stderr)
     raw: dict[str, Any] = {"columns": {}, "audit": {}}
@@ -98,13 +133,22 @@ def main() -> None:
     print(table(["entries", "ranks", "rank 0, one round", "rank 0, two rounds", "per peer", "a peer"], rows))
     rows = []
     n = args.audit_entries
+    kernel = bool(os.environ.get("WSA_PRIVATE_NETNS"))
     for w in worlds:
         out = launch(_audit, w, n)
-        healthy, diverged = through([h for h, _ in out]), through([d for _, d in out])
+        healthy, diverged = through([o[0] for o in out]), through([o[1] for o in out])
+        k_healthy, k_diverged = out[0][2], out[0][3]
         raw["audit"][str(w)] = {"healthy": healthy, "diverged": diverged}
-        rows.append([str(w), f"{healthy[0] / (w - 1):,.0f}", f"{diverged[0]:,}", f"{diverged[0] / (w - 1):,.0f}"])
+        row = [str(w), f"{healthy[0] / (w - 1):,.0f}", f"{diverged[0]:,}", f"{diverged[0] / (w - 1):,.0f}"]
+        if kernel:
+            raw["audit"][str(w)].update(kernel_healthy=k_healthy, kernel_diverged=k_diverged)
+            row += [f"{k_healthy / (w - 1):,.0f}", f"{k_diverged:,}", f"{k_diverged / (w - 1):,.0f}"]
+        rows.append(row)
     print(f"\nwhole audits, {n:,} tensors, 1 diverged on rank 1 (bytes handed to gloo by the audit channel):")
-    print(table(["ranks", "healthy, per peer", "divergent, through rank 0", "divergent, per peer"], rows))
+    head = ["ranks", "healthy, per peer", "divergent, through rank 0", "divergent, per peer"]
+    if kernel:  # the whole loopback interface of a private network namespace: every byte on the wire
+        head += ["kernel: healthy, per peer", "kernel: divergent, all", "kernel: divergent, per peer"]
+    print(table(head, rows))
     big = [k for k in raw["columns"] if k.startswith("100000/")]
     if big:
         per_peer = max(raw["columns"][k]["two_rounds"][0] / (int(k.split("/")[1]) - 1) for k in big)

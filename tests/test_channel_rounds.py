@@ -91,3 +91,36 @@ def test_a_divergence_among_many_tensors_is_localized_in_two_rounds_the_same_as_
     assert all(r[0] == first for r in results)
     # Each rank sent a digest per bucket of 64 and then 4 buckets' digests: far less than 8 bytes x 4,096.
     assert all(sent < 8 * 4096 // 4 for _, sent in results[1:])
+
+
+def _compact(rank: int, world: int, uneven: bool) -> Any:
+    from weightsync_audit.channel.star import Comm
+
+    comm = Comm(timeout_s=30)
+    comm.setup()  # opening the channel is a round of its own
+    row = np.array([7, 0, -1, 2**40], dtype=np.int64)
+    if rank == 2:
+        row[1:3] = (5, 9)  # the odd rank: only its two cells come back
+    if uneven and rank == 1:
+        row = row[:3]
+    before = comm.sent_bytes
+    try:
+        table = comm.exchange(row, "the compact rows", compact=True)
+    except Exception as exc:  # noqa: BLE001 - returned to compare across ranks
+        return type(exc).__name__, str(exc)
+    sent = comm.sent_bytes - before
+    return table.tolist(), comm.exchange(row, "the full rows").tolist(), sent
+
+
+def test_a_compact_exchange_gives_every_rank_the_same_table_as_a_full_one_in_a_fixed_answer() -> None:
+    out = run_ranks(_compact, 4, False)
+    assert all(o[0] == o[1] == out[0][0] for o in out), out
+    assert out[0][0][2] == [7, 5, 9, 2**40] and out[0][0][3] == [7, 0, -1, 2**40]
+    # the compact answer (length, 4 majority values, 2 cells: 11 words) fits in the 160-byte reply frame
+    assert out[0][2] == 3 * 160
+
+
+def test_compact_rows_of_different_lengths_are_out_of_step_on_every_rank() -> None:
+    out = run_ranks(_compact, 3, True)
+    assert all(o[0] == "AuditOutOfStepError" for o in out) and len({o[1] for o in out}) == 1
+    assert "3 value(s)" in out[0][1]

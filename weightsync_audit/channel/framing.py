@@ -26,6 +26,8 @@ __all__ = [
     "RULE_FAILED",
     "WHAT_BYTES",
     "as_u8",
+    "compact_rows",
+    "expand_rows",
     "join_parts",
     "split_parts",
     "what_words",
@@ -72,3 +74,30 @@ def split_parts(data: bytes, world: int) -> list[bytes]:
         out.append(data[pos : pos + n])
         pos += n
     return out
+
+
+def compact_rows(parts: list[bytes]) -> bytes:
+    """Every rank's int64 row, said compactly: per column the value most ranks hold (the column's
+    median, which is any strict majority's value), then only the cells that differ from it (flat index,
+    value). What comes back grows with what differs, not with the number of ranks. Rows of unequal
+    lengths come back as ``[-1, length of each]`` so that every rank can name the ranks out of step."""
+    sizes = [len(p) // 8 for p in parts]
+    if len(set(sizes)) != 1 or any(len(p) % 8 for p in parts):
+        return np.array([-1, *sizes], dtype=np.int64).tobytes()
+    table = np.frombuffer(b"".join(parts), dtype=np.int64).reshape(len(parts), sizes[0])
+    base = np.sort(table, axis=0)[len(parts) // 2] if table.size else np.zeros(sizes[0], dtype=np.int64)
+    flat = np.flatnonzero(table != base)
+    return np.concatenate([[sizes[0]], base, flat, table.reshape(-1)[flat]]).astype(np.int64).tobytes()
+
+
+def expand_rows(data: bytes, world: int) -> np.ndarray | list[int]:
+    """The ``[world, L]`` table that :func:`compact_rows` said; the rows' lengths when they differed."""
+    words = np.frombuffer(data, dtype=np.int64)
+    if words[0] < 0:
+        return words[1:].tolist()
+    n = int(words[0])
+    base, rest = words[1 : 1 + n], words[1 + n :]
+    table = np.tile(base, (world, 1))
+    k = rest.size // 2
+    table.reshape(-1)[rest[:k]] = rest[k:]
+    return table

@@ -62,6 +62,8 @@ from weightsync_audit.channel.framing import (
     RULE_FAILED,
     WHAT_BYTES,
     as_u8,
+    compact_rows,
+    expand_rows,
     join_parts,
     split_parts,
     what_words,
@@ -394,29 +396,37 @@ class Comm:
             return rule([as_u8(payload).numpy().tobytes()])
         return self._round(payload, rule, what)
 
-    def exchange(self, payload: np.ndarray, what: str = "the audit") -> np.ndarray:
-        """Every rank's fixed-length int64 vector, as a ``[world, L]`` array, on every rank."""
+    def exchange(self, payload: np.ndarray, what: str = "the audit", compact: bool = False) -> np.ndarray:
+        """Every rank's fixed-length int64 vector, as a ``[world, L]`` array, on every rank. ``compact``:
+        the same array, but the answer says only each column's majority value and the cells that differ."""
         row = np.ascontiguousarray(payload, dtype=np.int64).reshape(-1)
         if not self.distributed:
             return row.reshape(1, -1).copy()
-        parts = split_parts(self._round(row, join_parts, what), self.world_size)
-        if any(len(p) != row.nbytes for p in parts):
+        if compact:
+            table = expand_rows(self._round(row, compact_rows, what), self.world_size)
+            if isinstance(table, np.ndarray):
+                return table
+            lengths = [8 * n for n in table]
+        else:
+            parts = split_parts(self._round(row, join_parts, what), self.world_size)
+            lengths = [len(p) for p in parts]
+        if any(n != row.nbytes for n in lengths):
             group = self._group
             assert group is not None
-            sizes = {self.global_ranks[r]: f"{len(p) // 8} value(s) at {what}" for r, p in enumerate(parts)}
+            sizes = {self.global_ranks[r]: f"{n // 8} value(s) at {what}" for r, n in enumerate(lengths)}
             raise out_of_step_error(group, sizes, what)
         return np.frombuffer(b"".join(parts), dtype=np.int64).reshape(self.world_size, row.size).copy()
 
-    def exchange_within(self, payload: np.ndarray, what: str, extra_s: float) -> np.ndarray:
+    def exchange_within(self, payload: np.ndarray, what: str, extra_s: float, compact: bool = False) -> np.ndarray:
         """:meth:`exchange` with its deadline lengthened by ``extra_s`` for this one exchange: the time a
         transfer may still take on other ranks, so that a rank done early does not take a busy peer for a
         missing one."""
         if self.timeout_s is None or extra_s <= 0:
-            return self.exchange(payload, what)
+            return self.exchange(payload, what, compact)
         saved = self.timeout_s
         self.timeout_s = saved + extra_s
         try:
-            return self.exchange(payload, what)
+            return self.exchange(payload, what, compact)
         finally:
             self.timeout_s = saved
 

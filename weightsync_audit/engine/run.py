@@ -48,9 +48,9 @@ from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
-from weightsync_audit.engine.measure.finite import count_everywhere, in_sync_note, mark_nonfinite
+from weightsync_audit.engine.measure.finite import apply_nonfinite, count_everywhere, in_sync_note, nonfinite_row
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps
-from weightsync_audit.engine.measure.stability import mark_stability, unstable_hints
+from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer, mark_pinpoint
@@ -313,11 +313,13 @@ class AuditRun:
             )
         if value_mismatches:
             entries = [self.by_uid[d.uid] for d in self.value_diffs]
-            measure_gaps(comm, self.auditor.config, value_mismatches, entries)
-            mark_nonfinite(comm, value_mismatches, entries)  # which side holds NaN/inf, for texts and resync
-            cfg = self.auditor.config  # the odd ranks read the diverged tensors again: stable or not
-            mark_stability(comm, value_mismatches, self.value_diffs, self.entries, self.digests,
-                           slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
+            cfg, n = self.auditor.config, len(entries)  # the odd ranks read the diverged tensors again
+            again = reread_row(comm.rank, self.value_diffs, self.entries, self.digests,
+                               slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
+            # NaN/inf counts and second reads ride the gap layouts' round: one round, not three.
+            shared = measure_gaps(comm, cfg, value_mismatches, entries, np.concatenate([nonfinite_row(entries), again]))
+            apply_nonfinite(comm.global_ranks, value_mismatches, shared[:, :n])  # which side holds NaN/inf
+            apply_stability(value_mismatches, shared[:, n:])  # stable or not
         self.mismatches.extend(value_mismatches)
         if comm.global_ranks != tuple(range(comm.world_size)):
             # Decided on positions in the group; reported, like every error, in global ranks.

@@ -31,7 +31,15 @@ from weightsync_audit.engine.hashing.hostbytes import chunk_views
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks
 
-__all__ = ["count_everywhere", "count_nonfinite", "mark_nonfinite", "nonfinite_entries", "nonfinite_indices"]
+__all__ = [
+    "count_everywhere",
+    "count_nonfinite",
+    "apply_nonfinite",
+    "mark_nonfinite",
+    "nonfinite_row",
+    "nonfinite_entries",
+    "nonfinite_indices",
+]
 
 _PIECE = 1 << 18
 """Elements per piece of an exact count (the bool temporary stays at most this large)."""
@@ -118,9 +126,18 @@ def mark_nonfinite(comm: Comm, mismatches: Sequence[Mismatch], entries: Sequence
     """
     if not mismatches:
         return
-    mine = np.array([_safe_count(e.tensor) for e in entries], dtype=np.int64)
-    table = comm.exchange(mine, "the non-finite counts")
-    g = comm.global_ranks
+    table = comm.exchange(nonfinite_row(entries), "the non-finite counts", compact=True)
+    apply_nonfinite(comm.global_ranks, mismatches, table)
+
+
+def nonfinite_row(entries: Sequence[Any]) -> np.ndarray:
+    """This rank's count of NaN/inf elements in each of ``entries``' tensors (for :func:`apply_nonfinite`)."""
+    return np.array([_safe_count(e.tensor) for e in entries], dtype=np.int64)
+
+
+def apply_nonfinite(g: Sequence[int], mismatches: Sequence[Mismatch], table: np.ndarray) -> None:
+    """:func:`mark_nonfinite` from the gathered ``[world, n]`` counts (``g``: the group's global ranks);
+    the same on every rank."""
     for j, m in enumerate(mismatches):
         counts = {g[r]: int(table[r, j]) for r in range(table.shape[0]) if table[r, j] > 0}
         m.nonfinite = counts or None

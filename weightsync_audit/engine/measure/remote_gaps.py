@@ -45,8 +45,9 @@ _OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL = range(5)
 _FIELDS = 5  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer, count
 
 
-def _layouts(comm: Comm, entries: list[Entry]) -> np.ndarray:
-    """``[world, 2n]``: each rank's bytes and dtype-and-shape digest of each tensor, gathered.
+def _layouts(comm: Comm, entries: list[Entry], extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``[world, 2n]``: each rank's bytes and dtype-and-shape digest of each tensor, gathered (with the
+    caller's ``extra`` columns, ``[world, len(extra)]``, in the same round).
 
     Planned from this table, every rank makes the same plan even where local tensors differ (a
     DTensor's shard on a rank outside the peer set), and a copy only goes to a rank whose tensor has
@@ -58,7 +59,10 @@ def _layouts(comm: Comm, entries: list[Entry]) -> np.ndarray:
             t = e.tensor
             row[2 * j] = tensor_bytes(t)
             row[2 * j + 1] = xxhash.xxh3_64_intdigest(f"{t.dtype}{tuple(t.shape)}".encode()) >> 1
-    return comm.exchange(row, "the layouts of the diverged tensors")
+    both = comm.exchange(
+        np.concatenate([row, extra.astype(np.int64)]), "the layouts of the diverged tensors", compact=True
+    )
+    return both[:, : row.size], both[:, row.size :]
 
 
 def _receivers(layouts: np.ndarray, m: Mismatch, i: int) -> list[int]:
@@ -114,19 +118,23 @@ def _why(code: int, rank: int, peer: int) -> str:
     return f"rank {rank} could not compare the two copies"
 
 
-def measure_gaps(comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], entries: list[Entry]) -> None:
+def measure_gaps(
+    comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], entries: list[Entry], extra: np.ndarray | None = None
+) -> np.ndarray:
     """Fill ``max_abs_diff``, ``diff_count`` (and ``rel_diff`` where the record has it) of value mismatches.
 
     Collective over ``comm``: every rank calls it with the same mismatches (ranks as positions in the
     group) and its own entries for them. Never raises for a failed transfer; a failure of the star
-    itself (a rank gone) raises as every exchange does.
+    itself (a rank gone) raises as every exchange does. ``extra``: int64 values of this rank that ride
+    the layouts' round (one round fewer for the caller); returned gathered, ``[world, len(extra)]``.
     """
-    if not comm.distributed or all(e.dtype in ("none", "object") for e in entries):
-        return
-    layouts = _layouts(comm, entries)
+    extra = np.zeros(0, dtype=np.int64) if extra is None else extra
+    layouts, gathered = _layouts(comm, entries, extra)
+    if not comm.distributed:
+        return gathered
     chosen = _choose(cfg, mismatches, layouts, comm.grace_s)
     if not chosen:
-        return
+        return gathered
     plane = DataPlane(comm)
     sched = Schedule(comm.grace_s)
     sizes = {i: int(layouts[mismatches[i].reference_ranks[0], 2 * i]) for i in chosen}
@@ -165,7 +173,7 @@ def measure_gaps(comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], entri
                 row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
                 row[at + 4] = meter.diff_count
         before += sizes[i] * len(receivers)
-    table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total))
+    table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total), compact=True)
     if (table[:, 2::_FIELDS] != _OK).any():
         plane.discard()  # every rank sees the same table, so every rank retires the group alike
     g = comm.global_ranks
@@ -187,6 +195,7 @@ def measure_gaps(comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], entri
             rel = 0.0 if worst == 0 else (worst / reference if reference > 0 and math.isfinite(worst) else None)
             m.rel_diff = rel
         # Which side holds a NaN or inf is said by engine/measure/finite.py, from every rank's own count.
+    return gathered
 
 
 def _note(m: Mismatch, text: str) -> None:

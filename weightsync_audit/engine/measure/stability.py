@@ -20,7 +20,7 @@ from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.reporting.record import Mismatch
 
-__all__ = ["mark_stability", "persistent_hints", "unstable_hints"]
+__all__ = ["apply_stability", "mark_stability", "persistent_hints", "reread_row", "unstable_hints"]
 
 
 def mark_stability(
@@ -36,18 +36,43 @@ def mark_stability(
 ) -> None:
     """Set ``stability`` on each value mismatch (``diffs[i]`` is ``mismatches[i]``'s; ``first`` the audit's
     digests of ``entries``, in order). Collective: every rank calls it with the same ``diffs``."""
-    index = {e.uid: i for i, e in enumerate(entries)}
-    mine = [i for i, d in enumerate(diffs) if comm.rank in d.ranks and d.uid in index]
-    changed: list[int] = []
-    if mine:
-        again = digest_entries(
-            [entries[index[diffs[i].uid]] for i in mine], slice_index=slice_index, slices=slices, method=method
-        )
-        changed = [i for i, d in zip(mine, again.tolist()) if int(first[index[diffs[i].uid]]) != int(d)]
+    flags = reread_row(comm.rank, diffs, entries, first, slice_index=slice_index, slices=slices, method=method)
+    changed = [int(i) for i in np.flatnonzero(flags)]
     # Only the union comes back: a fixed-size answer per rank, whatever the number of ranks.
     unstable = set(json.loads(comm.decide(json.dumps(changed).encode(), _union, "the second read")))
     for i, m in enumerate(mismatches):
         m.stability = "unstable" if i in unstable else "stable"
+
+
+def reread_row(
+    rank: int,
+    diffs: Sequence[ValueDiff],
+    entries: Sequence[Entry],
+    first: np.ndarray,
+    *,
+    slice_index: int,
+    slices: int,
+    method: str,
+) -> np.ndarray:
+    """This rank's second read: 1 for each of ``diffs`` whose odd copy it holds and whose digest changed
+    since ``first`` (the audit's digests of ``entries``), else 0 (for :func:`apply_stability`)."""
+    index = {e.uid: i for i, e in enumerate(entries)}
+    mine = [i for i, d in enumerate(diffs) if rank in d.ranks and d.uid in index]
+    flags = np.zeros(len(diffs), dtype=np.int64)
+    if mine:
+        again = digest_entries(
+            [entries[index[diffs[i].uid]] for i in mine], slice_index=slice_index, slices=slices, method=method
+        )
+        for i, d in zip(mine, again.tolist()):
+            flags[i] = int(int(first[index[diffs[i].uid]]) != int(d))
+    return flags
+
+
+def apply_stability(mismatches: Sequence[Mismatch], table: np.ndarray) -> None:
+    """:func:`mark_stability` from the gathered ``[world, n]`` flags of :func:`reread_row`: unstable where
+    any rank's second read changed."""
+    for i, m in enumerate(mismatches):
+        m.stability = "unstable" if bool(table[:, i].any()) else "stable"
 
 
 def _union(parts: list[bytes]) -> bytes:
