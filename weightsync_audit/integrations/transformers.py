@@ -23,6 +23,7 @@ only one in the package that imports ``transformers``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
@@ -39,6 +40,7 @@ from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 
@@ -268,6 +270,42 @@ class WeightSyncAuditCallback(TrainerCallback):
         self._trainer: Any = None
         """A weak reference to the Trainer found at ``on_train_begin`` (:func:`find_trainer`)."""
         self._trainable = TrainableSetWatch()
+        self.env_options: dict[str, Any] | None = None
+        """The options of the ``WEIGHTSYNC_AUDIT`` variable when :meth:`from_env` built this callback."""
+
+    @classmethod
+    def from_env(cls) -> list[WeightSyncAuditCallback]:
+        """``[WeightSyncAuditCallback(**options)]`` from the ``WEIGHTSYNC_AUDIT`` variable, ``[]`` when it is
+        unset or ``0``: the Lightning callback's zero-code switch, for the Trainer (which has no entry point
+        for callbacks). The options are the variable's (``1``: the defaults; ``every_n_steps=50,report_path=
+        audit.jsonl``; ``every_n_train_steps`` is read as ``every_n_steps``); a bad one raises, naming it.
+        Next to a callback passed explicitly it steps aside at train begin, naming the options dropped.
+
+        Example::
+
+            trainer = Trainer(model=model, args=args, train_dataset=data,
+                              callbacks=WeightSyncAuditCallback.from_env())
+        """
+        from weightsync_audit.integrations.activation import callbacks_from_env
+
+        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "unknown")]
+        return callbacks_from_env(cls, names, rename={"every_n_train_steps": "every_n_steps"})
+
+    def _step_aside(self, state: Any) -> bool:
+        """From the variable, next to an explicit ``WeightSyncAuditCallback``: do nothing, say what is dropped."""
+        trainer = self._trainer() if self._trainer is not None else None
+        handler = getattr(trainer, "callback_handler", None)
+        own = [
+            c
+            for c in getattr(handler, "callbacks", [])
+            if isinstance(c, WeightSyncAuditCallback) and c is not self and c.env_options is None
+        ]
+        if self.env_options is None or not own:
+            return False
+        self._disabled = f"the Trainer already has a WeightSyncAuditCallback; the one from {ENV_VAR} is not used"
+        if state.is_world_process_zero:
+            warnings.warn(dropped_message(self, type(own[0]).__name__), WeightSyncWarning, stacklevel=user_stacklevel())
+        return True
 
     def audited(self, model: Any) -> Any:
         """What the audit reads: the Trainer's DDP wrapper over ``model`` when there is one (the names stay
@@ -288,6 +326,8 @@ class WeightSyncAuditCallback(TrainerCallback):
         trainer = find_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
         self._disabled = sharded_reason(args)
+        if self._step_aside(state):
+            return
         if self._disabled:
             if state.is_world_process_zero:
                 warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
