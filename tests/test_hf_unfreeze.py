@@ -83,6 +83,9 @@ def test_hf_unfreeze_after_the_trainers_ddp_wrap_is_warned_before_the_step_and_p
     assert {"body.weight", "body.bias"} <= {m["name"] for m in first_bad["mismatches"]}  # the user's names
     assert PROVEN in first_bad["hints"][0] and first_bad["hints"][0].endswith(TRAINER_FIX), first_bad["hints"]
     assert "DDPRewrapOnTrainableChange" not in first_bad["hints"][0]
+    # The head (reduced) follows through max_grad_norm's clipping: named as a consequence, no optimizer load blamed.
+    assert any(h.startswith("head.weight, head.bias differ although") for h in first_bad["hints"]), first_bad["hints"]
+    assert not any("loaded or reset" in h for h in first_bad["hints"]), first_bad["hints"]
 
 
 def test_hf_trainer_fix_unfreeze_with_every_parameter_in_the_reducer_keeps_replicas_in_sync(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from weightsync_audit.ddp.evidence import Evidence, uses_fsdp2
+from weightsync_audit.ddp.hint_follow import followers, followers_accounts, followers_hint
 from weightsync_audit.ddp.inspect import fix_for, syncs_buffers
 from weightsync_audit.text import brief_names
 
@@ -199,6 +200,12 @@ _PROVEN = (
         ruled_out=lambda ev, names: bool(getattr(ev.ddp, "find_unused_parameters", False)),
         accounts=_stalled,
         proven=True,
+    ),
+    Rule(
+        "reduced, but following unreduced ones",
+        needs=lambda ev: followers(ev, _unsynced(ev)),
+        says=lambda ev, names: followers_hint(names),
+        accounts=followers_accounts,
     ),
     Rule(
         "ignored by DDP",
