@@ -98,3 +98,13 @@ def test_hf_trainer_fix_unfreeze_with_every_parameter_in_the_reducer_keeps_repli
     body = got[0]["body_at"]
     assert body["0"] == body["2"] != body["3"]  # frozen until step 2, then trained
     assert body == got[1]["body_at"]  # and the same on both ranks
+
+
+def test_outside_a_trainer_no_trainer_is_found_and_the_callback_audits_the_model_it_is_given() -> None:
+    import torch
+
+    from weightsync_audit.integrations.transformers import WeightSyncAuditCallback, find_trainer, trainer_ddp
+
+    model = torch.nn.Linear(2, 2)
+    assert find_trainer() is None and trainer_ddp(None, model) is None
+    assert WeightSyncAuditCallback().audited(model) is model
