@@ -11,6 +11,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
+from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.activation import ENV_VAR, parse_options
 from weightsync_audit.integrations.lightning import lightning_pytorch as lp_ns
 from weightsync_audit.integrations.lightning import pytorch_lightning as pl_ns
@@ -123,7 +124,7 @@ def test_a_real_fit_writes_the_report_without_a_code_change(monkeypatch: pytest.
     assert main(["check", str(report)]) == 0
 
 
-def test_an_explicit_callback_wins_over_the_variable_and_nothing_is_audited_twice(
+def test_an_explicit_callback_wins_over_the_variable_which_warns_naming_its_dropped_options(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     env_report, own_report = tmp_path / "env.jsonl", tmp_path / "own.jsonl"
@@ -132,7 +133,10 @@ def test_an_explicit_callback_wins_over_the_variable_and_nothing_is_audited_twic
     own = pl_ns.WeightSyncAudit(every_n_train_steps=2, report_path=str(own_report), verbose=False)
     trainer = _trainer(pl, max_steps=4, callbacks=[own])
     assert len(_audits(trainer)) == 2
-    trainer.fit(_Tiny(), data)
+    with pytest.warns(WeightSyncWarning, match="WeightSyncAudit passed in callbacks") as said:
+        trainer.fit(_Tiny(), data)
+    [dropped] = [str(w.message) for w in said if "are dropped" in str(w.message)]
+    assert f"every_n_train_steps=1, report_path='{env_report}', verbose=False are dropped" in dropped
     assert not env_report.exists()
     assert len(own_report.read_text().splitlines()) == 4
     [env_cb] = [c for c in _audits(trainer) if c is not own]

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from weightsync_audit.ddp.evidence import Evidence, uses_fsdp2
-from weightsync_audit.ddp.inspect import syncs_buffers
+from weightsync_audit.ddp.hint_follow import followers, followers_accounts, followers_hint
+from weightsync_audit.ddp.inspect import fix_for, syncs_buffers
 from weightsync_audit.text import brief_names
 
 __all__ = ["RULES", "Rule", "ddp_frozen_hint", "ddp_unsynced_hint"]
@@ -49,11 +50,14 @@ def _resync_too(state: Sequence[str]) -> str:
     )
 
 
-def ddp_unsynced_hint(unsynced: Sequence[str], *, drifted: bool = False, state: Sequence[str] = ()) -> str:
+def ddp_unsynced_hint(
+    unsynced: Sequence[str], *, drifted: bool = False, state: Sequence[str] = (), fix: str | None = None
+) -> str:
     """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer.
 
     ``drifted``: the replicas already differ, so the fix must also resync them, optimizer state included;
     ``state``: the optimizer state keys those parameters have (``exp_avg``...), named in that advice.
+    ``fix``: the fix to offer instead of the re-wrap (a Trainer whose loop keeps its own wrapper), whole.
 
     >>> "Adam" in ddp_unsynced_hint(["fc.weight"], drifted=True)  # no optimizer named that is not known
     False
@@ -62,17 +66,18 @@ def ddp_unsynced_hint(unsynced: Sequence[str], *, drifted: bool = False, state: 
         f"{brief_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
         "gradients: they became trainable after DDP wrapped the model (DDP builds its gradient reducer "
         "once, over the parameters that required grad then; BackboneFinetuning's unfreeze is one way), so "
-        f"each rank steps them with its own local gradient. {_FIX}" + (_resync_too(state) if drifted else "")
+        "each rank steps them with its own local gradient. "
+        + (fix if fix is not None else _FIX + (_resync_too(state) if drifted else ""))
     )
 
 
-def ddp_frozen_hint(left: Sequence[str]) -> str:
+def ddp_frozen_hint(left: Sequence[str], *, fix: str | None = None) -> str:
     """Parameters frozen after the wrap: DDP's reducer still waits for their gradients."""
     return (
         f"{brief_names(left)} were frozen after DistributedDataParallel wrapped the model; its reducer still "
         "expects their gradients, so the bucket holding them is never all-reduced (without "
         "find_unused_parameters=True the next forward fails with 'Expected to have finished reduction "
-        f"in the prior iteration'). {_FIX}"
+        f"in the prior iteration'). {_FIX if fix is None else fix}"
     )
 
 
@@ -182,19 +187,25 @@ _PROVEN = (
     Rule(
         "trainable after the DDP wrap",
         needs=_unsynced,
-        says=lambda ev, names: ddp_unsynced_hint(names, drifted=True, state=ev.state_keys(names)),
+        says=lambda ev, names: ddp_unsynced_hint(names, drifted=True, state=ev.state_keys(names), fix=fix_for(ev.ddp)),
         accounts=_unsynced_accounts,
         proven=True,
     ),
     Rule(
         "frozen after the DDP wrap",
         needs=_frozen_left,
-        says=lambda ev, names: ddp_frozen_hint(names),
+        says=lambda ev, names: ddp_frozen_hint(names, fix=fix_for(ev.ddp)),
         # With find_unused_parameters=True the reducer marks a frozen parameter unused at each forward
         # and its bucket completes; only without it does freezing after the wrap hurt.
         ruled_out=lambda ev, names: bool(getattr(ev.ddp, "find_unused_parameters", False)),
         accounts=_stalled,
         proven=True,
+    ),
+    Rule(
+        "reduced, but following unreduced ones",
+        needs=lambda ev: followers(ev, _unsynced(ev)),
+        says=lambda ev, names: followers_hint(names),
+        accounts=followers_accounts,
     ),
     Rule(
         "ignored by DDP",

@@ -25,7 +25,9 @@ from weightsync_audit.text import brief_names
 __all__ = [
     "TrainableChange",
     "ddp_settings",
+    "FIX_ATTR",
     "find_ddp",
+    "fix_for",
     "is_retired",
     "live_ddp",
     "mark_retired",
@@ -48,6 +50,15 @@ _FLAGS_ATTR = "_weightsync_trainable_flags"
 _PARAMS_ATTR = "_weightsync_parameters"
 #: Attribute on a retired wrapper: True, or the wrapper that replaced it (see :func:`live_ddp`).
 _SUCCESSOR_ATTR = "_weightsync_replaced_by"
+
+
+#: Attribute on a wrapper: the fix its hints offer when its Trainer cannot re-wrap (the Hugging Face Trainer's).
+FIX_ATTR = "_weightsync_fix"
+
+
+def fix_for(ddp: object) -> str | None:
+    """The fix a Trainer set on its wrapper (:data:`FIX_ATTR`), or ``None`` for the re-wrap fix."""
+    return getattr(ddp, FIX_ATTR, None) if ddp is not None else None
 
 
 def live_ddp(ddp: DistributedDataParallel | None) -> DistributedDataParallel | None:

@@ -15,7 +15,14 @@ import warnings
 from typing import Any
 
 from weightsync_audit.ddp.hints import ddp_frozen_hint, ddp_unsynced_hint
-from weightsync_audit.ddp.inspect import covered_flags, find_ddp, flags_change, trainable_flags, watched_parameters
+from weightsync_audit.ddp.inspect import (
+    covered_flags,
+    find_ddp,
+    fix_for,
+    flags_change,
+    trainable_flags,
+    watched_parameters,
+)
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
 __all__ = ["TrainableSetWatch"]
@@ -52,9 +59,9 @@ class TrainableSetWatch:
         change = flags_change(ddp.module, covered, now)
         parts = []
         if change.joined:
-            parts.append(ddp_unsynced_hint(list(change.joined)))
+            parts.append(ddp_unsynced_hint(list(change.joined), fix=fix_for(ddp)))
         if change.left and not ddp.find_unused_parameters:
-            parts.append(ddp_frozen_hint(list(change.left)))
+            parts.append(ddp_frozen_hint(list(change.left), fix=fix_for(ddp)))
         if not parts:
             return False
         self.warned = True

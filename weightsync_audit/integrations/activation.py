@@ -6,19 +6,32 @@ is built. Unset (or ``0``), nothing happens. ``1`` adds ``WeightSyncAudit()`` wi
 the Trainer's construction with a message naming it.
 
 Lists use ``+`` inside one option: ``hooks=on_train_start+on_fit_end``; ``none`` means ``None``.
+
+A Trainer that already has its own audit callback (passed in ``callbacks=``) keeps it: the one the
+variable added steps aside and says so, naming the options of the variable that are therefore dropped
+(:func:`dropped_message`). The Hugging Face Trainer has no entry point for callbacks: there the same
+variable is read by ``WeightSyncAuditCallback.from_env()`` (one line, docs/integrations.md), which
+takes the same options (``every_n_train_steps`` is its ``every_n_steps``).
 """
 
 from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import Any, Sequence
 
+from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
 
-__all__ = ["ENV_VAR", "parse_options", "pytorch_lightning_callbacks", "lightning_pytorch_callbacks"]
+__all__ = [
+    "ENV_VAR",
+    "callbacks_from_env",
+    "dropped_message",
+    "parse_options",
+    "pytorch_lightning_callbacks",
+    "lightning_pytorch_callbacks",
+]
 
-ENV_VAR = "WEIGHTSYNC_AUDIT"
 
 _OFF = ("", "0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
@@ -36,7 +49,7 @@ def _convert(key: str, text: str) -> Any:
         return None
     if key == "resync_src" and text == "majority":
         return text
-    if key in ("every_n_train_steps", "resync_src", "pinpoint_ring"):
+    if key in ("every_n_train_steps", "every_n_steps", "resync_src", "pinpoint_ring", "exit_code"):
         try:
             return int(text)
         except ValueError:
@@ -46,15 +59,17 @@ def _convert(key: str, text: str) -> Any:
             return float(text)
         except ValueError:
             raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be a number") from None
-    if key in ("verbose", "pinpoint"):
+    if key in ("verbose", "pinpoint", "checkpoints"):
         if text.lower() not in _ON + _OFF:
             raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be true or false")
         return text.lower() in _ON
     return text
 
 
-def parse_options(value: str | None) -> dict[str, Any] | None:
+def parse_options(value: str | None, names: Sequence[str] | None = None) -> dict[str, Any] | None:
     """The callback's keyword arguments from the variable's value; ``None`` when it is off.
+
+    ``names``: the options accepted (default: the Lightning callback's).
 
     >>> parse_options("every_n_train_steps=50,on_mismatch=raise")
     {'every_n_train_steps': 50, 'on_mismatch': 'raise'}
@@ -66,7 +81,7 @@ def parse_options(value: str | None) -> dict[str, Any] | None:
     text = value.strip()
     if text.lower() in _ON:
         return {}
-    known = _option_names()
+    known = list(names) if names is not None else _option_names()
     out: dict[str, Any] = {}
     for part in text.split(","):
         part = part.strip()
@@ -82,16 +97,31 @@ def parse_options(value: str | None) -> dict[str, Any] | None:
     return out
 
 
-def _callbacks(cls: type) -> list[Any]:
-    options = parse_options(os.environ.get(ENV_VAR))
+def callbacks_from_env(
+    cls: type, names: Sequence[str] | None = None, rename: dict[str, str] | None = None
+) -> list[Any]:
+    """``[cls(**options)]`` from the variable, or ``[]`` when it is off; the callback keeps the options
+    given (``env_options``). ``rename`` maps another callback's option names to
+    ``cls``'s (the Lightning cadence to the Hugging Face one)."""
+    value = os.environ.get(ENV_VAR)
+    rename = rename or {}
+    options = parse_options(value, None if names is None else [*names, *rename])
     if options is None:
         return []
+    options = {rename.get(k, k): v for k, v in options.items()}
     try:
         callback = cls(**options)
-    except ValueError as exc:
-        raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: {exc}") from None
-    callback.from_env = True
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{ENV_VAR}={value!r}: {exc}") from None
+    callback.env_options = options
     return [callback]
+
+
+def _callbacks(cls: type) -> list[Any]:
+    found = callbacks_from_env(cls)
+    for callback in found:
+        callback.from_env = True
+    return found
 
 
 def pytorch_lightning_callbacks() -> list[Any]:

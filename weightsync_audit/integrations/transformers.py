@@ -11,7 +11,11 @@ same options as the Lightning callback). What is particular to the Trainer:
 * the optimizer as it stands right before the step is only visible at ``on_pre_optimizer_step``: an
   ``lr`` set differently on one rank is gone again by ``on_step_end`` (the scheduler resets it), so the
   gradient audit there also compares the optimizer;
-* ``state.global_step`` counts optimizer steps, so gradient accumulation does not repeat an audit.
+* ``state.global_step`` counts optimizer steps, so gradient accumulation does not repeat an audit;
+* the DDP wrapper the Trainer trains through (``trainer.model_wrapped``) is read from the Trainer that
+  dispatches the event (:func:`find_trainer`), so hints read its reducer and a trainable set that moved
+  after the wrap is warned about before the step; the Trainer's loop keeps the wrapper it built, so the
+  fix offered is :data:`TRAINER_FIX`, not a re-wrap (docs/integrations.md).
 
 Import it as ``from weightsync_audit.transformers import WeightSyncAuditCallback``; this module is the
 only one in the package that imports ``transformers``.
@@ -19,22 +23,40 @@ only one in the package that imports ``transformers``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import sys
 import warnings
+import weakref
 from typing import Any, Optional, Sequence
 
 from transformers import TrainerCallback
 from typing_extensions import override
 
+from weightsync_audit.ddp.inspect import FIX_ATTR, find_ddp
+from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["WeightSyncAuditCallback"]
+__all__ = ["TRAINER_FIX", "WeightSyncAuditCallback", "find_trainer", "trainer_ddp"]
+
+#: The fix offered under the Hugging Face Trainer for a trainable set that changed after its DDP wrap.
+#: Its training loop holds the wrapper it built in a local variable, so a re-wrap from a callback would
+#: not be used; what works is a reducer built over every parameter that will ever train
+#: (tests/test_hf_unfreeze.py proves it on 2 ranks).
+TRAINER_FIX = (
+    "Fix under the Hugging Face Trainer (its training loop keeps the DDP wrapper it built, so no callback can "
+    "re-wrap it): let every parameter that will ever train require grad when trainer.train() starts, freeze "
+    "the ones that must wait in a callback's on_train_begin (it runs after the wrap) and pass "
+    "TrainingArguments(ddp_find_unused_parameters=True); unfreezing them later is then all-reduced. Replicas "
+    "that already differ: resume from a checkpoint saved before they diverged (every rank loads the same weights)."
+)
 
 
 def engine_of(args: Any) -> str | None:
@@ -112,6 +134,41 @@ def lead_the_log(callback: Any) -> bool:
                 callbacks.insert(0, _LogLead(callback))
             return True
     return False
+
+
+def find_trainer(depth: int = 8) -> Any | None:
+    """The ``transformers.Trainer`` dispatching the callback event being run, or ``None``.
+
+    Events receive no trainer (the ``CallbackHandler`` passes the unwrapped model); the Trainer is the
+    ``self`` of a frame a few levels up the stack (Trainer method -> handler event -> ``call_event`` ->
+    the callback), a subclass included. ``None`` (a callback called by hand, another dispatcher) keeps
+    the behaviour without it: the unwrapped model is audited.
+    """
+    try:
+        from transformers import Trainer
+    except ImportError:  # pragma: no cover - this module imports transformers already
+        return None
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        if isinstance(frame.f_locals.get("self"), Trainer):
+            return frame.f_locals["self"]
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def trainer_ddp(trainer: Any, model: Any) -> Any | None:
+    """The DistributedDataParallel wrapper ``trainer`` trains ``model`` through (``model_wrapped``), or ``None``.
+
+    Marked with :data:`TRAINER_FIX`, so that its hints and warnings offer the fix that works under the
+    Trainer. A wrapper over another module (a stale one, a second Trainer's) is not returned.
+    """
+    ddp = find_ddp(getattr(trainer, "model_wrapped", None)) if trainer is not None else None
+    if ddp is None or model is None or (ddp.module is not model and unwrap_module(ddp) is not model):
+        return None
+    setattr(ddp, FIX_ATTR, TRAINER_FIX)
+    return ddp
 
 
 def checkpoint_dir(args: Any, state: Any) -> str:
@@ -210,6 +267,52 @@ class WeightSyncAuditCallback(TrainerCallback):
         self._disabled: str | None = None
         self._last_step_audited: int | None = None
         self._unlogged: dict[str, float] = {}
+        self._trainer: Any = None
+        """A weak reference to the Trainer found at ``on_train_begin`` (:func:`find_trainer`)."""
+        self._trainable = TrainableSetWatch()
+        self.env_options: dict[str, Any] | None = None
+        """The options of the ``WEIGHTSYNC_AUDIT`` variable when :meth:`from_env` built this callback."""
+
+    @classmethod
+    def from_env(cls) -> list[WeightSyncAuditCallback]:
+        """``[WeightSyncAuditCallback(**options)]`` from the ``WEIGHTSYNC_AUDIT`` variable, ``[]`` when it is
+        unset or ``0``: the Lightning callback's zero-code switch, for the Trainer (which has no entry point
+        for callbacks). The options are the variable's (``1``: the defaults; ``every_n_steps=50,report_path=
+        audit.jsonl``; ``every_n_train_steps`` is read as ``every_n_steps``); a bad one raises, naming it.
+        Next to a callback passed explicitly it steps aside at train begin, naming the options dropped.
+
+        Example::
+
+            trainer = Trainer(model=model, args=args, train_dataset=data,
+                              callbacks=WeightSyncAuditCallback.from_env())
+        """
+        from weightsync_audit.integrations.activation import callbacks_from_env
+
+        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "unknown")]
+        return callbacks_from_env(cls, names, rename={"every_n_train_steps": "every_n_steps"})
+
+    def _step_aside(self, state: Any) -> bool:
+        """From the variable, next to an explicit ``WeightSyncAuditCallback``: do nothing, say what is dropped."""
+        trainer = self._trainer() if self._trainer is not None else None
+        handler = getattr(trainer, "callback_handler", None)
+        own = [
+            c
+            for c in getattr(handler, "callbacks", [])
+            if isinstance(c, WeightSyncAuditCallback) and c is not self and c.env_options is None
+        ]
+        if self.env_options is None or not own:
+            return False
+        self._disabled = f"the Trainer already has a WeightSyncAuditCallback; the one from {ENV_VAR} is not used"
+        if state.is_world_process_zero:
+            warnings.warn(dropped_message(self, type(own[0]).__name__), WeightSyncWarning, stacklevel=user_stacklevel())
+        return True
+
+    def audited(self, model: Any) -> Any:
+        """What the audit reads: the Trainer's DDP wrapper over ``model`` when there is one (the names stay
+        the model's), else ``model``."""
+        trainer = self._trainer() if self._trainer is not None else None
+        ddp = trainer_ddp(trainer, model)
+        return ddp if ddp is not None else model
 
     # -- Trainer events ------------------------------------------------------------------------
 
@@ -220,7 +323,11 @@ class WeightSyncAuditCallback(TrainerCallback):
     @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         lead_the_log(self)  # again: a callback added with trainer.add_callback missed on_init_end
+        trainer = find_trainer()
+        self._trainer = weakref.ref(trainer) if trainer is not None else None
         self._disabled = sharded_reason(args)
+        if self._step_aside(state):
+            return
         if self._disabled:
             if state.is_world_process_zero:
                 warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
@@ -232,6 +339,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             grads_with_optimizer=True,
         )
         self._opened = True
+        self._trainable = TrainableSetWatch()
+        self._trainable.snapshot(self.audited(model))
         self._last_step_audited = state.global_step
         resumed = None
         if self.checkpoints and state.global_step > 0:  # resumed: the checkpoint of this step was loaded
@@ -248,6 +357,11 @@ class WeightSyncAuditCallback(TrainerCallback):
 
     @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._opened and model is not None:
+            # After backward, before the step: a trainable set that left DDP's reducer behind is warned
+            # about before any weight moves (on the main process; every rank checks its own wrapper).
+            if self._trainable.check(self.audited(model), state.global_step, warn=state.is_world_process_zero):
+                self.runner.voice.note_said(self._trainable.said, f"the warning at step {state.global_step}")
         if self.runner.grad_auditor is None or not self._opened:
             return
         upcoming = state.global_step + 1
@@ -260,7 +374,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         if self._opened and model is not None:
             # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
             optimizer = kwargs.get("optimizer")
-            self.runner.record_step(model, [optimizer] if optimizer is not None else [], step)
+            self.runner.record_step(self.audited(model), [optimizer] if optimizer is not None else [], step)
         if self.every_n_steps is None or step == self._last_step_audited or step % self.every_n_steps:
             return
         self._last_step_audited = step
@@ -300,6 +414,7 @@ class WeightSyncAuditCallback(TrainerCallback):
     ) -> AuditResult | None:
         if model is None:
             raise ValueError(f"weightsync audit: the Trainer passed no model to {hook}")
+        model = self.audited(model)
         optimizers = [optimizer] if optimizer is not None else []
         kw: dict[str, Any] = dict(step=step, epoch=epoch_of(state), hook=hook, is_main=state.is_world_process_zero)
         if checkpoint is not None:

@@ -18,6 +18,7 @@ from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.env_options import dropped_message
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 
@@ -178,8 +179,12 @@ class WeightSyncAuditMixin:
             isinstance(c, WeightSyncAuditMixin) and c is not self and not c.from_env for c in trainer.callbacks
         ):
             # The Trainer already has its own WeightSyncAudit: the one WEIGHTSYNC_AUDIT added steps aside
-            # rather than auditing (and reporting) everything twice.
+            # rather than auditing (and reporting) everything twice, and says which of its options are dropped.
             self._disabled = "the Trainer already has a WeightSyncAudit; the one from WEIGHTSYNC_AUDIT is not used"
+            if trainer.is_global_zero:
+                warnings.warn(
+                    dropped_message(self, type(self).__name__), WeightSyncWarning, stacklevel=user_stacklevel()
+                )
             return
         if self._disabled:
             if trainer.is_global_zero:
