@@ -26,8 +26,25 @@ def _healthy_bytes(rank: int, world: int) -> int:
 
 def test_healthy_audit_sends_a_fixed_size_per_rank_whatever_the_world() -> None:
     sent = run_ranks(_healthy_bytes, 4)
-    assert sent[0] == 3 * 160  # one 160-byte verdict per peer
-    assert sent[1:] == [208, 208, 208]  # one request frame each
+    assert sent[0] == 3 * 72  # one verdict per peer: a 32-byte header and the 37-byte answer, in words
+    assert sent[1:] == [152, 152, 152]  # one request frame each: an 80-byte header and the 72-byte summary
+
+
+def _one_message_each_way(rank: int, world: int) -> tuple[int, int, bytes]:
+    from weightsync_audit.channel.star import Comm
+
+    comm = Comm(timeout_s=30)
+    comm.setup()
+    group = comm._group  # noqa: SLF001 - the channel's own message count
+    before = group.sent_messages
+    answer = comm.decide(bytes([rank]) * 900, lambda parts: b"".join(p[:1] for p in parts) * 200, "a kilobyte")
+    return group.sent_messages - before, len(answer), answer[:4]
+
+
+def test_an_exchange_under_a_kilobyte_each_way_is_one_message_up_and_one_down() -> None:
+    results = run_ranks(_one_message_each_way, 3)
+    assert [r[0] for r in results] == [2, 1, 1]  # the coordinator answers each peer once, each peer asks once
+    assert {(r[1], r[2]) for r in results} == {(600, bytes([0, 1, 2, 0]))}
 
 
 def _columns(rank: int, world: int) -> list[Any]:
@@ -116,8 +133,9 @@ def test_a_compact_exchange_gives_every_rank_the_same_table_as_a_full_one_in_a_f
     out = run_ranks(_compact, 4, False)
     assert all(o[0] == o[1] == out[0][0] for o in out), out
     assert out[0][0][2] == [7, 5, 9, 2**40] and out[0][0][3] == [7, 0, -1, 2**40]
-    # the compact answer (length, 4 majority values, 2 cells: 11 words) fits in the 160-byte reply frame
-    assert out[0][2] == 3 * 160
+    # the compact answer (the length, 4 majority values, 2 cells as index and value: 9 words) rides the
+    # reply frame's 4-word header: 13 words to each peer, however many ranks agree
+    assert out[0][2] == 3 * 13 * 8
 
 
 def test_compact_rows_of_different_lengths_are_out_of_step_on_every_rank() -> None:

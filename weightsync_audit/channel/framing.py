@@ -5,8 +5,11 @@ points of the protocol would send messages of different sizes; so every message 
 ``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body length,
 and up to ``INLINE_BYTES`` of the body), and a longer body is received into a buffer of exactly the
 announced length. The coordinator's reply is framed the same way in ``REPLY_WORDS`` words (magic,
-exchange number, status, body length, and up to ``INLINE_BYTES`` of the body): 160 bytes whatever the
-number of ranks, so a healthy audit sends a fixed number of bytes per rank.
+exchange number, status, body length, and up to ``INLINE_BYTES`` of the body), whatever the number of
+ranks, so a healthy audit sends a fixed number of bytes per rank. Frames are received into buffers of the
+largest frame's size and sent at their own length (:func:`used_words`): an exchange of up to a kilobyte
+each way is one message up and one down, which on the wire costs far less than a second message (each
+gloo message brings its own handshake and acknowledgements: about 500 bytes on loopback).
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ __all__ = [
     "expand_rows",
     "join_parts",
     "split_parts",
+    "used_words",
     "what_words",
     "words_text",
 ]
 
 MAGIC = 0x5753_4146  # 'WSAF'
 WHAT_BYTES = 48
-INLINE_BYTES = 128
+INLINE_BYTES = 1024
 REQ_WORDS = 4 + WHAT_BYTES // 8 + INLINE_BYTES // 8  # magic, seq, what hash, nbytes, what, inline
 REPLY_WORDS = 4 + INLINE_BYTES // 8  # magic, seq, status, nbytes, inline
 
@@ -52,6 +56,16 @@ def what_words(what: str) -> tuple[int, np.ndarray]:
 
 def words_text(words: np.ndarray) -> str:
     return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+def used_words(header_words: int, inline_bytes: int) -> int:
+    """The words of a frame actually sent: its header and the inline body, rounded up to a word.
+
+    A receive buffer may be larger than the message that fills it (gloo delivers a shorter message
+    whole; only a longer one aborts the process), so every frame is received into a buffer of the
+    largest frame's size and sent at its own length: a short exchange costs its own bytes only.
+    """
+    return header_words + -(-inline_bytes // 8)
 
 
 def as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:

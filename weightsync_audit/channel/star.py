@@ -8,8 +8,8 @@ deadline. The coordinator knows exactly which ranks arrived and tells the others
 
 One exchange is a *round*: each rank sends its bytes to the coordinator, which applies a rule to the list
 (a pure function, the same on any rank) and sends every rank the same answer. The healthy audit's rule
-answers a fixed-size verdict, so rank 0 sends 160 bytes per peer and every other rank 368 bytes in all,
-whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to everyone. A dedicated gloo group keeps
+answers a fixed-size verdict, so rank 0 sends 72 bytes per peer and every other rank 224 bytes in all
+(152 up, 72 down), whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to everyone. A dedicated gloo group keeps
 these small CPU messages apart from the training traffic (which may be NCCL) and gives per-call timeouts.
 
 What gloo does on failure shapes the protocol (measured with torch 2.13):
@@ -66,6 +66,7 @@ from weightsync_audit.channel.framing import (
     expand_rows,
     join_parts,
     split_parts,
+    used_words,
     what_words,
     words_text,
 )
@@ -219,9 +220,10 @@ class Comm:
         frame = np.zeros(REQ_WORDS, dtype=np.int64)
         frame[:4] = (MAGIC, seq, what_hash, body.numel())
         frame[4 : 4 + len(name_words)] = name_words
-        if body.numel() <= INLINE_BYTES:
-            frame.view(np.uint8)[(4 + len(name_words)) * 8 :][: body.numel()] = body.numpy()
-        return torch.from_numpy(frame)
+        inline = body.numel() if body.numel() <= INLINE_BYTES else 0
+        if inline:
+            frame.view(np.uint8)[(4 + len(name_words)) * 8 :][:inline] = body.numpy()
+        return torch.from_numpy(frame[: used_words(4 + len(name_words), inline)])
 
     def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
         deadline = time.monotonic() + self._deadline_s() + self.grace_s
@@ -359,9 +361,10 @@ class Comm:
         """Send the same answer to every reachable rank at once; the ranks it could not reach."""
         frame = np.zeros(REPLY_WORDS, dtype=np.int64)
         frame[:4] = (MAGIC, seq, status, len(data))
-        if len(data) <= INLINE_BYTES:
-            frame.view(np.uint8)[32:][: len(data)] = np.frombuffer(data, dtype=np.uint8)
-        reply = torch.from_numpy(frame)
+        inline = len(data) if len(data) <= INLINE_BYTES else 0
+        if inline:
+            frame.view(np.uint8)[32:][:inline] = np.frombuffer(data, dtype=np.uint8)
+        reply = torch.from_numpy(frame[: used_words(4, inline)])
         big = as_u8(data) if len(data) > INLINE_BYTES else None
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
