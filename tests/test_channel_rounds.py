@@ -35,7 +35,7 @@ def _one_message_each_way(rank: int, world: int) -> tuple[int, int, bytes]:
 
     comm = Comm(timeout_s=30)
     comm.setup()
-    group = comm._group  # noqa: SLF001 - the channel's own message count
+    group = comm._group  # the channel's own message count
     before = group.sent_messages
     answer = comm.decide(bytes([rank]) * 900, lambda parts: b"".join(p[:1] for p in parts) * 200, "a kilobyte")
     return group.sent_messages - before, len(answer), answer[:4]
