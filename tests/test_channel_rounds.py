@@ -133,9 +133,9 @@ def test_a_compact_exchange_gives_every_rank_the_same_table_as_a_full_one_in_a_f
     out = run_ranks(_compact, 4, False)
     assert all(o[0] == o[1] == out[0][0] for o in out), out
     assert out[0][0][2] == [7, 5, 9, 2**40] and out[0][0][3] == [7, 0, -1, 2**40]
-    # the compact answer (the length, 4 majority values, 2 cells as index and value: 9 words) rides the
-    # reply frame's 4-word header: 13 words to each peer, however many ranks agree
-    assert out[0][2] == 3 * 13 * 8
+    # the compact answer (its length, the row length, 4 majority values, 2 cells as index and value:
+    # 10 words) rides the reply frame's 4-word header: 14 words to each peer, however many ranks agree
+    assert out[0][2] == 3 * 14 * 8
 
 
 def test_compact_rows_of_different_lengths_are_out_of_step_on_every_rank() -> None:

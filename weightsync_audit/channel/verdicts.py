@@ -4,6 +4,25 @@ A failure verdict is a small JSON object, ``{"missing": [global ranks], "what": 
 ``{"positions": {global rank: where}}``. The coordinator decides it and sends it over gloo; it also
 writes it into the job's store (bounded calls), where a rank whose gloo reply failed reads it. Once a
 rank has raised, its group is marked broken and later exchanges raise at once.
+
+What gloo does on failure shapes the protocol (measured with torch 2.13):
+
+* A ``wait(timeout)`` that expires closes *every* pair of that process's gloo context ("Application
+  timeout caused pair closure"), so after waiting out a late rank the coordinator can no longer answer
+  the punctual ones over gloo. The verdict therefore also goes through the job's key-value store (the
+  one ``init_process_group`` set up), under a key per exchange; a rank whose gloo reply fails reads it
+  there. Only failures touch the store: a healthy exchange is one gloo message up and one down per rank.
+  Every store call is bounded (:mod:`~weightsync_audit.channel.storelink`): a stopped store host
+  cannot hold a rank past ``timeout_s`` + grace.
+* When the coordinator cannot answer a rank after the others already have their answer (that rank died
+  or gave up), the answer stands for this exchange on every rank that has it, and the coordinator
+  delivers the failure verdict at the next exchange, so the survivors all name the same rank.
+* A message larger than the receive buffer aborts the receiving *process* (``gloo::EnforceNotMet`` in a
+  background thread, ``terminate``). Ranks at different points of the protocol would send messages of
+  different sizes, so every message starts with a fixed-size frame that announces the exchange's
+  sequence number, its name and the body's length; a body (beyond what fits in the frame) is received
+  into a buffer of exactly the announced length. A frame from a rank at another point of the protocol is
+  reported as :class:`~weightsync_audit.AuditOutOfStepError` on every rank, never a crash.
 """
 
 from __future__ import annotations
