@@ -27,7 +27,8 @@ def _healthy_bytes(rank: int, world: int) -> int:
 def test_healthy_audit_sends_a_fixed_size_per_rank_whatever_the_world() -> None:
     sent = run_ranks(_healthy_bytes, 4)
     assert sent[0] == 3 * 72  # one verdict per peer: a 32-byte header and the 37-byte answer, in words
-    assert sent[1:] == [152, 152, 152]  # one request frame each: an 80-byte header and the 72-byte summary
+    # one request frame each: an 80-byte header, the 72-byte summary and its 32-byte bucket sketch
+    assert sent[1:] == [184, 184, 184]
 
 
 def _one_message_each_way(rank: int, world: int) -> tuple[int, int, bytes]:
@@ -142,3 +143,55 @@ def test_compact_rows_of_different_lengths_are_out_of_step_on_every_rank() -> No
     out = run_ranks(_compact, 3, True)
     assert all(o[0] == "AuditOutOfStepError" for o in out) and len({o[1] for o in out}) == 1
     assert "3 value(s)" in out[0][1]
+
+
+def _sketched(rank: int, world: int) -> dict[str, Any]:
+    from weightsync_audit.channel.star import Comm
+    from weightsync_audit.engine.agreement.rounds import bucket_sketch, localize_values
+
+    comm = Comm(timeout_s=30)
+    comm.setup()
+    digests = np.arange(1000, dtype=np.int64) * 7919
+    if rank == 2:
+        digests[700] = -5
+    _, full = bucket_sketch(digests)
+    group = comm._group
+    out: dict[str, Any] = {}
+    for label, candidates in (("right", (11,)), ("hidden", ()), ("wrong", (3,))):
+        before = group.sent_messages
+        diffs = localize_values(comm, [f"t{i}" for i in range(1000)], digests, candidates, full)
+        out[label] = ([(d.uid, d.ranks) for d in diffs], group.sent_messages - before)
+    return out
+
+
+def test_a_sketch_that_hides_the_differing_bucket_is_caught_by_the_check_and_every_tensor_is_compared() -> None:
+    # 1,000 digests in 16 buckets of 63: tensor 700 lies in bucket 11. Told the right bucket, one round
+    # compares its 63 tensors; told none or another (what a 16-bit sketch collision would say), the check
+    # word of the other buckets differs on rank 2, and every rank falls back to the whole column alike.
+    results = run_ranks(_sketched, 4)
+    for r in results:
+        assert r["right"][0] == r["hidden"][0] == r["wrong"][0] == [("t700", (2,))]
+    assert results[1]["right"][1] == 1  # one message up from a peer: the candidate bucket's digests
+    assert results[1]["hidden"][1] == results[1]["wrong"][1] == 3  # the failed check, then two rounds
+
+
+def _divergent_rounds(rank: int, world: int) -> tuple[int, str]:
+    torch.manual_seed(0)
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4)) for _ in range(1000)])
+    auditor = Auditor(model, timeout_s=30)
+    assert auditor.audit(step=0).in_sync
+    if rank == 1:
+        with torch.no_grad():
+            model[500][0] += 1
+    before = auditor.comm._group.sent_messages
+    result = auditor.audit(step=1)
+    (m,) = result.mismatches
+    return auditor.comm._group.sent_messages - before, f"{m.name} {m.ranks} {m.max_abs_diff} {bool(result.hints)}"
+
+
+def test_a_divergence_of_a_small_tensor_among_1000_takes_three_rounds_with_its_gap_and_hints() -> None:
+    # summary (with the bucket sketch), the candidate bucket's digests, the layouts round that carries
+    # the copies of the small diverged tensor, measured by the coordinator, and the hints
+    results = run_ranks(_divergent_rounds, 4)
+    assert [r[0] for r in results[1:]] == [3, 3, 3]
+    assert {r[1] for r in results} == {"500 [1] 1.0 True"}

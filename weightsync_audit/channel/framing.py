@@ -111,7 +111,7 @@ def expand_rows(data: bytes, world: int) -> np.ndarray | list[int]:
         return words[1:].tolist()
     n = int(words[0])
     base, rest = words[1 : 1 + n], words[1 + n :]
-    table = np.tile(base, (world, 1))
+    table = np.array(np.tile(base, (world, 1)))  # writable even when empty (np.tile then hands back a view)
     k = rest.size // 2
     table.reshape(-1)[rest[:k]] = rest[k:]
     return table

@@ -18,6 +18,7 @@ Every rank takes every phase from the same gathered data, so no collective is en
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import time
@@ -42,7 +43,8 @@ from weightsync_audit.engine.agreement.consensus import (
     structure_row,
     tie_detail,
 )
-from weightsync_audit.engine.agreement.rounds import agree, compare_columns, compare_structures
+from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
+from weightsync_audit.engine.agreement.rounds import agree, bucket_sketch, compare_structures, localize_values
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
@@ -55,7 +57,6 @@ from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arg
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer, mark_pinpoint
 from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note
-from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
 
@@ -99,7 +100,9 @@ class AuditRun:
 
     __slots__ = (
         "auditor",
+        "buckets",
         "by_uid",
+        "candidates",
         "checked",
         "comm",
         "ddp",
@@ -108,6 +111,7 @@ class AuditRun:
         "epoch",
         "failure",
         "hints",
+        "hints_shared",
         "hook",
         "hosts",
         "mismatches",
@@ -149,6 +153,8 @@ class AuditRun:
         self.prepared = PreparedManifest.uncached(Manifest())
         self.digests = np.zeros(0, np.int64)
         self.verdict: SummaryVerdict | None = None
+        self.candidates: tuple[int, ...] | None = None
+        self.buckets = np.zeros(0, np.int64)
         self.entries: list[Entry] = []
         self.by_uid: dict[int, Entry] = {}
         self.value_diffs: list[ValueDiff] = []
@@ -159,6 +165,7 @@ class AuditRun:
         self.checked: dict[str, int] = {}
         self.notes: list[str] = []
         self.hints: list[str] = []
+        self.hints_shared = False
         self.pin: Pinpoint | None = None
         self.nonfinite: tuple[int, list[str]] | None = None
         self.transient: dict[str, Any] | None = None
@@ -196,6 +203,7 @@ class AuditRun:
             self.failure = exc
             self.prepared, self.digests = PreparedManifest.uncached(Manifest()), np.zeros(0, np.int64)
             structure = overall = 0
+        sketch, self.buckets = bucket_sketch(self.digests)
         pinpointer = self.auditor.pinpointer
         position = f"hook={self.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
         return np.array(
@@ -209,6 +217,7 @@ class AuditRun:
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
                 self.slice_index,
                 ring_word(pinpointer),
+                *sketch.tolist(),  # where a divergence lies, to the bucket: localized a round sooner
             ],
             dtype=np.int64,
         )
@@ -219,49 +228,12 @@ class AuditRun:
         """The summaries meet; a failed or out-of-step rank makes every rank raise together."""
         agreed = agree(self.comm, summary)
         if agreed.failed:
-            self._raise_failed()
-        self.verdict = agreed.verdict
+            raise_failed(self.comm, self.failure)
+        self.verdict, self.candidates = agreed.verdict, agreed.candidates
         if self.verdict.status == "out_of_step":
-            self._raise_out_of_step(self.verdict.differing_fields)
-
-    def _raise_failed(self) -> None:
-        comm, failure = self.comm, self.failure
-        mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
-        messages = [b.decode("utf-8", "replace") for b in comm.exchange_bytes(mine.encode(), "the failure report")]
-        if failure is not None:
-            raise failure
-        failed = {comm.global_ranks[r]: m for r, m in enumerate(messages) if m}
-        text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise AuditPreparationError(
-            f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed
-        )
-
-    def _raise_out_of_step(self, fields: tuple[str, ...] | list[str]) -> None:
-        comm = self.comm
-        mine = json.dumps(
-            {
-                "step": self.step,
-                "epoch": self.epoch,
-                "hook": self.hook,
-                "config": self.auditor.config.fingerprint(),
-                "slice": self.slice_index,
-            }
-        )
-        positions = [json.loads(b) for b in comm.exchange_bytes(mine.encode(), "the out-of-step report")]
-        lines = {}
-        for r, p in enumerate(positions):
-            where = [f"step {p['step']}", f"epoch {p['epoch']}", f"hook {p['hook']}"]
-            if "config" in fields or "protocol" in fields:
-                where.append(p["config"])
-            if "slice" in fields:
-                where.append(f"sample slice {p['slice']} (ranks audited a different number of times)")
-            lines[comm.global_ranks[r]] = ", ".join(where)
-        text = "; ".join(f"rank {r}: {w}" for r, w in lines.items())
-        raise AuditOutOfStepError(
-            f"ranks reached the weight audit out of step ({', '.join(fields)} differ), so their weights "
-            f"cannot be compared: {text}",
-            lines,
-        )
+            position = {"step": self.step, "epoch": self.epoch, "hook": self.hook}
+            position.update(config=self.auditor.config.fingerprint(), slice=self.slice_index)
+            raise_out_of_step(self.comm, self.verdict.differing_fields, position)
 
     # -- localize ------------------------------------------------------------------------------
 
@@ -277,7 +249,8 @@ class AuditRun:
             # differ by design, so the overall digests say nothing; compare within each peer set.
             self.value_diffs, self.peers = compare_sharded(comm, self.entries, self.digests)
         elif status == "values":
-            self.value_diffs = compare_columns(comm, [e.uid for e in self.entries], self.digests)
+            uids = [e.uid for e in self.entries]
+            self.value_diffs = localize_values(comm, uids, self.digests, self.candidates, self.buckets)
         elif status == "structure":
             rows = [structure_row(e, d) for e, d in zip(self.entries, self.digests.tolist())]
             self.structure_diffs, self.value_diffs, self.union = compare_structures(comm, rows)
@@ -311,22 +284,43 @@ class AuditRun:
                     e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, tie, shard
                 )
             )
+        settled = None
         if value_mismatches:
+            self._tally()  # the hints ride the gaps' last round, so what they say is known before it
             entries = [self.by_uid[d.uid] for d in self.value_diffs]
             cfg, n = self.auditor.config, len(entries)  # the odd ranks read the diverged tensors again
             again = reread_row(comm.rank, self.value_diffs, self.entries, self.digests,
                                slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
+
+            def finish(measured: list[Mismatch], extra: np.ndarray) -> bytes:  # on the coordinator
+                try:
+                    self._apply_extra(measured, extra, n)
+                    return self._hint_payload(self._settle(copy.deepcopy(self.mismatches) + measured))
+                except Exception:  # noqa: BLE001 - every rank then asks for the hints in a round of their own
+                    return b""
+
             # NaN/inf counts and second reads ride the gap layouts' round: one round, not three.
-            shared = measure_gaps(comm, cfg, value_mismatches, entries, np.concatenate([nonfinite_row(entries), again]))
-            apply_nonfinite(comm.global_ranks, value_mismatches, shared[:, :n])  # which side holds NaN/inf
-            apply_stability(value_mismatches, shared[:, n:])  # stable or not
-        self.mismatches.extend(value_mismatches)
-        if comm.global_ranks != tuple(range(comm.world_size)):
-            # Decided on positions in the group; reported, like every error, in global ranks.
-            for m in self.mismatches:
-                m.ranks = [comm.global_ranks[r] for r in m.ranks]
-                m.reference_ranks = [comm.global_ranks[r] for r in m.reference_ranks]
-        apply_tolerance(self.mismatches, self.auditor.config.tolerance)
+            extra = np.concatenate([nonfinite_row(entries), again])
+            shared, settled = measure_gaps(comm, cfg, value_mismatches, entries, extra, finish)
+            self._apply_extra(value_mismatches, shared, n)
+        self.mismatches = self._settle(self.mismatches + value_mismatches)
+        if settled is not None:
+            self._take_hints(settled)
+
+    def _apply_extra(self, mismatches: list[Mismatch], shared: np.ndarray, n: int) -> None:
+        apply_nonfinite(self.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
+        apply_stability(mismatches, shared[:, n:])  # stable or not
+
+    def _settle(self, mismatches: list[Mismatch]) -> list[Mismatch]:
+        """Ranks made global (decided on positions in the group; reported, like every error, in global
+        ranks), and the tolerance."""
+        g = self.comm.global_ranks
+        if g != tuple(range(self.comm.world_size)):
+            for m in mismatches:
+                m.ranks = [g[r] for r in m.ranks]
+                m.reference_ranks = [g[r] for r in m.reference_ranks]
+        apply_tolerance(mismatches, self.auditor.config.tolerance)
+        return mismatches
 
     def count_nonfinite(self) -> None:
         """With ``check_finite``: the audited tensors holding NaN/inf (collective; the same on every rank)."""
@@ -344,6 +338,17 @@ class AuditRun:
                 self.transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
                 self.notes.append(transient_note(self.transient))
             self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1, self._tolerated())
+        self._tally()
+        if self.mismatches:
+            if not self.hints_shared:
+                self._share_hints()
+            self.hints += unstable_hints(self.mismatches, self.hosts)
+
+    def _tally(self) -> None:
+        """What was compared, and the notes (once per audit)."""
+        if self.checked:
+            return
+        cfg = self.auditor.config
         counts = self.prepared.counts()
         self.checked, unpaired = compared_counts(self.entries, self.peers) if self.peers is not None else (counts, 0)
         if self.union is not None:  # not this rank's own count: the same on every rank
@@ -354,9 +359,6 @@ class AuditRun:
             + list(self.prepared.notes)
             + sharded_notes(self.checked, unpaired, counts["param"], "params" in cfg.include)
         )
-        if self.mismatches:
-            self._share_hints()
-            self.hints += unstable_hints(self.mismatches, self.hosts)
 
     def _tolerated(self) -> list[int] | None:
         """Manifest positions of the diverged tensors when every one is within the tolerance, else None."""
@@ -367,26 +369,34 @@ class AuditRun:
 
     def _share_hints(self) -> None:
         """Hints read a wrapper and notes a manifest: the first rank's are everyone's, so the record is the
-        same on every rank (one small message, on divergence only). Nothing here may raise on that rank
-        alone, or the others would wait for it."""
-        mine = None
-        if self.comm.rank == 0:
-            hints: list[str] = []
-            try:
-                hints = explain(
-                    self.mismatches,
-                    ddp=self.ddp,
-                    grads_checked="grads" in self.auditor.config.include,
-                    params_compared=self.checked["param"] > 0,
-                    module=self.module,
-                    state_names=[e.name for e in self.entries if e.kind == "optimizer" and e.shard is None],
-                    **drift_arguments(self.mismatches),  # a gap the size of float rounding reads as drift
-                )
-            except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
-                self.notes.append(f"no hint: {type(exc).__name__}: {exc}")
-            odd = sorted({r for m in self.mismatches for r in m.ranks})
-            mine = json.dumps([hints, self.notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
-        self.hints, self.notes, hosts = json.loads(self.comm.share_bytes(0, mine, "the hints"))
+        same on every rank (one small message, on divergence only, when the gaps' last round could not
+        carry them)."""
+        mine = self._hint_payload(self.mismatches) if self.comm.rank == 0 else None
+        self._take_hints(self.comm.share_bytes(0, mine, "the hints"))
+
+    def _hint_payload(self, mismatches: list[Mismatch]) -> bytes:
+        """On the first rank: the hints, notes and where the odd ranks run. Nothing here may raise on that
+        rank alone, or the others would wait for it."""
+        hints: list[str] = []
+        notes = list(self.notes)
+        try:
+            hints = explain(
+                mismatches,
+                ddp=self.ddp,
+                grads_checked="grads" in self.auditor.config.include,
+                params_compared=self.checked["param"] > 0,
+                module=self.module,
+                state_names=[e.name for e in self.entries if e.kind == "optimizer" and e.shard is None],
+                **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
+            )
+        except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
+            notes.append(f"no hint: {type(exc).__name__}: {exc}")
+        odd = sorted({r for m in mismatches for r in m.ranks})
+        return json.dumps([hints, notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
+
+    def _take_hints(self, payload: bytes) -> None:
+        self.hints_shared = True
+        self.hints, self.notes, hosts = json.loads(payload)
         self.hosts = hosts or None
 
     # -- record --------------------------------------------------------------------------------

@@ -45,8 +45,10 @@ PROTOCOL_FAILED = PROTOCOL | 0x80
 """First word of the summary of a rank that could not prepare its audit: every rank then raises."""
 
 SUMMARY_FIELDS = ("protocol", "step", "epoch", "count", "structure", "overall", "config", "slice", "ring")
-"""The fixed-size summary each rank contributes: 9 int64 words, 72 bytes. ``ring``: the pinpoint ring's
-trace since the last audit (0 without pinpoint): equal values with other rings is a transient divergence."""
+"""The fixed-size summary each rank contributes: 9 int64 words, 72 bytes, followed by the 4-word bucket
+sketch of :func:`~weightsync_audit.engine.agreement.rounds.bucket_sketch` (104 bytes in all). ``ring``: the
+pinpoint ring's trace since the last audit (0 without pinpoint): equal values with other rings is a
+transient divergence."""
 
 _POSITION_FIELDS = ("protocol", "step", "epoch", "config", "slice")
 

@@ -24,6 +24,7 @@ import xxhash
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import (
     PROTOCOL_FAILED,
+    SUMMARY_FIELDS,
     StructureDiff,
     SummaryVerdict,
     ValueDiff,
@@ -34,7 +35,37 @@ from weightsync_audit.engine.agreement.consensus import (
 )
 from weightsync_audit.engine.inventory.manifest import KINDS
 
-__all__ = ["Agreement", "agree", "compare_columns", "compare_structures"]
+__all__ = [
+    "SKETCH_BUCKETS",
+    "Agreement",
+    "agree",
+    "bucket_sketch",
+    "compare_columns",
+    "compare_structures",
+    "localize_values",
+]
+
+
+SKETCH_BUCKETS = 16
+"""Contiguous buckets of the digest column whose 16-bit sketches ride the summary (4 words, 32 bytes)."""
+
+
+def bucket_sketch(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The summary's sketch of ``digests`` (``SKETCH_BUCKETS`` 16-bit digests packed in 4 int64 words) and
+    the buckets' full 64-bit digests (kept by the rank, for :func:`localize_values`)."""
+    row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
+    size = -(-row.size // SKETCH_BUCKETS) or 1
+    full = np.array(
+        [xxhash.xxh3_64_intdigest(row[b * size : (b + 1) * size]) >> 1 for b in range(SKETCH_BUCKETS)],
+        dtype=np.int64,
+    )
+    return (full & 0xFFFF).astype(np.uint16).view(np.int64), full
+
+
+def _candidates(sketches: np.ndarray) -> list[int]:
+    """The buckets whose sketches differ between ranks (``sketches``: ``[world, 4]`` int64)."""
+    table = np.ascontiguousarray(sketches).view(np.uint16)
+    return np.flatnonzero((table != table[0]).any(axis=0)).tolist()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +75,8 @@ class Agreement:
     status: str
     differing_fields: tuple[str, ...] = ()
     failed: bool = False
+    candidates: tuple[int, ...] | None = None
+    """On a divergence of values: the buckets whose sketches differ (each holding a differing tensor)."""
 
     @property
     def verdict(self) -> SummaryVerdict:
@@ -54,17 +87,19 @@ def _judge(parts: list[bytes]) -> bytes:
     if len({len(p) for p in parts}) > 1:  # another protocol version: its summary has another length
         return json.dumps({"s": "out_of_step", "f": ["protocol"], "x": False}).encode()
     table = np.frombuffer(b"".join(parts), dtype=np.int64).reshape(len(parts), -1)
-    v = judge_summaries(table)
-    return json.dumps(
-        {"s": v.status, "f": list(v.differing_fields), "x": bool((table[:, 0] == PROTOCOL_FAILED).any())}
-    ).encode()
+    v = judge_summaries(table[:, : len(SUMMARY_FIELDS)])
+    answer = {"s": v.status, "f": list(v.differing_fields), "x": bool((table[:, 0] == PROTOCOL_FAILED).any())}
+    if v.status == "values":
+        answer["b"] = _candidates(table[:, len(SUMMARY_FIELDS) :])
+    return json.dumps(answer).encode()
 
 
 def agree(comm: Comm, summary: np.ndarray) -> Agreement:
-    """Phase (a): compare every rank's summary; one fixed-size answer per rank."""
+    """Phase (a): compare every rank's summary (its fields, then the sketch); one small answer per rank."""
     row = np.ascontiguousarray(summary, dtype=np.int64).reshape(-1)
     answer = json.loads(comm.decide(row, _judge, "the audit summary"))
-    return Agreement(answer["s"], tuple(answer["f"]), answer["x"])
+    b = answer.get("b")
+    return Agreement(answer["s"], tuple(answer["f"]), answer["x"], tuple(b) if b is not None else None)
 
 
 def _columns(parts: list[bytes]) -> bytes:
@@ -94,30 +129,68 @@ def _differing_buckets(parts: list[bytes]) -> bytes:
     return json.dumps(np.flatnonzero((table != table[0]).any(axis=0)).tolist()).encode()
 
 
-def compare_columns(comm: Comm, uids: Sequence[str], digests: np.ndarray) -> list[ValueDiff]:
+def localize_values(
+    comm: Comm, uids: Sequence[str], digests: np.ndarray, candidates: Sequence[int] | None, full: np.ndarray
+) -> list[ValueDiff]:
+    """Phase (b) after the summary's sketch: only the candidate buckets' tensors are compared, with a check
+    that every other bucket agrees (its full digests, hashed: one word). A sketch that hid a differing
+    bucket (2**-16 per bucket) fails the check on every rank alike, and every tensor is compared then.
+    """
+    row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
+    if candidates is None or not comm.distributed:
+        return compare_columns(comm, uids, row)
+    size = -(-row.size // SKETCH_BUCKETS) or 1
+    picked = [j for b in candidates for j in range(b * size, min(row.size, (b + 1) * size))]
+    others = np.delete(full, list(candidates))
+    check = xxhash.xxh3_64_intdigest(others.tobytes()) >> 1
+    found = compare_columns(comm, [uids[j] for j in picked], row[picked], check=check)
+    return found if found is not None else compare_columns(comm, uids, row)
+
+
+def _checked(rule: Any) -> Any:
+    """``rule`` on every rank's bytes but its last word, which must be the same everywhere (else ``b"!"``)."""
+
+    def checked(parts: list[bytes]) -> bytes:
+        if len({p[-8:] for p in parts}) > 1:
+            return b"!"
+        return rule([p[:-8] for p in parts])
+
+    return checked
+
+
+def compare_columns(comm: Comm, uids: Sequence[str], digests: np.ndarray, check: int | None = None) -> Any:
     """Phase (b): which tensors differ, with their reference and differing ranks, on every rank.
 
     From :data:`BUCKETS_FROM` tensors on, in two rounds, so that the bytes through the coordinator grow
     with the ranks and with what differs, not with the number of tensors: each rank sends one digest per
     bucket of about sqrt(n) tensors; every rank learns the differing buckets; then each sends only those
     buckets' digests. The coordinator finds each column's majority; each rank receives only the differing
-    columns, each set of differing ranks once.
+    columns, each set of differing ranks once. ``check``: a word that must be the same on every rank,
+    sent with the first round; ``None`` comes back on every rank when it is not (see :func:`localize_values`).
     """
     row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
+    word = [] if check is None else [check]
     if row.size >= BUCKETS_FROM and comm.distributed:
         size = _bucket_size(row.size)
         buckets = np.array(
-            [xxhash.xxh3_64_intdigest(row[i : i + size].tobytes()) >> 1 for i in range(0, row.size, size)],
+            [xxhash.xxh3_64_intdigest(row[i : i + size]) >> 1 for i in range(0, row.size, size)] + word,
             dtype=np.int64,
         )
-        picked_buckets = json.loads(comm.decide(buckets, _differing_buckets, "the bucket digests"))
-        picked = [j for b in picked_buckets for j in range(b * size, min(row.size, (b + 1) * size))]
+        rule = _checked(_differing_buckets) if word else _differing_buckets
+        answer = comm.decide(buckets, rule, "the bucket digests")
+        if answer == b"!":
+            return None
+        picked = [j for b in json.loads(answer) for j in range(b * size, min(row.size, (b + 1) * size))]
         return _compare_picked(comm, [uids[j] for j in picked], row[picked])
-    return _compare_picked(comm, uids, row)
+    return _compare_picked(comm, uids, row, word)
 
 
-def _compare_picked(comm: Comm, uids: Sequence[str], row: np.ndarray) -> list[ValueDiff]:
-    answer = json.loads(comm.decide(np.ascontiguousarray(row), _columns, "the per-tensor digests"))
+def _compare_picked(comm: Comm, uids: Sequence[str], row: np.ndarray, word: list[int] | None = None) -> Any:
+    payload = np.concatenate([row, np.array(word or [], dtype=np.int64)])
+    raw = comm.decide(payload, _checked(_columns) if word else _columns, "the per-tensor digests")
+    if raw == b"!":
+        return None
+    answer = json.loads(raw)
     sets = [tuple(s) for s in answer["sets"]]
     out = []
     for j, k, tie in answer["cols"]:

@@ -11,17 +11,28 @@ the audit returns its verdict as usual.
 
 What may be moved is bounded up front (``max_diff_tensors``, ``max_diff_bytes``, ``gap_budget_s``), and
 the same plan is made on every rank, so the deadlines agree too.
+
+Small tensors skip the data plane: the reference rank and the odd ranks add their copies of the diverged
+tensors of up to :data:`INLINE_GAP_BYTES` in all to the layouts' round, and the coordinator measures
+those gaps there (the same :class:`~weightsync_audit.engine.measure.gaps.GapMeter`, the same table every
+rank would have built). The last round (the layouts' when nothing is left to move, else the gaps') also
+carries what the caller's ``finish`` makes, on the coordinator, of the mismatches as they will be settled
+(the hints): a divergence of small tensors costs the star one round here, not three.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
+import torch
 import xxhash
 
 from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
+from weightsync_audit.channel.framing import compact_rows, expand_rows
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing.hostbytes import host_chunk
 from weightsync_audit.engine.inventory.manifest import Entry
@@ -29,7 +40,14 @@ from weightsync_audit.engine.measure.gaps import GapMeter
 from weightsync_audit.engine.measure.transfer import Sink, receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.reporting.record import Mismatch
 
-__all__ = ["measure_gaps"]
+__all__ = ["INLINE_GAP_BYTES", "Finish", "measure_gaps"]
+
+INLINE_GAP_BYTES = 768
+"""Bytes of diverged tensors a rank adds to the layouts' round, so that their gaps are measured there."""
+
+Finish = Callable[[list[Mismatch], np.ndarray], bytes]
+"""Run on the coordinator in the last round: from copies of the mismatches with their gaps filled and the
+gathered ``extra`` columns, the bytes every rank gets back (see :func:`measure_gaps`)."""
 
 
 class GapSettings(Protocol):
@@ -41,17 +59,16 @@ class GapSettings(Protocol):
     tolerance: float | None
 
 
-_OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL = range(5)
+_OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL, _PENDING = range(6)
 _FIELDS = 5  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer, count
 
 
-def _layouts(comm: Comm, entries: list[Entry], extra: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``[world, 2n]``: each rank's bytes and dtype-and-shape digest of each tensor, gathered (with the
-    caller's ``extra`` columns, ``[world, len(extra)]``, in the same round).
+def _layout_row(entries: list[Entry]) -> np.ndarray:
+    """Each tensor's bytes and dtype-and-shape digest on this rank.
 
-    Planned from this table, every rank makes the same plan even where local tensors differ (a
-    DTensor's shard on a rank outside the peer set), and a copy only goes to a rank whose tensor has
-    the reference's layout, so that every chunk is received into a buffer of the size sent.
+    Planned from these rows gathered, every rank makes the same plan even where local tensors differ (a
+    DTensor's shard on a rank outside the peer set), and a copy only goes to a rank whose tensor has the
+    reference's layout, so that every chunk is received into a buffer of the size sent.
     """
     row = np.zeros(2 * len(entries), dtype=np.int64)
     for j, e in enumerate(entries):
@@ -59,10 +76,76 @@ def _layouts(comm: Comm, entries: list[Entry], extra: np.ndarray) -> tuple[np.nd
             t = e.tensor
             row[2 * j] = tensor_bytes(t)
             row[2 * j + 1] = xxhash.xxh3_64_intdigest(f"{t.dtype}{tuple(t.shape)}".encode()) >> 1
-    both = comm.exchange(
-        np.concatenate([row, extra.astype(np.int64)]), "the layouts of the diverged tensors", compact=True
-    )
-    return both[:, : row.size], both[:, row.size :]
+    return row
+
+
+def _inline_blob(rank: int, mismatches: list[Mismatch], entries: list[Entry]) -> bytes:
+    """This rank's copies of the small diverged tensors it holds a side of (reference or odd), for the
+    coordinator to measure: a JSON head (index, dtype, shape of each), then the bytes."""
+    head, body, used = [], [], 0
+    for i, (m, e) in enumerate(zip(mismatches, entries)):
+        if e.dtype in ("none", "object") or (rank != m.reference_ranks[0] and rank not in m.ranks):
+            continue
+        t = e.tensor.detach()
+        n = tensor_bytes(t)
+        if n == 0 or used + n > INLINE_GAP_BYTES:
+            continue
+        body.append(host_chunk(t).reshape(-1).view(torch.uint8).numpy().tobytes())
+        head.append([i, str(t.dtype).removeprefix("torch."), list(t.shape)])
+        used += n
+    if not head:
+        return b""
+    text = json.dumps(head).encode()
+    return len(text).to_bytes(8, "little") + text + b"".join(body)
+
+
+def _copies(blob: bytes) -> dict[int, torch.Tensor]:
+    if len(blob) < 8:
+        return {}
+    n = int.from_bytes(blob[:8], "little")
+    out, pos = {}, 8 + n
+    for i, dtype, shape in json.loads(blob[8 : 8 + n]):
+        dt = getattr(torch, dtype)
+        k = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        out[i] = torch.frombuffer(bytearray(blob[pos : pos + k]), dtype=torch.uint8).view(dt).reshape(shape)
+        pos += k
+    return out
+
+
+def _gap_rows(world: int, count: int) -> np.ndarray:
+    rows = np.zeros((world, _FIELDS * count), dtype=np.int64)
+    rows[:, 2::_FIELDS] = _OK
+    rows[:, 3::_FIELDS] = -1
+    return rows
+
+
+def _measure_inline(
+    mismatches: list[Mismatch], chosen: list[int], layouts: np.ndarray, blobs: list[bytes]
+) -> np.ndarray:
+    """On the coordinator: the gap table of the chosen tensors whose copies came inline; ``_PENDING``
+    marks those left to the data plane. The rows each rank would have filled itself."""
+    copies = [_copies(b) for b in blobs]
+    rows = _gap_rows(len(blobs), len(chosen))
+    for k, i in enumerate(chosen):
+        m, at = mismatches[i], _FIELDS * k
+        ref, receivers = m.reference_ranks[0], _receivers(layouts, m, i)
+        pieces = [copies[r].get(i) for r in (ref, *receivers)]
+        if any(p is None or p.shape != pieces[0].shape or p.dtype != pieces[0].dtype for p in pieces):
+            rows[:, at + 2] = _PENDING
+            continue
+        for r in m.ranks:
+            if r not in receivers:
+                rows[r, at + 2] = _LOCAL  # another layout than the reference's
+        for r in receivers:
+            meter = GapMeter()
+            try:
+                meter.update(copies[r][i], copies[ref][i])
+            except Exception:  # noqa: BLE001 - said as "could not compare", as a receiver would
+                rows[r, at + 2] = _LOCAL
+                continue
+            rows[r, at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
+            rows[r, at + 4] = meter.diff_count
+    return rows
 
 
 def _receivers(layouts: np.ndarray, m: Mismatch, i: int) -> list[int]:
@@ -119,40 +202,93 @@ def _why(code: int, rank: int, peer: int) -> str:
 
 
 def measure_gaps(
-    comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], entries: list[Entry], extra: np.ndarray | None = None
-) -> np.ndarray:
+    comm: Comm,
+    cfg: GapSettings,
+    mismatches: list[Mismatch],
+    entries: list[Entry],
+    extra: np.ndarray | None = None,
+    finish: Finish | None = None,
+) -> tuple[np.ndarray, bytes | None]:
     """Fill ``max_abs_diff``, ``diff_count`` (and ``rel_diff`` where the record has it) of value mismatches.
 
     Collective over ``comm``: every rank calls it with the same mismatches (ranks as positions in the
     group) and its own entries for them. Never raises for a failed transfer; a failure of the star
     itself (a rank gone) raises as every exchange does. ``extra``: int64 values of this rank that ride
-    the layouts' round (one round fewer for the caller); returned gathered, ``[world, len(extra)]``.
+    the layouts' round (one round fewer for the caller); returned gathered, ``[world, len(extra)]``, with
+    what ``finish`` made on the coordinator in the last round (``None`` without ``finish``).
     """
     extra = np.zeros(0, dtype=np.int64) if extra is None else extra
-    layouts, gathered = _layouts(comm, entries, extra)
+    width = 2 * len(entries)
+    blob = _inline_blob(comm.rank, mismatches, entries) if comm.distributed else b""
+
+    def first(table: np.ndarray, blobs: list[bytes]) -> bytes:  # on the coordinator
+        ms = copy.deepcopy(mismatches)
+        chosen = _choose(cfg, ms, table[:, :width], comm.grace_s)
+        inline = _measure_inline(ms, chosen, table[:, :width], blobs)
+        gaps = compact_rows([r.tobytes() for r in inline])
+        done = not (inline[:, 2::_FIELDS] == _PENDING).any()
+        return len(gaps).to_bytes(8, "little") + gaps + (_finished(ms, chosen, inline, table) if done else b"")
+
+    def _finished(ms: list[Mismatch], chosen: list[int], gaps: np.ndarray, table: np.ndarray) -> bytes:
+        _fill(comm.global_ranks, ms, chosen, gaps)
+        return finish(ms, table[:, width:]) if finish is not None else b""
+
+    what = "the layouts of the diverged tensors"
+    table, tail = comm.exchange_then(np.concatenate([_layout_row(entries), extra.astype(np.int64)]), what,
+                                     blob=blob, then=first)  # fmt: skip
+    layouts, gathered = table[:, :width], table[:, width:]
     if not comm.distributed:
-        return gathered
+        return gathered, None
     chosen = _choose(cfg, mismatches, layouts, comm.grace_s)
-    if not chosen:
-        return gathered
-    plane = DataPlane(comm)
+    k = int.from_bytes(tail[:8], "little")
+    gaps = expand_rows(tail[8 : 8 + k], comm.world_size)
+    assert isinstance(gaps, np.ndarray)  # rows the coordinator built: always of one length
+    pending = [c for c in range(len(chosen)) if (gaps[:, _FIELDS * c + 2] == _PENDING).any()]
+    if not pending:
+        _fill(comm.global_ranks, mismatches, chosen, gaps)
+        return gathered, tail[8 + k :] or None
+    row = gaps[comm.rank].copy()
+    total = _transfer(comm, mismatches, entries, layouts, [(c, chosen[c]) for c in pending], row)
+
+    def last(table: np.ndarray, blobs: list[bytes]) -> bytes:  # on the coordinator
+        ms = copy.deepcopy(mismatches)
+        _choose(cfg, ms, layouts, comm.grace_s)
+        return _finished(ms, chosen, table, np.concatenate([layouts, gathered], axis=1))
+
+    table, fin = comm.exchange_then(row, "the max |diff| values", then=last, extra_s=total)
+    if any((~np.isin(table[:, _FIELDS * c + 2], (_OK, _LOCAL))).any() for c in pending):
+        _retire_plane(comm)  # every rank sees the same table, so every rank retires the group alike
+    _fill(comm.global_ranks, mismatches, chosen, table)
+    return gathered, fin or None
+
+
+def _transfer(
+    comm: Comm,
+    mismatches: list[Mismatch],
+    entries: list[Entry],
+    layouts: np.ndarray,
+    pending: list[tuple[int, int]],
+    row: np.ndarray,
+) -> float:
+    """Move the reference copies of the ``pending`` (column, tensor) pairs over the data plane, filling
+    this rank's ``row``; the seconds the slowest transfer may still take on another rank."""
     sched = Schedule(comm.grace_s)
-    sizes = {i: int(layouts[mismatches[i].reference_ranks[0], 2 * i]) for i in chosen}
-    fan_out = {i: _receivers(layouts, mismatches[i], i) for i in chosen}
-    total = sum(sizes[i] * len(fan_out[i]) for i in chosen)
-    row = np.zeros(_FIELDS * len(chosen), dtype=np.int64)
-    row[2::_FIELDS] = _OK
-    row[3::_FIELDS] = -1
+    sizes = {i: int(layouts[mismatches[i].reference_ranks[0], 2 * i]) for _, i in pending}
+    fan_out = {i: _receivers(layouts, mismatches[i], i) for _, i in pending}
+    total = sum(sizes[i] * len(fan_out[i]) for _, i in pending)
+    for c, _ in pending:
+        row[_FIELDS * c : _FIELDS * (c + 1)] = (0, 0, _OK, -1, 0)
+    plane = DataPlane(comm)
     opened = True
     try:
         plane.open(Schedule.bound_s(0, comm.grace_s) + (comm.timeout_s or 0.0))
     except TransferFailure:
         opened = False
     before = 0
-    for k, i in enumerate(chosen):
+    for c, i in pending:
         e, m = entries[i], mismatches[i]
         ref, t, receivers = m.reference_ranks[0], e.tensor.detach(), fan_out[i]
-        at = _FIELDS * k
+        at = _FIELDS * c
         if comm.rank in m.ranks and comm.rank not in receivers:
             row[at + 2] = _LOCAL  # this rank's tensor has another layout than the reference's
         elif not opened and (comm.rank == ref or comm.rank in receivers):
@@ -173,10 +309,16 @@ def measure_gaps(
                 row[at : at + 2] = (_f2i(meter.max_abs_diff), _f2i(meter.max_reference))
                 row[at + 4] = meter.diff_count
         before += sizes[i] * len(receivers)
-    table = comm.exchange_within(row, "the max |diff| values", sched.left_s(total), compact=True)
-    if (table[:, 2::_FIELDS] != _OK).any():
-        plane.discard()  # every rank sees the same table, so every rank retires the group alike
-    g = comm.global_ranks
+    return sched.left_s(total)
+
+
+def _retire_plane(comm: Comm) -> None:
+    """Retire the data plane's group after a failed transfer (the next one opens a fresh group)."""
+    DataPlane(comm).discard()
+
+
+def _fill(g: tuple[int, ...], mismatches: list[Mismatch], chosen: list[int], table: np.ndarray) -> None:
+    """The mismatches' gaps from the gathered gap table (``g``: the group's global ranks)."""
     for k, i in enumerate(chosen):
         m = mismatches[i]
         codes = table[:, _FIELDS * k + 2]
@@ -195,7 +337,6 @@ def measure_gaps(
             rel = 0.0 if worst == 0 else (worst / reference if reference > 0 and math.isfinite(worst) else None)
             m.rel_diff = rel
         # Which side holds a NaN or inf is said by engine/measure/finite.py, from every rank's own count.
-    return gathered
 
 
 def _note(m: Mismatch, text: str) -> None:
