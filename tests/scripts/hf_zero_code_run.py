@@ -1,9 +1,9 @@
 """A Hugging Face training script that says nothing about the audit (tests/test_activation_hf_zero_code.py).
 
-``python hf_zero_code_run.py OUT [explicit]``, alone or under ``torchrun`` (gloo, CPU). With ``explicit``
-the script passes its own ``WeightSyncAuditCallback`` (report ``OUT/own.jsonl``); without, the only audit
-is the one ``WEIGHTSYNC_AUDIT`` adds. Each rank writes the names of its Trainer's callbacks to
-``OUT/callbacks.rank<r>.json``.
+``python hf_zero_code_run.py OUT [explicit]``, alone or under ``torchrun`` (gloo, CPU). A first Trainer is
+built with no callbacks: the only audit is the one ``WEIGHTSYNC_AUDIT`` adds; each rank writes the names of
+its callbacks to ``OUT/callbacks.rank<r>.json``. With ``explicit``, a second Trainer in the same process is
+given the script's own ``WeightSyncAuditCallback`` (report ``OUT/own.jsonl``).
 """
 
 from __future__ import annotations
@@ -30,14 +30,8 @@ class Net(nn.Module):
         return {"loss": nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
 
 
-def main(out: str, explicit: bool) -> None:
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    callbacks = []
-    if explicit:
-        from weightsync_audit.transformers import WeightSyncAuditCallback
-
-        callbacks = [WeightSyncAuditCallback(every_n_steps=2, report_path=os.path.join(out, "own.jsonl"), verbose=False)]
+def train(out: str, callbacks: list) -> list[str]:
+    """Four steps of a tiny model; the names of the Trainer's callbacks."""
     args = TrainingArguments(
         output_dir=os.path.join(out, "trainer"),
         use_cpu=True,
@@ -53,8 +47,21 @@ def main(out: str, explicit: bool) -> None:
     trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
     names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
     trainer.train()
+    return names
+
+
+def main(out: str, explicit: bool) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    names = train(out, [])
     with open(os.path.join(out, f"callbacks.rank{os.environ.get('RANK', '0')}.json"), "w") as f:
         json.dump(names, f)
+    if explicit:
+        from weightsync_audit.transformers import WeightSyncAuditCallback
+
+        train(
+            out, [WeightSyncAuditCallback(every_n_steps=2, report_path=os.path.join(out, "own.jsonl"), verbose=False)]
+        )
 
 
 if __name__ == "__main__":

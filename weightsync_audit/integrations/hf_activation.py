@@ -86,7 +86,7 @@ def add_env_callback(trainer: Any) -> None:
         from weightsync_audit.integrations.transformers import WeightSyncAuditCallback
 
         present = list(trainer.callback_handler.callbacks)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - another transformers, a broken install: the Trainer stays as it is
         _warn("the Hugging Face callback could not be loaded or the Trainer's callbacks read", exc)
         return
     if any(isinstance(c, WeightSyncAuditCallback) and c.env_options is not None for c in present):
@@ -95,7 +95,7 @@ def add_env_callback(trainer: Any) -> None:
     try:
         for callback in added:
             trainer.add_callback(callback)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - another transformers: the Trainer stays as it is
         _warn("the callback could not be added to the Trainer", exc)
 
 
@@ -120,7 +120,7 @@ def hook_trainer_module(module: Any) -> bool:
         setattr(__init__, HOOKED, True)
         trainer_cls.__init__ = __init__
         return True
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - a Trainer shaped differently: the module stays as it is
         _warn(f"{TARGET}.Trainer could not be hooked", exc)
         return False
 
@@ -164,7 +164,7 @@ class TrainerHook:
                 return spec
             spec.loader = _HookingLoader(spec.loader)
             return spec
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the finders after this one are asked again by the import system
             _warn(f"{TARGET} could not be found through the hook", exc)
             return None
 
@@ -188,5 +188,5 @@ def install() -> None:
         module = sys.modules.get(TARGET)
         if module is not None:
             hook_trainer_module(module)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - never fail the interpreter's start-up
         _warn("the import hook could not be installed", exc)
