@@ -279,7 +279,7 @@ class WeightSyncAuditCallback(TrainerCallback):
     def from_env(cls) -> list[WeightSyncAuditCallback]:
         """``[WeightSyncAuditCallback(**options)]`` from the ``WEIGHTSYNC_AUDIT`` variable, ``[]`` when it is
         unset or ``0``: the Lightning callback's zero-code switch, for the Trainer (which has no entry point
-        for callbacks). The options are the variable's (``1``: the defaults; ``every_n_steps=50,report_path=
+        for callbacks; :mod:`~weightsync_audit.integrations.hf_activation` adds it to every Trainer). The options are the variable's (``1``: the defaults; ``every_n_steps=50,report_path=
         audit.jsonl``; ``every_n_train_steps`` is read as ``every_n_steps``); a bad one raises, naming it.
         Next to a callback passed explicitly it steps aside at train begin, naming the options dropped.
 
