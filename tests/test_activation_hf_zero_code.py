@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -127,3 +128,56 @@ def test_set_with_no_audit_code_two_gloo_ranks_under_torchrun_write_one_report(t
     assert all(r["in_sync"] for r in records)
     for rank in (0, 1):
         assert "WeightSyncAuditCallback" in json.loads((tmp_path / f"callbacks.rank{rank}.json").read_text())
+
+
+def _trainer(tmp_path: Path, callbacks: list[Any]) -> Any:
+    """A single-process Trainer over the script's tiny model, two steps of batch 2."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2, disable_tqdm=True, save_strategy="no"
+    )
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(4)]
+    return Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
+
+
+def test_the_hook_adds_no_second_callback_to_a_trainer_given_from_env_and_fails_on_a_bad_option(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from weightsync_audit.integrations.hf_activation import add_env_callback
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    def audits(trainer: Any) -> list[Any]:
+        return [c for c in trainer.callback_handler.callbacks if isinstance(c, WeightSyncAuditCallback)]
+
+    monkeypatch.setenv("WEIGHTSYNC_AUDIT", "every_n_steps=3")
+    given = _trainer(tmp_path, WeightSyncAuditCallback.from_env())
+    add_env_callback(given)
+    assert len(audits(given)) == 1
+    bare = _trainer(tmp_path, [])
+    add_env_callback(bare)
+    [added] = audits(bare)
+    assert added.every_n_steps == 3 and added.env_options == {"every_n_steps": 3}
+    monkeypatch.setenv("WEIGHTSYNC_AUDIT", "every_n_step=3")
+    with pytest.raises(ValueError, match="every_n_step"):
+        add_env_callback(_trainer(tmp_path, []))
+
+
+def test_a_callback_added_with_add_callback_audits_train_begin_once(tmp_path: Path) -> None:
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    report = tmp_path / "audit.jsonl"
+    trainer = _trainer(tmp_path, [])
+    trainer.add_callback(WeightSyncAuditCallback(every_n_steps=None, report_path=str(report), verbose=False))
+    trainer.train()
+    assert [json.loads(line)["hook"] for line in report.read_text().splitlines()] == ["on_train_begin", "on_train_end"]
