@@ -28,6 +28,8 @@ import os
 import sys
 from typing import Any
 
+from weightsync_audit.integrations.env_options import ENV_VAR
+
 __all__ = [
     "HOOKED",
     "OFF",
@@ -49,8 +51,6 @@ HOOKED = "__weightsync_audit_hook__"
 #: The values of ``WEIGHTSYNC_AUDIT`` that mean off (the ``.pth`` line spells the same tuple).
 OFF = ("", "0", "false", "no", "off")
 
-_VAR = "WEIGHTSYNC_AUDIT"
-
 
 def is_on(value: str | None) -> bool:
     """Whether the variable's value asks for the audit (what the ``.pth`` line decides before importing this).
@@ -67,7 +67,7 @@ def _warn(what: str, exc: BaseException) -> None:
     from weightsync_audit.errors import WeightSyncWarning
 
     warnings.warn(
-        f"weightsync audit: {_VAR} is set but {what} ({type(exc).__name__}: {exc}); the Trainer is left "
+        f"weightsync audit: {ENV_VAR} is set but {what} ({type(exc).__name__}: {exc}); the Trainer is left "
         "without the audit: pass callbacks=WeightSyncAuditCallback.from_env() to it instead",
         WeightSyncWarning,
         stacklevel=3,
@@ -80,7 +80,7 @@ def add_env_callback(trainer: Any) -> None:
     Nothing when the variable is off now or the Trainer already holds a callback from ``from_env()``.
     A bad option raises ``ValueError`` naming it; any other failure warns and leaves the Trainer as it is.
     """
-    if not is_on(os.environ.get(_VAR)):
+    if not is_on(os.environ.get(ENV_VAR)):
         return
     try:
         from weightsync_audit.integrations.transformers import WeightSyncAuditCallback
