@@ -10,7 +10,8 @@ Lists use ``+`` inside one option: ``hooks=on_train_start+on_fit_end``; ``none``
 A Trainer that already has its own audit callback (passed in ``callbacks=``) keeps it: the one the
 variable added steps aside and says so, naming the options of the variable that are therefore dropped
 (:func:`dropped_message`). The Hugging Face Trainer has no entry point for callbacks: there the same
-variable is read by ``WeightSyncAuditCallback.from_env()`` (one line, docs/integrations.md), which
+variable is read by ``WeightSyncAuditCallback.from_env()``, which an import hook adds to every Trainer
+(:mod:`~weightsync_audit.integrations.hf_activation`, installed by a ``.pth`` line at start-up) and which
 takes the same options (``every_n_train_steps`` is its ``every_n_steps``).
 """
 

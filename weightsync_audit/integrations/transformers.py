@@ -270,6 +270,8 @@ class WeightSyncAuditCallback(TrainerCallback):
         self._trainer: Any = None
         """A weak reference to the Trainer found at ``on_train_begin`` (:func:`find_trainer`)."""
         self._trainable = TrainableSetWatch()
+        self._begun: Any = None
+        """The ``TrainerState`` of the last ``on_train_begin`` (each ``train()`` makes a new one)."""
         self.env_options: dict[str, Any] | None = None
         """The options of the ``WEIGHTSYNC_AUDIT`` variable when :meth:`from_env` built this callback."""
 
@@ -277,7 +279,7 @@ class WeightSyncAuditCallback(TrainerCallback):
     def from_env(cls) -> list[WeightSyncAuditCallback]:
         """``[WeightSyncAuditCallback(**options)]`` from the ``WEIGHTSYNC_AUDIT`` variable, ``[]`` when it is
         unset or ``0``: the Lightning callback's zero-code switch, for the Trainer (which has no entry point
-        for callbacks). The options are the variable's (``1``: the defaults; ``every_n_steps=50,report_path=
+        for callbacks; :mod:`~weightsync_audit.integrations.hf_activation` adds it to every Trainer). The options are the variable's (``1``: the defaults; ``every_n_steps=50,report_path=
         audit.jsonl``; ``every_n_train_steps`` is read as ``every_n_steps``); a bad one raises, naming it.
         Next to a callback passed explicitly it steps aside at train begin, naming the options dropped.
 
@@ -322,6 +324,9 @@ class WeightSyncAuditCallback(TrainerCallback):
 
     @override
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._begun is state:
+            return  # the lead inserted below shifted the handler's list: this dispatch reached us twice
+        self._begun = state
         lead_the_log(self)  # again: a callback added with trainer.add_callback missed on_init_end
         trainer = find_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None

@@ -1,0 +1,68 @@
+"""A Hugging Face training script that says nothing about the audit (tests/test_activation_hf_zero_code.py).
+
+``python hf_zero_code_run.py OUT [explicit]``, alone or under ``torchrun`` (gloo, CPU). A first Trainer is
+built with no callbacks: the only audit is the one ``WEIGHTSYNC_AUDIT`` adds; each rank writes the names of
+its callbacks to ``OUT/callbacks.rank<r>.json``. With ``explicit``, a second Trainer in the same process is
+given the script's own ``WeightSyncAuditCallback`` (report ``OUT/own.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_DISABLED", "true")
+
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
+
+
+def train(out: str, callbacks: list) -> list[str]:
+    """Four steps of a tiny model; the names of the Trainer's callbacks."""
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "trainer"),
+        use_cpu=True,
+        ddp_backend="gloo" if "RANK" in os.environ else None,
+        ddp_timeout=120,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+    )
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
+    trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
+    names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+    trainer.train()
+    return names
+
+
+def main(out: str, explicit: bool) -> None:
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    names = train(out, [])
+    with open(os.path.join(out, f"callbacks.rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+        json.dump(names, f)
+    if explicit:
+        from weightsync_audit.transformers import WeightSyncAuditCallback
+
+        train(
+            out, [WeightSyncAuditCallback(every_n_steps=2, report_path=os.path.join(out, "own.jsonl"), verbose=False)]
+        )
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], explicit=sys.argv[2:] == ["explicit"])
