@@ -1,0 +1,132 @@
+"""Lightning's ``DeepSpeedStrategy`` (ZeRO-2, ZeRO-3) and ``FSDPStrategy`` (FSDP1 FULL_SHARD), audited end to end.
+
+A real ``pytorch_lightning.Trainer`` on 2 CPU gloo ranks (``torchrun`` twice, two one-process nodes, as in
+tests/test_replicas_trainers.py) fits a small model under each strategy with the ``WeightSyncAudit``
+callback; the strategies are Lightning's own, less their device checks (tests/sharded_strategies.py). One
+launch runs every fit (tests/scripts/lightning_sharded_run.py): the audits of steps 0 and 2 see a healthy
+run, then 1 is added on rank 1 to replicated tensors right before the audit of step 4. What has one owner
+(ZeRO partitions, FSDP1 shards) is named in the record's note and never counted in ``checked``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pytorch_lightning")
+
+from ranks import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "lightning_sharded_run.py"
+HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (the [deepspeed] extra)")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # about 20 s alone, more under load
+
+HOOKS = [(0, "on_train_start"), (2, "on_train_batch_end"), (4, "on_train_batch_end"), (4, "on_train_epoch_end")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("lightning_sharded")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "scripts"), os.environ.get("PYTHONPATH", "")]
+        ),
+        "OMP_NUM_THREADS": "1",
+    }
+    scenarios = ["fsdp", *(["zero2", "zero3"] if HAS_DEEPSPEED else [])]
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
+        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(SCRIPT), str(out), *scenarios]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=500)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    results: dict[str, Any] = {"log": "\n".join(logs)[-6000:]}
+    for f in out.glob("*.rank*.json"):
+        name, rank = f.name.removesuffix(".json").split(".rank")
+        results.setdefault(name, {})[int(rank)] = json.loads(f.read_text())
+    return results
+
+
+def _fit(runs: dict[str, Any], name: str, engine: str) -> list[dict[str, Any]]:
+    got = runs.get(name)
+    assert got is not None and set(got) == {0, 1}, f"{name}: not every rank reported\n{runs['log']}"
+    for out in got.values():
+        assert "error" not in out, f"{name}: {out['error']}\n{out.get('traceback')}"
+        assert out["engine"] == engine  # the strategy's own wrapper is what the callback was handed
+    recs = got[0]["records"]
+    assert [(r["step"], r["hook"]) for r in recs] == HOOKS, recs
+    return recs
+
+
+def _notes(rec: dict[str, Any]) -> list[str]:
+    return rec.get("notes") or []
+
+
+def _found(rec: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    return [(m["name"], m["ranks"]) for m in rec["mismatches"]]
+
+
+def test_lightning_fsdp1_full_shard_fit_in_sync_with_shards_named_and_buffer_change_found(runs: dict[str, Any]) -> None:
+    recs = _fit(runs, "fsdp", "FullyShardedDataParallel")
+    healthy, planted = recs[:2], recs[2:]
+    assert all(r["in_sync"] and not r["mismatches"] for r in healthy), healthy
+    for r in recs:  # Lightning's FSDP1 (use_orig_params): every parameter piece and its Adam state, one owner
+        assert r["checked"]["param"] == 0 and r["checked"]["buffer"] == 1 and r["checked"]["optimizer"] > 0, r
+        shards = 4 if r["step"] == 0 else 12  # 4 parameter pieces; after a step, their exp_avg and exp_avg_sq too
+        assert _notes(r)[0].startswith(f"{shards} tensors have no replica to compare ({shards} FSDP1 shards)"), r
+        assert "no parameters were compared" in " ".join(_notes(r)), r
+    for r in planted:
+        assert not r["in_sync"] and _found(r) == [("scale", [1])], r
+
+
+@needs_deepspeed
+def test_lightning_deepspeed_zero2_fit_in_sync_with_partitions_named_and_param_change_found(
+    runs: dict[str, Any],
+) -> None:
+    recs = _fit(runs, "zero2", "DeepSpeedEngine")
+    healthy, planted = recs[:2], recs[2:]
+    assert all(r["in_sync"] and not r["mismatches"] for r in healthy), healthy
+    for r in recs:  # module params (all-gathered every step) and the buffer compared; fp32 partitions not
+        assert r["checked"]["param"] == 4 and r["checked"]["buffer"] == 1, r
+    assert not _notes(recs[0]), recs[0]  # before any step the fp32 partition has no Adam state to audit
+    for r in recs[1:]:
+        assert _notes(r)[0].startswith("2 tensors have no replica to compare (2 ZeRO optimizer partitions)"), r
+    for r in planted:
+        assert not r["in_sync"] and _found(r) == [("net.0.weight", [1])], r
+
+
+@needs_deepspeed
+def test_lightning_deepspeed_zero3_fit_counts_partitioned_params_never_checked_and_finds_persistent_change(
+    runs: dict[str, Any],
+) -> None:
+    recs = _fit(runs, "zero3", "DeepSpeedEngine")
+    healthy, planted = recs[:2], recs[2:]
+    assert all(r["in_sync"] and not r["mismatches"] for r in healthy), healthy
+    for r in recs[1:]:  # after a step: the two biases persist (compared), the two weights are placeholders
+        assert r["checked"]["param"] == 2 and r["checked"]["buffer"] == 1, r
+        assert _notes(r)[0].startswith("2 tensors have no replica to compare (2 ZeRO-3 partitioned parameters)"), r
+    # Before any step every parameter is a placeholder: all four named, not one counted as checked.
+    assert recs[0]["checked"]["param"] == 0, recs[0]
+    assert _notes(recs[0])[0].startswith("4 tensors have no replica to compare (4 ZeRO-3 partitioned parameters)")
+    assert "no parameters were compared" in " ".join(_notes(recs[0])), recs[0]
+    for r in planted:
+        assert not r["in_sync"] and _found(r) == [("net.2.bias", [1]), ("scale", [1])], r
