@@ -64,8 +64,9 @@ def zero(stage: int) -> dict[str, Any]:
     return {"zero_optimization": zero_opt, "zero_allow_untested_optimizer": True, "train_micro_batch_size_per_gpu": 4}
 
 
-def bump_weight(module: pl.LightningModule) -> None:
-    module.net[0].weight.data[0, 0] += 1.0  # rank 0's part of ZeRO's flat partitions: rank 1's master agrees
+def bump_weights(module: pl.LightningModule) -> None:
+    module.net[0].weight.data[0, 0] += 1.0  # in rank 0's part of ZeRO's flat partition
+    module.net[2].bias.data[0] += 1.0  # in rank 1's own part: its fp32 master no longer matches it
 
 
 def bump_persistent_and_buffer(module: pl.LightningModule) -> None:
@@ -81,7 +82,7 @@ def bump_buffer(module: pl.LightningModule) -> None:
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     # FSDP first: it initialises the process group as Lightning does; DeepSpeed then reuses it.
     "fsdp": lambda: fit("fsdp", CPUFSDPStrategy(sharding_strategy="FULL_SHARD"), bump_buffer),
-    "zero2": lambda: fit("zero2", CPUDeepSpeedStrategy(config=zero(2)), bump_weight),
+    "zero2": lambda: fit("zero2", CPUDeepSpeedStrategy(config=zero(2)), bump_weights),
     "zero3": lambda: fit("zero3", CPUDeepSpeedStrategy(config=zero(3)), bump_persistent_and_buffer),
 }
 
