@@ -4,7 +4,8 @@ A real ``pytorch_lightning.Trainer`` on 2 CPU gloo ranks (``torchrun`` twice, tw
 tests/test_replicas_trainers.py) fits a small model under each strategy with the ``WeightSyncAudit``
 callback; the strategies are Lightning's own, less their device checks (tests/sharded_strategies.py). One
 launch runs every fit (tests/scripts/lightning_sharded_run.py): the audits of steps 0 and 2 see a healthy
-run, then 1 is added on rank 1 to replicated tensors right before the audit of step 4. What has one owner
+run, then 1 is added on rank 1 to replicated tensors right before the audit of step 4 (and of the checkpoint
+Lightning saves at the epoch's end, whose sidecar says it diverged). What has one owner
 (ZeRO partitions, FSDP1 shards) is named in the record's note and never counted in ``checked``.
 """
 
@@ -32,6 +33,7 @@ needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # about 20 s alone, more under load
 
 HOOKS = [(0, "on_train_start"), (2, "on_train_batch_end"), (4, "on_train_batch_end"), (4, "on_train_epoch_end")]
+HOOKS += [(4, "on_save_checkpoint")]  # Lightning's default ModelCheckpoint, at the epoch's end
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +76,9 @@ def _fit(runs: dict[str, Any], name: str, engine: str) -> list[dict[str, Any]]:
         assert out["engine"] == engine  # the strategy's own wrapper is what the callback was handed
     recs = got[0]["records"]
     assert [(r["step"], r["hook"]) for r in recs] == HOOKS, recs
+    # The checkpoint (a directory under both engines) gets its sidecar inside, naming what differed.
+    sidecars = got[0]["sidecars"]
+    assert [(c["verdict"], c["diverged"]) for c in sidecars] == [("diverged", [n for n, _ in _found(recs[-1])])]
     return recs
 
 
@@ -133,5 +138,6 @@ def test_lightning_deepspeed_zero3_fit_counts_partitioned_params_never_checked_a
     assert recs[0]["checked"]["param"] == 0, recs[0]
     assert _notes(recs[0])[0].startswith("4 tensors have no replica to compare (4 ZeRO-3 partitioned parameters)")
     assert "no parameters were compared" in " ".join(_notes(recs[0])), recs[0]
-    for r in planted:
+    for r in planted[:2]:
         assert not r["in_sync"] and _found(r) == [("net.2.bias", [1]), ("scale", [1])], r
+    assert _found(planted[2]) == [("scale", [1])]  # the bias's edit does not survive DeepSpeed's ZeRO-3 save

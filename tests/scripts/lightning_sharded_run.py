@@ -2,7 +2,8 @@
 
 Each scenario is one ``Trainer.fit`` (4 steps, an audit every 2 and at the default hooks) under a test-only
 CPU strategy (tests/sharded_strategies.py): the audits of steps 0 and 2 see a healthy run; then 1 is added on
-rank 1 to replicated tensors right before the audit of step 4. Every rank writes ``OUT/<scenario>.rank<r>.json`` (how its fit ended, and the
+rank 1 to replicated tensors right before the audit of step 4; Lightning's default checkpoint at the epoch's
+end is audited too, and its sidecar written. Every rank writes ``OUT/<scenario>.rank<r>.json`` (how its fit ended, and the
 JSONL records rank 0 wrote); tests/test_lightning_sharded.py judges.
 Usage: torchrun --nnodes=2 --nproc_per_node=1 --node-rank=N ... lightning_sharded_run.py OUT_DIR
 """
@@ -49,12 +50,16 @@ def fit(name: str, strategy: Any, plant: Callable[[pl.LightningModule], None]) -
     callbacks.insert(0, Perturb(1, 4, lambda trainer, module: plant(module)))  # before the audit's own hook
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=4, callbacks=callbacks,
-        enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
-        default_root_dir=str(OUT),
-    )  # fmt: skip
+        enable_progress_bar=False, enable_model_summary=False, logger=False, default_root_dir=str(OUT / name),
+    )  # fmt: skip  # Lightning's default ModelCheckpoint saves at the epoch's end: audited, with a sidecar
     trainer.fit(BufferModel(), loader())
-    dist.barrier()  # rank 0's report is complete
-    return {"records": records(path), "engine": type(trainer.strategy.model).__name__}
+    dist.barrier()  # rank 0's report and sidecar are complete
+    sidecars = sorted((OUT / name).glob("checkpoints/*/weightsync.json"))  # both engines save a directory
+    return {
+        "records": records(path),
+        "engine": type(trainer.strategy.model).__name__,
+        "sidecars": [json.loads(f.read_text()) for f in sidecars],
+    }
 
 
 def zero(stage: int) -> dict[str, Any]:
@@ -80,8 +85,11 @@ def bump_buffer(module: pl.LightningModule) -> None:
 
 # One fit per strategy: the audits of steps 0 and 2 see a healthy run, the change lands before step 4's.
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
-    # FSDP first: it initialises the process group as Lightning does; DeepSpeed then reuses it.
-    "fsdp": lambda: fit("fsdp", CPUFSDPStrategy(sharding_strategy="FULL_SHARD"), bump_buffer),
+    # FSDP first: it initialises the process group as Lightning does; DeepSpeed then reuses it. Sharded
+    # checkpoints: FSDP1's full state dict on CPU (rank0_only, offload_to_cpu) crashes torch itself.
+    "fsdp": lambda: fit(
+        "fsdp", CPUFSDPStrategy(sharding_strategy="FULL_SHARD", state_dict_type="sharded"), bump_buffer
+    ),
     "zero2": lambda: fit("zero2", CPUDeepSpeedStrategy(config=zero(2)), bump_weights),
     "zero3": lambda: fit("zero3", CPUDeepSpeedStrategy(config=zero(3)), bump_persistent_and_buffer),
 }
