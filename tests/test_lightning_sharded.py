@@ -46,7 +46,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         ),
         "OMP_NUM_THREADS": "1",
     }
-    scenarios = ["fsdp", *(["zero2", "zero3"] if HAS_DEEPSPEED else [])]
+    scenarios = ["fsdp", *(["zero2", "zero2_resync", "zero3"] if HAS_DEEPSPEED else [])]
     port = free_port()
     procs = []
     for node in (0, 1):
@@ -68,7 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return results
 
 
-def _fit(runs: dict[str, Any], name: str, engine: str) -> list[dict[str, Any]]:
+def _fit(runs: dict[str, Any], name: str, engine: str, verdict: str = "diverged") -> list[dict[str, Any]]:
     got = runs.get(name)
     assert got is not None and set(got) == {0, 1}, f"{name}: not every rank reported\n{runs['log']}"
     for out in got.values():
@@ -78,7 +78,7 @@ def _fit(runs: dict[str, Any], name: str, engine: str) -> list[dict[str, Any]]:
     assert [(r["step"], r["hook"]) for r in recs] == HOOKS, recs
     # The checkpoint (a directory under both engines) gets its sidecar inside, naming what differed.
     sidecars = got[0]["sidecars"]
-    assert [(c["verdict"], c["diverged"]) for c in sidecars] == [("diverged", [n for n, _ in _found(recs[-1])])]
+    assert [(c["verdict"], c.get("diverged", [])) for c in sidecars] == [(verdict, [n for n, _ in _found(recs[-1])])]
     return recs
 
 
@@ -122,6 +122,21 @@ def test_lightning_deepspeed_zero2_fit_in_sync_with_partitions_named_and_param_c
             len(r["hints"]) == 1
             and "edited, loaded or initialised on those ranks after the optimizer step" in r["hints"][0]
         ), r["hints"]  # not an optimizer state loaded on one rank
+
+
+@needs_deepspeed
+def test_lightning_deepspeed_zero2_resync_restores_the_params_and_rank_1s_master_check(runs: dict[str, Any]) -> None:
+    recs = _fit(runs, "zero2_resync", "DeepSpeedEngine", verdict="verified")
+    resynced = recs[2]
+    master = "zero.fp32_master_matches_params"
+    assert resynced["action"] == "resynced" and _found(resynced) == [
+        ("net.0.weight", [1]),
+        ("net.2.bias", [1]),
+        (master, [1]),
+    ], resynced
+    assert "a full audit confirmed the replicas are in sync" in " ".join(_notes(resynced)), resynced
+    # Rank 1's parameters are rank 0's again, so its slice equals its own fp32 master once more.
+    assert all(r["in_sync"] and not r["mismatches"] for r in recs[3:]), recs[3:]
 
 
 @needs_deepspeed

@@ -2,8 +2,8 @@
 
 Each scenario is one ``Trainer.fit`` (4 steps, an audit every 2 and at the default hooks) under a test-only
 CPU strategy (tests/sharded_strategies.py): the audits of steps 0 and 2 see a healthy run; then 1 is added on
-rank 1 to replicated tensors right before the audit of step 4; Lightning's default checkpoint at the epoch's
-end is audited too, and its sidecar written. Every rank writes ``OUT/<scenario>.rank<r>.json`` (how its fit ended, and the
+rank 1 to replicated tensors right before the audit of step 4 (``zero2_resync``: which resyncs them);
+Lightning's default checkpoint at the epoch's end is audited too, and its sidecar written. Every rank writes ``OUT/<scenario>.rank<r>.json`` (how its fit ended, and the
 JSONL records rank 0 wrote); tests/test_lightning_sharded.py judges.
 Usage: torchrun --nnodes=2 --nproc_per_node=1 --node-rank=N ... lightning_sharded_run.py OUT_DIR
 """
@@ -44,10 +44,12 @@ class BufferModel(SmallModel):
         self.register_buffer("scale", torch.ones(4))
 
 
-def fit(name: str, strategy: Any, plant: Callable[[pl.LightningModule], None]) -> dict[str, Any]:
+def fit(
+    name: str, strategy: Any, plant: Callable[[pl.LightningModule], None], on_mismatch: str = "warn"
+) -> dict[str, Any]:
     path = OUT / f"{name}.jsonl"
-    callbacks: list[pl.Callback] = [WeightSyncAudit(every_n_train_steps=2, report_path=str(path), timeout_s=60)]
-    callbacks.insert(0, Perturb(1, 4, lambda trainer, module: plant(module)))  # before the audit's own hook
+    audit = WeightSyncAudit(every_n_train_steps=2, report_path=str(path), timeout_s=60, on_mismatch=on_mismatch)
+    callbacks: list[pl.Callback] = [Perturb(1, 4, lambda trainer, module: plant(module)), audit]  # before its hook
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=4, callbacks=callbacks,
         enable_progress_bar=False, enable_model_summary=False, logger=False, default_root_dir=str(OUT / name),
@@ -91,6 +93,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
         "fsdp", CPUFSDPStrategy(sharding_strategy="FULL_SHARD", state_dict_type="sharded"), bump_buffer
     ),
     "zero2": lambda: fit("zero2", CPUDeepSpeedStrategy(config=zero(2)), bump_weights),
+    "zero2_resync": lambda: fit("zero2_resync", CPUDeepSpeedStrategy(config=zero(2)), bump_weights, "resync"),
     "zero3": lambda: fit("zero3", CPUDeepSpeedStrategy(config=zero(3)), bump_persistent_and_buffer),
 }
 
