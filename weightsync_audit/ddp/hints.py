@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.ddp.evidence import Evidence, uses_fsdp2
 from weightsync_audit.ddp.hint_rules import RULES, ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.ddp.hint_zero import ZERO_RULES
 from weightsync_audit.reporting.record import Mismatch
 
 __all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain", "uses_fsdp2"]
@@ -68,7 +69,7 @@ def explain(
         state_names=state_names,
     )
     hints: list[str] = []
-    for rule in RULES:
+    for rule in (*ZERO_RULES, *RULES):  # ZeRO's own check first: the optimizer rules would blame a load
         found = rule.find(ev)
         if found is not None:
             hint, accounted = found
