@@ -157,7 +157,7 @@ def _sketched(rank: int, world: int) -> dict[str, Any]:
     _, full = bucket_sketch(digests)
     group = comm._group
     out: dict[str, Any] = {}
-    for label, candidates in (("right", (11,)), ("hidden", ()), ("wrong", (3,))):
+    for label, candidates in (("right", (21,)), ("hidden", ()), ("wrong", (3,))):
         before = group.sent_messages
         diffs = localize_values(comm, [f"t{i}" for i in range(1000)], digests, candidates, full)
         out[label] = ([(d.uid, d.ranks) for d in diffs], group.sent_messages - before)
@@ -165,8 +165,8 @@ def _sketched(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_a_sketch_that_hides_the_differing_bucket_is_caught_by_the_check_and_every_tensor_is_compared() -> None:
-    # 1,000 digests in 16 buckets of 63: tensor 700 lies in bucket 11. Told the right bucket, one round
-    # compares its 63 tensors; told none or another (what a 16-bit sketch collision would say), the check
+    # 1,000 digests in 32 buckets of 32: tensor 700 lies in bucket 21. Told the right bucket, one round
+    # compares its 32 tensors; told none or another (what a 16-bit sketch collision would say), the check
     # word of the other buckets differs on rank 2, and every rank falls back to the whole column alike.
     results = run_ranks(_sketched, 4)
     for r in results:

@@ -22,6 +22,7 @@ import copy
 import gc
 import json
 import time
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -392,11 +393,13 @@ class AuditRun:
         except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
             notes.append(f"no hint: {type(exc).__name__}: {exc}")
         odd = sorted({r for m in mismatches for r in m.ranks})
-        return json.dumps([hints, notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
+        raw = json.dumps([hints, notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
+        packed = b"z" + zlib.compress(raw, 6)  # the hints' words repeat: on the wire to every rank, it pays
+        return packed if len(packed) < len(raw) else raw
 
     def _take_hints(self, payload: bytes) -> None:
         self.hints_shared = True
-        self.hints, self.notes, hosts = json.loads(payload)
+        self.hints, self.notes, hosts = json.loads(zlib.decompress(payload[1:]) if payload[:1] == b"z" else payload)
         self.hosts = hosts or None
 
     # -- record --------------------------------------------------------------------------------

@@ -46,12 +46,12 @@ __all__ = [
 ]
 
 
-SKETCH_BUCKETS = 16
-"""Contiguous buckets of the digest column whose 16-bit sketches ride the summary (4 words, 32 bytes)."""
+SKETCH_BUCKETS = 32
+"""Contiguous buckets of the digest column whose 8-bit sketches ride the summary (4 words, 32 bytes)."""
 
 
 def bucket_sketch(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The summary's sketch of ``digests`` (``SKETCH_BUCKETS`` 16-bit digests packed in 4 int64 words) and
+    """The summary's sketch of ``digests`` (``SKETCH_BUCKETS`` 8-bit digests packed in 4 int64 words) and
     the buckets' full 64-bit digests (kept by the rank, for :func:`localize_values`)."""
     row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
     size = -(-row.size // SKETCH_BUCKETS) or 1
@@ -59,12 +59,12 @@ def bucket_sketch(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         [xxhash.xxh3_64_intdigest(row[b * size : (b + 1) * size]) >> 1 for b in range(SKETCH_BUCKETS)],
         dtype=np.int64,
     )
-    return (full & 0xFFFF).astype(np.uint16).view(np.int64), full
+    return (full & 0xFF).astype(np.uint8).view(np.int64), full
 
 
 def _candidates(sketches: np.ndarray) -> list[int]:
     """The buckets whose sketches differ between ranks (``sketches``: ``[world, 4]`` int64)."""
-    table = np.ascontiguousarray(sketches).view(np.uint16)
+    table = np.ascontiguousarray(sketches).view(np.uint8)
     return np.flatnonzero((table != table[0]).any(axis=0)).tolist()
 
 
@@ -134,7 +134,8 @@ def localize_values(
 ) -> list[ValueDiff]:
     """Phase (b) after the summary's sketch: only the candidate buckets' tensors are compared, with a check
     that every other bucket agrees (its full digests, hashed: one word). A sketch that hid a differing
-    bucket (2**-16 per bucket) fails the check on every rank alike, and every tensor is compared then.
+    bucket (one chance in 256 per differing bucket) fails the check on every rank alike, and every tensor
+    is compared then: two rounds more, never a tensor missed.
     """
     row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
     if candidates is None or not comm.distributed:
