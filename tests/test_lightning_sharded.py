@@ -156,3 +156,8 @@ def test_lightning_deepspeed_zero3_fit_counts_partitioned_params_never_checked_a
     for r in planted[:2]:
         assert not r["in_sync"] and _found(r) == [("net.2.bias", [1]), ("scale", [1])], r
     assert _found(planted[2]) == [("scale", [1])]  # the bias's edit does not survive DeepSpeed's ZeRO-3 save
+    # The sidecar names the two partitioned weights instead of digesting their empty placeholders, so a
+    # resume check never calls them matching; the persistent bias and the buffer are digested.
+    (sidecar,) = runs["zero3"][0]["sidecars"]
+    assert sidecar["partitioned"] == ["state_dict.net.0.weight", "state_dict.net.2.weight"], sidecar
+    assert "state_dict.net.2.bias" in sidecar["tensors"] and "state_dict.net.0.weight" not in sidecar["tensors"]

@@ -307,13 +307,15 @@ def rank_hosts(v: Any, path: str) -> dict[str, str]:
 
 
 def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
-    """``{"path", "event": saved|loaded, "status", "saved_step"}`` of an audit at a checkpoint."""
+    """``{"path", "event": saved|loaded, "status", "saved_step"}`` of an audit at a checkpoint, and at a
+    load ``not_compared``: the tensors saved as partitions only (ZeRO-3), which no rank can compare whole."""
     if not isinstance(v, dict):
         raise _fail(path, "an object with path, event and status", v)
     string(v.get("path"), f"{path}.path")
     one_of(("saved", "loaded"))(v.get("event"), f"{path}.event")
     one_of(CHECKPOINT_STATES)(v.get("status"), f"{path}.status")
     optional(integer())(v.get("saved_step"), f"{path}.saved_step")
+    optional(integer(0))(v.get("not_compared"), f"{path}.not_compared")
     return dict(v)
 
 

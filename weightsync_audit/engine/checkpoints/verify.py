@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.compat_engines import zero3_param_status
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
@@ -76,6 +77,31 @@ def _model_state(module: nn.Module | None) -> dict[str, Any]:
     return unwrap_module(module).state_dict()
 
 
+def partitioned_names(module: nn.Module | None) -> set[str]:
+    """The module's parameters that this rank holds only as a partition (ZeRO-3 placeholders between
+    steps): their ``state_dict`` entries are empty tensors, whose digests would compare nothing."""
+    if module is None:
+        return set()
+    out = set()
+    for n, p in unwrap_module(module).named_parameters():
+        status = zero3_param_status(p)
+        if status is not None and status[0] == "placeholder":
+            out.add(n)
+    return out
+
+
+def _drop_partitioned(tensors: dict[str, Any], module: nn.Module | None) -> list[str]:
+    """Remove the partitioned parameters' empty digests from ``tensors``; their names as saved."""
+    part = partitioned_names(module)
+    if not part:
+        return []
+    prefix = match_prefix(tensors, part)
+    dropped = sorted(prefix + n for n in part if prefix + n in tensors)
+    for n in dropped:
+        del tensors[n]
+    return dropped
+
+
 def _on_first_rank(comm: Comm, fn: Any, what: str) -> Any:
     """``fn()`` on the group's first rank, its JSON result on every rank (an error there: ``{"error"}``)."""
     mine = None
@@ -107,8 +133,11 @@ def checkpoint_saved(
     comm = auditor.comm
     if result is None:
         result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook)
-    obj = state if state is not None else _model_state(module if module is not None else auditor.module)
+    held_by = module if module is not None else auditor.module
+    obj = state if state is not None else _model_state(held_by)
     dcp = bool(_on_first_rank(comm, lambda: is_dcp_folder(path), "the checkpoint's kind"))
+    tensors = {} if dcp else (tensor_digests(obj) if comm.rank == 0 else {})
+    partitioned = _drop_partitioned(tensors, held_by)
     sidecar = new_sidecar(
         path,
         step=step,
@@ -116,8 +145,10 @@ def checkpoint_saved(
         world_size=comm.world_size,
         in_sync=result.in_sync,
         diverged=result.diverged_names,
-        tensors={} if dcp else (tensor_digests(obj) if comm.rank == 0 else {}),
+        tensors=tensors,
     )
+    if partitioned:  # each rank saved its own partition in the engine's files: nothing to digest here
+        sidecar["partitioned"] = partitioned
     if dcp:  # every rank digests what it wrote: its shard files and its local tensors
         me = comm.global_ranks[comm.rank]
         mine = {"rank": me, "tensors": tensor_digests(obj), "shards": dcp_shards(path, me)}
@@ -199,8 +230,17 @@ def checkpoint_loaded(
     expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
     differ: list[str] = []
     for prefix, held in _holdings(state, module, optimizer):
+        _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
         found = _held_differences(expected or {}, held, prefix)
         differ += found
+    partitioned = sidecar.get("partitioned") or []
+    if partitioned:
+        entry["not_compared"] = len(partitioned)
+        result.notes.append(
+            f"{len(partitioned)} ZeRO-3 partitioned parameter(s) of {path} were not compared "
+            f"({', '.join(partitioned[:3])}{', ...' if len(partitioned) > 3 else ''}): each rank holds only "
+            "its partition, which the engine's own checkpoint files carry"
+        )
     lists = [json.loads(p) for p in comm.exchange_bytes(json.dumps(differ).encode(), "the checkpoint comparison")]
     entry["saved_step"] = sidecar.get("step")
     changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))
