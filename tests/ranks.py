@@ -26,8 +26,10 @@ class RankFailed(AssertionError):
 class RankDied:
     """Stands in the results for a rank listed in ``may_die`` that never reported (e.g. SIGKILLed)."""
 
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, exitcode: int | None = None) -> None:
         self.rank = rank
+        self.exitcode = exitcode
+        """The process's exit status (negative: the signal that ended it); ``None`` if unknown."""
 
     def __repr__(self) -> str:
         return f"RankDied({self.rank})"
@@ -126,7 +128,7 @@ def run_ranks(
                 p.join()
     for r in may_die:
         if r not in results:
-            results[r] = RankDied(r)
+            results[r] = RankDied(r, procs[r].exitcode)
     missing = [r for r in range(world) if r not in results]
     if missing:
         raise AssertionError(f"ranks {missing} did not finish within {timeout}s (hang or crash)")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import RankDied, run_ranks
 
 import weightsync_audit
 from weightsync_audit import AuditResult, LoopAudit, Mismatch, WeightDivergenceError, read_report
@@ -158,3 +158,57 @@ def test_tables_are_capped_and_every_dash_is_explained(tmp_path: Path, capsys: p
     shown = capsys.readouterr().out
     assert "... and 12 more layer(s)" in shown and "-: in sync (no tensor differs)" in shown
     assert "-: max |diff| not measured" in shown
+
+
+def _loop_checkpoints(rank: int, world: int, folder: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = f"{folder}/model.pt"
+    with LoopAudit(model, opt, verbose=False, report_path=f"{folder}/audit.jsonl") as audit:
+        if rank == 0:
+            torch.save(model.state_dict(), path)
+        dist.barrier()
+        saved = audit.checkpoint_saved(path, step=4)
+        if rank == 1:  # rank 1 resumes from something else than what was saved
+            with torch.no_grad():
+                model.bias += 0.5
+        loaded = audit.checkpoint_loaded(path, step=4)
+    assert saved is not None and loaded is not None
+    return {
+        "saved": saved.checkpoint["status"],
+        "loaded": loaded.checkpoint["status"],
+        "mismatches": [(m.name, m.ranks) for m in loaded.mismatches],
+    }
+
+
+def test_loop_audit_verifies_a_checkpoint_it_saved_and_names_the_rank_that_resumed_from_something_else(
+    tmp_path: Path,
+) -> None:
+    for r in run_ranks(_loop_checkpoints, 2, str(tmp_path)):
+        assert r["saved"] == "verified" and r["loaded"] == "changed"
+        assert ("bias", [1]) in r["mismatches"], r
+    assert (tmp_path / "model.pt.weightsync.json").exists()
+
+
+def _loop_exit(rank: int, world: int, report: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    audit = LoopAudit(model, every_n_steps=1, on_mismatch="raise", exit_code=17, report_path=report, verbose=False)
+    if rank == 1:
+        with torch.no_grad():
+            model.weight[0, 0] += 1.0
+    audit.step(1)
+    raise AssertionError("unreachable: a divergence under exit_code ends the process")
+
+
+def test_loop_audit_exit_code_ends_every_rank_with_it_after_the_record_is_written(tmp_path: Path) -> None:
+    report = tmp_path / "audit.jsonl"
+    ranks = run_ranks(_loop_exit, 2, str(report), may_die=[0, 1])
+    assert [(type(r), r.exitcode) for r in ranks] == [(RankDied, 17), (RankDied, 17)]
+    ((_, record),) = read_report(report).records
+    assert not record.in_sync and record.mismatches[0].name == "weight"
+    with pytest.raises(ValueError, match="exit_code"):
+        LoopAudit(torch.nn.Linear(1, 1), exit_code=17)  # acts under on_mismatch="raise" only

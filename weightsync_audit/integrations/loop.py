@@ -32,6 +32,9 @@ class LoopAudit:
             (broadcast the diverged tensors from ``resync_src``, then confirm with a full audit).
         report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
         verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
+        exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
+            record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
+            or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -63,6 +66,7 @@ class LoopAudit:
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
+        exit_code: Optional[int] = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -83,6 +87,7 @@ class LoopAudit:
             pinpoint_ring=pinpoint_ring,
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
+            exit_code=exit_code,
         )
         self.is_main = True
         self._opened = False
@@ -110,6 +115,30 @@ class LoopAudit:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
         self._open()
         return self.runner.run(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
+
+    def checkpoint_saved(
+        self, path: Any, step: int, epoch: int | None = None, *, state: Any = None
+    ) -> AuditResult | None:
+        """Call after saving a checkpoint at ``path`` (on every rank, ``state`` what was saved: default the
+        module's ``state_dict``): audit at this step and write its sidecar, ``verified`` only when every
+        replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does."""
+        self._open()
+        return self.runner.checkpoint(
+            "saved", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
+            hook="checkpoint_saved", is_main=self.is_main,
+        )  # fmt: skip
+
+    def checkpoint_loaded(
+        self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None
+    ) -> AuditResult | None:
+        """Call after loading the checkpoint at ``path``, before the first step: compare what every rank
+        holds with the sidecar (a tensor loaded differently is a mismatch naming its ranks; no sidecar:
+        ``unverified``). Acts on a divergence as :meth:`audit` does."""
+        self._open()
+        return self.runner.checkpoint(
+            "loaded", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
+            hook="checkpoint_loaded", is_main=self.is_main,
+        )  # fmt: skip
 
     @property
     def history(self) -> Any:
