@@ -1,9 +1,8 @@
 """FSDP1 on CPU gloo: a world-wide audit with no ``group=`` compares what has replicas and says what has not.
 
 FULL_SHARD / SHARD_GRAD_OP: flat-parameter shards have one owner (named in the note, never counted),
-buffers and scalars are compared; HYBRID_SHARD (flat, or uneven pieces with ``use_orig_params=True``): shards
-compared within their replicate group, without
-``group=``; NO_SHARD: like DDP.
+buffers and scalars are compared; HYBRID_SHARD (flat, or uneven pieces with ``use_orig_params=True``):
+shards compared within their replicate group, without ``group=``; NO_SHARD: like DDP.
 """
 
 from __future__ import annotations
