@@ -49,7 +49,7 @@ from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.measure.finite import apply_nonfinite, count_everywhere, in_sync_note, nonfinite_row
-from weightsync_audit.engine.measure.remote_gaps import measure_gaps
+from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -320,6 +320,9 @@ class AuditRun:
             shared = measure_gaps(comm, cfg, value_mismatches, entries, np.concatenate([nonfinite_row(entries), again]))
             apply_nonfinite(comm.global_ranks, value_mismatches, shared[:, :n])  # which side holds NaN/inf
             apply_stability(value_mismatches, shared[:, n:])  # stable or not
+        held = [(m, d.uid) for m, d in zip(self.mismatches, self.structure_diffs) if d.detail.startswith(HOLDERS_VALUE)]
+        if held:  # a pipeline stage's own value, differing within its group: measured among its holders
+            measure_held_gaps(comm, self.auditor.config, [m for m, _ in held], [u for _, u in held], self.entries)
         self.mismatches.extend(value_mismatches)
         if comm.global_ranks != tuple(range(comm.world_size)):
             # Decided on positions in the group; reported, like every error, in global ranks.
