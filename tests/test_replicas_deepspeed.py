@@ -91,6 +91,11 @@ def _zero012(rank: int, world: int, port: int, case: str) -> dict[str, Any]:
             t[:1].add_(1.0)
         out[what] = audit(engine.module, zopt).to_dict()
         t[:1].copy_(saved)
+    group = zopt.optimizer.param_groups[0]  # a hyper-parameter: replicated under every stage
+    lr = group["lr"]
+    group["lr"] = lr * 2 if rank == 1 else lr
+    out["lr"] = audit(engine.module, zopt).to_dict()
+    group["lr"] = lr
     return out
 
 
@@ -158,6 +163,7 @@ def test_zero12_compares_params_buffers_and_the_optimizers_replicated_part_never
     assert r0["engine"]["checked"]["param"] == 6  # the DeepSpeedEngine itself is peeled to the user's model
     assert not r0["param"]["in_sync"] and _bad(r0["param"]) == [("0.weight", [1])]
     assert r0["exp_avg"]["in_sync"]  # a partition has one owner: nothing to compare it with
+    assert _bad(r0["lr"]) == [("param_groups.0.lr", [1])], _bad(r0["lr"])  # the replicated part is compared
     # The local check: rank 1's module params are no longer the cast of its own fp32 master partition.
     assert _bad(r0["master"]) == [("zero.fp32_master_matches_params", [1])], r0["master"]
 
@@ -175,6 +181,7 @@ def test_zero0_bf16_compares_the_whole_fp32_master_state_and_checks_it_against_t
     # Every rank holds the whole master and its Adam state: a change in rank 1's is found by name and rank.
     assert _bad(r0["exp_avg"]) == [("param_groups.0.params.0.exp_avg", [1])], _bad(r0["exp_avg"])
     assert _bad(r0["master"]) == [("zero.fp32_master_matches_params", [1])], r0["master"]
+    assert _bad(r0["lr"]) == [("param_groups.0.lr", [1])], _bad(r0["lr"])
 
 
 def test_zero3_never_counts_a_placeholder_and_compares_persistent_params(runs: dict[str, Any]) -> None:
