@@ -1,8 +1,8 @@
 """FSDP1 on CPU gloo: a world-wide audit with no ``group=`` compares what has replicas and says what has not.
 
 FULL_SHARD / SHARD_GRAD_OP: flat-parameter shards have one owner (named in the note, never counted),
-buffers and scalars are compared; HYBRID_SHARD (flat, or uneven pieces with ``use_orig_params=True``):
-shards compared within their replicate group, without ``group=``; NO_SHARD: like DDP.
+buffers and scalars are compared; HYBRID_SHARD (flat, or uneven pieces with ``use_orig_params=True``) and
+_HYBRID_SHARD_ZERO2: shards compared within their replicate group, without ``group=``; NO_SHARD: like DDP.
 """
 
 from __future__ import annotations
@@ -80,22 +80,29 @@ def test_fsdp1_full_shard_with_orig_params_has_no_structure_false_alarm() -> Non
     assert recs[0]["notes"] == recs[1]["notes"] and recs[0]["checked"] == recs[1]["checked"]
 
 
+HYBRID = {
+    "flat": ("HYBRID_SHARD", False),
+    "use_orig_params": ("HYBRID_SHARD", True),
+    "zero2_flat": ("_HYBRID_SHARD_ZERO2", False),
+}
+
+
 def _hybrid(rank: int, world: int) -> dict[str, Any]:
-    """One launch, both layouts: flat shards (``use_orig_params=False``) and uneven 1-D pieces (``True``)."""
+    """One launch, every layout: flat shards (``use_orig_params=False``), uneven 1-D pieces (``True``), and
+    ``_HYBRID_SHARD_ZERO2``; each audited healthy, then with the first value of rank 3's shard moved by 1."""
     from weightsync_audit import audit
 
     out: dict[str, Any] = {}
-    for orig in (False, True):
-        m, opt = _train(world, "HYBRID_SHARD", orig)
-        out[f"{orig}.clean"] = audit(m, opt).to_dict()
+    for case, (strategy, orig) in HYBRID.items():
+        m, opt = _train(world, strategy, orig)
+        out[f"{case}.clean"] = audit(m, opt).to_dict()
         # use_orig_params=True: 2.weight's piece is empty on shard 0 and 64 values on shard 1 (ranks 1, 3).
-        t = (dict(m.named_parameters())["_fsdp_wrapped_module.2.weight"] if orig else next(m.parameters())).data.view(
-            -1
-        )
+        p = dict(m.named_parameters())["_fsdp_wrapped_module.2.weight"] if orig else next(m.parameters())
+        t = p.data.view(-1)
         saved = t[:1].clone()
         if rank == world - 1:
             t[:1] += 1.0
-        out[f"{orig}.param"] = audit(m, opt).to_dict()
+        out[f"{case}.param"] = audit(m, opt).to_dict()
         t[:1].copy_(saved)
     return out
 
@@ -105,14 +112,15 @@ def hybrid() -> list[dict[str, Any]]:
     return run_ranks(_hybrid, 4)
 
 
-@pytest.mark.parametrize("orig", [False, True], ids=["flat", "use_orig_params"])
+@pytest.mark.parametrize("case", list(HYBRID))
 def test_fsdp1_hybrid_shard_compares_each_shard_within_its_replicate_group_without_group(
-    hybrid: list[dict[str, Any]], orig: bool
+    hybrid: list[dict[str, Any]], case: str
 ) -> None:
-    clean = [r[f"{orig}.clean"] for r in hybrid]
+    orig = HYBRID[case][1]
+    clean = [r[f"{case}.clean"] for r in hybrid]
     n = 6 if orig else 1  # the original parameters' pieces, or the one flat parameter
     assert all(r["in_sync"] and r["checked"]["param"] == n and not r.get("notes") for r in clean), clean
-    planted = [r[f"{orig}.param"] for r in hybrid]
+    planted = [r[f"{case}.param"] for r in hybrid]
     rec = planted[0]
     name = "2.weight" if orig else "_flat_param"
     assert not rec["in_sync"] and _names(rec) == [(name, [3])], rec
