@@ -32,7 +32,7 @@ from weightsync_audit.engine.inventory.wrappers import wrapper_of
 __all__ = ["MASTER_CHECK", "deepspeed_rules"]
 
 MASTER_CHECK = "zero.fp32_master_matches_params"
-"""Name of the entry holding the ZeRO-1/2 local check (``True`` on a healthy rank)."""
+"""Name of the entry holding the ZeRO 0-2 local check (``True`` on a healthy rank)."""
 
 
 def deepspeed_rules(
