@@ -1,8 +1,8 @@
 """FSDP1 on CPU gloo: a world-wide audit with no ``group=`` compares what has replicas and says what has not.
 
 FULL_SHARD / SHARD_GRAD_OP: flat-parameter shards have one owner (named in the note, never counted),
-buffers and scalars are compared; HYBRID_SHARD: shards compared within their replicate group, without
-``group=``; NO_SHARD: like DDP.
+buffers and scalars are compared; HYBRID_SHARD (flat, or uneven pieces with ``use_orig_params=True``) and
+_HYBRID_SHARD_ZERO2: shards compared within their replicate group, without ``group=``; NO_SHARD: like DDP.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ import torch
 from tests.ranks import run_ranks
 
 
-def _train_and_audit(rank: int, world: int, strategy: str, orig: bool, plant: str | None) -> dict[str, Any]:
+def _train(world: int, strategy: str, orig: bool) -> tuple[Any, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
-
-    from weightsync_audit import audit
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
@@ -40,6 +38,13 @@ def _train_and_audit(rank: int, world: int, strategy: str, orig: bool, plant: st
     m(torch.randn(4, 8)).sum().backward()  # the same batch everywhere: BatchNorm's running stats stay replicas
     opt.step()
     dist.barrier()
+    return m, opt
+
+
+def _train_and_audit(rank: int, world: int, strategy: str, orig: bool, plant: str | None) -> dict[str, Any]:
+    from weightsync_audit import audit
+
+    m, opt = _train(world, strategy, orig)
     if plant is not None and rank == world - 1:
         with torch.no_grad():
             if plant == "param":
@@ -75,13 +80,52 @@ def test_fsdp1_full_shard_with_orig_params_has_no_structure_false_alarm() -> Non
     assert recs[0]["notes"] == recs[1]["notes"] and recs[0]["checked"] == recs[1]["checked"]
 
 
-def test_fsdp1_hybrid_shard_compares_each_shard_within_its_replicate_group_without_group() -> None:
-    clean = run_ranks(_train_and_audit, 4, "HYBRID_SHARD", False, None)
-    assert all(r["in_sync"] and r["checked"]["param"] == 1 for r in clean), clean
-    planted = run_ranks(_train_and_audit, 4, "HYBRID_SHARD", False, "param")
+HYBRID = {
+    "flat": ("HYBRID_SHARD", False),
+    "use_orig_params": ("HYBRID_SHARD", True),
+    "zero2_flat": ("_HYBRID_SHARD_ZERO2", False),
+}
+
+
+def _hybrid(rank: int, world: int) -> dict[str, Any]:
+    """One launch, every layout: flat shards (``use_orig_params=False``), uneven 1-D pieces (``True``), and
+    ``_HYBRID_SHARD_ZERO2``; each audited healthy, then with the first value of rank 3's shard moved by 1."""
+    from weightsync_audit import audit
+
+    out: dict[str, Any] = {}
+    for case, (strategy, orig) in HYBRID.items():
+        m, opt = _train(world, strategy, orig)
+        out[f"{case}.clean"] = audit(m, opt).to_dict()
+        # use_orig_params=True: 2.weight's piece is empty on shard 0 and 64 values on shard 1 (ranks 1, 3).
+        p = dict(m.named_parameters())["_fsdp_wrapped_module.2.weight"] if orig else next(m.parameters())
+        t = p.data.view(-1)
+        saved = t[:1].clone()
+        if rank == world - 1:
+            t[:1] += 1.0
+        out[f"{case}.param"] = audit(m, opt).to_dict()
+        t[:1].copy_(saved)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> list[dict[str, Any]]:
+    return run_ranks(_hybrid, 4)
+
+
+@pytest.mark.parametrize("case", list(HYBRID))
+def test_fsdp1_hybrid_shard_compares_each_shard_within_its_replicate_group_without_group(
+    hybrid: list[dict[str, Any]], case: str
+) -> None:
+    orig = HYBRID[case][1]
+    clean = [r[f"{case}.clean"] for r in hybrid]
+    n = 6 if orig else 1  # the original parameters' pieces, or the one flat parameter
+    assert all(r["in_sync"] and r["checked"]["param"] == n and not r.get("notes") for r in clean), clean
+    planted = [r[f"{case}.param"] for r in hybrid]
     rec = planted[0]
-    assert not rec["in_sync"] and _names(rec) == [("_flat_param", [3])], rec
-    assert rec["mismatches"][0]["reference_ranks"] == [1] and rec["mismatches"][0]["shard"] == {"shard": 1}
+    name = "2.weight" if orig else "_flat_param"
+    assert not rec["in_sync"] and _names(rec) == [(name, [3])], rec
+    bad = rec["mismatches"][0]
+    assert bad["reference_ranks"] == [1] and bad["shard"] == {"shard": 1} and bad["max_abs_diff"] == 1.0, bad
     assert all(r["mismatches"] == rec["mismatches"] for r in planted)
 
 

@@ -1,4 +1,6 @@
-"""The Hugging Face Trainer with ``deepspeed=`` ZeRO-2 and ZeRO-3 on 2 CPU gloo ranks, audited end to end.
+"""The Hugging Face Trainer with ``deepspeed=`` ZeRO-2 and ZeRO-3 on 2 CPU gloo ranks, audited end to end, and
+launched as ``accelerate launch --use_deepspeed`` would (``args.deepspeed`` unset, the plugin in Accelerate's
+state only).
 
 Launched like tests/test_integrations.py (``torchrun`` twice, two one-process nodes); the script is
 tests/scripts/hf_deepspeed_run.py. Healthy runs stay in sync with the partitions named in the note and no
@@ -96,3 +98,26 @@ def test_hf_trainer_deepspeed_compares_buffers_without_blaming_ddp_broadcast(run
 def test_hf_trainer_fsdp_on_cpu_trains_plain_ddp_and_is_audited_as_ddp(runs: dict[str, Any]) -> None:
     recs = _records(runs, "fsdp_on_cpu")
     assert recs and all(r["in_sync"] and r["checked"]["param"] == 28 for r in recs), recs
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_trainer_via_accelerate_deepspeed_config_file_audited_as_deepspeed(runs: dict[str, Any], stage: int) -> None:
+    recs = _records(runs, f"accelerate_zero{stage}")
+    out = runs[f"accelerate_zero{stage}"][0]
+    # As `accelerate launch --use_deepspeed --deepspeed_config_file` leaves it: args.deepspeed unset.
+    assert out["args_deepspeed"] is None and out["zero_stage"] == stage and out["engine_of"] == "deepspeed", out
+    assert [r["step"] for r in recs] == [0, 2, 4] and all(r["in_sync"] for r in recs[:2]), recs
+    what = "ZeRO optimizer partitions" if stage == 2 else "ZeRO-3 partitioned parameters"
+    assert all(what in " ".join(r["notes"]) for r in recs[1:]), [r.get("notes") for r in recs]
+    assert [r["checked"]["param"] for r in recs] == ([28] * 3 if stage == 2 else [0, 16, 16]), recs
+    if stage == 3:  # before the first forward every parameter is a placeholder: said, never counted as checked
+        assert "no parameters were compared" in " ".join(recs[0]["notes"]), recs[0]["notes"]
+    assert [(m["name"], m["ranks"]) for m in recs[-1]["mismatches"]] == [("transformer.h.1.ln_1.weight", [1])]
+
+
+def test_hf_trainer_via_accelerate_zero_stage_compares_buffers_as_deepspeed_does(runs: dict[str, Any]) -> None:
+    last = _records(runs, "accelerate_zero2_batchnorm")[-1]
+    assert last["checked"]["buffer"] == 3, last  # read from Accelerate's state: DeepSpeed, not DDP
+    assert not any("broadcast" in n for n in last.get("notes", [])), last["notes"]
+    assert {m["name"] for m in last["mismatches"]} >= {"body.1.running_mean", "body.1.running_var"}, last
+    assert runs["accelerate_zero2_batchnorm"][0]["engine_of"] == "deepspeed"

@@ -24,7 +24,7 @@ __all__ = [
     "is_deepspeed_engine",
     "zero_stage",
     "zero3_param_status",
-    "zero12_master_matches",
+    "fp32_master_matches",
     "fsdp1_modules",
     "fsdp1_flat_param",
     "fsdp1_orig_params",
@@ -51,14 +51,18 @@ def is_deepspeed_engine(module: Any) -> bool:
 
 def zero_stage(optimizer: Any) -> int | None:
     """The ZeRO stage of a DeepSpeed optimizer wrapper: 1 or 2 (``DeepSpeedZeroOptimizer``, whose
-    ``partition_gradients`` tells them apart), 3 (``DeepSpeedZeroOptimizer_Stage3``), 0 for the bf16/fp16
-    wrappers that keep a partitioned fp32 master without ZeRO; ``None`` for anything else."""
+    ``partition_gradients`` tells them apart), 3 (``DeepSpeedZeroOptimizer_Stage3``), 1 for
+    ``BF16_Optimizer`` (it partitions its fp32 master as ZeRO-1 does: DeepSpeed picks it for ZeRO-1 in bf16
+    with fp32 gradient accumulation), 0 for the bf16/fp16 wrappers that keep a whole fp32 master on every
+    rank without ZeRO (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``); ``None`` for anything else."""
     names = class_names(optimizer)
     if "DeepSpeedZeroOptimizer_Stage3" in names:
         return 3
     if "DeepSpeedZeroOptimizer" in names:
         return 2 if getattr(optimizer, "partition_gradients", False) else 1
-    if names & {"BF16_Optimizer", "FP16_Optimizer", "FP16_UnfusedOptimizer"}:
+    if "BF16_Optimizer" in names:
+        return 1
+    if names & {"FP16_Optimizer", "FP16_UnfusedOptimizer"}:
         return 0
     return None
 
@@ -75,19 +79,34 @@ def zero3_param_status(p: Any) -> tuple[str, tuple[int, ...]] | None:
     return ("persistent" if getattr(p, "ds_persist", False) else "gathered"), shape
 
 
-def zero12_master_matches(optimizer: Any) -> bool | None:
-    """ZeRO-1/2: whether this rank's slice of the flat compute-dtype parameters equals the cast of its own
-    fp32 master partition (``parallel_partitioned_bit16_groups``, ``single_partition_of_fp32_groups``,
-    ``real_dp_process_group``). ``None`` when these are missing or offloaded."""
+def _master_pairs(optimizer: Any) -> list[tuple[Any, Any]] | None:
+    """(fp32 master, the compute-dtype tensor it is cast into) for every group this rank updates."""
+    names = class_names(optimizer)
+    if "DeepSpeedZeroOptimizer" in names:  # ZeRO-1/2: this rank's partition of the flat bit16 group
+        bit16, masters = optimizer.parallel_partitioned_bit16_groups, optimizer.single_partition_of_fp32_groups
+    elif "BF16_Optimizer" in names:  # the same, under other names
+        bit16, masters = optimizer.bf16_partitioned_groups, optimizer.fp32_groups_flat_partition
+    elif "FP16_UnfusedOptimizer" in names:  # no ZeRO: one whole fp32 master per parameter
+        return [(m, p) for ms, ps in zip(optimizer.fp32_groups, optimizer.fp16_groups) for m, p in zip(ms, ps)]
+    else:
+        return None
+    groups = optimizer.real_dp_process_group
+    return [(master, bit16[i][dist.get_rank(group=groups[i])]) for i, master in enumerate(masters)]
+
+
+def fp32_master_matches(optimizer: Any) -> bool | None:
+    """Whether the compute-dtype parameters this rank's fp32 master updates equal the cast of that master:
+    ZeRO-1/2 (``DeepSpeedZeroOptimizer``, ``BF16_Optimizer``: this rank's slice of the flat parameters and
+    its own master partition) and ZeRO-0 in bf16 (``FP16_UnfusedOptimizer``: every parameter and its whole
+    master). ``None`` when these are missing or offloaded, or for the fused ``FP16_Optimizer``."""
     try:
-        bit16 = optimizer.parallel_partitioned_bit16_groups
-        masters = optimizer.single_partition_of_fp32_groups
-        groups = optimizer.real_dp_process_group
-        for i, master in enumerate(masters):
-            mine = bit16[i][dist.get_rank(group=groups[i])]
+        pairs = _master_pairs(optimizer)
+        if pairs is None:
+            return None
+        for master, mine in pairs:
             if master.device != mine.device or master.numel() != mine.numel():
                 return None
-            if not torch.equal(master.detach().to(mine.dtype).view(-1), mine.detach().view(-1)):
+            if not torch.equal(master.detach().to(mine.dtype).view(-1), mine.detach().reshape(-1)):
                 return False
         return True
     except (AttributeError, IndexError, TypeError, RuntimeError):

@@ -1,4 +1,5 @@
-"""Run under ``torchrun`` on 2 ranks: the Hugging Face Trainer with ``deepspeed=`` ZeRO-2 and ZeRO-3 on CPU.
+"""Run under ``torchrun`` on 2 ranks: the Hugging Face Trainer with ``deepspeed=`` ZeRO-2 and ZeRO-3 on CPU,
+and launched as ``accelerate launch --use_deepspeed`` would (the plugin in Accelerate's variables only).
 
 Each rank writes ``OUT/<scenario>.rank<r>.json``; tests/test_replicas_trainers.py judges.
 Usage: torchrun --nnodes=2 --nproc_per_node=1 --node-rank=N ... hf_deepspeed_run.py OUT_DIR
@@ -59,6 +60,59 @@ def fsdp_on_cpu() -> dict[str, Any]:
     return {"records": records(path)}
 
 
+def launched(env: dict[str, str]) -> dict[str, str]:
+    """The variables ``accelerate launch --use_deepspeed`` sets for its processes (accelerate/utils/launch.py,
+    ``prepare_deepspeed_cmd_env``): ``args.deepspeed`` stays unset, the Trainer builds the plugin from these."""
+    return {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no", **env}
+
+
+def via_accelerate(name: str, env: dict[str, str], model: Any, data: Any, plant: bool) -> dict[str, Any]:
+    """A Trainer launched as ``accelerate launch --use_deepspeed`` would: no ``deepspeed=`` argument."""
+    from weightsync_audit.integrations.transformers import engine_of
+
+    path = OUT / f"{name}.jsonl"
+    cb = WeightSyncAuditCallback(every_n_steps=2, report_path=str(path), timeout_s=60)
+    callbacks: list[Any] = [cb]
+    if plant:  # before the audit of step 4: a replicated parameter on rank 1
+        callbacks.insert(0, At("on_step_end", 4, lambda m, o: m.transformer.h[1].ln_1.weight.data.add_(1e-3)))
+    env = launched(env)
+    os.environ.update(env)
+    try:
+        trainer = train(model, data, callbacks, max_steps=4)
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return {
+        "records": records(path),
+        "args_deepspeed": trainer.args.deepspeed,  # None: only Accelerate knows
+        "zero_stage": plugin.zero_stage if plugin is not None else None,
+        "engine_of": engine_of(trainer.args),
+    }
+
+
+def accelerate_config_file(stage: int) -> dict[str, Any]:
+    """``accelerate launch --use_deepspeed --deepspeed_config_file ds.json``: GPT-2, rank 1 planted at step 4."""
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # 2-D weights partitioned
+    file = OUT / f"ds_zero{stage}.json"
+    file.write_text(json.dumps(config))
+    env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(file), "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file"}
+    return via_accelerate(f"accelerate_zero{stage}", env, gpt2(), tokens(), plant=True)
+
+
+def accelerate_zero2_batchnorm() -> dict[str, Any]:
+    """``accelerate launch --use_deepspeed --zero_stage 2`` (no config file): the buffer policy is DeepSpeed's."""
+    env = {"ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage"}
+    return via_accelerate("accelerate_zero2_batchnorm", env, BNNet(), features(), plant=False)
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -66,6 +120,8 @@ if __name__ == "__main__":
     runs: dict[str, Any] = {"fsdp_on_cpu": fsdp_on_cpu}
     runs.update({f"zero{st}_{pl}": (lambda st=st, pl=pl: zero(st, pl)) for st in (2, 3) for pl in (0, 1)})
     runs.update(zero2_batchnorm=zero2_batchnorm)
+    runs.update({f"accelerate_zero{st}": (lambda st=st: accelerate_config_file(st)) for st in (2, 3)})
+    runs.update(accelerate_zero2_batchnorm=accelerate_zero2_batchnorm)
     for name, fn in runs.items():
         try:
             out = fn()

@@ -52,7 +52,7 @@ from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.measure.finite import apply_nonfinite, count_everywhere, in_sync_note, nonfinite_row
-from weightsync_audit.engine.measure.remote_gaps import measure_gaps
+from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -285,6 +285,9 @@ class AuditRun:
                     e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, tie, shard
                 )
             )
+        held = [(m, d.uid) for m, d in zip(self.mismatches, self.structure_diffs) if d.detail.startswith(HOLDERS_VALUE)]
+        if held:  # a pipeline stage's own value, differing within its group: measured among its holders
+            measure_held_gaps(comm, self.auditor.config, [m for m, _ in held], [u for _, u in held], self.entries)
         settled = None
         if value_mismatches:
             self._tally()  # the hints ride the gaps' last round, so what they say is known before it

@@ -163,7 +163,7 @@ class ValueDiff:
 
 HOLDERS_VALUE = "value differs among the ranks holding it,"
 """Opening of the detail of a tensor held by some ranks by design whose value differs among them: reported
-with its own kind (``param``...), not as a structure difference, and without a measured gap."""
+with its own kind (``param``...), not as a structure difference; its gap is measured among its holders."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +295,7 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
         held = [r for r, sig in enumerate(sigs) if sig is not None]
         if len(held) < world and all(is_holders(sigs[r][2]) for r in held):  # type: ignore[index]
             # Held by some ranks by design (a pipeline stage's tensors): compared among its holders only.
-            # Other ranks do not hold it, so its gap is not measured: reported here, the same on every rank.
+            # Reported here, the same on every rank; its gap is measured among its holders (engine/run.py).
             for members in peer_sets([per_rank[r][uid][4] if r in held else NEVER for r in range(world)]):
                 if len(members) > 1:
                     digests = [per_rank[r][uid][2] if r in members else 0 for r in range(world)]

@@ -40,7 +40,7 @@ from weightsync_audit.engine.measure.gaps import GapMeter
 from weightsync_audit.engine.measure.transfer import Sink, receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.reporting.record import Mismatch
 
-__all__ = ["INLINE_GAP_BYTES", "Finish", "measure_gaps"]
+__all__ = ["INLINE_GAP_BYTES", "Finish", "measure_gaps", "measure_held_gaps"]
 
 INLINE_GAP_BYTES = 768
 """Bytes of diverged tensors a rank adds to the layouts' round, so that their gaps are measured there."""
@@ -60,6 +60,7 @@ class GapSettings(Protocol):
 
 
 _OK, _TIMED_OUT, _BROKEN, _NO_PLANE, _LOCAL, _PENDING = range(6)
+_NOTHING = torch.empty(0)
 _FIELDS = 5  # per tensor and rank: max |diff| (float64 bits), max |reference| (float64 bits), code, peer, count
 
 
@@ -342,3 +343,16 @@ def _fill(g: tuple[int, ...], mismatches: list[Mismatch], chosen: list[int], tab
 def _note(m: Mismatch, text: str) -> None:
     """Add to a mismatch's detail, keeping what is there (a tie vote, a structure note)."""
     m.detail = f"{text}; {m.detail}" if m.detail else text
+
+
+def measure_held_gaps(
+    comm: Comm, cfg: GapSettings, mismatches: list[Mismatch], uids: list[str], entries: list[Entry]
+) -> None:
+    """:func:`measure_gaps` for tensors that only some ranks hold by design (a pipeline stage's, compared
+    among its data-parallel group): ``uids[i]`` names ``mismatches[i]``'s tensor; a rank that does not hold
+    it takes part with an empty stand-in (no bytes: neither the reference nor a receiver). Collective:
+    every rank calls it with the same mismatches, which every rank derived from the same gathered manifests.
+    """
+    mine = {e.uid: e for e in entries}
+    held = [mine.get(u) or Entry(u.partition(":")[2], u.partition(":")[0], _NOTHING, "none", ()) for u in uids]
+    measure_gaps(comm, cfg, mismatches, held)

@@ -30,7 +30,7 @@ from weightsync_audit.engine.inventory.replicas.deepspeed import deepspeed_rules
 from weightsync_audit.engine.inventory.replicas.fsdp1 import fsdp1_rules
 from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
 from weightsync_audit.engine.inventory.replicas.rules import Rules, apply_rules
-from weightsync_audit.engine.inventory.wrappers import remember_wrapper
+from weightsync_audit.engine.inventory.wrappers import remember_wrapper, unwrap_optimizer
 
 __all__ = ["assign_replicas", "declare_replicas", "detect_engine", "remember_wrapper", "unreplicated_kinds"]
 
@@ -52,8 +52,9 @@ def _rules(
 
 
 def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[str]:
-    """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas)."""
-    return _rules(module, optimizers, ())[1]
+    """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas).
+    ``optimizers`` as the audit takes them (``engine.optimizer`` included)."""
+    return _rules(module, [unwrap_optimizer(o) for o in optimizers], ())[1]
 
 
 def assign_replicas(

@@ -6,13 +6,14 @@
   (``ds_persist``, under ``stage3_param_persistence_threshold``) is a replica. No ZeRO-3 parameter is
   ever gathered for the audit: that would cost the whole model on every rank and compare nothing.
 - Buffers: replicas (DeepSpeed broadcasts them at initialisation only, so they are compared).
-- The inner optimizer: its parameters are this rank's fp32 master partitions, so they and their
-  ``exp_avg``/``exp_avg_sq`` have one owner; its ``step`` and its param groups' hyper-parameters are
-  replicas.
-- ZeRO-1/2 (fp32 master beside the compute copies): a local check that this rank's slice of the
-  parameters equals the cast of its own master partition, entered as one boolean entry
-  (``zero.fp32_master_matches_params``) that every rank compares. A corrupted master partition is
-  otherwise invisible until the next all-gather hands it to every rank.
+- The inner optimizer: under ZeRO 1-3 (``BF16_Optimizer`` included) its parameters are this rank's fp32
+  master partitions, so they and their ``exp_avg``/``exp_avg_sq`` have one owner; its ``step`` and its
+  param groups' hyper-parameters are replicas. Under ZeRO-0 in bf16 (``FP16_UnfusedOptimizer``) every rank
+  holds the whole fp32 master and its state: all replicas, all compared.
+- ZeRO 0-2 (fp32 master beside the compute copies): a local check that the parameters this rank's master
+  updates equal its cast, entered as one boolean entry (``zero.fp32_master_matches_params``) that every
+  rank compares. A corrupted master partition is otherwise invisible until the next all-gather hands it
+  to every rank.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from weightsync_audit.compat_engines import zero3_param_status, zero12_master_matches, zero_stage
+from weightsync_audit.compat_engines import fp32_master_matches, zero3_param_status, zero_stage
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.inventory.replicas.keys import alone
 from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
@@ -31,7 +32,7 @@ from weightsync_audit.engine.inventory.wrappers import wrapper_of
 __all__ = ["MASTER_CHECK", "deepspeed_rules"]
 
 MASTER_CHECK = "zero.fp32_master_matches_params"
-"""Name of the entry holding the ZeRO-1/2 local check (``True`` on a healthy rank)."""
+"""Name of the entry holding the ZeRO 0-2 local check (``True`` on a healthy rank)."""
 
 
 def deepspeed_rules(
@@ -58,12 +59,12 @@ def deepspeed_rules(
         if stage is None:
             continue
         found = f"DeepSpeed ZeRO-{stage}" if stage else "DeepSpeed (bf16/fp16)"
-        for group in opt.param_groups:
+        for group in opt.param_groups if stage else ():  # ZeRO-0: a whole fp32 master on every rank, compared
             for p in group["params"]:
                 if id(p) not in module_params:  # an fp32 master partition, not a module parameter
                     rules.params[id(p)] = alone("ZeRO optimizer partition", tuple(p.shape))
-        if stage in (1, 2) and "optimizer" in include:
-            ok = zero12_master_matches(wrapper_of(opt))
+        if stage in (0, 1, 2) and "optimizer" in include:
+            ok = fp32_master_matches(wrapper_of(opt))
             if ok is not None:
                 t = torch.tensor(bool(ok))
                 rules.extra.append(Entry(MASTER_CHECK, "optimizer", t, "bool", ()))
