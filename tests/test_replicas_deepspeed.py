@@ -191,3 +191,6 @@ def test_zero3_never_counts_a_placeholder_and_compares_persistent_params(runs: d
     assert "2 ZeRO-3 partitioned parameters" in " ".join(clean["notes"]), clean["notes"]
     assert r0["partition"]["in_sync"] and "2 ZeRO-3 partitioned parameters" in " ".join(r0["partition"]["notes"])
     assert _bad(r0["persistent"]) == [("0.bias", [1])]
+    # DeepSpeed reduces the gradients itself: the hint reads the change against it, never against DDP.
+    hints = " ".join(r0["persistent"]["hints"])
+    assert "under DeepSpeed ZeRO-3, which reduces their gradients itself" in hints and "DDP" not in hints, hints

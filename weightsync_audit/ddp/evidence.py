@@ -67,8 +67,11 @@ class Evidence:
         drifting: Collection[str] = (),
         drift_hint: Callable[[list[str]], str] | None = None,
         state_names: Collection[str] = (),
+        engine: str | None = None,
     ) -> None:
         self.mismatches = list(mismatches)
+        self.engine = engine
+        """The sharding engine holding the tensors (``"DeepSpeed ZeRO-2"``), ``None`` for plain replicas."""
         self.ddp = live_ddp(ddp)  # a retired wrapper proves nothing about the reduction that runs now
         self.synced = synced
         self.grads_checked = grads_checked

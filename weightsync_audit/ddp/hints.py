@@ -20,11 +20,16 @@ from typing import Any, Callable, Collection, Sequence
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.ddp.evidence import Evidence, uses_fsdp2
-from weightsync_audit.ddp.hint_rules import RULES, ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.ddp.hint_engines import ENGINE_RULES
+from weightsync_audit.ddp.hint_rules import RULES, Rule, ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.ddp.hint_zero import ZERO_RULES
 from weightsync_audit.reporting.record import Mismatch
 
-__all__ = ["ddp_frozen_hint", "ddp_unsynced_hint", "explain", "uses_fsdp2"]
+__all__ = ["ORDER", "ddp_frozen_hint", "ddp_unsynced_hint", "explain", "uses_fsdp2"]
+
+ORDER: tuple[Rule, ...] = tuple(x for r in (*ZERO_RULES, *RULES) for x in (*ENGINE_RULES.get(r.cause, ()), r))
+"""Every rule in the order :func:`explain` asks them: ZeRO's check first, an engine's variant of a generic
+cause just before it."""
 
 
 def explain(
@@ -38,6 +43,7 @@ def explain(
     drifting: Collection[str] = (),
     drift_hint: Callable[[list[str]], str] | None = None,
     state_names: Collection[str] = (),
+    engine: str | None = None,
 ) -> list[str]:
     """Hints for a set of mismatches, most specific first.
 
@@ -51,6 +57,8 @@ def explain(
     ``state_names``: the per-parameter optimizer state entries this audit compared on every rank
     (``0.weight.exp_avg``): what the hints may say of the optimizer, and state stepped from a parameter's
     gradients that agrees rules out unreduced gradients as the cause of that parameter's difference.
+    ``engine``: the sharding engine holding the tensors (``"DeepSpeed ZeRO-2"``): its own reduction, not
+    DDP's, is then what a differing parameter or gradient is read against.
 
     >>> explain([Mismatch("param_groups.0.lr", "optimizer", [1], [0])])[0].split(":")[0]
     'The learning rate differs (param_groups.0.lr) while the parameters still agree'
@@ -67,9 +75,10 @@ def explain(
         drifting=drifting,
         drift_hint=drift_hint,
         state_names=state_names,
+        engine=engine,
     )
     hints: list[str] = []
-    for rule in (*ZERO_RULES, *RULES):  # ZeRO's own check first: the optimizer rules would blame a load
+    for rule in ORDER:  # ZeRO's own check first: the optimizer rules would blame a load
         found = rule.find(ev)
         if found is not None:
             hint, accounted = found

@@ -51,6 +51,7 @@ from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
+from weightsync_audit.engine.inventory.replicas import reducing_engine
 from weightsync_audit.engine.measure.finite import apply_nonfinite, count_everywhere, in_sync_note, nonfinite_row
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
@@ -391,6 +392,7 @@ class AuditRun:
                 params_compared=self.checked["param"] > 0,
                 module=self.module,
                 state_names=[e.name for e in self.entries if e.kind == "optimizer" and e.shard is None],
+                engine=reducing_engine(self.module, self.optimizers),
                 **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
             )
         except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang

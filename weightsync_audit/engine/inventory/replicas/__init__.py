@@ -32,7 +32,14 @@ from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
 from weightsync_audit.engine.inventory.replicas.rules import Rules, apply_rules
 from weightsync_audit.engine.inventory.wrappers import remember_wrapper, unwrap_optimizer
 
-__all__ = ["assign_replicas", "declare_replicas", "detect_engine", "remember_wrapper", "unreplicated_kinds"]
+__all__ = [
+    "assign_replicas",
+    "declare_replicas",
+    "detect_engine",
+    "remember_wrapper",
+    "unreplicated_kinds",
+    "reducing_engine",
+]
 
 
 def _rules(
@@ -55,6 +62,13 @@ def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Opt
     """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas).
     ``optimizers`` as the audit takes them (``engine.optimizer`` included)."""
     return _rules(module, [unwrap_optimizer(o) for o in optimizers], ())[1]
+
+
+def reducing_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> str | None:
+    """The engine that reduces ``module``'s gradients itself (DeepSpeed, FSDP1), ``None`` for DDP's or
+    plain replicas, and for a declared layout (pipeline stages, expert groups), which reduces nothing."""
+    found = [e for e in detect_engine(module, optimizers) if e.startswith(("DeepSpeed", "FSDP1"))]
+    return ", ".join(found) or None
 
 
 def assign_replicas(
