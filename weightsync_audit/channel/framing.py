@@ -20,6 +20,8 @@ import xxhash
 
 __all__ = [
     "INLINE_BYTES",
+    "INLINE_FLAG",
+    "LEGACY_INLINE_BYTES",
     "MAGIC",
     "MISSING",
     "OK",
@@ -32,6 +34,8 @@ __all__ = [
     "compact_rows",
     "expand_rows",
     "join_parts",
+    "length_word",
+    "read_length",
     "split_parts",
     "used_words",
     "what_words",
@@ -41,6 +45,11 @@ __all__ = [
 MAGIC = 0x5753_4146  # 'WSAF'
 WHAT_BYTES = 48
 INLINE_BYTES = 1024
+LEGACY_INLINE_BYTES = 128
+"""What a frame of the previous release carried inline; a longer body came as a message of its own."""
+INLINE_FLAG = 1 << 62
+"""Set in a frame's length word when a body longer than ``LEGACY_INLINE_BYTES`` rides the frame, so that a
+frame of the previous release (no flag, a body over 128 bytes sent apart) is still read right."""
 REQ_WORDS = 4 + WHAT_BYTES // 8 + INLINE_BYTES // 8  # magic, seq, what hash, nbytes, what, inline
 REPLY_WORDS = 4 + INLINE_BYTES // 8  # magic, seq, status, nbytes, inline
 
@@ -56,6 +65,18 @@ def what_words(what: str) -> tuple[int, np.ndarray]:
 
 def words_text(words: np.ndarray) -> str:
     return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+
+
+def length_word(nbytes: int, inline: bool) -> int:
+    """A frame's length word: the body's length, flagged when it rides the frame beyond what the previous
+    release carried inline."""
+    return nbytes | (INLINE_FLAG if inline and nbytes > LEGACY_INLINE_BYTES else 0)
+
+
+def read_length(word: int) -> tuple[int, bool]:
+    """(the body's length, whether it rides the frame) from a frame's length word."""
+    nbytes = word & ~INLINE_FLAG
+    return nbytes, bool(word & INLINE_FLAG) or nbytes <= LEGACY_INLINE_BYTES
 
 
 def used_words(header_words: int, inline_bytes: int) -> int:

@@ -27,6 +27,8 @@ from weightsync_audit.channel.framing import (
     RULE_FAILED,
     WHAT_BYTES,
     as_u8,
+    length_word,
+    read_length,
     used_words,
     what_words,
     words_text,
@@ -59,6 +61,9 @@ class StarWire:
     grace_s: float
     _group: AuditGroup | None
     _who: Who
+    inline_limit: int = INLINE_BYTES
+    """The longest body a frame carries: ``LEGACY_INLINE_BYTES`` once a rank may run the previous release
+    (its receive buffers hold 208-byte frames), so that it reads an error instead of aborting."""
 
     def setup(self) -> None:  # pragma: no cover - Comm's
         raise NotImplementedError
@@ -107,9 +112,9 @@ class StarWire:
     def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
         what_hash, name_words = what_words(what)
         frame = np.zeros(REQ_WORDS, dtype=np.int64)
-        frame[:4] = (MAGIC, seq, what_hash, body.numel())
+        inline = body.numel() if body.numel() <= self.inline_limit else 0
+        frame[:4] = (MAGIC, seq, what_hash, length_word(body.numel(), inline > 0))
         frame[4 : 4 + len(name_words)] = name_words
-        inline = body.numel() if body.numel() <= INLINE_BYTES else 0
         if inline:
             frame.view(np.uint8)[(4 + len(name_words)) * 8 :][:inline] = body.numpy()
         return torch.from_numpy(frame[: used_words(4 + len(name_words), inline)])
@@ -121,14 +126,14 @@ class StarWire:
             answer = self._post(group, reply, 0, send=False)  # posted first: the answer may come at once
             frame = self._request_frame(seq, body, what)
             self._wait(group, self._post(group, frame, 0, send=True), frame, deadline)
-            if body.numel() > INLINE_BYTES:
+            if body.numel() > self.inline_limit:
                 self._wait(group, self._post(group, body, 0, send=True), body, deadline)
             self._wait(group, answer, reply, deadline)
             r = reply.numpy()
             if r[0] != MAGIC or r[1] != seq:
                 raise WaitFailure(False, "the coordinator answered another exchange")
-            status, nbytes = int(r[2]), int(r[3])
-            if nbytes <= INLINE_BYTES:
+            status, (nbytes, inline) = int(r[2]), read_length(int(r[3]))
+            if inline:
                 data = r[4:].view(np.uint8)[:nbytes].tobytes()
             else:
                 big = torch.empty(nbytes, dtype=torch.uint8)
@@ -174,8 +179,8 @@ class StarWire:
             if f[0] != MAGIC or f[1] != seq or f[2] != what_hash:
                 text = words_text(f[4 : 4 + WHAT_BYTES // 8])
                 positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
-            nbytes = int(f[3])
-            if nbytes <= INLINE_BYTES:
+            nbytes, inline = read_length(int(f[3]))
+            if inline:
                 datas[r] = f.view(np.uint8)[(4 + WHAT_BYTES // 8) * 8 :][:nbytes].tobytes()
             else:  # exactly the announced size: a frame from elsewhere in the protocol cannot crash gloo
                 big = torch.empty(nbytes, dtype=torch.uint8)
@@ -249,12 +254,12 @@ class StarWire:
     ) -> list[int]:
         """Send the same answer to every reachable rank at once; the ranks it could not reach."""
         frame = np.zeros(REPLY_WORDS, dtype=np.int64)
-        frame[:4] = (MAGIC, seq, status, len(data))
-        inline = len(data) if len(data) <= INLINE_BYTES else 0
+        inline = len(data) if len(data) <= self.inline_limit else 0
+        frame[:4] = (MAGIC, seq, status, length_word(len(data), inline > 0))
         if inline:
             frame.view(np.uint8)[32:][:inline] = np.frombuffer(data, dtype=np.uint8)
         reply = torch.from_numpy(frame[: used_words(4, inline)])
-        big = as_u8(data) if len(data) > INLINE_BYTES else None
+        big = as_u8(data) if len(data) > self.inline_limit else None
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         lost = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
+from weightsync_audit.channel.framing import LEGACY_INLINE_BYTES
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 
@@ -30,6 +31,8 @@ def raise_failed(comm: Comm, failure: BaseException | None) -> None:
 
 def raise_out_of_step(comm: Comm, fields: Sequence[str], position: dict[str, Any]) -> None:
     """Every rank's ``position`` (step, epoch, hook, config, slice) shared, and the error naming each."""
+    if "protocol" in fields:  # a rank may run the previous release: frames it can read, never abort on
+        comm.inline_limit = LEGACY_INLINE_BYTES
     positions = [json.loads(b) for b in comm.exchange_bytes(json.dumps(position).encode(), "the out-of-step report")]
     lines = {}
     for r, p in enumerate(positions):
