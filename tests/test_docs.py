@@ -204,9 +204,7 @@ def _cost(steps: list[dict[str, Any]]) -> int:
     return sum(10 if s["kind"] != "file" and any(h in s["code"] for h in heavy) else 1 for s in steps)
 
 
-def _run_page(
-    page: Path, steps: list[dict[str, Any]], folder: Path, procs: list[subprocess.Popen[str]]
-) -> tuple[int, str, str]:
+def _run_page(steps: list[dict[str, Any]], folder: Path, procs: list[subprocess.Popen[str]]) -> tuple[int, str, str]:
     (folder / "steps.json").write_text(json.dumps(steps))
     (folder / "runner.py").write_text(_RUNNER)
     env = {
@@ -245,7 +243,7 @@ def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     procs: list[subprocess.Popen[str]] = []
     pool = ThreadPoolExecutor(max_workers=2)
     futures = {
-        page: pool.submit(_run_page, page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), procs)
+        page: pool.submit(_run_page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), procs)
         for page, steps in sorted(runnable.items(), key=lambda kv: -_cost(kv[1]))
     }
     yield futures
