@@ -237,7 +237,9 @@ def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     chosen = [
         item.callspec.params["page"]
         for item in request.session.items
-        if getattr(item, "originalname", None) == "test_code_blocks_run" and hasattr(item, "callspec")
+        if getattr(item, "module", None) is request.module
+        and getattr(item, "originalname", None) == "test_code_blocks_run"
+        and hasattr(item, "callspec")
     ]
     runnable = {page: steps for page in chosen if (steps := _steps(page))}
     procs: list[subprocess.Popen[str]] = []
