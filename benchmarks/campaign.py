@@ -90,12 +90,14 @@ def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[s
     for p in procs:
         p.start()
     got: dict[str, Any] = {}
+    grace_s = 2.0  # for the ranks to leave by themselves; none after a hang: they are stuck, killed at once
     try:
         for spec in specs:
             try:
                 run_id, payload = q.get(timeout=run_timeout_s)
             except queue.Empty:
                 got[spec.run_id] = "hang"
+                grace_s = 0.0
                 break
             got[run_id] = pickle.loads(payload)
             on_result(run_id, got[run_id])
@@ -103,7 +105,7 @@ def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[s
                 break
     finally:
         for p in procs:
-            p.join(timeout=2)
+            p.join(timeout=grace_s)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -29,6 +29,7 @@ import os
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() must not initialise CUDA before fork
 
 import argparse
+import importlib
 import random
 import statistics
 import sys
@@ -383,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cpu" if dry else "cuda", None if dry else 0)
     sizes = [8 << 20, 32 << 20] if dry else [int(float(x) * 1e9) for x in args.sizes_gb.split(",")]
     print(f"# {machine()}; torch {torch.__version__}; device: {'CPU (dry run)' if dry else 'cuda:0'}", flush=True)
+    if dry:  # Adam's and DDP's constructors import torch._dynamo (seconds): once here, every forked rank inherits it
+        importlib.import_module("torch._dynamo")  # on a GPU, left to the ranks: nothing may touch CUDA before the forks
     report = Report()
     t0 = time.perf_counter()
     # The multi-rank checks fork: they come before this process initialises CUDA.

@@ -119,7 +119,7 @@ def test_a_run_that_hangs_or_raises_is_reported_as_such_and_the_campaign_goes_on
         return real_train(spec, rank, world)
 
     monkeypatch.setattr(campaign_faults, "train", train)
-    rows = {r["run_id"]: r for r in execute([a, hangs, raises, d], run_timeout_s=10)}
+    rows = {r["run_id"]: r for r in execute([a, hangs, raises, d], run_timeout_s=5)}
     assert rows[hangs.run_id]["hang"] and not rows[hangs.run_id]["detected"]
     assert rows[raises.run_id]["error"] == "RuntimeError: planted" and not rows[raises.run_id]["hang"]
     for ok in (a, d):  # before and after the failures, in fresh sets of ranks

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ def test_coordinator_killed_mid_round_is_named_at_once_without_a_deadline() -> N
         assert r["missing"] == [0] and r["elapsed"] < SLACK_S, r
 
 
-def _coordinator_stopped(rank: int, world: int) -> dict[str, Any]:
+def _coordinator_stopped(rank: int, world: int, done: str) -> dict[str, Any]:
     pids = _pids()
     auditor = Auditor(_model(), timeout_s=DEADLINE_S)
     assert auditor.audit(step=0).in_sync
@@ -70,12 +71,16 @@ def _coordinator_stopped(rank: int, world: int) -> dict[str, Any]:
     out = _timed(lambda: auditor.audit(step=1))
     if rank == 1:
         os.kill(pids[0], signal.SIGCONT)
-    time.sleep(3)  # rank 0's process hosts the store: the others stay until it has decided
+    # Rank 0's process hosts the store: the others stay until it has decided (at most 3 s).
+    (Path(done) / str(rank)).touch()
+    t1 = time.monotonic()
+    while time.monotonic() - t1 < 3 and len(list(Path(done).iterdir())) < world:
+        time.sleep(0.05)
     return out
 
 
-def test_stopped_coordinator_hosting_the_store_cannot_hold_the_others_past_the_deadline() -> None:
-    results = run_ranks(_coordinator_stopped, 3, timeout=60)
+def test_stopped_coordinator_hosting_the_store_cannot_hold_the_others_past_the_deadline(tmp_path: Path) -> None:
+    results = run_ranks(_coordinator_stopped, 3, str(tmp_path), timeout=60)
     for rank, r in enumerate(results):
         assert r["missing"] == [0], (rank, r)
         if rank:

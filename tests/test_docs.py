@@ -16,6 +16,10 @@ Per page, in a fresh temporary folder and one fresh Python process:
 - a block preceded by ``<!-- not-run: reason -->`` is skipped (used sparingly, for YAML-like snippets
   of other systems); other bash blocks (install commands, make targets) are checked for existing
   ``weightsync-audit`` sub-commands only.
+
+Pages are independent (each its own folder and process), so two run at a time, the slowest first: most of
+a page's time is one interpreter importing torch, and the machine has two cores. Each page's test waits
+for its own page's run and judges it alone.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -193,23 +198,71 @@ def test_pages_exist() -> None:
         assert page in names
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
-    steps = _steps(page)
-    if not steps:
-        pytest.skip("no runnable blocks")
-    (tmp_path / "steps.json").write_text(json.dumps(steps))
-    (tmp_path / "runner.py").write_text(_RUNNER)
+def _cost(steps: list[dict[str, Any]]) -> int:
+    # What a page's run costs, roughly: a shell block starting ranks or Python is many times a plain block.
+    heavy = ("torchrun", "python ", "devices=2", "demo")
+    return sum(10 if s["kind"] != "file" and any(h in s["code"] for h in heavy) else 1 for s in steps)
+
+
+def _run_page(steps: list[dict[str, Any]], folder: Path, procs: list[subprocess.Popen[str]]) -> tuple[int, str, str]:
+    (folder / "steps.json").write_text(json.dumps(steps))
+    (folder / "runner.py").write_text(_RUNNER)
     env = {
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
         "COLUMNS": "120",
     }
     env.pop("WEIGHTSYNC_AUDIT", None)
-    proc = subprocess.run(
-        [sys.executable, "runner.py", "steps.json"], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env
+    proc = subprocess.Popen(
+        [sys.executable, "runner.py", "steps.json"],
+        cwd=folder,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
-    assert proc.returncode == 0, f"{page.name}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    procs.append(proc)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        err += "\n(the page ran past 600 s)"
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[Path, Future]]:
+    """Starts every selected page's run, two at a time, the slowest first; ``{page: future (rc, out, err)}``."""
+    chosen = [
+        item.callspec.params["page"]
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+        and getattr(item, "originalname", None) == "test_code_blocks_run"
+        and hasattr(item, "callspec")
+    ]
+    runnable = {page: steps for page in chosen if (steps := _steps(page))}
+    procs: list[subprocess.Popen[str]] = []
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {
+        page: pool.submit(_run_page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), procs)
+        for page, steps in sorted(runnable.items(), key=lambda kv: -_cost(kv[1]))
+    }
+    yield futures
+    for f in futures.values():
+        f.cancel()
+    for proc in procs:  # an interrupted session leaves no page running
+        if proc.poll() is None:
+            proc.kill()
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_code_blocks_run(page: Path, page_runs: dict[Path, Future]) -> None:
+    if not _steps(page):
+        pytest.skip("no runnable blocks")
+    returncode, out, err = page_runs[page].result()
+    assert returncode == 0, f"{page.name}:\n{out[-4000:]}\n{err[-4000:]}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

@@ -1,17 +1,13 @@
 """A layer unfrozen mid-run under the Hugging Face Trainer's own DDP wrap, on 2 real gloo ranks.
 
-The script is tests/scripts/hf_unfreeze_run.py, launched like tests/test_integrations.py (``torchrun``
-twice, two one-process nodes). The callback reads the wrapper the Trainer trains through, so the change
+The runs are tests/scripts/hf_unfreeze_run.py's, two scenarios of the Trainer launch that
+tests/test_integrations.py judges too (tests/scripts/trainers_run.py: ``torchrun`` twice, two one-process
+nodes; the ``trainer_runs`` fixture of tests/conftest.py). The callback reads the wrapper the Trainer trains through, so the change
 is warned about before the step, the proven hint names it, and the fix it offers keeps replicas in sync.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,45 +15,20 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from ranks import free_port
 
 from weightsync_audit.integrations.transformers import TRAINER_FIX
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "hf_unfreeze_run.py"
 PROVEN = "body.weight, body.bias require grad, but DistributedDataParallel does not all-reduce"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("hf_unfreeze")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "WANDB_DISABLED": "true",
-        "OMP_NUM_THREADS": "1",
+def runs(trainer_runs: dict[str, Any]) -> dict[str, Any]:
+    # The two runs are scenarios of the Trainer launch tests/test_integrations.py judges too (one launch).
+    return {
+        "log": trainer_runs["log"],
+        "bug": trainer_runs.get("hf_unfreeze_bug"),
+        "fix": trainer_runs.get("hf_unfreeze_fix"),
     }
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
-        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(SCRIPT), str(out)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=280)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results: dict[str, Any] = {"log": "\n".join(logs)[-6000:]}
-    for f in out.glob("*.rank*.json"):
-        name, rank = f.name.removesuffix(".json").split(".rank")
-        results.setdefault(name, {})[int(rank)] = json.loads(f.read_text())
-    return results
 
 
 def _got(runs: dict[str, Any], name: str) -> dict[int, Any]:

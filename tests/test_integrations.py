@@ -1,17 +1,13 @@
 """The Hugging Face Trainer callback, Fabric, Accelerate and bare torchrun loops, on 2 real gloo ranks.
 
-One launch runs every scenario (tests/scripts/trainers_run.py): ``torchrun`` twice, as two one-process
+One launch runs every scenario (tests/scripts/trainers_run.py, the ``trainer_runs`` fixture of
+tests/conftest.py, shared with tests/test_hf_unfreeze.py): ``torchrun`` twice, as two one-process
 "nodes" rendezvousing on 127.0.0.1, so every local rank is 0 while the global ranks are 0 and 1. Tiny
 models built locally (a 2-layer GPT-2 of width 32), no hub downloads, no reporting integrations.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,45 +15,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from ranks import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "scripts" / "trainers_run.py"
-
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("trainers")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "WANDB_DISABLED": "true",
-        "OMP_NUM_THREADS": "1",
-    }
-    port = free_port()
-
-    def launch(node: int) -> subprocess.Popen[str]:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
-        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(SCRIPT), str(out)]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    launchers = [launch(0), launch(1)]
-    logs, codes = [], []
-    try:
-        for p in launchers:
-            logs.append(p.communicate(timeout=280)[0])
-            codes.append(p.returncode)
-    finally:
-        for p in launchers:
-            if p.poll() is None:
-                p.kill()
-    results: dict[str, Any] = {"codes": codes, "log": "\n".join(logs)[-6000:]}
-    for f in out.glob("*.rank*.json"):
-        scenario, rank = f.name.removesuffix(".json").split(".rank")
-        results.setdefault(scenario, {})[int(rank)] = json.loads(f.read_text())
-    return results
+def runs(trainer_runs: dict[str, Any]) -> dict[str, Any]:
+    return trainer_runs  # one launch for the session (tests/conftest.py), shared with tests/test_hf_unfreeze.py
 
 
 def scenario(runs: dict[str, Any], name: str) -> dict[int, Any]:

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +27,14 @@ SLACK_S = 3.0
 """'Within the deadline plus a few seconds': the bound every waiting rank must meet."""
 
 
+def _stay_until_all_done(done: str, rank: int, world: int, t0: float, cap_s: float) -> None:
+    """Mark this rank done, then stay alive until every rank is (rank 0's process hosts the job's store),
+    at most until ``cap_s`` after ``t0``."""
+    (Path(done) / str(rank)).touch()
+    while time.monotonic() - t0 < cap_s and len(list(Path(done).iterdir())) < world:
+        time.sleep(0.05)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
@@ -40,7 +49,7 @@ def _timed_audit(auditor: Auditor, step: int) -> dict[str, Any]:
     return {"error": None, "elapsed": time.monotonic() - t0}
 
 
-def _late_rank(rank: int, world: int, late: int, first_audit: bool) -> list[dict[str, Any]]:
+def _late_rank(rank: int, world: int, late: int, first_audit: bool, done: str) -> list[dict[str, Any]]:
     auditor = Auditor(_model(), timeout_s=DEADLINE_S)
     if not first_audit:
         assert auditor.audit(step=0).in_sync  # the audit channel is open and healthy
@@ -51,14 +60,16 @@ def _late_rank(rank: int, world: int, late: int, first_audit: bool) -> list[dict
     # Later audits in this process fail at once instead of waiting on a broken channel.
     out.append(_timed_audit(auditor, 2))
     # Stay alive until the late rank has heard the verdict (rank 0's process hosts the job's store).
-    time.sleep(max(0.0, 2 * DEADLINE_S + 5 - (time.monotonic() - t0)))
+    _stay_until_all_done(done, rank, world, t0, 2 * DEADLINE_S + 5)
     return out
 
 
 @pytest.mark.parametrize("first_audit", [False, True], ids=["later-audit", "first-audit"])
-def test_rank_sleeping_past_the_deadline_is_named_by_every_rank_within_the_deadline(first_audit: bool) -> None:
+def test_rank_sleeping_past_the_deadline_is_named_by_every_rank_within_the_deadline(
+    first_audit: bool, tmp_path: Path
+) -> None:
     world, late = 3, 2
-    results = run_ranks(_late_rank, world, late, first_audit, timeout=60)
+    results = run_ranks(_late_rank, world, late, first_audit, str(tmp_path), timeout=60)
     for rank, (first, second) in enumerate(results):
         assert first["error"] == "timeout", (rank, first)
         assert first["missing"] == [late], (rank, first)
@@ -72,19 +83,19 @@ def test_rank_sleeping_past_the_deadline_is_named_by_every_rank_within_the_deadl
             assert "this rank arrived after the others had given up" in first["message"], first
 
 
-def _late_coordinator(rank: int, world: int) -> dict[str, Any]:
+def _late_coordinator(rank: int, world: int, done: str) -> dict[str, Any]:
     auditor = Auditor(_model(), timeout_s=DEADLINE_S)
     assert auditor.audit(step=0).in_sync
     t0 = time.monotonic()
     if rank == 0:
         time.sleep(DEADLINE_S + DEFAULT_GRACE_S + 2)
     out = _timed_audit(auditor, 1)
-    time.sleep(max(0.0, DEADLINE_S + DEFAULT_GRACE_S + 4 - (time.monotonic() - t0)))
+    _stay_until_all_done(done, rank, world, t0, DEADLINE_S + DEFAULT_GRACE_S + 4)
     return out
 
 
-def test_coordinator_sleeping_past_the_deadline_is_named_as_rank_0() -> None:
-    results = run_ranks(_late_coordinator, 3, timeout=60)
+def test_coordinator_sleeping_past_the_deadline_is_named_as_rank_0(tmp_path: Path) -> None:
+    results = run_ranks(_late_coordinator, 3, str(tmp_path), timeout=60)
     for rank, r in enumerate(results):
         assert r["error"] == "timeout" and r["missing"] == [0], (rank, r)
         if rank:

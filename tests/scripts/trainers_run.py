@@ -29,6 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
+import hf_unfreeze_run  # beside this script: its two runs are scenarios here too
+
 from weightsync_audit import WeightDivergenceError
 from weightsync_audit.transformers import WeightSyncAuditCallback
 
@@ -310,6 +312,19 @@ def torchrun_loop() -> dict[str, Any]:
                 model.module.backbone.weight[0, 0] += 1e-3
         results.append(auditor.audit(step=step).to_dict())
     return {"results": results, "wrapper": type(model).__name__}
+
+
+# -- a layer unfrozen under the Trainer's own DDP wrap (hf_unfreeze_run.py; tests/test_hf_unfreeze.py) --------
+
+
+@scenario
+def hf_unfreeze_bug() -> dict[str, Any]:
+    return hf_unfreeze_run.run("bug")
+
+
+@scenario
+def hf_unfreeze_fix() -> dict[str, Any]:
+    return hf_unfreeze_run.run("fix")
 
 
 if __name__ == "__main__":
