@@ -12,20 +12,14 @@ Lightning saves at the epoch's end, whose sidecar says it diverged). What has on
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("pytorch_lightning")
 
-from ranks import free_port
+from torchrun import ROOT, two_node_job
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "lightning_sharded_run.py"
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 needs_deepspeed = pytest.mark.skipif(not HAS_DEEPSPEED, reason="DeepSpeed is not installed (the [deepspeed] extra)")
@@ -39,33 +33,8 @@ HOOKS += [(4, "on_save_checkpoint")]  # Lightning's default ModelCheckpoint, at 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("lightning_sharded")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(
-            [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "scripts"), os.environ.get("PYTHONPATH", "")]
-        ),
-        "OMP_NUM_THREADS": "1",
-    }
     scenarios = ["fsdp", *(["zero2", "zero2_resync", "zero3"] if HAS_DEEPSPEED else [])]
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
-        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(SCRIPT), str(out), *scenarios]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=500)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results: dict[str, Any] = {"log": "\n".join(logs)[-6000:]}
-    for f in out.glob("*.rank*.json"):
-        name, rank = f.name.removesuffix(".json").split(".rank")
-        results.setdefault(name, {})[int(rank)] = json.loads(f.read_text())
-    return results
+    return two_node_job(SCRIPT, out, *scenarios, paths=[ROOT / "tests", ROOT / "tests" / "scripts"], timeout=500)
 
 
 def _fit(runs: dict[str, Any], name: str, engine: str, verdict: str = "diverged") -> list[dict[str, Any]]:

@@ -9,11 +9,6 @@ placeholder counted; a change planted on rank 1 in a replicated parameter is fou
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,9 +16,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("deepspeed")
 
-from ranks import free_port
+from torchrun import OFFLINE, ROOT, two_node_job
 
-ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "hf_deepspeed_run.py"
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -32,33 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("hf_deepspeed")
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "scripts"), os.environ.get("PYTHONPATH", "")]),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "WANDB_DISABLED": "true",
-        "OMP_NUM_THREADS": "1",
-    }
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
-        cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(SCRIPT), str(out)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=800)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    results: dict[str, Any] = {"log": "\n".join(logs)[-6000:]}
-    for f in out.glob("*.rank*.json"):
-        name, rank = f.name.removesuffix(".json").split(".rank")
-        results.setdefault(name, {})[int(rank)] = json.loads(f.read_text())
-    return results
+    return two_node_job(SCRIPT, out, paths=[ROOT / "tests" / "scripts"], env=OFFLINE, timeout=800)
 
 
 def _records(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:

@@ -25,8 +25,8 @@ OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
 
 
-def zero(stage: int, plant: int) -> dict[str, Any]:
-    path = OUT / f"zero{stage}_{int(plant)}.jsonl"
+def ds_config(stage: int) -> dict[str, Any]:
+    """The DeepSpeed config of these runs: ZeRO ``stage``, batch sizes from the Trainer."""
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -35,6 +35,12 @@ def zero(stage: int, plant: int) -> dict[str, Any]:
     }
     if stage == 3:
         config["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # 2-D weights partitioned
+    return config
+
+
+def zero(stage: int, plant: int) -> dict[str, Any]:
+    path = OUT / f"zero{stage}_{int(plant)}.jsonl"
+    config = ds_config(stage)
     cb = WeightSyncAuditCallback(every_n_steps=2, report_path=str(path), timeout_s=60)
     callbacks: list[Any] = [cb]
     if plant:  # before the audit of step 4 (ZeRO-2 would overwrite it at the next step): a replicated parameter
@@ -93,14 +99,7 @@ def via_accelerate(name: str, env: dict[str, str], model: Any, data: Any, plant:
 
 def accelerate_config_file(stage: int) -> dict[str, Any]:
     """``accelerate launch --use_deepspeed --deepspeed_config_file ds.json``: GPT-2, rank 1 planted at step 4."""
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto",
-        "zero_optimization": {"stage": stage},
-        "zero_allow_untested_optimizer": True,
-    }
-    if stage == 3:
-        config["zero_optimization"]["stage3_param_persistence_threshold"] = 100  # 2-D weights partitioned
+    config = ds_config(stage)
     file = OUT / f"ds_zero{stage}.json"
     file.write_text(json.dumps(config))
     env = {"ACCELERATE_DEEPSPEED_CONFIG_FILE": str(file), "ACCELERATE_CONFIG_DS_FIELDS": "deepspeed_config_file"}
