@@ -104,6 +104,8 @@ def test_lightning_deepspeed_zero2_resync_restores_the_params_and_rank_1s_master
         (master, [1]),
     ], resynced
     assert "a full audit confirmed the replicas are in sync" in " ".join(_notes(resynced)), resynced
+    # Two tensors copied: the master check is drawn from them, restored by their copy, never copied itself.
+    assert "resynced 2 tensor(s): 2 from rank 0;" in " ".join(_notes(resynced)), resynced
     # Rank 1's parameters are rank 0's again, so its slice equals its own fp32 master once more.
     assert all(r["in_sync"] and not r["mismatches"] for r in recs[3:]), recs[3:]
 
