@@ -3,45 +3,23 @@
 A digest that changes between the audit's read and this one, with no optimizer step between them, means
 the bytes in memory are not holding still: an *unstable* read, which points at memory or hardware (or a
 thread writing the weights behind the training loop's back), not at a software bug that replicas share.
-Each rank re-reads only the tensors it holds the odd value of; one small exchange (on divergence only)
-tells every rank which re-reads changed, so every rank sets the same ``Mismatch.stability``.
+Each rank re-reads only the tensors it holds the odd value of; its flags ride the gap layouts' round
+(:mod:`~weightsync_audit.engine.measure.remote_gaps`), so every rank sets the same ``Mismatch.stability``
+from the same gathered table.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 import numpy as np
 
-from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import ValueDiff
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.reporting.record import Mismatch
 
-__all__ = ["apply_stability", "mark_stability", "persistent_hints", "reread_row", "unstable_hints"]
-
-
-def mark_stability(
-    comm: Comm,
-    mismatches: Sequence[Mismatch],
-    diffs: Sequence[ValueDiff],
-    entries: Sequence[Entry],
-    first: np.ndarray,
-    *,
-    slice_index: int,
-    slices: int,
-    method: str,
-) -> None:
-    """Set ``stability`` on each value mismatch (``diffs[i]`` is ``mismatches[i]``'s; ``first`` the audit's
-    digests of ``entries``, in order). Collective: every rank calls it with the same ``diffs``."""
-    flags = reread_row(comm.rank, diffs, entries, first, slice_index=slice_index, slices=slices, method=method)
-    changed = [int(i) for i in np.flatnonzero(flags)]
-    # Only the union comes back: a fixed-size answer per rank, whatever the number of ranks.
-    unstable = set(json.loads(comm.decide(json.dumps(changed).encode(), _union, "the second read")))
-    for i, m in enumerate(mismatches):
-        m.stability = "unstable" if i in unstable else "stable"
+__all__ = ["apply_stability", "persistent_hints", "reread_row", "unstable_hints"]
 
 
 def reread_row(
@@ -69,14 +47,10 @@ def reread_row(
 
 
 def apply_stability(mismatches: Sequence[Mismatch], table: np.ndarray) -> None:
-    """:func:`mark_stability` from the gathered ``[world, n]`` flags of :func:`reread_row`: unstable where
-    any rank's second read changed."""
+    """``stability`` on each mismatch from the gathered ``[world, n]`` flags of :func:`reread_row`: unstable
+    where any rank's second read changed."""
     for i, m in enumerate(mismatches):
         m.stability = "unstable" if bool(table[:, i].any()) else "stable"
-
-
-def _union(parts: list[bytes]) -> bytes:
-    return json.dumps(sorted({i for p in parts for i in json.loads(p)})).encode()
 
 
 def unstable_hints(mismatches: Sequence[Mismatch], hosts: dict[str, str] | None) -> list[str]:
