@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
 import pickle
 import queue
 import sys
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign_faults import CONTROLS, FAULTS, HEALTHY, RunSpec, make_spec, run_on_rank
 from campaign_oracle import median, score
 from harness import table
+from ranks import leave  # after harness, which puts tests/ on the path
 
 RUN_TIMEOUT_S = 120.0
 """A run that has not reported within this many seconds is a hang (its batch is killed, the rest go on)."""
@@ -61,16 +61,7 @@ def _rank_main(specs: list[RunSpec], rank: int, world: int, port: int, q: Any) -
             if any(out["errors"]):
                 break  # a failed run may leave the channel unusable: the parent starts a fresh batch
     finally:
-        try:
-            from weightsync_audit.channel.star import forget_groups
-
-            forget_groups()
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-        q.close()
-        q.join_thread()
-        os._exit(0)
+        leave(q)
 
 
 def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, NoReturn
 
 
 class RankFailed(AssertionError):
@@ -63,17 +63,24 @@ def _entry(
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         q.put(("err", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
     finally:
-        try:
-            from weightsync_audit.channel.star import forget_groups
+        leave(q)
 
-            forget_groups()
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
-        # The queue's feeder thread must flush the result before os._exit, which would kill it mid-write.
-        q.close()
-        q.join_thread()
-        os._exit(0)
+
+def leave(q: Any) -> NoReturn:
+    """A forked rank's end: its audit groups forgotten, its process group destroyed, ``q`` flushed, exit 0."""
+    import torch.distributed as dist
+
+    try:
+        from weightsync_audit.channel.star import forget_groups
+
+        forget_groups()
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+    # The queue's feeder thread must flush the result before os._exit, which would kill it mid-write.
+    q.close()
+    q.join_thread()
+    os._exit(0)
 
 
 def run_ranks(
