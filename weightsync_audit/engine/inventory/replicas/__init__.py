@@ -47,28 +47,25 @@ def _rules(
     optimizers: Sequence[torch.optim.Optimizer],
     include: Sequence[str],
     names: Sequence[str] = (),
-) -> tuple[Rules, list[str]]:
+) -> tuple[Rules, list[str], list[str]]:
+    """The rules, the engines that reduce the gradients themselves (DeepSpeed, FSDP1), and every engine."""
     rules = Rules()
     user = unwrap_module(module) if module is not None else None
-    engines = [
-        deepspeed_rules(rules, user, optimizers, include),
-        fsdp1_rules(rules, user, names),
-        declared_rules(rules, module, user),
-    ]
-    return rules, [e for e in engines if e]
+    reducing = [deepspeed_rules(rules, user, optimizers, include), fsdp1_rules(rules, user, names)]
+    engines = [*reducing, declared_rules(rules, module, user)]
+    return rules, [e for e in reducing if e], [e for e in engines if e]
 
 
 def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[str]:
     """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas).
     ``optimizers`` as the audit takes them (``engine.optimizer`` included)."""
-    return _rules(module, [unwrap_optimizer(o) for o in optimizers], ())[1]
+    return _rules(module, [unwrap_optimizer(o) for o in optimizers], ())[2]
 
 
 def reducing_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> str | None:
     """The engine that reduces ``module``'s gradients itself (DeepSpeed, FSDP1), ``None`` for DDP's or
     plain replicas, and for a declared layout (pipeline stages, expert groups), which reduces nothing."""
-    found = [e for e in detect_engine(module, optimizers) if e.startswith(("DeepSpeed", "FSDP1"))]
-    return ", ".join(found) or None
+    return ", ".join(_rules(module, [unwrap_optimizer(o) for o in optimizers], ())[1]) or None
 
 
 def assign_replicas(
@@ -83,7 +80,7 @@ def assign_replicas(
 
     ``refuse_stages`` (an operation's name): raise ``ValueError`` for a declared pipeline stage, whose
     tensors other stages do not hold (every rank of the declaration raises alike, before any exchange)."""
-    rules, _ = _rules(module, optimizers, include, [e.name for e in manifest.entries])
+    rules, _, _ = _rules(module, optimizers, include, [e.name for e in manifest.entries])
     if refuse_stages and rules.prefix:
         raise ValueError(
             f"{refuse_stages} of a pipeline stage ({rules.prefix.rstrip('.')}): pass group= the stage's "
