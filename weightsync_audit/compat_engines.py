@@ -25,6 +25,7 @@ __all__ = [
     "zero_stage",
     "zero3_param_status",
     "fp32_master_matches",
+    "MASTER_CHECK",
     "fsdp1_modules",
     "fsdp1_flat_param",
     "fsdp1_orig_params",
@@ -92,6 +93,11 @@ def _master_pairs(optimizer: Any) -> list[tuple[Any, Any]] | None:
         return None
     groups = optimizer.real_dp_process_group
     return [(master, bit16[i][dist.get_rank(group=groups[i])]) for i, master in enumerate(masters)]
+
+
+MASTER_CHECK = "zero.fp32_master_matches_params"
+"""The name :func:`fp32_master_matches`'s answer is audited under (a check drawn from the parameters, not a
+tensor of the model): kept here, at the bottom, for the replica adapter, the hints and the resync plan."""
 
 
 def fp32_master_matches(optimizer: Any) -> bool | None:

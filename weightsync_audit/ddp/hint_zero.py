@@ -14,9 +14,9 @@ checkpoint loaded on one rank.
 
 from __future__ import annotations
 
+from weightsync_audit.compat_engines import MASTER_CHECK
 from weightsync_audit.ddp.evidence import Evidence
 from weightsync_audit.ddp.hint_rules import Names, Rule
-from weightsync_audit.engine.inventory.replicas.deepspeed import MASTER_CHECK
 from weightsync_audit.text import brief_names
 
 __all__ = ["ZERO_RULES"]

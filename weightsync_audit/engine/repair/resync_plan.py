@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence, Union
 
-from weightsync_audit.engine.inventory.replicas.deepspeed import MASTER_CHECK
+from weightsync_audit.compat_engines import MASTER_CHECK
 from weightsync_audit.errors import ResyncError
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks

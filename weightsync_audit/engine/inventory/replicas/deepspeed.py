@@ -23,16 +23,13 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from weightsync_audit.compat_engines import fp32_master_matches, zero3_param_status, zero_stage
+from weightsync_audit.compat_engines import MASTER_CHECK, fp32_master_matches, zero3_param_status, zero_stage
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.inventory.replicas.keys import alone
 from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
 from weightsync_audit.engine.inventory.wrappers import wrapper_of
 
 __all__ = ["MASTER_CHECK", "deepspeed_rules"]
-
-MASTER_CHECK = "zero.fp32_master_matches_params"
-"""Name of the entry holding the ZeRO 0-2 local check (``True`` on a healthy rank)."""
 
 
 def deepspeed_rules(
