@@ -228,11 +228,12 @@ def measure_gaps(
         inline = _measure_inline(ms, chosen, table[:, :width], blobs)
         gaps = compact_rows([r.tobytes() for r in inline])
         done = not (inline[:, 2::_FIELDS] == _PENDING).any()
-        return len(gaps).to_bytes(8, "little") + gaps + (_finished(ms, chosen, inline, table) if done else b"")
+        return len(gaps).to_bytes(8, "little") + gaps + (settled(ms, chosen, inline, table[:, width:]) if done else b"")
 
-    def _finished(ms: list[Mismatch], chosen: list[int], gaps: np.ndarray, table: np.ndarray) -> bytes:
+    def settled(ms: list[Mismatch], chosen: list[int], gaps: np.ndarray, extra: np.ndarray) -> bytes:
+        """On the coordinator: ``finish`` of the copies ``ms`` once their gaps are filled as every rank fills them."""
         _fill(comm.global_ranks, ms, chosen, gaps)
-        return finish(ms, table[:, width:]) if finish is not None else b""
+        return finish(ms, extra) if finish is not None else b""
 
     what = "the layouts of the diverged tensors"
     table, tail = comm.exchange_then(np.concatenate([_layout_row(entries), extra.astype(np.int64)]), what,
@@ -254,7 +255,7 @@ def measure_gaps(
     def last(table: np.ndarray, blobs: list[bytes]) -> bytes:  # on the coordinator
         ms = copy.deepcopy(mismatches)
         _choose(cfg, ms, layouts, comm.grace_s)
-        return _finished(ms, chosen, table, np.concatenate([layouts, gathered], axis=1))
+        return settled(ms, chosen, table, gathered)
 
     table, fin = comm.exchange_then(row, "the max |diff| values", then=last, extra_s=total)
     if any((~np.isin(table[:, _FIELDS * c + 2], (_OK, _LOCAL))).any() for c in pending):
