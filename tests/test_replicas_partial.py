@@ -1,0 +1,173 @@
+"""Tensors held by some ranks only (pipeline stages, experts), judged as strictly as DDP replicas.
+
+Every case computes its truth without the tool: each rank's tensors (trainable flag, shape, dtype, bytes)
+are gathered with ``all_gather_object`` and compared by the test, within the group the test itself built.
+The audit must then name exactly the tensors and ranks the truth names: a rank of the declared group that
+lacks a tensor, or holds it frozen, is a structure mismatch; a tensor no other rank holds is never counted
+in ``checked``, and an audit that compared nothing says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tests.ranks import run_ranks
+
+Sig = tuple[bool, tuple[int, ...], str, bytes]
+
+
+def _held(module: torch.nn.Module, prefix: str = "") -> dict[str, Sig]:
+    """What this rank holds, by the name the test gives it: trainable flag, shape, dtype, bytes."""
+    out: dict[str, Sig] = {}
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        flag = bool(t.requires_grad)
+        out[prefix + name] = (flag, tuple(t.shape), str(t.dtype), t.detach().contiguous().numpy().tobytes())
+    return out
+
+
+def truth(held: dict[str, Sig], group: list[int]) -> list[tuple[str, list[int]]]:
+    """The tensors whose holders in ``group`` (global ranks, this rank's replica group) disagree, each
+    with the members that differ from the lowest member holding it (two replicas: the tie's reference);
+    a member lacking the tensor differs. Computed by gathering every rank's tensors: no tool involved."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, held)
+    out = []
+    for name in sorted({n for r in group for n in every[r]}):
+        holders = [r for r in group if name in every[r]]
+        ref = every[holders[0]][name]
+        odd = [r for r in group if every[r].get(name) != ref]
+        if odd and len(group) > 1:
+            out.append((name, odd))
+    return out
+
+
+def _found(rec: dict[str, Any]) -> list[tuple[str, list[int]]]:
+    return sorted((m["name"], m["ranks"]) for m in rec["mismatches"])
+
+
+def _stage(rank: int, world: int, case: str) -> dict[str, Any]:
+    """2 stages x 2 replicas (stage 0 on ranks 0, 2; stage 1 on ranks 1, 3), or with ``span`` one stage on
+    every rank; ``case`` plants a difference on rank 3."""
+    import torch.distributed as dist
+
+    from weightsync_audit import audit, declare_replicas
+
+    dp = [dist.new_group([s, s + 2]) for s in range(2)]
+    stage = 0 if case.startswith("span") else rank % 2
+    group = list(range(world)) if case.startswith("span") else [stage, stage + 2]
+    torch.manual_seed(stage)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    if case.endswith("frozen") and rank == 3:
+        module[0].weight.requires_grad_(False)
+    if case.endswith("no-buffer") and rank == 3:
+        del module[1]._buffers["running_var"]
+    if case.endswith("value") and rank == 3:
+        with torch.no_grad():
+            module[0].bias[1] += 0.25
+    declare_replicas(module, stage=stage, stage_group=dist.group.WORLD if case.startswith("span") else dp[stage])
+    rec = audit(module).to_dict()
+    return {"rec": rec, "truth": truth(_held(module, f"stage{stage}."), group)}
+
+
+def _check(out: list[dict[str, Any]]) -> None:
+    """The audit names what the truth names, the same on every rank; the whole world's truth."""
+    want = sorted({t for o in out for t in map(lambda x: (x[0], tuple(x[1])), o["truth"])})
+    got = _found(out[0]["rec"])
+    assert [(n, tuple(r)) for n, r in got] == want, (got, want)
+    assert out[0]["rec"]["in_sync"] == (not want)
+    assert all(o["rec"]["mismatches"] == out[0]["rec"]["mismatches"] for o in out)
+
+
+def test_stage_replica_frozen_on_one_rank_is_a_structure_mismatch() -> None:
+    out = run_ranks(_stage, 4, "frozen")
+    _check(out)
+    assert out[0]["truth"] == [] and out[1]["truth"] == [("stage1.0.weight", [3])]  # the truth found it
+    bad = out[0]["rec"]["mismatches"][0]
+    assert bad["kind"] == "structure" and "frozen (requires_grad=False) on rank 3" in bad["detail"], bad
+
+
+def test_stage_buffer_missing_on_one_replica_is_a_structure_mismatch() -> None:
+    out = run_ranks(_stage, 4, "no-buffer")
+    _check(out)
+    assert out[1]["truth"] == [("stage1.1.running_var", [3])]
+    bad = out[0]["rec"]["mismatches"][0]
+    assert bad["kind"] == "structure" and "missing on rank 3" in bad["detail"], bad
+
+
+def test_stage_value_still_found_and_a_clean_grid_still_in_sync() -> None:
+    _check(run_ranks(_stage, 4, "value"))
+    clean = run_ranks(_stage, 4, "clean")
+    _check(clean)
+    assert clean[0]["rec"]["checked"]["param"] == 8 and clean[0]["rec"]["checked"]["buffer"] == 6
+
+
+def test_one_stage_on_every_rank_finds_the_frozen_flag_too() -> None:
+    _check(run_ranks(_stage, 4, "span-frozen"))
+
+
+def _experts(rank: int, world: int, case: str) -> dict[str, Any]:
+    """Expert groups {0, 2} (expert 0) and {1, 3} (expert 1); ``missing``: rank 3 holds no expert 1."""
+    import torch.distributed as dist
+
+    from weightsync_audit import audit, declare_replicas
+
+    ep = [dist.new_group([c, c + 2]) for c in range(2)]
+    coord = rank % 2
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 4), "experts": torch.nn.ModuleDict()})
+    torch.manual_seed(100 + coord)
+    if not (case == "missing" and rank == 3):
+        model["experts"][str(coord)] = torch.nn.Linear(4, 4)
+    if case == "frozen" and rank == 3:
+        model["experts"]["1"].bias.requires_grad_(False)
+    declare_replicas(model, experts="experts.*", expert_group=ep[coord])
+    rec = audit(model).to_dict()
+    held = _held(model)
+    experts = {n: s for n, s in held.items() if n.startswith("experts.")}
+    dense = {n: s for n, s in held.items() if not n.startswith("experts.")}
+    return {"rec": rec, "truth": truth(experts, [coord, coord + 2]) + truth(dense, list(range(world)))}
+
+
+def test_expert_missing_on_one_rank_of_its_group_is_a_structure_mismatch() -> None:
+    out = run_ranks(_experts, 4, "missing")
+    _check(out)
+    assert out[1]["truth"] == [("experts.1.bias", [3]), ("experts.1.weight", [3])]
+    assert all("missing on rank 3" in m["detail"] for m in out[0]["rec"]["mismatches"])
+
+
+def test_expert_frozen_on_one_rank_and_clean_experts() -> None:
+    _check(run_ranks(_experts, 4, "frozen"))
+    clean = run_ranks(_experts, 4, "clean")
+    _check(clean)
+    assert clean[0]["rec"]["checked"]["param"] == 6  # dense weight and bias, two experts' weight and bias
+
+
+def _alone(rank: int, world: int, plant: bool) -> dict[str, Any]:
+    """One stage per rank: no tensor has a replica."""
+    import torch.distributed as dist
+
+    from weightsync_audit import audit, declare_replicas
+
+    own = [dist.new_group([r]) for r in range(world)]
+    torch.manual_seed(rank)
+    module = torch.nn.Linear(4, 4)
+    declare_replicas(module, stage=rank, stage_group=own[rank])
+    result = audit(module)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, sorted(_held(module, f"stage{rank}.")))
+    shared = [n for n in every[rank] if sum(n in names for names in every) > 1]
+    return {"rec": result.to_dict(), "text": result.summary(), "shared": shared}
+
+
+def test_one_stage_per_rank_compares_nothing_and_says_so() -> None:
+    out = run_ranks(_alone, 2, False)
+    assert out[0]["shared"] == [] and out[1]["shared"] == []  # the truth: nothing has a replica
+    rec = out[0]["rec"]
+    assert rec["checked"]["param"] == 0 and sum(rec["checked"].values()) == 0, rec["checked"]
+    assert any(n.startswith("nothing was compared: no tensor has a replica") for n in rec.get("notes", [])), rec
+    assert "nothing was compared: no tensor has a replica" in out[0]["text"], out[0]["text"]
+    assert all(o["rec"]["notes"] == rec["notes"] and o["rec"]["checked"] == rec["checked"] for o in out)
