@@ -8,10 +8,23 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["COMPARED_NOTES", "TIE_PREFIX", "brief_names", "fmt_ranks", "fmt_shard", "is_tie", "layer_of", "without_tie"]
+__all__ = [
+    "COMPARED_NOTES",
+    "NOTHING_COMPARED",
+    "TIE_PREFIX",
+    "brief_names",
+    "fmt_ranks",
+    "fmt_shard",
+    "is_tie",
+    "layer_of",
+    "without_tie",
+]
 
 #: Openings of the notes that say what an audit could not compare (``check`` prints them).
-COMPARED_NOTES = ("no parameters were compared", "no replica to compare")
+COMPARED_NOTES = ("no parameters were compared", "no replica to compare", "nothing was compared")
+
+#: The note (and the summary's words) of an audit that compared nothing: every tensor has one holder.
+NOTHING_COMPARED = "nothing was compared: no tensor has a replica"
 
 TIE_PREFIX = "tie vote"
 """How a mismatch's ``detail`` begins when its reference was decided by a tie, not a majority."""

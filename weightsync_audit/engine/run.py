@@ -254,7 +254,8 @@ class AuditRun:
             uids = [e.uid for e in self.entries]
             self.value_diffs = localize_values(comm, uids, self.digests, self.candidates, self.buckets)
         elif status == "structure":
-            rows = [structure_row(e, d) for e, d in zip(self.entries, self.digests.tolist())]
+            g = comm.global_ranks
+            rows = [structure_row(e, d, g) for e, d in zip(self.entries, self.digests.tolist())]
             self.structure_diffs, self.value_diffs, self.union = compare_structures(comm, rows)
         self.mismatches = [self._structure_mismatch(d) for d in self.structure_diffs]
 

@@ -16,7 +16,7 @@ from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
 from weightsync_audit.reporting.validate import CHECKED_KINDS, validate_mismatch, validate_record
 from weightsync_audit.reporting.validate import MISMATCH_KINDS as VALID_KINDS
 from weightsync_audit.reporting.validate import PINPOINT_STATES as VALID_PINPOINT_STATES
-from weightsync_audit.text import brief_names, fmt_ranks, is_tie
+from weightsync_audit.text import NOTHING_COMPARED, brief_names, fmt_ranks, is_tie
 
 __all__ = [
     "ACTIONS",
@@ -285,7 +285,10 @@ class AuditResult:
         n = sum(self.checked.values())
         share = f", sampled: read {self.coverage} of each large tensor" if self.coverage else ""
         if self.in_sync:
-            return f"{where}: in sync across {self.world_size} rank(s), {n} tensors checked{share}"
+            nothing = (
+                f"; {NOTHING_COMPARED}" if not n and any(x.startswith(NOTHING_COMPARED) for x in self.notes) else ""
+            )
+            return f"{where}: in sync across {self.world_size} rank(s), {n} tensors checked{nothing}{share}"
         ranks = sorted({r for m in self.mismatches for r in m.ranks})
         lead = self.lead_mismatch
         assert lead is not None

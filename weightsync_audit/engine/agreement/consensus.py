@@ -13,8 +13,9 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.inventory.peers import ALL, NEVER, column_peers, peer_sets
-from weightsync_audit.engine.inventory.replicas.keys import is_holders, unreplicated_label_of
+from weightsync_audit.engine.agreement.holders import replica_groups
+from weightsync_audit.engine.inventory.peers import ALL, column_peers, peer_sets
+from weightsync_audit.engine.inventory.replicas.keys import holders_label, is_holders, unreplicated_label_of
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 from weightsync_audit.vote import majority
 
@@ -118,16 +119,22 @@ def tie_detail(
 
 
 def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[str]) -> dict[str, int]:
-    """Tensors per kind over the union of every rank's manifest: the same ``checked`` on every rank."""
+    """Tensors per kind over the union of every rank's manifest: the same ``checked`` on every rank. A tensor
+    that no other rank holds (one owner, or a replica group of one rank) is counted apart, by what it is
+    (``"unreplicated:<what>"``), never in ``checked``."""
+    per_rank, order = _read_rows(manifests)
     seen: dict[str, set[str]] = {k: set() for k in kinds}
     alone: dict[str, set[str]] = {}
-    for rows in manifests:
-        for row in rows:
-            label = unreplicated_label_of(str(row[5])) if len(row) >= 7 else None
-            if label is None:
-                seen.setdefault(row[0], set()).add(row[1])
-            else:  # one owner: never compared, counted apart ("unreplicated:<what>")
-                alone.setdefault(f"unreplicated:{label}", set()).add(f"{row[0]}:{row[1]}")
+    for uid, (kind, name) in order.items():
+        layouts = [d[uid][3] for d in per_rank if uid in d]
+        label = next((lbl for lay in layouts if (lbl := unreplicated_label_of(lay)) is not None), None)
+        declared = any(d[uid][7] for d in per_rank if uid in d)
+        if label is None and declared and _by_design(per_rank, uid) == []:
+            label = holders_label(layouts[0])  # a declared replica group of one rank: no replica
+        if label is None:
+            seen.setdefault(kind, set()).add(name)
+        else:  # never compared, counted apart ("unreplicated:<what>")
+            alone.setdefault(f"unreplicated:{label}", set()).add(uid)
     return {k: len(seen.get(k, ())) for k in kinds} | {k: len(v) for k, v in alone.items()}
 
 
@@ -216,22 +223,29 @@ def compare_digest_table(uids: Sequence[str], table: np.ndarray, peers: np.ndarr
     return out
 
 
-def structure_row(e: Any, digest: int) -> list[Any]:
+def structure_row(e: Any, digest: int, global_ranks: Sequence[int] = ()) -> list[Any]:
     """An entry's row for :func:`compare_manifests`: ``[kind, name, dtype, shape, digest]``, then, only where
     one of them is not the default, ``layout, peer_key, device, frozen``: the DTensor layout and peer key
     (``"", ALL`` for a plain tensor), the device type (``"cpu"``), and ``1`` for a frozen parameter
-    (``requires_grad=False``: the trainable flag is part of the structure)."""
+    (``requires_grad=False``: the trainable flag is part of the structure); then, for a tensor of a declared
+    replica group (a pipeline stage's, an expert's), the group's members as positions in ``global_ranks``
+    (the audit's ranks; members outside the audit are left out)."""
     row = [e.kind, e.name, e.dtype, list(e.shape), int(digest)]
     device = "cpu" if e.tensor.is_cpu else e.tensor.device.type
     frozen = bool(getattr(e, "frozen", False))
     if e.shard is not None or device != "cpu" or frozen:
         row += ["", ALL] if e.shard is None else [e.shard.layout, e.shard.key]
         row += [device, int(frozen)]
+    members = getattr(e.shard, "members", ()) if e.shard is not None else ()
+    if members:
+        where = {int(g): i for i, g in enumerate(global_ranks)} if global_ranks else None
+        row.append([int(g) if where is None else where[int(g)] for g in members if where is None or g in where])
     return row
 
 
-Row = tuple[str, tuple[int, ...], int, str, int, str, bool]
-"""One rank's view of a tensor: dtype, shape, digest, layout, peer key, device type, frozen."""
+Row = tuple[str, tuple[int, ...], int, str, int, str, bool, tuple[int, ...]]
+"""One rank's view of a tensor: dtype, shape, digest, layout, peer key, device type, frozen, and the
+declared members of its replica group (positions; empty: none declared)."""
 
 
 def _read_rows(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[dict[str, Row]], dict[str, tuple[str, str]]]:
@@ -246,7 +260,8 @@ def _read_rows(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[dict[
             device = str(row[7]) if len(row) >= 8 else "cpu"
             uid = f"{kind}:{name}"
             frozen = len(row) >= 9 and bool(row[8])
-            d[uid] = (dtype, tuple(shape), int(digest), layout, key, device, frozen)
+            members = tuple(int(r) for r in row[9]) if len(row) >= 10 else ()
+            d[uid] = (dtype, tuple(shape), int(digest), layout, key, device, frozen, members)
             order.setdefault(uid, (kind, name))
         per_rank.append(d)
     return per_rank, order
@@ -279,6 +294,54 @@ def _differences(sigs: Sequence[Any], ref_sig: Any, other: Sequence[int]) -> lis
     return parts
 
 
+def _by_design(per_rank: Sequence[dict[str, Row]], uid: str) -> list[tuple[list[int], list[int]]] | None:
+    """The replica groups of a tensor held by some ranks by design (see :mod:`.holders`), ``None`` for any
+    other tensor (a plain one, a DTensor, one held by design on every rank with no declared group)."""
+    rows = [d.get(uid) for d in per_rank]
+    held = [row for row in rows if row is not None]
+    if not all(is_holders(row[3]) for row in held):
+        return None
+    if len(held) == len(rows) and not any(row[7] for row in held):
+        return None
+    return replica_groups([None if row is None else row[4] for row in rows], [row[7] if row else () for row in rows])
+
+
+def _judge_held(
+    uid: str, kind: str, name: str, per_rank: Sequence[dict[str, Row]], groups: list[tuple[list[int], list[int]]]
+) -> list[StructureDiff]:
+    """Within each replica group: the structure (a member lacking the tensor, or holding it frozen, of
+    another shape or dtype, or declared with another group, differs), then the values among the holders."""
+    out = []
+    for holders, group in groups:
+        key = per_rank[holders[0]][uid][4]
+        sigs: list[Any] = [None] * len(per_rank)
+        for r in group:
+            row = per_rank[r].get(uid)
+            if row is not None:
+                layout = row[3] if row[4] == key else f"{row[3]} of another replica group"
+                sigs[r] = (row[0], row[1], layout, row[5], row[6])
+        ref, other = majority_within(sigs, group)
+        if other:
+            ref_sig = sigs[ref[0]]
+            detail = f"{kind} {'; '.join(_differences(sigs, ref_sig, other))} (replica group {fmt_ranks(group)})"
+            shape, dtype = (ref_sig[1], ref_sig[0]) if ref_sig else (None, None)
+            out.append(
+                StructureDiff(uid, kind, name, tuple(ref), tuple(other), shape, dtype, detail, tie_within(sigs, group))
+            )
+            continue
+        digests = [per_rank[r][uid][2] if r in holders else 0 for r in range(len(per_rank))]
+        vref, vother = majority_within(digests, holders)
+        if vother:
+            dtype, shape = per_rank[vref[0]][uid][:2]
+            detail = f"{HOLDERS_VALUE} {fmt_ranks(holders)}"
+            out.append(
+                StructureDiff(
+                    uid, kind, name, tuple(vref), tuple(vother), shape, dtype, detail, tie_within(digests, holders)
+                )
+            )
+    return out
+
+
 def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[list[StructureDiff], list[ValueDiff]]:
     """Phase (c): each rank's manifest as rows ``[kind, name, dtype, shape, digest]``, optionally followed
     by ``layout, peer_key, device, frozen`` (see :func:`structure_row`; a DTensor's global shape in ``shape``).
@@ -292,21 +355,12 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
         sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5], d[uid][6]) if uid in d else None for d in per_rank]
-        held = [r for r, sig in enumerate(sigs) if sig is not None]
-        if len(held) < world and all(is_holders(sigs[r][2]) for r in held):  # type: ignore[index]
-            # Held by some ranks by design (a pipeline stage's tensors): compared among its holders only.
-            # Reported here, the same on every rank; its gap is measured among its holders (engine/run.py).
-            for members in peer_sets([per_rank[r][uid][4] if r in held else NEVER for r in range(world)]):
-                if len(members) > 1:
-                    digests = [per_rank[r][uid][2] if r in members else 0 for r in range(world)]
-                    vref, vother = majority_within(digests, members)
-                    if vother:
-                        dtype, shape = per_rank[vref[0]][uid][:2]
-                        detail = f"{HOLDERS_VALUE} {fmt_ranks(members)}"
-                        tie = tie_within(digests, members)
-                        structure.append(
-                            StructureDiff(uid, kind, name, tuple(vref), tuple(vother), shape, dtype, detail, tie)
-                        )
+        groups = _by_design(per_rank, uid)
+        if groups is not None:
+            # Held by some ranks by design (a pipeline stage's tensors, an expert's): compared within each
+            # replica group only, its structure as strictly as DDP replicas' (a declared member lacking it
+            # differs). Reported here, the same on every rank; a value's gap is measured among its holders.
+            structure += _judge_held(uid, kind, name, per_rank, groups)
             continue
         ref, other = majority(sigs)
         if other:

@@ -16,8 +16,8 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import ValueDiff, compare_digest_table
 from weightsync_audit.engine.inventory.manifest import KINDS, Entry
 from weightsync_audit.engine.inventory.peers import ALL, unpaired_columns
-from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
-from weightsync_audit.text import COMPARED_NOTES
+from weightsync_audit.engine.inventory.replicas.keys import holders_label, unreplicated_label
+from weightsync_audit.text import COMPARED_NOTES, NOTHING_COMPARED
 
 __all__ = ["peer_keys", "compare_sharded", "shard_names", "compared_counts", "sharded_notes"]
 
@@ -71,7 +71,8 @@ def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple
     unpaired: dict[str, int] = {}
     for j in sorted(alone):
         counts[entries[j].kind] -= 1
-        label = unreplicated_label(entries[j].shard) or "DTensor shard"
+        shard = entries[j].shard
+        label = unreplicated_label(shard) or (shard and holders_label(shard.layout)) or "DTensor shard"
         unpaired[label] = unpaired.get(label, 0) + 1
     return counts, unpaired
 
@@ -79,8 +80,12 @@ def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple
 def sharded_notes(
     counts: dict[str, int], unpaired: dict[str, int] | int, params_held: int, params_wanted: bool
 ) -> list[str]:
-    """One summary note for the tensors nobody else holds, and one when no parameter was compared."""
+    """One summary note for the tensors nobody else holds, and one when no parameter was compared; first,
+    when no tensor at all was compared (every one has a single holder), :data:`NOTHING_COMPARED`."""
     notes = []
+    alone = sum(unpaired.values()) if isinstance(unpaired, dict) else unpaired
+    if alone and not any(counts.values()):
+        notes.append(f"{NOTHING_COMPARED} (each of the {alone} audited tensors is held by one rank only)")
     if isinstance(unpaired, dict) and set(unpaired) - {"DTensor shard"}:
         total = sum(unpaired.values())
         kinds = ", ".join(f"{n} {label}{'' if n == 1 else 's'}" for label, n in unpaired.items())

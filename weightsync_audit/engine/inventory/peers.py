@@ -44,6 +44,9 @@ class ShardInfo:
     """The peer key: ranks with equal keys (in the same column) hold the same shard."""
     why_not: str | None = None
     """Why the shard is compared with nothing (``Partial``, not in the mesh), else ``None``."""
+    members: tuple[int, ...] = ()
+    """For a replica group the user declared (a pipeline stage's, an expert's): its global ranks, every one
+    of which must hold the tensor alike (empty: the ranks with equal keys, whoever they are)."""
 
 
 def shard_info(t: Any) -> ShardInfo:

@@ -121,11 +121,11 @@ def declared_rules(rules: Rules, *modules: nn.Module | None) -> str | None:
         return None
     what = []
     if found.stage is not None and found.stage_ranks is not None:
-        rules.default = among("pp", found.stage_ranks, {"stage": found.stage}, _KEEP)
+        rules.default = among("pipeline stage", found.stage_ranks, {"stage": found.stage}, _KEEP, declared=True)
         rules.prefix = f"stage{found.stage}."
         what.append(f"pipeline stage {found.stage}")
     if found.experts is not None and found.expert_ranks is not None:
-        info = among("experts", found.expert_ranks, {"experts": found.expert_coord}, _KEEP)
+        info = among("expert", found.expert_ranks, {"experts": found.expert_coord}, _KEEP, declared=True)
         test = found.experts
         rules.by_name = lambda name: info if test(name) else None
         what.append("expert groups")

@@ -25,7 +25,16 @@ import xxhash
 
 from weightsync_audit.engine.inventory.peers import NEVER, ShardInfo
 
-__all__ = ["HOLDERS", "UNREPLICATED", "among", "alone", "unreplicated_label", "unreplicated_label_of", "is_holders"]
+__all__ = [
+    "HOLDERS",
+    "UNREPLICATED",
+    "among",
+    "alone",
+    "holders_label",
+    "unreplicated_label",
+    "unreplicated_label_of",
+    "is_holders",
+]
 
 HOLDERS = "holders:"
 """Layout prefix of a tensor compared among its group's ranks only (present on those ranks only)."""
@@ -34,11 +43,15 @@ UNREPLICATED = "unreplicated:"
 """Layout prefix of a tensor held by one rank only: never compared."""
 
 
-def among(label: str, ranks: Sequence[int], coords: dict[str, int], shape: tuple[int, ...]) -> ShardInfo:
-    """Compared among global ``ranks`` (this rank's group); ``coords`` name the copy in a mismatch."""
-    text = f"{label}|{tuple(sorted(int(r) for r in ranks))}"
-    key = (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2  # never ALL (0) nor NEVER (1)
-    return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key)
+def among(
+    label: str, ranks: Sequence[int], coords: dict[str, int], shape: tuple[int, ...], *, declared: bool = False
+) -> ShardInfo:
+    """Compared among global ``ranks`` (this rank's group); ``coords`` name the copy in a mismatch.
+    ``declared``: the user named the group (:func:`~weightsync_audit.declare_replicas`), so every one of
+    ``ranks`` must hold the tensor, alike (a member lacking it is a structure difference)."""
+    group = tuple(sorted(int(r) for r in ranks))
+    key = (xxhash.xxh3_64_intdigest(f"{label}|{group}".encode()) >> 2) | 2  # never ALL (0) nor NEVER (1)
+    return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key, members=group if declared else ())
 
 
 def alone(label: str, shape: tuple[int, ...]) -> ShardInfo:
@@ -54,6 +67,15 @@ def unreplicated_label(info: ShardInfo | None) -> str | None:
 def unreplicated_label_of(layout: str) -> str | None:
     """:func:`unreplicated_label` from the layout text alone (as the gathered manifests carry it)."""
     return layout[len(UNREPLICATED) :] if layout.startswith(UNREPLICATED) else None
+
+
+def holders_label(layout: str) -> str | None:
+    """What a tensor held by some ranks by design is, for a note (``pipeline stage tensor``), else ``None``.
+
+    >>> holders_label(among("pipeline stage", (0, 2), {}, (2,)).layout)
+    'pipeline stage tensor'
+    """
+    return f"{layout[len(HOLDERS) :]} tensor" if layout.startswith(HOLDERS) else None
 
 
 def is_holders(layout: str) -> bool:
