@@ -171,3 +171,58 @@ def test_one_stage_per_rank_compares_nothing_and_says_so() -> None:
     assert any(n.startswith("nothing was compared: no tensor has a replica") for n in rec.get("notes", [])), rec
     assert "nothing was compared: no tensor has a replica" in out[0]["text"], out[0]["text"]
     assert all(o["rec"]["notes"] == rec["notes"] and o["rec"]["checked"] == rec["checked"] for o in out)
+
+
+def _stage_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, bytes]:
+    out = {n: s[3] for n, s in _held(module).items()}
+    for i, p in enumerate(module.parameters()):
+        for k, v in opt.state[p].items():
+            out[f"state.{i}.{k}"] = v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode()
+    return out
+
+
+def _loop_resync(rank: int, world: int, src: Any) -> dict[str, Any]:
+    """2 stages x 2 replicas under ``LoopAudit(on_mismatch="resync")``; rank 3 (stage 1) and rank 0
+    (stage 0) each drift one weight after a step. The truth: every rank's bytes gathered by the test."""
+    import torch.distributed as dist
+
+    from weightsync_audit import LoopAudit, declare_replicas
+
+    dp = [dist.new_group([s, s + 2]) for s in range(2)]
+    stage = rank % 2
+    torch.manual_seed(stage)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+    declare_replicas(module, stage=stage, stage_group=dp[stage])
+    module(torch.randn(3, 4, generator=torch.Generator().manual_seed(stage))).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        if rank == 3:
+            module[0].weight[1, 2] += 0.5
+        if rank == 0:
+            module[0].bias[0] -= 0.25
+    before = _stage_bytes(module, opt)
+    with LoopAudit(module, opt, every_n_steps=1, on_mismatch="resync", resync_src=src, verbose=False) as loop:
+        rec = loop.step(1).to_dict()
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, [before, _stage_bytes(module, opt)])
+    return {"rec": rec, "every": every}
+
+
+def test_loop_audit_resync_on_pipeline_stages_copies_within_each_stage_group_only() -> None:
+    for src in (0, "majority"):
+        out = run_ranks(_loop_resync, 4, src)
+        rec, every = out[0]["rec"], out[0]["every"]
+        assert all((o["rec"]["action"], o["rec"]["mismatches"]) == (rec["action"], rec["mismatches"]) for o in out)
+        assert rec["action"] == "resynced", rec
+        # Stage 0 ties (the reference: the lowest rank, 0); stage 1's reference is rank 1.
+        assert sorted((m["name"], m["ranks"]) for m in rec["mismatches"]) == [
+            ("stage0.0.bias", [2]),
+            ("stage1.0.weight", [3]),
+        ], rec
+        for s in range(2):  # the truth: each stage group bit-identical afterwards, to the right source
+            a, b = every[s][1], every[s + 2][1]
+            assert a == b, (src, s, [k for k in a if a[k] != b.get(k)])
+        assert every[1][1] == every[1][0]  # stage 1 copied from rank 1, which held the value before
+        assert every[0][1] == every[0][0] and every[2][1] != every[2][0]  # stage 0 from rank 0 (the tie)
+        assert every[0][1] != every[1][1]  # no copy across stages
