@@ -26,6 +26,7 @@ from weightsync_audit.engine.hashing.digest import structure_digest
 from weightsync_audit.engine.hashing.hostbytes import host_bytes
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
 from weightsync_audit.engine.inventory.replicas import assign_replicas
+from weightsync_audit.engine.repair.held_resync import has_declared, resync_held
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.repair.resync_transfer import move_tensors
 from weightsync_audit.engine.repair.shard_resync import resync_shards
@@ -94,8 +95,11 @@ def resync(
     manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
     # Each engine's replica rules (FSDP1 shards, ZeRO partitions, expert groups): a tensor is copied only
     # within its holders, never broadcast over ranks that hold other shards.
-    assign_replicas(manifest, module, optimizers, refuse_stages="resync")
+    assign_replicas(manifest, module, optimizers)
     entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
+    if has_declared(manifest.entries):  # pipeline stages, expert groups: each within its declared group
+        resync_held(comm, entries + _held_grads(module, optimizers, grads, wanted), src)
+        return
     grad_entries = _grad_entries(comm, module, grads, wanted)
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
@@ -152,6 +156,20 @@ def _grad_entries(
             f"ranks, or has another shape or dtype): {', '.join(sorted(e.name for e in entries)[:5])}"
         )
     return entries
+
+
+def _held_grads(
+    module: nn.Module | None,
+    optimizers: list[torch.optim.Optimizer],
+    grads: bool | Sequence[str],
+    wanted: set[str] | None,
+) -> list[Entry]:
+    """The gradients to copy along with a declared layout's tensors, named as the audit names them."""
+    if not grads or module is None:
+        return []
+    pick = wanted if grads is True else set(grads)  # type: ignore[arg-type]
+    entries = assign_replicas(build_manifest(module, include=("grads",)), module, optimizers).entries
+    return [e for e in entries if pick is None or e.name in pick]
 
 
 def _reconcile(

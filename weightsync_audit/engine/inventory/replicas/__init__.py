@@ -73,19 +73,9 @@ def assign_replicas(
     module: nn.Module | None,
     optimizers: Sequence[torch.optim.Optimizer],
     include: Sequence[str] = ("params", "buffers", "optimizer"),
-    *,
-    refuse_stages: str | None = None,
 ) -> Manifest:
-    """Give every entry of ``manifest`` its replica rule (in place; returns it). A plain model: untouched.
-
-    ``refuse_stages`` (an operation's name): raise ``ValueError`` for a declared pipeline stage, whose
-    tensors other stages do not hold (every rank of the declaration raises alike, before any exchange)."""
+    """Give every entry of ``manifest`` its replica rule (in place; returns it). A plain model: untouched."""
     rules, _, _ = _rules(module, optimizers, include, [e.name for e in manifest.entries])
-    if refuse_stages and rules.prefix:
-        raise ValueError(
-            f"{refuse_stages} of a pipeline stage ({rules.prefix.rstrip('.')}): pass group= the stage's "
-            "data-parallel group, whose ranks hold the same tensors"
-        )
     if not rules.empty:
         apply_rules(manifest, unwrap_module(module) if module is not None else None, optimizers, rules)
     return manifest
