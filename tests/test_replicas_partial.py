@@ -226,3 +226,51 @@ def test_loop_audit_resync_on_pipeline_stages_copies_within_each_stage_group_onl
         assert every[1][1] == every[1][0]  # stage 1 copied from rank 1, which held the value before
         assert every[0][1] == every[0][0] and every[2][1] != every[2][0]  # stage 0 from rank 0 (the tie)
         assert every[0][1] != every[1][1]  # no copy across stages
+
+
+def _expert_resync(rank: int, world: int, case: str) -> dict[str, Any]:
+    """A world-wide ``resync(src=0)`` of an expert model: expert 1 (ranks 1, 3) drifted on rank 3, the dense
+    layer on rank 2; ``missing``: rank 3 holds no expert 1 (refused on every rank, nothing moved)."""
+    import torch.distributed as dist
+
+    from weightsync_audit import declare_replicas, resync
+
+    ep = [dist.new_group([c, c + 2]) for c in range(2)]
+    coord = rank % 2
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 4), "experts": torch.nn.ModuleDict()})
+    torch.manual_seed(100 + coord)
+    if not (case == "missing" and rank == 3):
+        model["experts"][str(coord)] = torch.nn.Linear(4, 4)
+    with torch.no_grad():
+        if rank == 3 and case != "missing":
+            model["experts"]["1"].weight[0, 0] += 1.0
+        if rank == 2:
+            model["dense"].bias[0] += 1.0
+    declare_replicas(model, experts="experts.*", expert_group=ep[coord])
+    before = _held(model)
+    error = None
+    try:
+        resync(model, src=0)
+    except ValueError as exc:
+        error = str(exc)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, [before, _held(model)])
+    return {"every": every, "error": error}
+
+
+def test_world_wide_resync_of_experts_copies_each_expert_within_its_group() -> None:
+    out = run_ranks(_expert_resync, 4, "drift")
+    every = out[0]["every"]
+    assert all(o["error"] is None for o in out), [o["error"] for o in out]
+    for r in range(4):  # the dense layer from rank 0 everywhere
+        assert every[r][1]["dense.bias"] == every[0][0]["dense.bias"]
+    assert every[3][1]["experts.1.weight"] == every[1][0]["experts.1.weight"]  # from rank 1, its group's
+    assert every[2][1]["experts.0.weight"] == every[0][0]["experts.0.weight"]
+    assert every[1][1] == {**every[1][0], "dense.bias": every[0][0]["dense.bias"]}  # nothing else moved
+
+
+def test_resync_refuses_an_expert_missing_in_its_group_on_every_rank_before_moving() -> None:
+    out = run_ranks(_expert_resync, 4, "missing")
+    assert all(o["error"] and "experts.1.weight" in o["error"] for o in out), [o["error"] for o in out]
+    assert all(b == a for b, a in out[0]["every"]), "nothing moved"

@@ -42,12 +42,7 @@ from weightsync_audit.engine.inventory.replicas.keys import is_holders
 from weightsync_audit.engine.repair.resync_transfer import move_copies
 from weightsync_audit.text import fmt_ranks
 
-__all__ = ["has_declared", "plan_held_copies", "resync_held"]
-
-
-def has_declared(entries: Sequence[Entry]) -> bool:
-    """Whether some entry belongs to a declared replica group (then :func:`resync_held` moves them all)."""
-    return any(e.shard is not None and e.shard.members for e in entries)
+__all__ = ["Row", "plan_held_copies", "resync_held"]
 
 
 def _is_value(e: Entry) -> bool:

@@ -25,8 +25,8 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.hashing.digest import structure_digest
 from weightsync_audit.engine.hashing.hostbytes import host_bytes
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
-from weightsync_audit.engine.inventory.replicas import assign_replicas
-from weightsync_audit.engine.repair.held_resync import has_declared, resync_held
+from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups
+from weightsync_audit.engine.repair.held_resync import resync_held
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.repair.resync_transfer import move_tensors
 from weightsync_audit.engine.repair.shard_resync import resync_shards
@@ -97,7 +97,7 @@ def resync(
     # within its holders, never broadcast over ranks that hold other shards.
     assign_replicas(manifest, module, optimizers)
     entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
-    if has_declared(manifest.entries):  # pipeline stages, expert groups: each within its declared group
+    if declares_groups(module):  # pipeline stages, expert groups: each within its declared group (every rank)
         resync_held(comm, entries + _held_grads(module, optimizers, grads, wanted), src)
         return
     grad_entries = _grad_entries(comm, module, grads, wanted)

@@ -35,6 +35,7 @@ from weightsync_audit.engine.inventory.wrappers import remember_wrapper, unwrap_
 __all__ = [
     "assign_replicas",
     "declare_replicas",
+    "declares_groups",
     "detect_engine",
     "remember_wrapper",
     "unreplicated_kinds",
@@ -60,6 +61,12 @@ def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Opt
     """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas).
     ``optimizers`` as the audit takes them (``engine.optimizer`` included)."""
     return _rules(module, [unwrap_optimizer(o) for o in optimizers], ())[2]
+
+
+def declares_groups(module: nn.Module | None) -> bool:
+    """Whether replica groups were declared on ``module`` (pipeline stages, expert groups): a property of
+    the module the user declared on every rank, never of the tensors this rank happens to hold."""
+    return module is not None and declared_rules(Rules(), module, unwrap_module(module)) is not None
 
 
 def reducing_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> str | None:
