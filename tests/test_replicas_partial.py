@@ -274,3 +274,64 @@ def test_resync_refuses_an_expert_missing_in_its_group_on_every_rank_before_movi
     out = run_ranks(_expert_resync, 4, "missing")
     assert all(o["error"] and "experts.1.weight" in o["error"] for o in out), [o["error"] for o in out]
     assert all(b == a for b, a in out[0]["every"]), "nothing moved"
+
+
+def _titan(rank: int, world: int, how: str) -> dict[str, Any]:
+    """torchtitan's way: each stage keeps the model's own (global) names, the layers of other stages
+    deleted; a real GPipe step of 2 pipelines (ranks 0-1, 2-3), stage = rank % 2, then each stage's
+    gradients averaged in its data-parallel group. The audit is handed the ``PipelineStage`` or the
+    schedule itself, with no declaration; then rank 3 (stage 1) drifts."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    from weightsync_audit import audit
+
+    dp = [dist.new_group([s, s + 2]) for s in range(2)]
+    pp = [dist.new_group([2 * d, 2 * d + 1]) for d in range(2)]
+    stage = rank % 2
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(8, 8), "1": torch.nn.Linear(8, 4)})
+    del model.layers[str(1 - stage)]  # this stage keeps its own layer, under its global name
+
+    class Part(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module) -> None:
+            super().__init__()
+            self.layers = inner.layers
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layers[str(stage)](x)
+
+    part = Part(model)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    pipe = PipelineStage(part, stage, 2, torch.device("cpu"), group=pp[rank // 2])
+    schedule = ScheduleGPipe(pipe, n_microbatches=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    g = torch.Generator().manual_seed(10 + rank // 2)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    schedule.step(x) if stage == 0 else schedule.step(target=y)
+    for p in part.parameters():
+        dist.all_reduce(p.grad, group=dp[stage])
+        p.grad /= 2
+    opt.step()
+    handed = pipe if how == "stage" else schedule
+    out: dict[str, Any] = {"clean": audit(handed, opt).to_dict()}
+    out["clean_truth"] = truth(_held(part), [stage, stage + 2])
+    with torch.no_grad():
+        if rank == 3:
+            part.layers["1"].weight[0, 1] += 0.5
+    out["plant"] = audit(handed, opt).to_dict()
+    out["plant_truth"] = truth(_held(part), [stage, stage + 2])
+    return out
+
+
+def test_pipelining_stage_or_schedule_with_global_names_audited_world_wide_without_declaration() -> None:
+    for how in ("stage", "schedule"):
+        out = run_ranks(_titan, 4, how)
+        assert all(o["clean_truth"] == [] for o in out)
+        clean = out[0]["clean"]
+        assert clean["in_sync"] and not clean["mismatches"], (how, clean["mismatches"])
+        assert clean["checked"]["param"] == 4, clean["checked"]  # each stage's weight and bias, in its group
+        assert out[1]["plant_truth"] == [("layers.1.weight", [3])]
+        _check([{"rec": o["plant"], "truth": o["plant_truth"]} for o in out])
+        bad = out[0]["plant"]["mismatches"][0]
+        assert (bad["kind"], bad["ranks"], bad["reference_ranks"]) == ("param", [3], [1]), bad
