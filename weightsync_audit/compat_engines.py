@@ -174,3 +174,19 @@ def pipeline_stage_index(stage: Any) -> int | None:
     """The index of a ``torch.distributed.pipelining`` stage (``stage_index``), or ``None``."""
     index = getattr(stage, "stage_index", None)
     return int(index) if isinstance(index, int) else None
+
+
+def pipeline_stage_of(obj: Any) -> tuple[nn.Module, int, int] | None:
+    """``(stage module, stage index, number of stages)`` of a ``torch.distributed.pipelining`` stage
+    (``PipelineStage``) or of a single-stage schedule (``ScheduleGPipe``, ``Schedule1F1B``... keep theirs in
+    ``_stage``), else ``None``. A schedule of several stages on one rank raises ``TypeError``."""
+    if isinstance(getattr(obj, "_stages", None), list) and len(obj._stages) > 1:
+        raise TypeError(
+            f"{type(obj).__name__} runs {len(obj._stages)} stages on this rank: audit each stage's module, "
+            "declared with declare_replicas(stage.submod, stage=stage, stage_group=...)"
+        )
+    stage = getattr(obj, "_stage", None) or (obj._stages[0] if getattr(obj, "_stages", None) else obj)
+    submod, index, n = getattr(stage, "submod", None), pipeline_stage_index(stage), getattr(stage, "num_stages", None)
+    if isinstance(submod, nn.Module) and index is not None and isinstance(n, int):
+        return submod, index, n
+    return None

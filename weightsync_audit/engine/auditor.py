@@ -34,7 +34,7 @@ from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkp
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, build_manifest
-from weightsync_audit.engine.inventory.replicas import assign_replicas
+from weightsync_audit.engine.inventory.replicas import assign_replicas, stage_module
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
@@ -77,6 +77,7 @@ class Auditor:
         config: AuditConfig | None = None,
         check_finite: bool = False,
     ) -> None:
+        module = stage_module(module)  # a pipelining PipelineStage or schedule: its stage module
         if module is not None and not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.module = module
@@ -195,7 +196,7 @@ class Auditor:
         """Compare every rank's tensors; collective over the group. Returns the same result everywhere.
 
         The phases (prepare, agree, localize, measure, explain, record) are :class:`AuditRun`'s."""
-        module = module if module is not None else self.module
+        module = stage_module(module) if module is not None else self.module
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(module) if module is not None else None
         return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()

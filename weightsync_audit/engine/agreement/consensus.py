@@ -13,9 +13,9 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.agreement.holders import replica_groups
+from weightsync_audit.engine.agreement.holders import carriers, replica_groups
 from weightsync_audit.engine.inventory.peers import ALL, column_peers, peer_sets
-from weightsync_audit.engine.inventory.replicas.keys import holders_label, is_holders, unreplicated_label_of
+from weightsync_audit.engine.inventory.replicas.keys import FOUND, holders_label, is_holders, unreplicated_label_of
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 from weightsync_audit.vote import majority
 
@@ -123,13 +123,14 @@ def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[s
     that no other rank holds (one owner, or a replica group of one rank) is counted apart, by what it is
     (``"unreplicated:<what>"``), never in ``checked``."""
     per_rank, order = _read_rows(manifests)
+    found = _found(per_rank)
     seen: dict[str, set[str]] = {k: set() for k in kinds}
     alone: dict[str, set[str]] = {}
     for uid, (kind, name) in order.items():
         layouts = [d[uid][3] for d in per_rank if uid in d]
         label = next((lbl for lay in layouts if (lbl := unreplicated_label_of(lay)) is not None), None)
         declared = any(d[uid][7] for d in per_rank if uid in d)
-        if label is None and declared and _by_design(per_rank, uid) == []:
+        if label is None and declared and _by_design(per_rank, uid, found) == []:
             label = holders_label(layouts[0])  # a declared replica group of one rank: no replica
         if label is None:
             seen.setdefault(kind, set()).add(name)
@@ -237,7 +238,9 @@ def structure_row(e: Any, digest: int, global_ranks: Sequence[int] = ()) -> list
         row += ["", ALL] if e.shard is None else [e.shard.layout, e.shard.key]
         row += [device, int(frozen)]
     members = getattr(e.shard, "members", ()) if e.shard is not None else ()
-    if members:
+    if members == FOUND:
+        row.append([-1])  # the group is found by the audit: the ranks carrying the same key
+    elif members:
         where = {int(g): i for i, g in enumerate(global_ranks)} if global_ranks else None
         row.append([int(g) if where is None else where[int(g)] for g in members if where is None or g in where])
     return row
@@ -294,7 +297,14 @@ def _differences(sigs: Sequence[Any], ref_sig: Any, other: Sequence[int]) -> lis
     return parts
 
 
-def _by_design(per_rank: Sequence[dict[str, Row]], uid: str) -> list[tuple[list[int], list[int]]] | None:
+def _found(per_rank: Sequence[dict[str, Row]]) -> dict[int, set[int]]:
+    """The ranks carrying each key of a group found by the audit (see :func:`.holders.carriers`)."""
+    return carriers([((row[4], row[7]) for row in d.values() if row[7]) for d in per_rank])
+
+
+def _by_design(
+    per_rank: Sequence[dict[str, Row]], uid: str, found: dict[int, set[int]] | None = None
+) -> list[tuple[list[int], list[int]]] | None:
     """The replica groups of a tensor held by some ranks by design (see :mod:`.holders`), ``None`` for any
     other tensor (a plain one, a DTensor, one held by design on every rank with no declared group)."""
     rows = [d.get(uid) for d in per_rank]
@@ -303,7 +313,9 @@ def _by_design(per_rank: Sequence[dict[str, Row]], uid: str) -> list[tuple[list[
         return None
     if len(held) == len(rows) and not any(row[7] for row in held):
         return None
-    return replica_groups([None if row is None else row[4] for row in rows], [row[7] if row else () for row in rows])
+    return replica_groups(
+        [None if row is None else row[4] for row in rows], [row[7] if row else () for row in rows], found
+    )
 
 
 def _judge_held(
@@ -351,11 +363,12 @@ def compare_manifests(manifests: Sequence[Sequence[Sequence[Any]]]) -> tuple[lis
     """
     world = len(manifests)
     per_rank, order = _read_rows(manifests)
+    found = _found(per_rank)
     structure: list[StructureDiff] = []
     values: list[ValueDiff] = []
     for uid, (kind, name) in order.items():
         sigs = [(d[uid][0], d[uid][1], d[uid][3], d[uid][5], d[uid][6]) if uid in d else None for d in per_rank]
-        groups = _by_design(per_rank, uid)
+        groups = _by_design(per_rank, uid, found)
         if groups is not None:
             # Held by some ranks by design (a pipeline stage's tensors, an expert's): compared within each
             # replica group only, its structure as strictly as DDP replicas' (a declared member lacking it

@@ -34,11 +34,11 @@ import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import majority_within
-from weightsync_audit.engine.agreement.holders import replica_groups
+from weightsync_audit.engine.agreement.holders import carriers, replica_groups
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.inventory.peers import ALL, peer_sets
-from weightsync_audit.engine.inventory.replicas.keys import is_holders
+from weightsync_audit.engine.inventory.replicas.keys import FOUND, is_holders
 from weightsync_audit.engine.repair.resync_transfer import move_copies
 from weightsync_audit.text import fmt_ranks
 
@@ -58,19 +58,22 @@ value's ``repr``, else ``None``)."""
 def _row(e: Entry, digest: int, global_ranks: Sequence[int]) -> Row:
     where = {int(g): i for i, g in enumerate(global_ranks)}
     info = e.shard
-    members = [where[int(g)] for g in (info.members if info is not None else ()) if int(g) in where]
+    named = info.members if info is not None else ()
+    members = [-1] if named == FOUND else [where[int(g)] for g in named if int(g) in where]
     literal = repr(e.container[e.key]) if _is_value(e) else None
     layout, key = ("", ALL) if info is None else (info.layout, info.key)
     return [e.kind, e.name, e.dtype, list(e.shape), int(digest), layout, int(key), members, literal]
 
 
-def _groups(rows: list[Row | None], world: int) -> tuple[list[tuple[list[int], list[int]]], str | None]:
+def _groups(
+    rows: list[Row | None], world: int, found: dict[int, set[int]]
+) -> tuple[list[tuple[list[int], list[int]]], str | None]:
     """The replica groups of one tensor from every rank's row (``None``: not held), or why it has none."""
     held = [r for r in range(world) if rows[r] is not None]
     keys = [None if row is None else int(row[6]) for row in rows]
     members = [tuple(row[7]) if row is not None else () for row in rows]
     if all(is_holders(str(rows[r][5])) for r in held) and (len(held) < world or any(members)):  # type: ignore[index]
-        return replica_groups(keys, members), None
+        return replica_groups(keys, members, found), None
     if len(held) < world:
         return [], f"missing on {fmt_ranks([r for r in range(world) if r not in held])}"
     return [(s, s) for s in peer_sets([int(k) for k in keys]) if len(s) > 1], None  # type: ignore[arg-type]
@@ -92,10 +95,11 @@ def plan_held_copies(manifests: Sequence[Sequence[Row]], src: int) -> dict[str, 
     world = len(manifests)
     by_rank = [{f"{row[0]}:{row[1]}": row for row in rows} for rows in manifests]
     order = list(dict.fromkeys(uid for d in by_rank for uid in d))
+    found = carriers([((row[6], row[7]) for row in rows) for rows in manifests])
     out: dict[str, list[Any]] = {"copies": [], "values": [], "refused": []}
     for uid in order:
         rows = [d.get(uid) for d in by_rank]
-        groups, why = _groups(rows, world)
+        groups, why = _groups(rows, world, found)
         if why is not None:
             out["refused"].append(f"{uid} {why}")
         for holders, group in groups:

@@ -25,7 +25,7 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.hashing.digest import structure_digest
 from weightsync_audit.engine.hashing.hostbytes import host_bytes
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
-from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups
+from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups, stage_module
 from weightsync_audit.engine.repair.held_resync import resync_held
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
 from weightsync_audit.engine.repair.resync_transfer import move_tensors
@@ -91,6 +91,7 @@ def resync(
     if not comm.distributed:
         return
     optimizers = as_optimizers(optimizer)
+    module = stage_module(module)  # a pipelining PipelineStage or schedule: its stage module
     wanted = set(names) if names is not None else None
     manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
     # Each engine's replica rules (FSDP1 shards, ZeRO partitions, expert groups): a tensor is copied only

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from weightsync_audit.engine.inventory.manifest import Manifest, unwrap_module
-from weightsync_audit.engine.inventory.replicas.declared import declare_replicas, declared_rules
+from weightsync_audit.engine.inventory.replicas.declared import declare_replicas, declared_rules, stage_module
 from weightsync_audit.engine.inventory.replicas.deepspeed import deepspeed_rules
 from weightsync_audit.engine.inventory.replicas.fsdp1 import fsdp1_rules
 from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
@@ -40,6 +40,7 @@ __all__ = [
     "remember_wrapper",
     "unreplicated_kinds",
     "reducing_engine",
+    "stage_module",
 ]
 
 

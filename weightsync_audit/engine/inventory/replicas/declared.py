@@ -28,11 +28,11 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch import nn
 
-from weightsync_audit.compat_engines import pipeline_stage_index
-from weightsync_audit.engine.inventory.replicas.keys import among
+from weightsync_audit.compat_engines import pipeline_stage_index, pipeline_stage_of
+from weightsync_audit.engine.inventory.replicas.keys import among, stage_found
 from weightsync_audit.engine.inventory.replicas.rules import Rules
 
-__all__ = ["Declared", "declare_replicas", "declared_for", "declared_rules"]
+__all__ = ["Declared", "declare_replicas", "declared_for", "declared_rules", "stage_module"]
 
 _KEEP = (-1,)
 
@@ -46,6 +46,9 @@ class Declared:
     experts: Callable[[str], bool] | None
     expert_ranks: tuple[int, ...] | None
     expert_coord: int
+    stages: int | None = None
+    """For a stage handed to the audit undeclared (a ``PipelineStage`` or its schedule): the number of
+    stages; its replicas are then the ranks of the same stage, found by the audit, and names stay global."""
 
 
 _DECLARED: weakref.WeakKeyDictionary[nn.Module, Declared] = weakref.WeakKeyDictionary()
@@ -109,6 +112,21 @@ def declare_replicas(
     return module
 
 
+def stage_module(obj: Any) -> Any:
+    """``obj`` itself, or for a ``torch.distributed.pipelining`` ``PipelineStage`` or single-stage schedule
+    its stage module, remembered as that stage (no declaration needed: the ranks of the same stage are
+    found by the audit, and the stage module keeps its own names, torchtitan's global ones included)."""
+    if isinstance(obj, nn.Module) or obj is None:
+        return obj
+    found = pipeline_stage_of(obj)
+    if found is None:
+        return obj
+    module, index, stages = found
+    if module not in _DECLARED:  # a declaration made by the user wins
+        _DECLARED[module] = Declared(index, None, None, None, 0, stages)
+    return module
+
+
 def declared_for(module: nn.Module | None) -> Declared | None:
     """What was declared on ``module`` (or the module it wraps), else ``None``."""
     return _DECLARED.get(module) if module is not None else None
@@ -120,6 +138,9 @@ def declared_rules(rules: Rules, *modules: nn.Module | None) -> str | None:
     if found is None:
         return None
     what = []
+    if found.stage is not None and found.stage_ranks is None and found.stages is not None:
+        rules.default = stage_found(found.stage, found.stages, _KEEP)
+        what.append(f"pipeline stage {found.stage}")
     if found.stage is not None and found.stage_ranks is not None:
         rules.default = among("pipeline stage", found.stage_ranks, {"stage": found.stage}, _KEEP, declared=True)
         rules.prefix = f"stage{found.stage}."

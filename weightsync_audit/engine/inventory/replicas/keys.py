@@ -26,10 +26,12 @@ import xxhash
 from weightsync_audit.engine.inventory.peers import NEVER, ShardInfo
 
 __all__ = [
+    "FOUND",
     "HOLDERS",
     "UNREPLICATED",
     "among",
     "alone",
+    "stage_found",
     "holders_label",
     "unreplicated_label",
     "unreplicated_label_of",
@@ -52,6 +54,18 @@ def among(
     group = tuple(sorted(int(r) for r in ranks))
     key = (xxhash.xxh3_64_intdigest(f"{label}|{group}".encode()) >> 2) | 2  # never ALL (0) nor NEVER (1)
     return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key, members=group if declared else ())
+
+
+FOUND = (-1,)
+"""The members of a group the audit finds itself: every rank carrying the same key (the ranks of one
+pipeline stage handed to the audit undeclared, as a ``PipelineStage`` or its schedule)."""
+
+
+def stage_found(index: int, stages: int, shape: tuple[int, ...]) -> ShardInfo:
+    """A tensor of pipeline stage ``index`` of ``stages``, its replicas on the ranks of the same stage
+    (found by the audit from the keys: :data:`FOUND`)."""
+    key = (xxhash.xxh3_64_intdigest(f"pipeline stage|{index}|{stages}".encode()) >> 2) | 2
+    return ShardInfo(f"{HOLDERS}pipeline stage", tuple(shape), {"stage": index}, key, members=FOUND)
 
 
 def alone(label: str, shape: tuple[int, ...]) -> ShardInfo:
