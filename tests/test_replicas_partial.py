@@ -335,3 +335,56 @@ def test_pipelining_stage_or_schedule_with_global_names_audited_world_wide_witho
         _check([{"rec": o["plant"], "truth": o["plant_truth"]} for o in out])
         bad = out[0]["plant"]["mismatches"][0]
         assert (bad["kind"], bad["ranks"], bad["reference_ranks"]) == ("param", [3], [1]), bad
+
+
+def _pp_mesh(rank: int, world: int, how: str) -> dict[str, Any]:
+    """A ``(pp, dp)`` mesh (stage 0 on ranks 0, 1; stage 1 on ranks 2, 3), each stage's layer under its
+    global name as DTensors on the stage's ``dp`` submesh: ``fsdp`` (fully_shard: every piece has one owner)
+    or ``replicate`` (Replicate placements: a replica on each rank of the stage); rank 3 then drifts."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from weightsync_audit import audit
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(8, 8), "1": torch.nn.Linear(8, 4)})
+    del model.layers[str(1 - stage)]
+    if how == "fsdp":
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        layer = model.layers[str(stage)]
+        for name, p in list(layer.named_parameters()):
+            dt = distribute_tensor(p.detach(), mesh["dp"], [Replicate()])
+            setattr(layer, name, torch.nn.Parameter(dt))
+    held = {n: (bool(p.requires_grad), tuple(p.shape), str(p.dtype), p.detach().full_tensor().numpy().tobytes())
+            for n, p in model.named_parameters()}  # fmt: skip
+    out: dict[str, Any] = {"clean": audit(model).to_dict(), "clean_truth": truth(held, [2 * stage, 2 * stage + 1])}
+    if how == "replicate":
+        with torch.no_grad():
+            if rank == 3:
+                model.layers["1"].bias.to_local()[0] += 1.0
+        held = {
+            n: (True, tuple(p.shape), str(p.dtype), p.detach().to_local().numpy().tobytes())
+            for n, p in model.named_parameters()
+        }
+        out["plant"] = audit(model).to_dict()
+        out["plant_truth"] = truth(held, [2 * stage, 2 * stage + 1])
+    return out
+
+
+def test_dtensors_on_a_stage_submesh_of_a_pp_mesh_no_false_alarm_and_difference_named_in_its_group() -> None:
+    shards = run_ranks(_pp_mesh, 4, "fsdp")
+    rec = shards[0]["clean"]
+    assert all(o["clean_truth"] == [] for o in shards)
+    assert rec["in_sync"] and not rec["mismatches"], rec["mismatches"]
+    assert rec["checked"]["param"] == 0 and rec["notes"][0].startswith("nothing was compared"), rec
+    reps = run_ranks(_pp_mesh, 4, "replicate")
+    assert reps[0]["clean"]["in_sync"] and reps[0]["clean"]["checked"]["param"] == 4, reps[0]["clean"]
+    assert reps[3]["plant_truth"] == [("layers.1.bias", [3])]
+    _check([{"rec": o["plant"], "truth": o["plant_truth"]} for o in reps])
+    bad = reps[0]["plant"]["mismatches"][0]
+    assert (bad["kind"], bad["ranks"], bad["reference_ranks"]) == ("param", [3], [2]), bad

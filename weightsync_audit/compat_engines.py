@@ -190,3 +190,17 @@ def pipeline_stage_of(obj: Any) -> tuple[nn.Module, int, int] | None:
     if isinstance(submod, nn.Module) and index is not None and isinstance(n, int):
         return submod, index, n
     return None
+
+
+def mesh_pipeline_coordinate(mesh: Any, dim: str = "pp") -> int | None:
+    """This rank's coordinate on the ``pp`` dimension of the mesh that ``mesh`` was sliced from, when
+    ``mesh`` itself lacks it (a stage's ``dp`` submesh of a ``(pp, dp)`` mesh), else ``None``."""
+    root_of = getattr(mesh, "_get_root_mesh", None)
+    root = root_of() if callable(root_of) else None
+    if root is None or root is mesh:
+        return None
+    names, own = tuple(root.mesh_dim_names or ()), tuple(mesh.mesh_dim_names or ())
+    if dim not in names or dim in own:
+        return None
+    coord = root.get_coordinate()
+    return None if coord is None else int(coord[names.index(dim)])

@@ -20,13 +20,32 @@ from typing import Any, Sequence
 import numpy as np
 import xxhash
 
-__all__ = ["ALL", "NEVER", "ShardInfo", "shard_info", "peer_sets", "column_peers", "unpaired_columns"]
+from weightsync_audit.compat_engines import mesh_pipeline_coordinate
+
+__all__ = [
+    "ALL",
+    "FOUND",
+    "HOLDERS",
+    "NEVER",
+    "ShardInfo",
+    "shard_info",
+    "peer_sets",
+    "column_peers",
+    "unpaired_columns",
+]
 
 ALL = 0
 """Peer key of a plain tensor: every rank is a peer (today's rule)."""
 
 NEVER = 1
 """Peer key of a tensor that is compared with nothing (``Partial``, or a rank outside the mesh)."""
+
+HOLDERS = "holders:"
+"""Layout prefix of a tensor compared among its group's ranks only (present on those ranks only)."""
+
+FOUND = (-1,)
+"""The members of a group the audit finds itself: every rank carrying the same key (one pipeline stage's
+ranks, the stage handed to the audit undeclared or its DTensors on a submesh of a mesh with a ``pp`` dim)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +81,13 @@ def shard_info(t: Any) -> ShardInfo:
     if coord is None:
         return ShardInfo(layout, shape, {}, NEVER, "this rank is outside its mesh")
     coords = {names[d]: int(coord[d]) for d, pl in enumerate(placements) if not pl.is_replicate()}
+    stage = mesh_pipeline_coordinate(mesh)
+    if stage is not None:  # one pipeline stage's tensor: held by that stage's ranks only
+        layout, coords = f"{HOLDERS}pipeline stage|{layout}", {"pp": stage, **coords}
     text = f"{layout}|{shape}|{sorted(coords.items())}"
     # Keys of real shards avoid the two reserved values ALL and NEVER.
     key = (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2
-    return ShardInfo(layout, shape, coords, key)
+    return ShardInfo(layout, shape, coords, key, members=FOUND if stage is not None else ())
 
 
 def peer_sets(keys: Sequence[int]) -> list[list[int]]:

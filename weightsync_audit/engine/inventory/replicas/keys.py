@@ -23,7 +23,7 @@ from typing import Sequence
 
 import xxhash
 
-from weightsync_audit.engine.inventory.peers import NEVER, ShardInfo
+from weightsync_audit.engine.inventory.peers import FOUND, HOLDERS, NEVER, ShardInfo
 
 __all__ = [
     "FOUND",
@@ -38,8 +38,6 @@ __all__ = [
     "is_holders",
 ]
 
-HOLDERS = "holders:"
-"""Layout prefix of a tensor compared among its group's ranks only (present on those ranks only)."""
 
 UNREPLICATED = "unreplicated:"
 """Layout prefix of a tensor held by one rank only: never compared."""
@@ -54,11 +52,6 @@ def among(
     group = tuple(sorted(int(r) for r in ranks))
     key = (xxhash.xxh3_64_intdigest(f"{label}|{group}".encode()) >> 2) | 2  # never ALL (0) nor NEVER (1)
     return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key, members=group if declared else ())
-
-
-FOUND = (-1,)
-"""The members of a group the audit finds itself: every rank carrying the same key (the ranks of one
-pipeline stage handed to the audit undeclared, as a ``PipelineStage`` or its schedule)."""
 
 
 def stage_found(index: int, stages: int, shape: tuple[int, ...]) -> ShardInfo:
@@ -89,7 +82,7 @@ def holders_label(layout: str) -> str | None:
     >>> holders_label(among("pipeline stage", (0, 2), {}, (2,)).layout)
     'pipeline stage tensor'
     """
-    return f"{layout[len(HOLDERS) :]} tensor" if layout.startswith(HOLDERS) else None
+    return f"{layout[len(HOLDERS) :].split('|')[0]} tensor" if layout.startswith(HOLDERS) else None
 
 
 def is_holders(layout: str) -> bool:
