@@ -90,17 +90,11 @@ def resync(
         raise ValueError(f"src={src}: must be a rank of the group (0..{comm.world_size - 1})")
     if not comm.distributed:
         return
-    optimizers = as_optimizers(optimizer)
-    module = stage_module(module)  # a pipelining PipelineStage or schedule: its stage module
+    optimizers, module = as_optimizers(optimizer), stage_module(module)  # a PipelineStage: its stage module
     wanted = set(names) if names is not None else None
-    manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
-    # Each engine's replica rules (FSDP1 shards, ZeRO partitions, expert groups): a tensor is copied only
-    # within its holders, never broadcast over ranks that hold other shards.
-    assign_replicas(manifest, module, optimizers)
-    entries = [e for e in manifest.entries if wanted is None or e.name in wanted]
-    if declares_groups(module):  # pipeline stages, expert groups: each within its declared group (every rank)
-        resync_held(comm, entries + _held_grads(module, optimizers, grads, wanted), src)
-        return
+    entries = _entries(module, optimizers, wanted)
+    if declares_groups(module):  # pipeline stages, expert groups: each within its group (every rank alike)
+        return resync_held(comm, entries + _held_grads(module, optimizers, grads, wanted), src)
     grad_entries = _grad_entries(comm, module, grads, wanted)
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
@@ -157,6 +151,14 @@ def _grad_entries(
             f"ranks, or has another shape or dtype): {', '.join(sorted(e.name for e in entries)[:5])}"
         )
     return entries
+
+
+def _entries(module: nn.Module | None, optimizers: list[torch.optim.Optimizer], wanted: set[str] | None) -> list[Entry]:
+    """This rank's entries (or those ``wanted``) under each engine's replica rules: a tensor is copied only
+    within its holders, never broadcast over ranks that hold other shards (FSDP1, ZeRO, declared groups)."""
+    manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
+    assign_replicas(manifest, module, optimizers)
+    return [e for e in manifest.entries if wanted is None or e.name in wanted]
 
 
 def _held_grads(
