@@ -313,11 +313,13 @@ def _titan(rank: int, world: int, how: str) -> dict[str, Any]:
         dist.all_reduce(p.grad, group=dp[stage])
         p.grad /= 2
     opt.step()
-    handed = pipe if how == "stage" else schedule
+    handed = schedule if how == "schedule" else pipe
     out: dict[str, Any] = {"clean": audit(handed, opt).to_dict()}
     out["clean_truth"] = truth(_held(part), [stage, stage + 2])
     with torch.no_grad():
-        if rank == 3:
+        if rank == 3 and how == "missing":
+            part.layers["1"].register_parameter("bias", None)  # one replica of stage 1 lacks it
+        elif rank == 3:
             part.layers["1"].weight[0, 1] += 0.5
     out["plant"] = audit(handed, opt).to_dict()
     out["plant_truth"] = truth(_held(part), [stage, stage + 2])
@@ -388,3 +390,11 @@ def test_dtensors_on_a_stage_submesh_of_a_pp_mesh_no_false_alarm_and_difference_
     _check([{"rec": o["plant"], "truth": o["plant_truth"]} for o in reps])
     bad = reps[0]["plant"]["mismatches"][0]
     assert (bad["kind"], bad["ranks"], bad["reference_ranks"]) == ("param", [3], [2]), bad
+
+
+def test_undeclared_pipeline_stage_a_replica_lacking_a_tensor_is_a_structure_mismatch() -> None:
+    out = run_ranks(_titan, 4, "missing")
+    assert out[1]["plant_truth"] == [("layers.1.bias", [3])]
+    _check([{"rec": o["plant"], "truth": o["plant_truth"]} for o in out])
+    bad = out[0]["plant"]["mismatches"][0]
+    assert bad["kind"] == "structure" and "missing on rank 3" in bad["detail"], bad
