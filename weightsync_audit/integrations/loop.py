@@ -16,6 +16,7 @@ from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["LoopAudit"]
 
@@ -35,6 +36,8 @@ class LoopAudit:
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
             or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
+        sinks: objects that rank 0 also hands each record to (``write(record)``): the metrics exporters
+            of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -67,6 +70,7 @@ class LoopAudit:
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -88,6 +92,7 @@ class LoopAudit:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            sinks=sinks,
         )
         self.is_main = True
         self._opened = False

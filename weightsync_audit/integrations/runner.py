@@ -32,6 +32,7 @@ from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, us
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink, RecordSinks
 
 __all__ = [
     "CADENCE_NAMES",
@@ -149,6 +150,7 @@ class AuditRunner:
         pinpoint_coverage: float | str = 1,
         every_n: Optional[int] = None,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
     ) -> None:
         # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
         self.config = AuditConfig(
@@ -169,13 +171,11 @@ class AuditRunner:
         resync_src = check_resync_src(resync_src)
         if report_path is not None:
             check_report_path(report_path, "report_path")
-        self.include = self.config.include
-        self.exclude = self.config.exclude
-        self.slices = self.config.slices
+        self.include, self.exclude, self.slices = self.config.include, self.config.exclude, self.config.slices
+        self.sinks = RecordSinks(sinks)  # the main process hands them each record (weightsync_audit.metrics)
         self.resync_src = resync_src
         self.report_path = None if report_path is None else str(report_path)
-        self.timeout_s = timeout_s
-        self.coverage = coverage
+        self.timeout_s, self.coverage = timeout_s, coverage
         self.verbose = verbose
         self.history = AuditHistory()
         self.console: Any = None
@@ -399,6 +399,7 @@ class AuditRunner:
             return
         if self.writer is not None:
             self.writer.write(result)
+        self.sinks.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
         self.voice.speak(result, verbose=self.verbose, print_fn=self.print)

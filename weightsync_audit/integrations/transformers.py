@@ -43,6 +43,7 @@ from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["TRAINER_FIX", "WeightSyncAuditCallback", "find_trainer", "trainer_ddp"]
 
@@ -212,6 +213,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             ``on_train_begin``), compare every rank with that checkpoint's sidecar before the first step.
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (docs/restarts.md).
+        sinks: objects that the main process also hands each record to (``write(record)``): the metrics
+            exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -239,6 +242,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -258,6 +262,7 @@ class WeightSyncAuditCallback(TrainerCallback):
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            sinks=sinks,
         )
         self.checkpoints = bool(checkpoints)
         self.history = self.runner.history

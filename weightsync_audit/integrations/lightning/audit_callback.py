@@ -21,6 +21,7 @@ from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import dropped_message
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -94,6 +95,8 @@ class WeightSyncAuditMixin:
             with the sidecar before the first step (docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after
             the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
+        sinks: objects that global rank 0 also hands each record to (``write(record)``): the metrics
+            exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
 
     Example::
 
@@ -119,6 +122,7 @@ class WeightSyncAuditMixin:
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -145,6 +149,7 @@ class WeightSyncAuditMixin:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_train_steps,
             exit_code=exit_code,
+            sinks=sinks,
         )
         self.checkpoints = bool(checkpoints)
         self._saving: Any = None
