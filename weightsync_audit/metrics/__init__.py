@@ -41,7 +41,8 @@ def __getattr__(name: str) -> object:
         value = getattr(importlib.import_module(module), name)
     except ImportError as exc:
         raise ImportError(
-            f"weightsync_audit.metrics.{name} needs {exc.name or 'its package'}: pip install 'weightsync-audit[{_EXTRA.get(name, 'metrics')}]'"
+            f"weightsync_audit.metrics.{name} needs {exc.name or 'its package'}, "
+            f"the extra weightsync-audit[{_EXTRA.get(name, 'metrics')}] (docs/metrics.md)"
         ) from exc
     globals()[name] = value
     return value

@@ -61,6 +61,7 @@ class PrometheusSink:
         self.textfile = None if textfile is None else str(check_report_path(textfile, "textfile"))
         self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
         self.addr = addr
+        self.namespace = namespace
         self.port = port
         """The endpoint's port (the one bound when ``port=0`` was asked, once it serves)."""
         self._server: Any = None
@@ -84,9 +85,7 @@ class PrometheusSink:
         self.rel_gap = Gauge(
             "max_rel_diff", "Largest measured relative gap (0 in sync, NaN: not measured)", namespace=ns, registry=reg
         )
-        self.nonfinite = Gauge(
-            "nonfinite_tensors", "Audited tensors holding NaN or inf (check_finite)", namespace=ns, registry=reg
-        )
+        self.nonfinite: Gauge | None = None  # made at the first record that counts (check_finite=True)
         self.duration = Histogram(
             "audit_duration_seconds",
             "Seconds each audit took on rank 0",
@@ -136,6 +135,13 @@ class PrometheusSink:
         self.gap.set(f.max_abs_diff)
         self.rel_gap.set(f.max_rel_diff)
         if f.nonfinite_tensors is not None:
+            if self.nonfinite is None:
+                self.nonfinite = Gauge(
+                    "nonfinite_tensors",
+                    "Audited tensors holding NaN or inf",
+                    namespace=self.namespace,
+                    registry=self.registry,
+                )
             self.nonfinite.set(f.nonfinite_tensors)
         self.duration.observe(f.audit_seconds)
         self.audits.inc()
