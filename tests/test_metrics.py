@@ -218,3 +218,29 @@ def test_sinks_that_are_not_sinks_are_refused_naming_the_argument() -> None:
         LoopAudit(torch.nn.Linear(2, 2), sinks=[print])
     with pytest.raises(ValueError, match="sinks='prometheus'"):
         LoopAudit(torch.nn.Linear(2, 2), sinks="prometheus")
+
+
+def test_without_the_extras_the_package_loop_audit_and_sinks_still_import_and_the_error_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "for name in ('prometheus_client', 'opentelemetry', 'ray'):\n"
+        "    sys.modules[name] = None  # as if not installed\n"
+        "import torch, weightsync_audit, weightsync_audit.metrics, weightsync_audit.integrations.ray_train\n"
+        "from weightsync_audit import LoopAudit\n"
+        "print(LoopAudit(torch.nn.Linear(2, 2), every_n_steps=1, verbose=False).step(1).in_sync)\n"
+        "for name in ('PrometheusSink', 'OpenTelemetrySink'):\n"
+        "    try:\n"
+        "        getattr(weightsync_audit.metrics, name)\n"
+        "    except ImportError as exc:\n"
+        "        print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "True",
+        "weightsync_audit.metrics.PrometheusSink needs prometheus_client, the extra weightsync-audit[prometheus] (docs/metrics.md)",
+        "weightsync_audit.metrics.OpenTelemetrySink needs opentelemetry, the extra weightsync-audit[otel] (docs/metrics.md)",
+    ]
