@@ -27,7 +27,7 @@ import ray.train
 from test_docs import blocks
 
 from weightsync_audit import WeightDivergenceError
-from weightsync_audit.integrations.ray_train import REPORT_NAME, ray_report_path
+from weightsync_audit.integrations.ray_train import REPORT_NAME, ray_report_path, report_path_in
 from weightsync_audit.reporting.jsonl import read_report
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,6 +122,18 @@ def test_ray_report_path_outside_a_ray_train_worker_says_where_to_call_it() -> N
         ray_report_path()
     with pytest.raises(ValueError, match="filename='a/b.jsonl'"):
         ray_report_path("a/b.jsonl")
+
+
+def test_report_path_in_a_runs_storage_is_its_folder_and_other_file_systems_are_refused(tmp_path: Path) -> None:
+    import pyarrow.fs
+
+    storage_module = pytest.importorskip("ray.train.v2._internal.execution.storage")
+    local = storage_module.StorageContext(str(tmp_path), "run")
+    assert report_path_in(local) == str(tmp_path / "run" / REPORT_NAME)
+    assert (tmp_path / "run").is_dir()
+    other = pyarrow.fs.SubTreeFileSystem(str(tmp_path), pyarrow.fs.LocalFileSystem())
+    with pytest.raises(ValueError, match="'subtree' file system .* give report_path= a local file"):
+        report_path_in(storage_module.StorageContext("bucket", "run", storage_filesystem=other))
 
 
 def test_module_time(cluster: dict[str, Any]) -> None:

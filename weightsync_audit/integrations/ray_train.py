@@ -13,8 +13,9 @@ It imports Ray only when called (extra ``weightsync-audit[ray]``).
 from __future__ import annotations
 
 import os
+from typing import Any
 
-__all__ = ["REPORT_NAME", "ray_report_path"]
+__all__ = ["REPORT_NAME", "ray_report_path", "report_path_in"]
 
 REPORT_NAME = "weightsync-audit.jsonl"
 """The report's default file name in the run's folder."""
@@ -39,18 +40,27 @@ def ray_report_path(filename: str = REPORT_NAME) -> str:
 
     try:
         storage = ray.train.get_context().get_storage()
-    except Exception as exc:  # noqa: BLE001 - Ray's own error says little more than "no session"
+    except Exception as exc:
         raise RuntimeError(
             "ray_report_path() is called in the training function that ray.train.torch.TorchTrainer runs "
             f"(no Ray Train context here: {type(exc).__name__}: {exc})"
         ) from exc
+    return report_path_in(storage, filename)
+
+
+def report_path_in(storage: Any, filename: str = REPORT_NAME) -> str:
+    """:func:`ray_report_path` for a Ray Train ``StorageContext`` (``ray.train.get_context().get_storage()``).
+
+    The folder is made when missing; storage that is not a local (or mounted) file system is refused.
+    """
     # Ray Train 2 (the default from Ray 2.50): the run's folder; Ray Train 1 under Tune: the trial's folder.
     folder = getattr(storage, "trial_fs_path", None) or storage.experiment_fs_path
     fs = getattr(storage, "storage_filesystem", None)
     if fs is not None and getattr(fs, "type_name", "local") != "local":
         raise ValueError(
-            f"ray_report_path(): the run's storage is on {fs.type_name} ({folder}), which a report cannot be "
-            "appended to line by line; give report_path= a local file (or a shared file system as storage_path)"
+            f"ray_report_path(): the run's storage is a {fs.type_name!r} file system ({folder}), which a report "
+            "cannot be appended to line by line; give report_path= a local file (or a shared file system as "
+            "storage_path)"
         )
     os.makedirs(folder, exist_ok=True)
     return os.path.join(folder, filename)
