@@ -30,6 +30,7 @@ from weightsync_audit import WeightDivergenceError
 from weightsync_audit.integrations.ray_train import REPORT_NAME, ray_report_path, report_path_in
 from weightsync_audit.reporting.jsonl import read_report
 
+pytestmark = pytest.mark.slow  # four Ray Train runs: about 4 to 7 minutes on 2 shared cores
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "ray.md"
 
@@ -110,7 +111,8 @@ def test_hf_trainer_divergence_with_exit_code_ends_both_workers_and_ray_reports_
     with pytest.raises(ray.train.TrainingFailedError) as caught:
         cluster["hf"].main(cluster["storage"], diverge=True, exit_code=17)
     failures = caught.value.worker_failures  # type: ignore[attr-defined]
-    assert sorted(failures) == [0, 1], failures
+    assert sorted(failures) == [0, 1], failures  # both worker processes ended (with status 17): Ray saw them die
+    assert not any(isinstance(e, WeightDivergenceError) for e in failures.values())  # why is in the report only
     records = _records(str(Path(cluster["storage"]) / "hf-diverged"))
     last = records[-1]
     assert (last.in_sync, last.action, last.step) == (False, "raised", 4)
