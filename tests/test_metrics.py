@@ -244,3 +244,51 @@ def test_without_the_extras_the_package_loop_audit_and_sinks_still_import_and_th
         "weightsync_audit.metrics.PrometheusSink needs prometheus_client, the extra weightsync-audit[prometheus] (docs/metrics.md)",
         "weightsync_audit.metrics.OpenTelemetrySink needs opentelemetry, the extra weightsync-audit[otel] (docs/metrics.md)",
     ]
+
+
+def test_the_lightning_and_hf_callbacks_hand_every_record_to_their_sinks(tmp_path: Path) -> None:
+    import os
+
+    import pytorch_lightning as pl
+    from lightning_helpers import SmallModel, loader
+
+    from weightsync_audit import WeightSyncAudit, read_report
+
+    sink = PrometheusSink()
+    report = tmp_path / "pl.jsonl"
+    audit = WeightSyncAudit(every_n_train_steps=2, report_path=str(report), verbose=False, sinks=[sink])
+    trainer = pl.Trainer(
+        max_steps=4, accelerator="cpu", devices=1, callbacks=[audit], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(SmallModel(), train_dataloaders=loader())
+    records = read_report(report).records
+    assert sink.registry.get_sample_value("weightsync_audits_total") == len(records) >= 3
+    assert sink.registry.get_sample_value("weightsync_step") == records[-1][1].step
+
+    pytest.importorskip("transformers")
+    os.environ.setdefault("WANDB_DISABLED", "true")
+    from transformers import Trainer, TrainingArguments
+
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+            return {"loss": torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
+
+    hf_sink = PrometheusSink()
+    hf_report = tmp_path / "hf.jsonl"
+    callback = WeightSyncAuditCallback(every_n_steps=2, report_path=str(hf_report), verbose=False, sinks=[hf_sink])
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=4, per_device_train_batch_size=2,
+        save_strategy="no", report_to=[], disable_tqdm=True,
+    )  # fmt: skip
+    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
+    Trainer(model=Net(), args=args, train_dataset=data, callbacks=[callback]).train()
+    hf_records = read_report(hf_report).records
+    assert hf_sink.registry.get_sample_value("weightsync_audits_total") == len(hf_records) >= 2
+    assert hf_sink.registry.get_sample_value("weightsync_in_sync") == 1.0
