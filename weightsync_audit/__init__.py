@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         WeightSyncWarning,
     )
     from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+    from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.integrations.loop import LoopAudit
     from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
@@ -69,6 +70,7 @@ _LAZY = {
     "render": "weightsync_audit.reporting.render",
     "print_report": "weightsync_audit.cli._reports",
     "LoopAudit": "weightsync_audit.integrations.loop",
+    "ResumeSources": "weightsync_audit.engine.checkpoints.resume_state",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.integrations.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
@@ -92,6 +94,7 @@ __all__ = [
     "ReportWriter",
     "TrainableSetMismatchError",
     "ResyncError",
+    "ResumeSources",
     "UnauditableTensorError",
     "WeightDivergenceError",
     "WeightSyncAudit",

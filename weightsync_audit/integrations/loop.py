@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
@@ -117,27 +118,31 @@ class LoopAudit:
         return self.runner.run(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
 
     def checkpoint_saved(
-        self, path: Any, step: int, epoch: int | None = None, *, state: Any = None
-    ) -> AuditResult | None:
+        self, path: Any, step: int, epoch: int | None = None, *, state: Any = None,
+        resume: ResumeSources | None = None,
+    ) -> AuditResult | None:  # fmt: skip
         """Call after saving a checkpoint at ``path`` (on every rank, ``state`` what was saved: default the
         module's ``state_dict``): audit at this step and write its sidecar, ``verified`` only when every
-        replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does."""
+        replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does. ``resume``: what a
+        resume must give each rank back (RNG, data position, lr schedulers, grad scaler), into the sidecar."""
         self._open()
         return self.runner.checkpoint(
             "saved", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_saved", is_main=self.is_main,
+            hook="checkpoint_saved", is_main=self.is_main, resume=resume,
         )  # fmt: skip
 
     def checkpoint_loaded(
-        self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None
-    ) -> AuditResult | None:
+        self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None,
+        resume: ResumeSources | None = None,
+    ) -> AuditResult | None:  # fmt: skip
         """Call after loading the checkpoint at ``path``, before the first step: compare what every rank
         holds with the sidecar (a tensor loaded differently is a mismatch naming its ranks; no sidecar:
-        ``unverified``). Acts on a divergence as :meth:`audit` does."""
+        ``unverified``). Acts on a divergence as :meth:`audit` does. ``resume``: check that every rank got
+        back its own saved resume state (``checkpoint.resume`` in the record)."""
         self._open()
         return self.runner.checkpoint(
             "loaded", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_loaded", is_main=self.is_main,
+            hook="checkpoint_loaded", is_main=self.is_main, resume=resume,
         )  # fmt: skip
 
     @property

@@ -21,6 +21,8 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
+from weightsync_audit.engine.checkpoints.resume_check import attach_resume, resume_at_load, resume_at_save
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.measure.stability import persistent_hints
@@ -337,17 +339,23 @@ class AuditRunner:
         return result
 
     def checkpoint(
-        self, event: str, path: Any, model: Any, optimizers: Sequence[Any], *, state: Any = None, **kw: Any
-    ) -> AuditResult | None:
+        self, event: str, path: Any, model: Any, optimizers: Sequence[Any], *, state: Any = None,
+        resume: ResumeSources | None = None, **kw: Any,
+    ) -> AuditResult | None:  # fmt: skip
         """:meth:`run` at a checkpoint ``event`` (``saved``: audit and write its sidecar; ``loaded``: audit and
-        compare every rank with the sidecar); the keyword arguments are :meth:`run`'s."""
+        compare every rank with the sidecar); ``resume``: also every rank's resume state (docs/restarts.md);
+        the keyword arguments are :meth:`run`'s."""
         if self.auditor is None:
             return None
         fn = checkpoint_saved if event == "saved" else checkpoint_loaded
         auditor = self.auditor
 
         def audit(module: Any, optimizer: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
-            return fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
+            result = fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
+            if resume is not None:
+                check = resume_at_save if event == "saved" else resume_at_load
+                attach_resume(result, check(auditor.comm, path, resume), kw.get("is_main", False))
+            return result
 
         return self.run(model, optimizers, audit=audit, **kw)
 
