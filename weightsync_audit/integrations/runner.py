@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.checkpoints.resume_check import attach_resume, resume_at_load, resume_at_save
+from weightsync_audit.engine.checkpoints.resume_check import capture as capture_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
@@ -351,10 +352,11 @@ class AuditRunner:
         auditor = self.auditor
 
         def audit(module: Any, optimizer: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
+            mine = capture_resume(resume) if resume is not None else None  # before the audit: nothing moves it
             result = fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
-            if resume is not None:
+            if mine is not None:
                 check = resume_at_save if event == "saved" else resume_at_load
-                attach_resume(result, check(auditor.comm, path, resume), kw.get("is_main", False))
+                attach_resume(result, check(auditor.comm, path, mine), kw.get("is_main", False))
             return result
 
         return self.run(model, optimizers, audit=audit, **kw)

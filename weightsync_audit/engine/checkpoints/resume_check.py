@@ -35,15 +35,20 @@ from weightsync_audit.engine.checkpoints.sidecar import sidecar_path, write_side
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["attach_resume", "resume_at_load", "resume_at_save"]
+__all__ = ["attach_resume", "capture", "resume_at_load", "resume_at_save"]
 
 
-def _gather(comm: Comm, sources: ResumeSources, what: str) -> dict[str, dict[str, Any]]:
-    """Every rank's captured components, by global rank (as a string, the sidecar's key), on every rank."""
+def capture(sources: ResumeSources) -> dict[str, Any]:
+    """This rank's components now (before the audit runs, so that nothing moves them in between); an
+    error is kept and said on every rank after the exchange, never raised on one rank alone."""
     try:
-        mine: Any = sources.capture()
-    except Exception as exc:  # noqa: BLE001 - said on every rank after the exchange, never a lone raise
-        mine = {"error": f"{type(exc).__name__}: {exc}"}
+        return sources.capture()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _gather(comm: Comm, mine: dict[str, Any], what: str) -> dict[str, dict[str, Any]]:
+    """Every rank's captured components, by global rank (as a string, the sidecar's key), on every rank."""
     parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), what)]
     return {str(g): p for g, p in zip(comm.global_ranks, parts)}
 
@@ -53,10 +58,11 @@ def _errors(gathered: dict[str, dict[str, Any]]) -> str | None:
     return "; ".join(bad) or None
 
 
-def resume_at_save(comm: Comm, path: Any, sources: ResumeSources) -> dict[str, Any]:
+def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any]) -> dict[str, Any]:
     """Digest what a resume must restore on every rank and add it to the sidecar of ``path`` (written by
     the group's first rank, after the checkpoint's audit wrote the sidecar). Collective."""
-    gathered = _gather(comm, sources, "the resume state")
+    mine = sources if isinstance(sources, dict) else capture(sources)
+    gathered = _gather(comm, mine, "the resume state")
     why = _errors(gathered)
     if why is not None:
         return {"status": "unchecked", "checked": [], "findings": [], "why": why}
@@ -86,11 +92,13 @@ def _read_saved(path: Any) -> Any:
     return resume["ranks"]
 
 
-def resume_at_load(comm: Comm, path: Any, sources: ResumeSources) -> dict[str, Any]:
-    """Compare what every rank holds now with what it saved (the sidecar's ``resume``). Collective."""
+def resume_at_load(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any]) -> dict[str, Any]:
+    """Compare what every rank holds now (``sources``, or what :func:`capture` took of them) with what it
+    saved (the sidecar's ``resume``). Collective."""
+    mine_now = sources if isinstance(sources, dict) else capture(sources)
     mine = json.dumps(_read_saved(path)).encode() if comm.rank == 0 else None
     saved = json.loads(comm.share_bytes(0, mine, "the saved resume state"))
-    now = _gather(comm, sources, "the resumed state")
+    now = _gather(comm, mine_now, "the resumed state")
     why = saved.get("why") if isinstance(saved.get("why"), str) else _errors(now)
     if why is None and sorted(saved, key=int) != sorted(now, key=int):
         why = f"saved on ranks {sorted(map(int, saved))}, resumed on ranks {sorted(map(int, now))}"

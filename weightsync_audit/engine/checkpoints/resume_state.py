@@ -206,11 +206,48 @@ def _ranks_text(ranks: Sequence[int], world: int) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _step_of(entry: Mapping[str, Any]) -> Any:
-    v = entry.get("value")
-    if isinstance(v, dict):
-        return v.get("step")
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+def _moved(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first of ``step``, ``epoch``, ``batch`` whose shown value moved: ``(key, saved, now)``."""
+    was, got = saved.get("value"), now.get("value")
+    if isinstance(was, int) and isinstance(got, int) and not isinstance(was, bool):
+        was, got = {"step": was}, {"step": got}
+    if not (isinstance(was, dict) and isinstance(got, dict)):
+        return None
+    for key in ("step", "epoch", "batch"):
+        if key in was and key in got and was[key] != got[key]:
+            return key, was[key], got[key]
+    return None
+
+
+def _merge_rng(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RNG generators that went wrong alike (same kind, ranks and source) in one line: ``rank 1 resumed
+    with rank 0's RNG state (torch, numpy, Python random)``."""
+    out: list[dict[str, Any]] = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for f in findings:
+        if f["component"].startswith("rng.") and f["kind"] != "unequal":
+            key = (f["kind"], tuple(f["ranks"]), tuple(f["from_ranks"]), f.get("severity"))
+            if key not in groups:
+                groups[key] = []
+                out.append({"merge": key})
+            groups[key].append(f)
+        else:
+            out.append(f)
+    merged = []
+    for f in out:
+        if "merge" not in f:
+            merged.append(f)
+            continue
+        parts = groups[f["merge"]]
+        if len(parts) == 1:
+            merged.append(parts[0])
+            continue
+        names = ", ".join(_label(p["component"])[0].removesuffix(" RNG state").removesuffix(" state") for p in parts)
+        first = parts[0]
+        label = _label(first["component"])[0]
+        detail = first["detail"].replace(label, f"RNG state ({names})")
+        merged.append({**first, "component": "rng", "components": [p["component"] for p in parts], "detail": detail})
+    return merged
 
 
 def saved_differences(saved: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -242,7 +279,8 @@ def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[st
     world = len(ranks)
     comps = set.intersection(*(set(saved[r]) for r in ranks), *(set(now[r]) for r in ranks))
     out: list[dict[str, Any]] = []
-    for comp in sorted(comps):
+    order = list(COMPONENTS)
+    for comp in sorted(comps, key=lambda c: (order.index(c) if c in order else len(order), c)):
         label, _ = _label(comp)
         s = {r: saved[r][comp]["digest"] for r in ranks}
         n = {r: now[r][comp]["digest"] for r in ranks}
@@ -268,10 +306,10 @@ def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[st
             else:
                 lost.append(r)
         if lost:
-            was, got = _step_of(saved[lost[0]][comp]), _step_of(now[lost[0]][comp])
+            moved = _moved(saved[lost[0]][comp], now[lost[0]][comp])
             where = _ranks_text([int(r) for r in lost], world)
-            if was is not None and got is not None and was != got:
-                detail = f"the {label} restarted at step {got} (saved at step {was}) on {where}"
+            if moved is not None:
+                detail = f"the {label} restarted at {moved[0]} {moved[2]} (saved at {moved[0]} {moved[1]}) on {where}"
             else:
                 detail = f"the {label} was not restored on {where} (neither what it saved nor another rank's)"
             # A generator fresh on every rank is a policy (re-seeded at start), said as a note; one restored on
@@ -281,7 +319,7 @@ def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[st
                 "component": comp, "kind": "not_restored", "ranks": [int(r) for r in lost], "from_ranks": [],
                 "detail": detail, **({"severity": "note"} if note else {}),
             })  # fmt: skip
-    return out
+    return _merge_rng(out)
 
 
 def is_error(finding: Mapping[str, Any]) -> bool:
