@@ -50,7 +50,7 @@ def _loop_resume(rank: int, world: int, out: str) -> dict[str, Any]:
     random.seed(100 + rank)
     audit = LoopAudit(model, opt, on_mismatch="warn", verbose=False)
     sampler.set_epoch(2)
-    for step in range(1, 5):
+    for _ in range(4):
         opt.zero_grad()
         model(torch.ones(1, 4)).sum().backward()
         opt.step()

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from weightsync_audit.cli._reports import print_report
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
+    from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.engine.repair.resync import resync
     from weightsync_audit.errors import (
         AuditOutOfStepError,
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
         WeightSyncWarning,
     )
     from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
-    from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.integrations.loop import LoopAudit
     from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch

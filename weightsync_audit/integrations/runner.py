@@ -32,6 +32,7 @@ from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.evict import write_evict
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
@@ -333,6 +334,10 @@ class AuditRunner:
             self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
+        if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
+            code = self.exit_code if result.action == "raised" else None
+            comm = self.auditor.comm
+            write_evict(result, rank=comm.global_ranks[comm.rank], is_main=is_main, exit_code=code)
         if not result.in_sync and result.action == "raised":
             if self.exit_code is not None:
                 self._exit(result, is_main)
@@ -372,6 +377,11 @@ class AuditRunner:
             )
         sys.stdout.flush()
         sys.stderr.flush()
+        if self.auditor is not None:  # no rank leaves before the first has written the record and evict file:
+            try:  # a launcher kills the others when the first worker exits (a round with the audit's deadline)
+                self.auditor.comm.share_bytes(0, b"" if is_main else None, "the exit")
+            except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
+                pass
         os._exit(int(self.exit_code or 1))  # no teardown that could wait on a peer: every rank leaves here
 
     def _audit_failed(self, hook: str, step: int, exc: Exception, is_main: bool) -> None:

@@ -73,7 +73,9 @@ def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
             sidecar["resume"] = {"ranks": gathered}
             write_sidecar(path, sidecar)
         except (OSError, ValueError) as exc:  # the run goes on; the resume will say it is unchecked
-            warnings.warn(f"weightsync: could not add the resume state to {target}: {exc}", WeightSyncWarning)
+            warnings.warn(
+                f"weightsync: could not add the resume state to {target}: {exc}", WeightSyncWarning, stacklevel=2
+            )
     findings = saved_differences(gathered)
     checked = sorted(set.intersection(*(set(p) for p in gathered.values())))
     return {"status": "differs" if findings else "recorded", "checked": checked, "findings": findings}

@@ -187,7 +187,9 @@ class ResumeSources:
                 out["data.sampler"] = _entry(s.state_dict())
         if self.data_position is not None:
             pos = self.data_position
-            out["data.position"] = _entry(pos, _plain(pos) if isinstance(pos, (int, dict)) and len(str(pos)) < 200 else None)
+            out["data.position"] = _entry(
+                pos, _plain(pos) if isinstance(pos, (int, dict)) and len(str(pos)) < 200 else None
+            )
         for name, obj in self.extra.items():
             out[name] = _entry(obj)
         return out
