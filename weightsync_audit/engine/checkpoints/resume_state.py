@@ -44,6 +44,7 @@ __all__ = [
     "digest_state",
     "is_error",
     "rng_file_state",
+    "rng_now",
     "saved_differences",
 ]
 
@@ -131,6 +132,17 @@ def rng_file_state(path: str) -> dict[str, Any]:
     return out
 
 
+def rng_now() -> dict[str, dict[str, Any]]:
+    """This process's RNG states now: torch CPU; CUDA when initialised; numpy when imported; ``random``."""
+    out = {"rng.torch": _entry(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["rng.cuda"] = _entry(torch.cuda.get_rng_state_all())
+    if "numpy" in sys.modules:
+        out["rng.numpy"] = _entry(sys.modules["numpy"].random.get_state())
+    out["rng.python"] = _entry(random.getstate())
+    return out
+
+
 @dataclass(kw_only=True, slots=True)
 class ResumeSources:
     """What a resume must restore on this rank, digested by :meth:`capture`.
@@ -156,6 +168,9 @@ class ResumeSources:
     data_position: Any = None
     """Where this rank is in its data: a step, a dict (``{"step": 4, "epoch": 1}``), a stateful loader's
     ``state_dict()``. A ``step`` in it names where a reset restarted."""
+    rng_state: Mapping[str, Any] | None = None
+    """The RNG components as :func:`rng_now` took them earlier, at the framework's restore point (Lightning
+    draws from the generator between ``on_load_checkpoint`` and the first hook that can compare)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Further components by name (``"data.position"``-like keys), digested as they are."""
 
@@ -164,13 +179,10 @@ class ResumeSources:
         out: dict[str, dict[str, Any]] = {}
         if self.rng_file is not None:
             out.update(rng_file_state(self.rng_file))
+        elif self.rng_state is not None:
+            out.update(self.rng_state)
         elif self.rng:
-            out["rng.torch"] = _entry(torch.get_rng_state())
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                out["rng.cuda"] = _entry(torch.cuda.get_rng_state_all())
-            if "numpy" in sys.modules:
-                out["rng.numpy"] = _entry(sys.modules["numpy"].random.get_state())
-            out["rng.python"] = _entry(random.getstate())
+            out.update(rng_now())
         for i, sched in enumerate(self.lr_schedulers):
             step = getattr(sched, "last_epoch", None)
             out["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = _entry(
