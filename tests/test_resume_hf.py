@@ -46,3 +46,13 @@ def test_ignore_data_skip_restarts_the_epochs_data_on_every_rank(hf: dict[str, A
 
 def test_a_checkpoint_without_scheduler_pt_restarts_the_lr_scheduler(hf: dict[str, Any]) -> None:
     assert "the lr scheduler restarted at step 0 (saved at step 2) on every rank" in _details(hf["no_scheduler"])
+
+
+def test_verify_reports_the_per_rank_resume_checks_of_the_trainer_folders(hf: dict[str, Any], capsys: Any) -> None:
+    from weightsync_audit.cli import main
+
+    codes = {f: main(["verify", hf[f]["folder"]]) for f in ("clean", "rng_from_rank0", "no_scheduler")}
+    said = capsys.readouterr().out
+    assert codes == {"clean": 0, "rng_from_rank0": 1, "no_scheduler": 1}
+    assert "rank 1 would resume with rank 0's RNG state (torch, numpy, Python random)" in said
+    assert "scheduler.pt is missing: the lr scheduler would restart at step 0" in said

@@ -76,6 +76,7 @@ def run(out: Path) -> dict[str, Any]:
         if rank == 0:
             first = json.loads(report.read_text().splitlines()[0])
             out_[fault] = {"hook": first["hook"], "checkpoint": first["checkpoint"], "notes": first.get("notes", [])}
+            out_[fault]["folder"] = str(copy)
     if rank == 0:
         out_["sidecar_resume"] = json.loads((saved / "weightsync.json").read_text()).get("resume")
     return out_
