@@ -154,3 +154,32 @@ def test_equal_rng_on_every_rank_swapped_is_no_finding_and_unequal_schedulers_at
     other = {"rng.torch": {"digest": "a"}, "lr_scheduler": {"digest": "t"}}
     [finding] = saved_differences({"0": one, "1": other})
     assert (finding["kind"], finding["ranks"]) == ("unequal", [1])
+
+
+def _batches(rank: int, world: int, shared: bool) -> list[list[str]]:
+    import torch.distributed as dist
+
+    model = torch.nn.Linear(4, 2)
+    data = torch.utils.data.TensorDataset(torch.arange(64.0).reshape(16, 4))
+    # the bug: a sampler told the wrong rank (every rank draws rank 0's shard)
+    sampler = torch.utils.data.DistributedSampler(data, num_replicas=world, rank=0 if shared else rank, seed=3)
+    loader = torch.utils.data.DataLoader(data, batch_size=2, sampler=sampler)
+    audit = LoopAudit(model, every_n_steps=2, check_batches=True, verbose=False)
+    notes = []
+    for step, (x,) in enumerate(loader, start=1):
+        result = audit.step(step, batch=x)
+        if result is not None:
+            notes.append([n for n in result.notes if "identical batches" in n])
+    audit.close()
+    dist.barrier()
+    return notes
+
+
+def test_check_batches_names_ranks_that_trained_on_one_shard_and_stays_quiet_otherwise() -> None:
+    shared = run_ranks(_batches, 2, True)
+    assert shared[0] == shared[1] and len(shared[0]) == 2
+    assert shared[0][0] == [
+        "ranks 0, 1 trained on identical batches at step 2: the effective data is divided by 2 there "
+        "(a sampler without rank=, or one shard restored on every rank?)"
+    ]
+    assert run_ranks(_batches, 2, False)[0] == [[], []]

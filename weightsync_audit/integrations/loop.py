@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
@@ -33,6 +34,9 @@ class LoopAudit:
             (broadcast the diverged tensors from ``resync_src``, then confirm with a full audit).
         report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
         verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
+        check_batches: at each audited :meth:`step` also compare a digest of every rank's ``batch=``: ranks
+            that trained on identical batches are named in the record's notes (off by default; its cost:
+            benchmarks/bench_duplicate_batches.py, docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
             or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
@@ -68,6 +72,7 @@ class LoopAudit:
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
+        check_batches: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -92,6 +97,8 @@ class LoopAudit:
         )
         self.is_main = True
         self._opened = False
+        self.duplicates = DuplicateBatches() if check_batches else None
+        """With ``check_batches``: at each audited step, ranks that trained on identical batches (a note)."""
 
     def _open(self) -> None:
         if self._opened:
@@ -104,13 +111,27 @@ class LoopAudit:
         self.runner.open(world_size=world, is_main=self.is_main)
         self._opened = True
 
-    def step(self, step: int, epoch: int | None = None) -> AuditResult | None:
-        """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence."""
+    def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
+        """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
+        ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
         self._open()
         self.runner.record_step(self.module, self.optimizers, step)
         if self.every_n_steps is None or step % self.every_n_steps:
             return None
-        return self.audit(step, epoch, hook="step")
+        if self.duplicates is None or self.runner.auditor is None:
+            return self.audit(step, epoch, hook="step")
+        auditor, check, is_main = self.runner.auditor, self.duplicates, self.is_main
+
+        def audit(module: Any, optimizer: Any, **kw: Any) -> AuditResult:
+            found = check(auditor.comm, batch, step=step, is_main=is_main)  # one round, before the audit's own
+            result = auditor.audit(module, optimizer, **kw)
+            if found is not None:
+                result.notes.append(describe(found["groups"], step))
+            return result
+
+        return self.runner.run(
+            self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=is_main, audit=audit
+        )
 
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
