@@ -19,11 +19,11 @@ import json
 import warnings
 from typing import Any
 
-import torch
 import xxhash
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.checkpoints.sidecar import flat_tensors
+from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["DuplicateBatches", "batch_digest"]
@@ -34,12 +34,11 @@ def batch_digest(batch: Any) -> str | None:
     flat = flat_tensors(batch)
     if not flat:
         return None
+    host = [t.detach() if t.device.type == "cpu" else t.detach().cpu() for t in flat.values()]
+    digests = digest_tensors(host, method="xxh3").tolist()  # the audit's own digest: threaded, no copy
     h = xxhash.xxh3_64()
-    for name, t in flat.items():
-        t = t.detach()
-        t = (t if t.device.type == "cpu" else t.cpu()).contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    for (name, t), d in zip(flat.items(), digests):
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:{int(d)};".encode())
     return f"{h.intdigest():016x}"
 
 
