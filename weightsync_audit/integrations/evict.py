@@ -40,6 +40,8 @@ __all__ = [
     "LAUNCH_ID_ENV",
     "SEGMENT_DIR_ENV",
     "evict_targets",
+    "hand_off",
+    "leave_together",
     "read_evict",
     "segment_health_file",
     "write_evict",
@@ -151,3 +153,18 @@ def read_evict(path: str | os.PathLike[str], launch_id: str | None = None) -> di
     if launch_id is not None and doc.get("launch_id") != launch_id:
         return None
     return doc
+
+
+def hand_off(result: AuditResult, comm: Any, is_main: bool, exit_code: int | None) -> list[Path]:
+    """:func:`write_evict` for this rank of ``comm`` (the audit channel: its global rank)."""
+    return write_evict(result, rank=comm.global_ranks[comm.rank], is_main=is_main, exit_code=exit_code)
+
+
+def leave_together(comm: Any, is_main: bool) -> None:
+    """Before every rank ends its process: wait until the first rank, which writes the record and the evict
+    file, is here too (one round, within the audit's timeout; a launcher kills the other workers as soon
+    as the first exits). A peer already gone is no reason to stay."""
+    try:
+        comm.share_bytes(0, b"" if is_main else None, "the exit")
+    except Exception:  # noqa: BLE001
+        pass

@@ -21,8 +21,8 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.checkpoints.resume_check import attach_resume, resume_at_load, resume_at_save
 from weightsync_audit.engine.checkpoints.resume_check import capture as capture_resume
+from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
@@ -32,7 +32,7 @@ from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.evict import write_evict
+from weightsync_audit.integrations.evict import hand_off, leave_together
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
@@ -335,9 +335,7 @@ class AuditRunner:
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
         if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
-            code = self.exit_code if result.action == "raised" else None
-            comm = self.auditor.comm
-            write_evict(result, rank=comm.global_ranks[comm.rank], is_main=is_main, exit_code=code)
+            hand_off(result, self.auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
         if not result.in_sync and result.action == "raised":
             if self.exit_code is not None:
                 self._exit(result, is_main)
@@ -359,9 +357,7 @@ class AuditRunner:
         def audit(module: Any, optimizer: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
             mine = capture_resume(resume) if resume is not None else None  # before the audit: nothing moves it
             result = fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
-            if mine is not None:
-                check = resume_at_save if event == "saved" else resume_at_load
-                attach_resume(result, check(auditor.comm, path, mine), kw.get("is_main", False))
+            finish_resume(result, auditor.comm, event, path, mine, kw.get("is_main", False))
             return result
 
         return self.run(model, optimizers, audit=audit, **kw)
@@ -377,11 +373,8 @@ class AuditRunner:
             )
         sys.stdout.flush()
         sys.stderr.flush()
-        if self.auditor is not None:  # no rank leaves before the first has written the record and evict file:
-            try:  # a launcher kills the others when the first worker exits (a round with the audit's deadline)
-                self.auditor.comm.share_bytes(0, b"" if is_main else None, "the exit")
-            except Exception:  # noqa: BLE001 - a peer already gone: leave anyway
-                pass
+        if self.auditor is not None:  # no rank leaves before the first wrote the record and the evict file
+            leave_together(self.auditor.comm, is_main)
         os._exit(int(self.exit_code or 1))  # no teardown that could wait on a peer: every rank leaves here
 
     def _audit_failed(self, hook: str, step: int, exc: Exception, is_main: bool) -> None:

@@ -35,7 +35,7 @@ from weightsync_audit.engine.checkpoints.sidecar import sidecar_path, write_side
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["attach_resume", "capture", "resume_at_load", "resume_at_save"]
+__all__ = ["attach_resume", "capture", "finish_resume", "resume_at_load", "resume_at_save"]
 
 
 def capture(sources: ResumeSources) -> dict[str, Any]:
@@ -123,3 +123,11 @@ def attach_resume(result: AuditResult, entry: dict[str, Any], is_main: bool) -> 
     if is_main and lines:
         where = result.checkpoint.get("path", "the checkpoint")
         warnings.warn(f"weightsync: {where}: " + "; ".join(lines), WeightSyncWarning, stacklevel=3)
+
+
+def finish_resume(result: AuditResult, comm: Comm, event: str, path: Any, mine: Any, is_main: bool) -> None:
+    """After the checkpoint's audit: the resume state taken before it (``mine``, :func:`capture`) into the
+    sidecar (``event == "saved"``) or compared with it; nothing when ``mine`` is ``None``. Collective."""
+    if mine is not None:
+        check = resume_at_save if event == "saved" else resume_at_load
+        attach_resume(result, check(comm, path, mine), is_main)
