@@ -49,7 +49,7 @@ EXIT_CODES = _help(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff`` and ``verify``."""
+    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff``, ``verify``, ``launch``."""
     from weightsync_audit.version import __version__
 
     parser = _Parser(
