@@ -183,3 +183,16 @@ def test_check_batches_names_ranks_that_trained_on_one_shard_and_stays_quiet_oth
         "(a sampler without rank=, or one shard restored on every rank?)"
     ]
     assert run_ranks(_batches, 2, False)[0] == [[], []]
+
+
+def test_a_sidecar_saved_without_resume_state_leaves_the_resume_unchecked_with_no_finding(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "old.pt"
+    torch.save(model.state_dict(), path)
+    with LoopAudit(model, verbose=False) as audit:
+        audit.checkpoint_saved(path, 3)  # as before resume states were kept
+        loaded = audit.checkpoint_loaded(path, 3, resume=ResumeSources())
+    assert loaded is not None and loaded.checkpoint["status"] == "matching"
+    resume = loaded.checkpoint["resume"]
+    assert (resume["status"], resume["findings"]) == ("unchecked", [])
+    assert "holds no resume state" in resume["why"] and not loaded.notes

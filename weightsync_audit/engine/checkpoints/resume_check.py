@@ -102,12 +102,16 @@ def resume_at_load(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
     saved = json.loads(comm.share_bytes(0, mine, "the saved resume state"))
     now = _gather(comm, mine_now, "the resumed state")
     why = saved.get("why") if isinstance(saved.get("why"), str) else _errors(now)
-    if why is None and sorted(saved, key=int) != sorted(now, key=int):
-        why = f"saved on ranks {sorted(map(int, saved))}, resumed on ranks {sorted(map(int, now))}"
+    try:  # every rank judges the same gathered data: a malformed sidecar is unchecked on all of them alike
+        if why is None and sorted(saved, key=int) != sorted(now, key=int):
+            why = f"saved on ranks {sorted(map(int, saved))}, resumed on ranks {sorted(map(int, now))}"
+        if why is None:
+            findings = compare(saved, now)
+            checked = sorted(set.intersection(*(set(p) for p in saved.values()), *(set(p) for p in now.values())))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        why = f"the sidecar's resume state is malformed ({type(exc).__name__}: {exc})"
     if why is not None:
         return {"status": "unchecked", "checked": [], "findings": [], "why": why}
-    findings = compare(saved, now)
-    checked = sorted(set.intersection(*(set(p) for p in saved.values()), *(set(p) for p in now.values())))
     status = "differs" if any(is_error(f) for f in findings) else "exact"
     return {"status": status, "checked": checked, "findings": findings}
 
