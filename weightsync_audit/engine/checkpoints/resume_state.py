@@ -128,7 +128,10 @@ def rng_file_state(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, comp in (("cpu", "rng.torch"), ("cuda", "rng.cuda"), ("numpy", "rng.numpy"), ("python", "rng.python")):
         if key in state:
-            out[comp] = _entry(state[key])
+            value = state[key]
+            if key == "cuda" and isinstance(value, torch.Tensor):  # one device's state (a run of one process)
+                value = [value]
+            out[comp] = _entry(value)
     return out
 
 
