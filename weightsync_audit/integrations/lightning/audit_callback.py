@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import dropped_message
+from weightsync_audit.integrations.resume_sources import lightning_resume
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
@@ -297,6 +299,12 @@ class WeightSyncAuditMixin:
         self._maybe_hook(trainer, "on_save_checkpoint")
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # After the module's own on_load_checkpoint: the RNG as the resume restored it (local, no message).
+        self._rng_at_load = rng_now()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_train_end")
 
@@ -334,7 +342,9 @@ class WeightSyncAuditMixin:
         )
         if checkpoint is not None:
             event, path, state = checkpoint
-            return self.runner.checkpoint(event, path, trainer.strategy.model, trainer.optimizers, state=state, **kw)
+            rng = self.__dict__.pop("_rng_at_load", None) if event == "loaded" else None
+            model, resume = trainer.strategy.model, lightning_resume(trainer, rng)
+            return self.runner.checkpoint(event, path, model, trainer.optimizers, state=state, resume=resume, **kw)
         return self.runner.run(trainer.strategy.model, [] if grads else list(trainer.optimizers), grads=grads, **kw)
 
     # -- reporting and checkpoints -------------------------------------------------------------
