@@ -26,6 +26,7 @@ __all__ = [
     "zero3_param_status",
     "fp32_master_matches",
     "MASTER_CHECK",
+    "STATE_CHECK",
     "fsdp1_modules",
     "fsdp1_flat_param",
     "fsdp1_orig_params",
@@ -98,6 +99,12 @@ def _master_pairs(optimizer: Any) -> list[tuple[Any, Any]] | None:
 MASTER_CHECK = "zero.fp32_master_matches_params"
 """The name :func:`fp32_master_matches`'s answer is audited under (a check drawn from the parameters, not a
 tensor of the model): kept here, at the bottom, for the replica adapter, the hints and the resync plan."""
+
+
+STATE_CHECK = "fsdp1.optimizer_state_held"
+"""Prefix of the names (``fsdp1.optimizer_state_held.<parameter>``) under which each rank holding a non-empty
+piece of an FSDP1-sharded parameter says whether its optimizer holds state for it: the state itself has no
+replica, so a rank that lost it would otherwise go unseen. A check, never copied by a resync."""
 
 
 def fp32_master_matches(optimizer: Any) -> bool | None:
