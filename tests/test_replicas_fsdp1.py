@@ -331,7 +331,7 @@ def test_fsdp1_hybrid_pinpoint_of_a_shard_divergence_says_unavailable_and_why() 
     out = run_ranks(_pinpoint, 4, "HYBRID_SHARD", False)
     assert out[0]["truth"] == 6, out[0]["truth"]
     rec = out[0]["step8"]  # the changed shard, and the BatchNorm statistics it then moved on its ranks
-    assert [(m["name"], m["ranks"]) for m in rec["mismatches"]][0] == ("_flat_param", [3]), rec["mismatches"]
+    assert next((m["name"], m["ranks"]) for m in rec["mismatches"]) == ("_flat_param", [3]), rec["mismatches"]
     assert rec["pinpoint"] == "unavailable" and rec.get("first_diverged_step") is None, rec
     assert any(n.startswith("pinpoint unavailable: _flat_param is held in pieces") for n in rec["notes"]), rec["notes"]
     assert all(r["step8"]["notes"] == rec["notes"] and r["step3"]["in_sync"] for r in out)

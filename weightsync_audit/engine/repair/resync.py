@@ -226,7 +226,9 @@ def _reconcile(
         blob = None
     src_state = json.loads(comm.share_bytes(src, blob, "the resync optimizer state"))
     if comm.rank != src:
-        engine_held = {id(e.container) for e in every if e.kind == "optimizer" and e.shard and is_holders(e.shard.layout)}
+        engine_held = {
+            id(e.container) for e in every if e.kind == "optimizer" and e.shard and is_holders(e.shard.layout)
+        }
         _install_state(src_state, optimizers, module, engine_held)
         entries = _split(
             assign_replicas(

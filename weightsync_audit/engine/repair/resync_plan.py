@@ -40,6 +40,7 @@ DERIVED = frozenset({MASTER_CHECK})
 """Entries that are checks drawn from other tensors, not tensors of their own: never copied (resyncing the
 tensors they are drawn from restores them, which the confirming audit reads again)."""
 
+
 def is_derived(name: str) -> bool:
     """Whether ``name`` is a check drawn from other tensors (:data:`DERIVED`, or an FSDP1
     ``fsdp1.optimizer_state_held.<parameter>``), never copied by a resync.

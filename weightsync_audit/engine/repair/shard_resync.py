@@ -82,9 +82,7 @@ def _held_rows(entries: Sequence[Entry]) -> list[list[Any]]:
     ]  # fmt: skip
 
 
-def plan_held_copies(
-    comm: Comm, entries: Sequence[Entry], src: int, is_check: Callable[[str], bool]
-) -> list[Copy]:
+def plan_held_copies(comm: Comm, entries: Sequence[Entry], src: int, is_check: Callable[[str], bool]) -> list[Copy]:
     """The copies that make the holders of each tensor held by some ranks only agree (collective).
 
     ``entries``: this rank's tensors compared among their holders (an engine's ``holders:`` layouts: a
@@ -113,7 +111,9 @@ def plan_held_copies(
                 continue
             sigs = {(per_rank[r][uid][1], tuple(per_rank[r][uid][2])) for r in members}
             if len(sigs) > 1:
-                problems.append(f"{name} differs in dtype or shape among its holders {fmt_ranks([g[r] for r in members])}")
+                problems.append(
+                    f"{name} differs in dtype or shape among its holders {fmt_ranks([g[r] for r in members])}"
+                )
                 continue
             column = [per_rank[r][uid][3] if r in members else 0 for r in range(comm.world_size)]
             source = src if src in members else majority_within(column, members)[0][0]

@@ -306,9 +306,8 @@ class Pinpointer:
         self.tensors: np.ndarray | None = None
         self._tensors_before: np.ndarray | None = None
         self._tensors_step: int | None = None
-        self.uncovered: dict[str, str] = {}
-        """Names (and layouts) of the tensors left out of the per-step digests: held in pieces or by some
-        ranks only (see the module docstring)."""
+        self.uncovered: set[str] = set()
+        """Names of the tensors left out of the per-step digests (held in pieces or by some ranks only)."""
 
     def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> int | None:
         """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``;
@@ -320,24 +319,20 @@ class Pinpointer:
         if self.excluded is not None and len(digests) > int(self.excluded.max(initial=-1)):
             digests = digests.copy()
             digests[self.excluded] = 0
+        shared, structure = digests, prepared.structure
         if prepared.sharded:  # never cached: its entries are at hand
-            entries = prepared.manifest.entries
-            shared, structure = self._shared_only(entries, digests)
-            digests = digests.copy()
-            digests[[e.shard is not None for e in entries]] = 0  # per-tensor traces keep their positions
-        else:
-            shared, structure = digests, prepared.structure
+            shared, structure = self._shared_only(prepared.manifest.entries, digests)
+            digests = np.where([e.shard is None for e in prepared.manifest.entries], digests, 0)  # keep positions
         self._fold_tensors(int(step), digests)
         digest = overall_digest(shared, structure)
         self.record(step, digest)
         return digest if n == 1 else None
 
     def _shared_only(self, entries: Sequence[Any], digests: np.ndarray) -> tuple[np.ndarray, int]:
-        """The digests and structure of only the tensors every rank holds whole (an entry without a
-        :class:`~weightsync_audit.engine.inventory.peers.ShardInfo`); the others are remembered in
-        :attr:`uncovered`, by name, with what they are."""
+        """The digests and structure of the tensors every rank holds whole (no ``shard``); the others'
+        names go to :attr:`uncovered`."""
         shared = np.array([e.shard is None for e in entries], dtype=bool)
-        self.uncovered = {e.name: e.shard.layout for e, keep in zip(entries, shared) if not keep}
+        self.uncovered = {e.name for e, keep in zip(entries, shared) if not keep}
         return np.asarray(digests)[shared], structure_digest([e for e, keep in zip(entries, shared) if keep])
 
     def _fold_tensors(self, step: int, digests: np.ndarray) -> None:
@@ -390,8 +385,7 @@ class Pinpointer:
 
         ``tolerated``: on a divergence every part of which is within the tolerance, the manifest positions
         of those tensors; the divergence is dated, and the ring goes on without them. ``names``: the
-        diverged tensors (the same on every rank); one the rings do not cover makes the answer
-        ``unavailable``.
+        diverged tensors (the same on every rank), see :meth:`_locate`.
         """
         if diverged and tolerated is None:
             return self.diverged(comm, names)
