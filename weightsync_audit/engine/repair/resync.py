@@ -225,11 +225,20 @@ def _reconcile(
     else:
         blob = None
     src_state = json.loads(comm.share_bytes(src, blob, "the resync optimizer state"))
+    failure = ""
     if comm.rank != src:
         engine_held = {
             id(e.container) for e in every if e.kind == "optimizer" and e.shard and is_holders(e.shard.layout)
         }
-        _install_state(src_state, optimizers, module, engine_held)
+        try:
+            _install_state(src_state, optimizers, module, engine_held)
+        except ValueError as exc:  # refused before anything was changed; every rank raises it alike
+            failure = str(exc)
+    said = comm.exchange_bytes(failure.encode(), "the resync optimizer state check")
+    refused = [f"rank {comm.global_ranks[r]}: {b.decode()}" for r, b in enumerate(said) if b]
+    if refused:
+        raise ValueError("cannot resync (nothing was changed): " + "; ".join(refused[:3]))
+    if comm.rank != src:
         entries = _split(
             assign_replicas(
                 build_manifest(module, optimizers, include=("params", "buffers", "optimizer")), module, optimizers
@@ -258,6 +267,10 @@ def _install_state(
     optimizer_of = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
     names_in_opt = {n: p for n, p in user.named_parameters() if id(p) in optimizer_of} if user is not None else {}
     name_of = {id(p): n for n, p in names_in_opt.items()}
+    missing = [full for full in src_state if full.rpartition(".")[0] not in names_in_opt]
+    if missing:  # checked before anything is deleted: a refused resync changes nothing
+        pname = missing[0].rpartition(".")[0]
+        raise ValueError(f"optimizer state {missing[0]!r}: no parameter {pname!r} in this rank's optimizer")
     keep: dict[str, set[str]] = {}
     for full in src_state:
         pname, _, key = full.rpartition(".")
@@ -275,9 +288,7 @@ def _install_state(
                 del opt.state[p]
     for full, spec in src_state.items():
         pname, _, key = full.rpartition(".")
-        p = names_in_opt.get(pname)
-        if p is None:
-            raise ValueError(f"cannot resync optimizer state {full!r}: no parameter {pname!r} in this rank's optimizer")
+        p = names_in_opt[pname]
         opt = optimizer_of[id(p)]
         if "t" in spec:
             dtype_name, shape = spec["t"][:2]
