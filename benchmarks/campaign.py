@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from campaign_faults import CONTROLS, FAULTS, HEALTHY, RunSpec, make_spec, run_on_rank
+from campaign_faults import CONTROLS, FAULTS, HEALTHY, PARTIAL, RunSpec, make_spec, run_on_rank
 from campaign_oracle import median, score
 from harness import table
 from ranks import leave  # after harness, which puts tests/ on the path
@@ -166,19 +166,20 @@ def summarize(rows: list[dict[str, Any]]) -> str:
         "hangs",
         "errors",
     ]
-    kinds = [*FAULTS, *HEALTHY, *CONTROLS]
+    kinds = [*FAULTS, *HEALTHY, *CONTROLS, *PARTIAL]
     groups = [(k, [r for r in rows if r["kind"] == k]) for k in kinds]
     groups = [(k, rs) for k, rs in groups if rs]
     totals = [
         ("**all faulty**", [r for r in rows if r["kind"] in FAULTS]),
         ("**all healthy**", [r for r in rows if r["kind"] in HEALTHY]),
         ("**all controls**", [r for r in rows if r["kind"] in CONTROLS]),
+        ("**all partial-replica**", [r for r in rows if r["kind"] in PARTIAL]),
     ]
     return table(headers, [_line(k, rs) for k, rs in [*groups, *[t for t in totals if t[1]]]])
 
 
 def _line(kind: str, rs: list[dict[str, Any]]) -> list[str]:
-    faulty = [r for r in rs if r["kind"] in FAULTS and r["true_first_step"] is not None]
+    faulty = [r for r in rs if (r["kind"] in FAULTS or r["kind"] in PARTIAL) and r["true_first_step"] is not None]
     lat = [r["latency"] for r in faulty if r["latency"] is not None]
     med = median(lat)
     audits = sum(r["audits"] for r in rs)

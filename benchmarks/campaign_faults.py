@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from campaign_oracle import snapshot
+from campaign_oracle import snapshot, snapshot_fsdp1
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,6 +55,12 @@ CONTROLS: dict[str, str] = {
     "control_state_equal_copy": "Adam's exp_avg of a parameter replaced by an equal copy on one rank",
 }
 """Not-a-fault controls: the objects change, the bytes do not; nothing may be reported."""
+
+PARTIAL: dict[str, str] = {
+    "fsdp1_state_lost": "FSDP1 FULL_SHARD in place of DDP: one rank's optimizer state lost (opt.state cleared, "
+    "as after a failed load) after a step; its shards' state has no replica",
+}
+"""Partial-replica faults: tensors held by some ranks only (run by name: ``--kinds``)."""
 
 PARAMS = ("0.weight", "0.bias", "1.weight", "3.weight", "3.bias")
 STEPS = 24
@@ -106,7 +112,7 @@ class RunSpec:
 
     @property
     def faulty(self) -> bool:
-        return self.kind in FAULTS
+        return self.kind in FAULTS or self.kind in PARTIAL
 
 
 def make_spec(world: int, kind: str, n: int, base_seed: int) -> RunSpec:
@@ -147,7 +153,7 @@ class Injector:
 
     def __init__(self, spec: RunSpec, rank: int, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.spec, self.model, self.opt = spec, model, opt
-        self.param = dict(model.named_parameters())[spec.target]
+        self.param = dict(model.named_parameters()).get(spec.target)  # None under FSDP1 (flattened)
         self.saved: tuple[Any, Any] | None = None
         self.lr: float | None = None
         self.mine = spec.fault_rank == rank
@@ -183,6 +189,9 @@ class Injector:
         if not self.active(step):
             return
         kind, p, i = self.spec.kind, self.param, self.spec.index
+        if kind == "fsdp1_state_lost":
+            self.opt.state.clear()
+            return
         state = self.opt.state[p]
         if kind in ("flip_param_high", "flip_param_low"):
             _flip_bit(p, i, self.spec.bit)
@@ -214,10 +223,17 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
     """One run on this rank: the audit records (identical on every rank) and this rank's per-step snapshots."""
     torch.manual_seed(spec.seed % 2**31)
     model = make_model()
-    with warnings.catch_warnings():  # broadcast_buffers is deprecated, and still the way to keep buffers rank-local
-        warnings.simplefilter("ignore", FutureWarning)
-        ddp = DDP(model, broadcast_buffers=False, find_unused_parameters=spec.kind == "frozen_one_rank")
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    fsdp1 = spec.kind == "fsdp1_state_lost"
+    if fsdp1:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+
+        ddp = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
+    else:
+        with warnings.catch_warnings():  # broadcast_buffers is deprecated, and still the way to keep buffers local
+            warnings.simplefilter("ignore", FutureWarning)
+            ddp = DDP(model, broadcast_buffers=False, find_unused_parameters=spec.kind == "frozen_one_rank")
+    opt = torch.optim.Adam(ddp.parameters() if fsdp1 else model.parameters(), lr=1e-2)
     auditor = Auditor(ddp, opt, pinpoint=True, timeout_s=30, coverage=spec.coverage, tolerance=spec.tolerance)
     inject = Injector(spec, rank, model, opt)
     gen = torch.Generator().manual_seed(spec.seed % 2**31 + 1000 * (rank + 1))
@@ -234,7 +250,7 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
         if not inject.skips_step(step):
             opt.step()
         inject.after_optimizer_step(step)
-        oracle[step] = snapshot(model, opt)
+        oracle[step] = snapshot_fsdp1(ddp, opt) if fsdp1 else snapshot(model, opt)
         if not inject.skips_record(step):
             auditor.record_step(step)
         if step % spec.cadence == 0:

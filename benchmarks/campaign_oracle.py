@@ -50,6 +50,43 @@ def snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> Snapshot:
     return out
 
 
+HELD = "fsdp1.optimizer_state_held."
+"""FSDP1: whether a rank's optimizer holds state for a sharded parameter (the state has no replica)."""
+
+
+def snapshot_fsdp1(fsdp: nn.Module, opt: torch.optim.Optimizer) -> Snapshot:
+    """Under FSDP1 FULL_SHARD: the full parameters (gathered by ``summon_full_params``: collective, every
+    rank calls it), the buffers, the hyper-parameters, and per sharded parameter whether this rank's
+    optimizer holds state for it (``fsdp1.optimizer_state_held.<name>``) and its scalar state (``step``):
+    a state tensor of a shard is one rank's piece, with no replica, so it is no fact to compare."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    out: Snapshot = {}
+    with FSDP.summon_full_params(fsdp, writeback=False):
+        for n, p in fsdp.named_parameters():
+            out[n] = _value_bytes(p.detach().clone())  # a copy: FSDP frees the gathered storage on exit
+    names = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in fsdp.named_parameters()}
+    for n, b in fsdp.named_buffers():
+        out[n.replace("_fsdp_wrapped_module.", "")] = _value_bytes(b)
+    for gi, group in enumerate(opt.param_groups):
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            out[HELD + names[id(p)]] = b"1" if state else b"0"
+            for key, v in state.items():
+                if not (isinstance(v, torch.Tensor) and v.dim() > 0):
+                    out[f"{names[id(p)]}.{key}"] = _value_bytes(v)
+        for key, v in group.items():
+            if key != "params":
+                out[f"param_groups.{gi}.{key}"] = _value_bytes(v)
+    return out
+
+
+def _held_only(n: str, snaps: list[Snapshot]) -> bool:
+    """``n`` is the scalar state of an FSDP1-sharded parameter: compared among the ranks holding state only
+    (its presence is the ``fsdp1.optimizer_state_held`` fact)."""
+    return any(HELD + n.rsplit(".", 1)[0] in s for s in snaps)
+
+
 def odd_ranks(values: list[bytes]) -> list[int]:
     """The ranks outside the reference group: the largest group of equal bytes, a tie to the lowest rank."""
     groups: dict[bytes, list[int]] = {}
@@ -67,7 +104,11 @@ def diverged(oracles: list[dict[int, Snapshot]], step: int, facets: bool = False
     names = sorted(set().union(*snaps))
     out = {}
     for n in names:
-        ranks = odd_ranks([s.get(n, b"<absent>") for s in snaps])
+        if _held_only(n, snaps):
+            holders = [r for r, s in enumerate(snaps) if n in s]
+            ranks = [holders[i] for i in odd_ranks([snaps[r][n] for r in holders])]
+        else:
+            ranks = odd_ranks([s.get(n, b"<absent>") for s in snaps])
         if ranks:
             out[n if facets else n.removesuffix(".requires_grad")] = ranks
     return out

@@ -229,6 +229,7 @@ def test_history_survives_checkpoint_and_resume_and_on_train_start_catches_a_one
     # Every audit before the save is in the saved history; the audit of the save itself (the last record) runs
     # once the file is written, to write its sidecar.
     assert state["history"]["audits"] == len(first) - 1 and state["history"]["last_in_sync_step"] == 8
+    assert first[-1]["checkpoint"].pop("resume")["status"] == "recorded"  # every rank's resume state, kept
     assert first[-1]["checkpoint"] == {
         "path": str(ckpt_dir / "last.ckpt"),
         "event": "saved",

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from campaign import execute, plan, summarize
-from campaign_faults import CONTROLS, FAULTS, HEALTHY, make_spec
+from campaign_faults import CONTROLS, FAULTS, HEALTHY, PARTIAL, make_spec
 from campaign_oracle import covers, false_transient, localized, odd_ranks
 
 SEED = 0
@@ -128,3 +128,16 @@ def test_a_run_that_hangs_or_raises_is_reported_as_such_and_the_campaign_goes_on
     header, healthy = ([c.strip() for c in line.split("|")[1:-1]] for line in (lines[0], lines[2]))
     cells = dict(zip(header, healthy))
     assert (cells["kind"], cells["runs"], cells["hangs"], cells["errors"]) == ("healthy_every4", "4", "1", "1")
+
+
+def test_fsdp1_state_lost_on_one_rank_is_found_at_the_audit_of_that_very_step_and_named() -> None:
+    """Run 3 of the seed: the state is lost in step 16 and the audit runs at 16, before Adam recreates it
+    (the case the scalar ``step`` alone cannot show: it is absent there, not different)."""
+    spec = make_spec(2, "fsdp1_state_lost", 3, SEED)
+    assert spec.kind in PARTIAL and spec.fault_step % spec.cadence == 0
+    (r,) = execute([spec], run_timeout_s=90)
+    assert r["error"] is None and not r["hang"] and r["true_first_step"] == spec.fault_step, r
+    assert r["detected"] and r["detected_step"] == spec.fault_step and r["localized"], r
+    assert r["missed_audits"] == 0 and r["false_alarm_audits"] == 0, r  # no in-sync verdict while bytes differed
+    assert r["reported"] == {"fsdp1.optimizer_state_held._flat_param": [1]}, r["reported"]
+    assert r["pinpoint"] == "unavailable" and not r["exact"], r  # never a date pinpoint cannot know

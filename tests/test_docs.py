@@ -38,7 +38,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-COMMANDS = ("demo", "check", "show", "diff", "verify")
+COMMANDS = ("demo", "check", "show", "diff", "verify", "launch")
 
 _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 _MARK = re.compile(r"<!--\s*(run(?::\s*exit=(\d+))?|not-run:[^>]*|output|file:\s*([\w./-]+))\s*-->\s*$")

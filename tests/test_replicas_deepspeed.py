@@ -57,6 +57,7 @@ def _engine(rank: int, world: int, port: int, case: str) -> Any:
     for _ in range(2):
         engine.backward(engine(torch.randn(2, 8, dtype=dtype)).float().sum())
         engine.step()
+    engine.user_optimizer = opt  # what the user built and passed in (not engine.optimizer)
     return engine
 
 
@@ -74,7 +75,22 @@ def _zero012(rank: int, world: int, port: int, case: str) -> dict[str, Any]:
 
     engine = _engine(rank, world, port, case)
     zopt = engine.optimizer
+    # First, before anything hands the audit engine.optimizer: only the optimizer the user passed in.
+    user = engine.user_optimizer
+    master = user.param_groups[0]["params"][0]
+    module_ids = {id(p) for p in engine.module.parameters()}
+    gathered = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    torch.distributed.all_gather(gathered, torch.tensor([master.numel()]))
     out = {
+        "user_detected": detect_engine(engine.module, [user]),
+        "user_module": audit(engine.module, user).to_dict(),
+        "user_engine": audit(engine, user).to_dict(),
+        # the truth, read here: the optimizer's parameter is no module parameter but this rank's piece of the
+        # flat parameters (all pieces together, with padding, cover them once)
+        "user_master": [id(master) in module_ids, [int(g) for g in gathered],
+                        sum(p.numel() for p in engine.module.parameters())],
+    }  # fmt: skip
+    out |= {
         "clean": audit(engine.module, zopt).to_dict(),
         "engine": audit(engine).to_dict(),
         "detected": detect_engine(engine.module, [zopt]),
@@ -148,6 +164,22 @@ def _bad(rec: dict[str, Any]) -> list[tuple[str, list[int]]]:
 
 
 PARTITIONED = ["zero1", "zero2", "zero1_bf16", "zero2_bf16", "zero1_bf16_fp32acc", "zero2_fp16"]
+
+
+@pytest.mark.parametrize("case", PARTITIONED)
+def test_zero12_audited_with_the_torch_optimizer_passed_to_initialize_finds_the_engine_and_its_partitions(
+    runs: dict[str, Any], case: str
+) -> None:
+    r0, r1 = _case(runs, case)
+    for r in (r0, r1):
+        is_module_param, numels, total = r["user_master"]
+        assert not is_module_param and sum(numels) >= total > max(numels), r["user_master"]  # a partition each
+    assert r0["user_detected"] == [f"DeepSpeed ZeRO-{case[4]}"], r0["user_detected"]
+    for key in ("user_module", "user_engine"):
+        rec = r0[key]
+        assert rec["in_sync"] and not rec["mismatches"], rec["mismatches"]  # exp_avg of a partition: no replica
+        assert rec["checked"] == r0["clean"]["checked"], (rec["checked"], r0["clean"]["checked"])
+        assert "2 tensors have no replica to compare (2 ZeRO optimizer partitions)" in " ".join(rec["notes"])
 
 
 @pytest.mark.parametrize("case", PARTITIONED)

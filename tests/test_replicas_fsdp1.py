@@ -161,3 +161,177 @@ def test_fsdp1_hybrid_resync_copies_a_shard_only_within_its_replicate_group() ->
     out = run_ranks(fn, 4)
     assert [o[0] for o in out] == [True] * 4
     assert [o[1] for o in out] == [True, True, True, True], out  # rank 3 got rank 1's shard back
+
+
+# -- issue 30: state held by some ranks only ---------------------------------------------------------------
+
+
+def _lost_state(rank: int, world: int, orig: bool) -> dict[str, Any]:
+    """Healthy, then rank 1's optimizer state lost (a fresh optimizer state, as after a failed load)."""
+    import torch.distributed as dist
+
+    from weightsync_audit import audit
+
+    m, opt = _train(world, "FULL_SHARD", orig)
+    fresh = torch.optim.Adam(m.parameters(), lr=1e-2)  # before any step: no state on any rank
+    out = {"healthy": audit(m, opt).to_dict(), "fresh": audit(m, fresh).to_dict()}
+    if rank == 1:
+        opt.state.clear()
+    held = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(held, torch.tensor([len(opt.state)]))  # the truth: how many parameters have state, per rank
+    out["held"] = [int(h) for h in held]
+    out["lost"] = audit(m, opt).to_dict()
+    return out
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "use_orig_params"])
+def test_fsdp1_full_shard_a_rank_that_lost_its_optimizer_state_is_not_in_sync(orig: bool) -> None:
+    r0, r1 = run_ranks(_lost_state, 2, orig)
+    assert r0["held"][0] > 0 and r0["held"][1] == 0, r0["held"]  # rank 0 holds state (a replicated step too)
+    assert r0["healthy"]["in_sync"] and r0["fresh"]["in_sync"], (r0["healthy"], r0["fresh"])
+    lost = r0["lost"]
+    assert not lost["in_sync"] and lost["mismatches"] == r1["lost"]["mismatches"], lost
+    names = [(m["name"], m["kind"], m["ranks"]) for m in lost["mismatches"]]
+    first = "_flat_param" if not orig else "0.weight"  # the one parameter both ranks hold a piece of
+    assert names == [(f"fsdp1.optimizer_state_held.{first}", "optimizer", [1])], names
+
+
+def _grads(rank: int, world: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from weightsync_audit import audit
+
+    m, opt = _train(world, "FULL_SHARD", True)
+    m(torch.randn(4, 8)).sum().backward()
+    empty = [n for n, p in m.named_parameters() if p.numel() == 0]
+    rec = audit(m, opt, include=("params", "buffers", "optimizer", "grads")).to_dict()
+    equal = []
+    with FSDP.summon_full_params(m):  # the truth: every full parameter, gathered and compared byte for byte
+        for p in m.parameters():
+            got = [torch.zeros_like(p) for _ in range(world)]
+            dist.all_gather(got, p.detach().contiguous())
+            equal.append(all(torch.equal(got[0], g) for g in got))
+    return {"empty": empty, "rec": rec, "equal": equal}
+
+
+def test_fsdp1_use_orig_params_with_grads_an_empty_piece_without_a_grad_is_no_structure_difference() -> None:
+    r0, r1 = run_ranks(_grads, 2)
+    assert r0["empty"] or r1["empty"], "the case needs a rank whose piece of a parameter is empty"
+    assert all(r0["equal"]), r0["equal"]
+    for r in (r0, r1):
+        assert r["rec"]["in_sync"] and not r["rec"]["mismatches"], r["rec"]["mismatches"]
+
+
+def _resync(rank: int, world: int, lose: bool) -> dict[str, Any]:
+    import time
+
+    import torch.distributed as dist
+
+    from weightsync_audit import audit, resync
+
+    m, opt = _train(world, "FULL_SHARD", not lose)
+    buf = dict(m.named_buffers())["_fsdp_wrapped_module.1.running_mean"]
+    if rank == 1:
+        with torch.no_grad():
+            buf.add_(1.0)
+        if lose:
+            opt.state.clear()
+    before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    t0 = time.monotonic()
+    try:
+        resync(m, opt, src=0, timeout_s=20)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    took = time.monotonic() - t0
+    bufs = [torch.zeros_like(buf) for _ in range(world)]
+    dist.all_gather(bufs, buf)  # the truth: the buffer, gathered
+    untouched = len(before) == len(opt.state) and all(
+        set(s) == set(opt.state[p]) and all(torch.equal(v, opt.state[p][k]) for k, v in s.items())
+        for p, s in ((p, before[id(p)]) for p in opt.state)
+    )
+    return {"error": error, "took": took, "buffers_equal": torch.equal(bufs[0], bufs[1]), "state_untouched": untouched,
+            "after": audit(m, opt).to_dict()}  # fmt: skip
+
+
+def test_fsdp1_use_orig_params_resync_repairs_a_buffer_and_never_touches_shard_state() -> None:
+    r0, r1 = run_ranks(_resync, 2, False, timeout=60)
+    for r in (r0, r1):
+        assert r["error"] is None and r["took"] < 15, r  # every rank ends together, no timeout waited out
+        assert r["buffers_equal"] and r["state_untouched"] and r["after"]["in_sync"], r
+
+
+def test_fsdp1_resync_of_a_lost_shard_state_is_refused_on_every_rank_before_anything_moves() -> None:
+    r0, r1 = run_ranks(_resync, 2, True, timeout=60)
+    for r in (r0, r1):
+        assert r["error"] is not None and "fsdp1.optimizer_state_held._flat_param" in r["error"], r
+        assert "no replica" in r["error"] and r["took"] < 15 and r["state_untouched"], r
+        assert not r["buffers_equal"]  # nothing moved: the buffer too stays as it was
+    assert r0["error"] == r1["error"]
+
+
+def _pinpoint(rank: int, world: int, strategy: str, orig: bool) -> dict[str, Any]:
+    """Steps 1-8; rank ``world - 1`` changes a buffer (or, HYBRID, its shard) in step 6; audits at 3 and 8."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+
+    from weightsync_audit import Auditor
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 4))
+    kwargs: dict[str, Any] = {}
+    if "HYBRID" in strategy:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    m = FSDP(model, sharding_strategy=getattr(ShardingStrategy, strategy), device_id=torch.device("cpu"),
+             use_orig_params=orig, **kwargs)  # fmt: skip
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    auditor = Auditor(m, opt, pinpoint=True)
+    target = dict(m.named_buffers())["_fsdp_wrapped_module.1.running_mean"]
+    if "HYBRID" in strategy:
+        target = next(m.parameters()).data  # this rank's flat shard, replicated across its replicate group
+    truth, out = None, {}
+    for step in range(1, 9):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))  # the same batch everywhere
+        m(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 6 and rank == world - 1:
+            with torch.no_grad():
+                target.view(-1)[0] += 1.0
+        got = [torch.zeros_like(target) for _ in range(world)]
+        dist.all_gather(got, target.contiguous())  # the truth: the first step at which the bytes differ
+        pairs = [(0, 2), (1, 3)] if "HYBRID" in strategy else [(0, r) for r in range(1, world)]  # replicas
+        if truth is None and not all(torch.equal(got[a], got[b]) for a, b in pairs):
+            truth = step
+        auditor.record_step(step)
+        if step == 3:
+            out["step3"] = auditor.audit(step=3).to_dict()
+    out["step8"] = auditor.audit(step=8).to_dict()
+    out["truth"] = truth
+    return out
+
+
+@pytest.mark.parametrize("orig", [False, True], ids=["flat", "use_orig_params"])
+def test_fsdp1_pinpoint_dates_a_buffer_change_from_what_every_rank_holds_whole(orig: bool) -> None:
+    r0, r1 = run_ranks(_pinpoint, 2, "FULL_SHARD", orig)
+    assert r0["truth"] == 6, r0["truth"]
+    for r in (r0, r1):
+        early = r["step3"]  # each rank's own shards never feed the rings: no transient false alarm
+        assert early["in_sync"] and early.get("transient") is None, early
+        rec = r["step8"]
+        assert not rec["in_sync"] and [m["name"] for m in rec["mismatches"]] == ["1.running_mean"], rec
+        assert (rec["pinpoint"], rec["first_diverged_step"], rec["last_in_sync_step"]) == ("exact", 6, 5), rec
+
+
+def test_fsdp1_hybrid_pinpoint_of_a_shard_divergence_says_unavailable_and_why() -> None:
+    out = run_ranks(_pinpoint, 4, "HYBRID_SHARD", False)
+    assert out[0]["truth"] == 6, out[0]["truth"]
+    rec = out[0]["step8"]  # the changed shard, and the BatchNorm statistics it then moved on its ranks
+    assert next((m["name"], m["ranks"]) for m in rec["mismatches"]) == ("_flat_param", [3]), rec["mismatches"]
+    assert rec["pinpoint"] == "unavailable" and rec.get("first_diverged_step") is None, rec
+    assert any(n.startswith("pinpoint unavailable: _flat_param is held in pieces") for n in rec["notes"]), rec["notes"]
+    assert all(r["step8"]["notes"] == rec["notes"] and r["step3"]["in_sync"] for r in out)

@@ -44,21 +44,47 @@ def test_a_divergence_under_raise_with_exit_code_ends_every_rank_with_that_statu
     assert not list(tmp_path.glob("end.rank*.json"))
 
 
+def _launch(tmp_path: Path, restarts: int) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
+    """The docs' recipe: ``weightsync-audit launch -- torchrun --max-restarts=N restart_run.py`` on 2 CPU ranks."""
+    evict, health = tmp_path / "evict.json", tmp_path / "health"
+    cmd = [sys.executable, "-c", "import sys; from weightsync_audit.cli import main; sys.exit(main())", "launch"]
+    cmd += ["--evict-file", str(evict), "--segment-health-dir", str(health), "--"]
+    cmd += [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--max-restarts={restarts}"]
+    cmd += ["--standalone", str(SCRIPT), str(tmp_path), "10"]
+    done = subprocess.run(cmd, env=_env(SLURM_JOB_ID="4242"), capture_output=True, text=True, timeout=240)
+    return done, evict, health
+
+
 @pytest.mark.slow
 def test_torchrun_restarts_a_run_that_exited_17_and_it_resumes_from_the_last_verified_checkpoint_in_sync(
     tmp_path: Path,
 ) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1"]
-    cmd += ["--standalone", str(SCRIPT), str(tmp_path), "10"]
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    done, evict, health = _launch(tmp_path, restarts=1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ends = [json.loads((tmp_path / f"end.rank{r}.json").read_text()) for r in range(2)]
     assert [e["attempt"] for e in ends] == [1, 1]
-    assert ends[0]["resumed"] == ends[1]["resumed"] == {"step": 4, "status": "matching"}
+    # every rank resumed its own RNG stream, the scheduler and the data position of step 4: exact
+    assert ends[0]["resumed"] == ends[1]["resumed"] == {"step": 4, "status": "matching", "resume": "exact"}
     assert ends[0]["sum"] == ends[1]["sum"]
     records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     raised = [r for r in records if r["action"] == "raised"]
     assert [(r["step"], r["mismatches"][0]["ranks"]) for r in raised] == [(6, [1])]
     after = records[records.index(raised[0]) + 1 :]
     assert after[0]["hook"] == "resume" and after[0]["checkpoint"]["status"] == "matching"
+    assert after[0]["checkpoint"]["resume"]["findings"] == []
     assert all(r["in_sync"] for r in after) and after[-1]["step"] == 10
+    # the first attempt handed rank 1's host on: the evict file and NVRx's segment health-check file
+    doc = json.loads(evict.read_text())
+    assert (doc["exit_code"], doc["step"], doc["attempt"], [h["rank"] for h in doc["hosts"]]) == (17, 6, 0, [1])
+    assert doc["hosts"][0]["host"] == raised[0]["hosts"]["1"].split()[0]
+    assert "rank 1" in (health / "segment_health_check.4242.4242").read_text()
+    assert "completed after a restart" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_launch_wrapper_exits_17_where_torchrun_itself_exits_1(tmp_path: Path) -> None:
+    done, evict, _ = _launch(tmp_path, restarts=0)
+    assert done.returncode == 17, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "exitcode  : 17" in done.stderr or "exitcode: 17" in done.stderr.replace("  ", " ")  # torchrun saw 17
+    assert json.loads(evict.read_text())["hosts"][0]["rank"] == 1
+    assert "exiting with status 17" in done.stderr

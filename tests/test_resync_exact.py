@@ -86,3 +86,55 @@ def test_resync_leaves_every_replica_bit_identical_to_the_source(world: int, src
         assert r["audit_in_sync"] is True
         if opt_name == "adamw":
             assert r["step_type"] == "Tensor" and r["betas_type"] == "tuple"  # types survive, not only bytes
+
+
+def _state_for_a_parameter_missing_here(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0's optimizer holds state for both layers; rank 1's optimizer covers only the first, fresh."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    params = list(model.parameters()) if rank == 0 else list(model[0].parameters())
+    opt = torch.optim.Adam(params, lr=0.1)
+    if rank == 0:
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    before = _fingerprint(model, opt)
+    try:
+        resync(model, opt, src=0, timeout_s=20)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    return {"error": error, "unchanged": _fingerprint(model, opt) == before}
+
+
+def test_a_resync_refused_on_one_rank_is_refused_on_every_rank_and_changes_nothing() -> None:
+    r0, r1 = run_ranks(_state_for_a_parameter_missing_here, 2, timeout=60)
+    assert r0["error"] is not None and r0["error"] == r1["error"], (r0, r1)  # every rank ends together
+    assert "rank 1: optimizer state '1.weight." in r0["error"], r0["error"]
+    assert r0["unchanged"] and r1["unchanged"], (r0, r1)
+
+
+def _experts(rank: int, world: int) -> dict[str, Any]:
+    """Ranks {0, 2} hold ``experts.0``, {1, 3} hold ``experts.1``; rank 3's copy changed, then resync(src=0)."""
+    from weightsync_audit import declare_replicas
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.shared = nn.Linear(4, 4)
+    model.experts = nn.ModuleDict({str(rank % 2): nn.Linear(4, 4)})
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    declare_replicas(model, experts="experts.*", expert_group=groups[rank % 2])
+    w = model.experts[str(rank % 2)].weight
+    if rank == 3:
+        with torch.no_grad():
+            w[0, 0] += 1.0
+    before = [(m["name"], m["ranks"]) for m in audit(model).to_dict()["mismatches"]]
+    resync(model, src=0, timeout_s=20)
+    got = [torch.zeros_like(w) for _ in range(world)]
+    dist.all_gather(got, w.detach())  # the truth: each expert's copies, gathered
+    return {"before": before, "equal": [torch.equal(got[0], got[2]), torch.equal(got[1], got[3])]}
+
+
+def test_resync_copies_an_expert_within_the_ranks_holding_it() -> None:
+    out = run_ranks(_experts, 4, timeout=60)
+    assert out[0]["before"] == [("experts.1.weight", [3])], out[0]["before"]
+    assert all(o["equal"] == [True, True] for o in out), out  # rank 3 got rank 1's copy; src=0 holds none

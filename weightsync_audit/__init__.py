@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from weightsync_audit.cli._reports import print_report
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
+    from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.engine.repair.resync import resync
     from weightsync_audit.errors import (
         AuditOutOfStepError,
@@ -69,6 +70,7 @@ _LAZY = {
     "render": "weightsync_audit.reporting.render",
     "print_report": "weightsync_audit.cli._reports",
     "LoopAudit": "weightsync_audit.integrations.loop",
+    "ResumeSources": "weightsync_audit.engine.checkpoints.resume_state",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.integrations.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
@@ -92,6 +94,7 @@ __all__ = [
     "ReportWriter",
     "TrainableSetMismatchError",
     "ResyncError",
+    "ResumeSources",
     "UnauditableTensorError",
     "WeightDivergenceError",
     "WeightSyncAudit",

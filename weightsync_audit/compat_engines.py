@@ -22,10 +22,12 @@ from torch import nn
 __all__ = [
     "class_names",
     "is_deepspeed_engine",
+    "deepspeed_engine_of",
     "zero_stage",
     "zero3_param_status",
     "fp32_master_matches",
     "MASTER_CHECK",
+    "STATE_CHECK",
     "fsdp1_modules",
     "fsdp1_flat_param",
     "fsdp1_orig_params",
@@ -48,6 +50,28 @@ def class_names(obj: Any) -> set[str]:
 def is_deepspeed_engine(module: Any) -> bool:
     """Whether ``module`` is a ``deepspeed.DeepSpeedEngine`` (its ``.module`` is the user's model)."""
     return "DeepSpeedEngine" in class_names(module) and isinstance(getattr(module, "module", None), nn.Module)
+
+
+def deepspeed_engine_of(module: Any) -> Any:
+    """The ``DeepSpeedEngine`` training ``module``: ``module`` itself, or the engine whose forward hooks
+    ``deepspeed.initialize`` registered on the user's model (closures over the engine, read from the
+    module's ``_forward_pre_hooks`` / ``_forward_hooks``); ``None`` when neither is found. Lets an audit
+    given the torch optimizer passed to ``deepspeed.initialize`` (not ``engine.optimizer``) find the ZeRO
+    wrapper around it."""
+    if module is None:
+        return None
+    if is_deepspeed_engine(module):
+        return module
+    for hooks in (getattr(module, "_forward_pre_hooks", None), getattr(module, "_forward_hooks", None)):
+        for hook in list(hooks.values()) if isinstance(hooks, dict) else ():
+            for cell in getattr(hook, "__closure__", None) or ():
+                try:
+                    held = cell.cell_contents
+                except ValueError:  # an empty cell
+                    continue
+                if is_deepspeed_engine(held) and held.module is module:
+                    return held
+    return None
 
 
 def zero_stage(optimizer: Any) -> int | None:
@@ -98,6 +122,12 @@ def _master_pairs(optimizer: Any) -> list[tuple[Any, Any]] | None:
 MASTER_CHECK = "zero.fp32_master_matches_params"
 """The name :func:`fp32_master_matches`'s answer is audited under (a check drawn from the parameters, not a
 tensor of the model): kept here, at the bottom, for the replica adapter, the hints and the resync plan."""
+
+
+STATE_CHECK = "fsdp1.optimizer_state_held"
+"""Prefix of the names (``fsdp1.optimizer_state_held.<parameter>``) under which each rank holding a non-empty
+piece of an FSDP1-sharded parameter says whether its optimizer holds state for it: the state itself has no
+replica, so a rank that lost it would otherwise go unseen. A check, never copied by a resync."""
 
 
 def fp32_master_matches(optimizer: Any) -> bool | None:

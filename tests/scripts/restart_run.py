@@ -1,9 +1,11 @@
 """The restart recipe, end to end: a plain loop under ``torchrun --max-restarts=1``.
 
 Every step is audited with ``on_mismatch="raise", exit_code=17``; every 2 steps a checkpoint is saved
-with its sidecar. On the first attempt rank 1 is corrupted at step 6: every rank exits 17 after the
-record is written; torchrun restarts the workers, which resume from the last *verified* checkpoint
-(checked against its sidecar before the first step) and finish in sync.
+with its sidecar and every rank's resume state (its own RNG stream, saved in its own file; the lr
+scheduler; the data position). On the first attempt rank 1 is corrupted at step 6: every rank exits 17
+after the record is written (and the evict file, when ``WEIGHTSYNC_EVICT_FILE`` is set, names rank 1's
+host); torchrun restarts the workers, which resume from the last *verified* checkpoint (checked against
+its sidecar before the first step, each rank against its own resume state) and finish in sync.
 
 Usage: python -m torch.distributed.run --nproc_per_node=2 --max-restarts=1 restart_run.py OUT [STEPS]
 """
@@ -13,15 +15,18 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import random
 import sys
 from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from weightsync_audit import ResumeSources
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 from weightsync_audit.integrations.runner import EXIT_DIVERGED, AuditRunner
 
@@ -64,6 +69,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    torch.manual_seed(100 + rank)  # each rank its own stream (as dropout would draw)
     runner = AuditRunner(on_mismatch="raise", exit_code=EXIT_DIVERGED, report_path=str(out / "audit.jsonl"))
     runner.open(world_size=dist.get_world_size(), is_main=rank == 0)
     start, resumed = 0, None
@@ -74,27 +81,52 @@ def main() -> None:
         state = torch.load(path, weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        result = runner.checkpoint("loaded", path, model, [opt], step=start, epoch=0, hook="resume", is_main=rank == 0)
+        sched.load_state_dict(state["sched"])
+        rng = torch.load(path.with_name(f"{path.stem}.rng{rank}.pt"), weights_only=False)  # this rank's own
+        torch.set_rng_state(rng["cpu"])
+        np.random.set_state(rng["numpy"])
+        random.setstate(rng["python"])
+        sources = ResumeSources(lr_schedulers=[sched], data_position={"step": start})
+        result = runner.checkpoint(
+            "loaded", path, model, [opt], step=start, epoch=0, hook="resume", is_main=rank == 0, resume=sources
+        )
         resumed = {"step": start, "status": result.checkpoint["status"] if result else None}
+        resumed["resume"] = result.checkpoint["resume"]["status"] if result else None
     for step in range(start + 1, steps + 1):
         g = torch.Generator().manual_seed(step)  # the same batch on every rank: replicas stay equal
         loss = model(torch.randn(16, 8, generator=g)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
+        torch.rand(2)  # this rank's stream moves on
         if attempt == 0 and step == 6 and rank == 1:
             with torch.no_grad():
                 model.weight[0, 0] += 1.0  # the planted fault
         runner.run(model, [opt], step=step, epoch=0, hook="step", is_main=rank == 0)
         if step % 2 == 0:
             path = out / "ckpt" / f"step{step}.pt"
+            path.parent.mkdir(exist_ok=True)
             if rank == 0:
-                path.parent.mkdir(exist_ok=True)
-                torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+                torch.save(
+                    {"model": model.state_dict(), "optimizer": opt.state_dict(), "sched": sched.state_dict()}, path
+                )
+            rng = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+            torch.save(rng, path.with_name(f"{path.stem}.rng{rank}.pt"))
             dist.barrier()
             state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            sources = ResumeSources(lr_schedulers=[sched], data_position={"step": step})
             runner.checkpoint(
-                "saved", path, model, [opt], state=state, step=step, epoch=0, hook="save", is_main=rank == 0
+                "saved",
+                path,
+                model,
+                [opt],
+                state=state,
+                step=step,
+                epoch=0,
+                hook="save",
+                is_main=rank == 0,
+                resume=sources,
             )
     runner.close()
     digest = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).sum().item()

@@ -29,6 +29,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
+import hf_resume_run  # beside this script: resume fidelity per rank
 import hf_unfreeze_run  # beside this script: its two runs are scenarios here too
 
 from weightsync_audit import WeightDivergenceError
@@ -325,6 +326,11 @@ def hf_unfreeze_bug() -> dict[str, Any]:
 @scenario
 def hf_unfreeze_fix() -> dict[str, Any]:
     return hf_unfreeze_run.run("fix")
+
+
+@scenario
+def hf_resume() -> dict[str, Any]:
+    return hf_resume_run.run(OUT)
 
 
 if __name__ == "__main__":

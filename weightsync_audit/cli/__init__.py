@@ -49,7 +49,7 @@ EXIT_CODES = _help(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff`` and ``verify``."""
+    """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff``, ``verify``, ``launch``."""
     from weightsync_audit.version import __version__
 
     parser = _Parser(
@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_show(sub)
     _add_diff(sub)
     _add_verify(sub)
+    _add_launch(sub)
     return parser
 
 
@@ -216,7 +217,28 @@ def _add_verify(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the outcome as JSON (same exit codes)")
 
 
+def _add_launch(sub: Any) -> None:
+    """Register ``launch`` (the restart recipe's wrapper: cli/launch.py)."""
+    p = sub.add_parser(
+        "launch",
+        help="run torchrun (or any launcher) and exit with the run's exit_code after a divergence",
+        formatter_class=_FMT,
+        description="Run COMMAND with WEIGHTSYNC_EVICT_FILE set; when the run ended on a divergence (exit_code=17 "
+        "on every rank) exit with that status even though torchrun exits 1, and leave the evict file naming the "
+        "hosts to leave out (docs/restarts.md).",
+        epilog="example:\n  weightsync-audit launch --evict-file evict.json -- torchrun --nproc_per_node=8 "
+        "--max-restarts=1 train.py\n",
+    )
+    p.add_argument("--evict-file", default=None, help="the JSON evict file (default ./weightsync-evict.json)")
+    p.add_argument("--segment-health-dir", default=None, help="NVRx ft_launcher's --ft-segment-health-check-dir")
+    p.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the launcher and its arguments")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "launch":
+        from weightsync_audit.cli.launch import cmd_launch
+
+        return cmd_launch(args.launched, evict_file=args.evict_file, segment_health_dir=args.segment_health_dir)
     if args.command == "check":
         from weightsync_audit.cli._reports import cmd_check
 

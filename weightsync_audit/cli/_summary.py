@@ -295,7 +295,7 @@ def pinpoint_line(r: AuditResult) -> str | None:
         return f"began at step {r.first_diverged_step} (pinpointed from per-step digests; in sync at step {fmt_step(r.last_in_sync_step)})"
     if r.pinpoint == "sampled" and r.first_diverged_step is not None:
         return f"showed at step {r.first_diverged_step} (sampled per-step digests: it may have begun earlier)"
-    if r.pinpoint in ("overflow", "earlier", "unseen"):
+    if r.pinpoint in ("overflow", "earlier", "unseen", "unavailable"):
         return f"began: not pinpointed ({r.pinpoint}; see the record's notes)"
     return None
 

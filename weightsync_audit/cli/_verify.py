@@ -18,6 +18,7 @@ from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError
 from weightsync_audit.cli.checkpoint_diff import CHECKPOINT_SUFFIXES, CheckpointError, load_checkpoint
+from weightsync_audit.cli.verify_resume import verify_resume
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
@@ -90,20 +91,27 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         status = "verified" if sidecar["verdict"] == "verified" else "diverged"
     if sidecar["verdict"] != "verified":
         out["diverged"] = sidecar.get("diverged", [])
+    out["resume"] = verify_resume(p, sidecar)  # each rank's own RNG, position, schedulers (cli/verify_resume.py)
     return {**out, "status": status}
 
 
 def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = None) -> int:
     """``weightsync-audit verify PATH``: 0 verified and unchanged, 1 not, 2 unreadable."""
     outcome = verify_checkpoint(path)
-    code = EXIT_OK if outcome["status"] == "verified" else EXIT_DIFFERENT
+    resume = outcome.get("resume") or {"status": "unchecked", "findings": []}
+    code = EXIT_OK if outcome["status"] == "verified" and resume["status"] != "differs" else EXIT_DIFFERENT
     console = console or Console(soft_wrap=True)
     if as_json:
         console.file.write(json.dumps(outcome, indent=2) + "\n")
         return code
     where = f"{path} (step {outcome.get('step')})"
     status = outcome["status"]
-    if status == "verified":
+    for f in resume["findings"]:  # one line per thing a resume would not give back, naming the ranks
+        style = "bold red" if f.get("severity", "error") != "note" else "yellow"
+        console.print(Text(f"RESUME: {path}: {f['detail']}", style=style))
+    if status == "verified" and resume["status"] == "differs":
+        console.print(Text(f"NOT VERIFIED: {where}: the weights agree; the resume state above does not"))
+    elif status == "verified":
         console.print(Text(f"VERIFIED: {where}: every replica agreed when it was saved; unchanged since", "bold green"))
     elif status == "unverified":
         console.print(Text(f"UNVERIFIED: {path}: {outcome['why']}", style="bold yellow"))

@@ -343,7 +343,8 @@ class AuditRun:
                 names = [e.name for e in self.prepared.manifest.entries]
                 self.transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
                 self.notes.append(transient_note(self.transient))
-            self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1, self._tolerated())
+            names = [m.name for m in self.mismatches]
+            self.pin = pinpointer.settle(comm, bool(names), self.step, cfg.slices == 1, self._tolerated(), names)
         self._tally()
         if self.mismatches:
             if not self.hints_shared:

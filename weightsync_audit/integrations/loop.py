@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["LoopAudit"]
 
@@ -32,9 +35,14 @@ class LoopAudit:
             (broadcast the diverged tensors from ``resync_src``, then confirm with a full audit).
         report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
         verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
+        check_batches: at each audited :meth:`step` also compare a digest of every rank's ``batch=``: ranks
+            that trained on identical batches are named in the record's notes (off by default; its cost:
+            benchmarks/bench_duplicate_batches.py, docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
             or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
+        sinks: objects that rank 0 also hands each record to (``write(record)``): the metrics exporters
+            of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -67,6 +75,8 @@ class LoopAudit:
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
+        check_batches: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -88,9 +98,12 @@ class LoopAudit:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            sinks=sinks,
         )
         self.is_main = True
         self._opened = False
+        self.duplicates = DuplicateBatches() if check_batches else None
+        """With ``check_batches``: at each audited step, ranks that trained on identical batches (a note)."""
 
     def _open(self) -> None:
         if self._opened:
@@ -103,13 +116,27 @@ class LoopAudit:
         self.runner.open(world_size=world, is_main=self.is_main)
         self._opened = True
 
-    def step(self, step: int, epoch: int | None = None) -> AuditResult | None:
-        """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence."""
+    def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
+        """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
+        ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
         self._open()
         self.runner.record_step(self.module, self.optimizers, step)
         if self.every_n_steps is None or step % self.every_n_steps:
             return None
-        return self.audit(step, epoch, hook="step")
+        if self.duplicates is None or self.runner.auditor is None:
+            return self.audit(step, epoch, hook="step")
+        auditor, check, is_main = self.runner.auditor, self.duplicates, self.is_main
+
+        def audit(module: Any, optimizer: Any, **kw: Any) -> AuditResult:
+            found = check(auditor.comm, batch, step=step, is_main=is_main)  # one round, before the audit's own
+            result = auditor.audit(module, optimizer, **kw)
+            if found is not None:
+                result.notes.append(describe(found["groups"], step))
+            return result
+
+        return self.runner.run(
+            self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=is_main, audit=audit
+        )
 
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
@@ -117,27 +144,31 @@ class LoopAudit:
         return self.runner.run(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
 
     def checkpoint_saved(
-        self, path: Any, step: int, epoch: int | None = None, *, state: Any = None
-    ) -> AuditResult | None:
+        self, path: Any, step: int, epoch: int | None = None, *, state: Any = None,
+        resume: ResumeSources | None = None,
+    ) -> AuditResult | None:  # fmt: skip
         """Call after saving a checkpoint at ``path`` (on every rank, ``state`` what was saved: default the
         module's ``state_dict``): audit at this step and write its sidecar, ``verified`` only when every
-        replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does."""
+        replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does. ``resume``: what a
+        resume must give each rank back (RNG, data position, lr schedulers, grad scaler), into the sidecar."""
         self._open()
         return self.runner.checkpoint(
             "saved", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_saved", is_main=self.is_main,
+            hook="checkpoint_saved", is_main=self.is_main, resume=resume,
         )  # fmt: skip
 
     def checkpoint_loaded(
-        self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None
-    ) -> AuditResult | None:
+        self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None,
+        resume: ResumeSources | None = None,
+    ) -> AuditResult | None:  # fmt: skip
         """Call after loading the checkpoint at ``path``, before the first step: compare what every rank
         holds with the sidecar (a tensor loaded differently is a mismatch naming its ranks; no sidecar:
-        ``unverified``). Acts on a divergence as :meth:`audit` does."""
+        ``unverified``). Acts on a divergence as :meth:`audit` does. ``resume``: check that every rank got
+        back its own saved resume state (``checkpoint.resume`` in the record)."""
         self._open()
         return self.runner.checkpoint(
             "loaded", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_loaded", is_main=self.is_main,
+            hook="checkpoint_loaded", is_main=self.is_main, resume=resume,
         )  # fmt: skip
 
     @property

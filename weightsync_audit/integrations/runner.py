@@ -21,6 +21,9 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
+from weightsync_audit.engine.checkpoints.resume_check import capture as capture_resume
+from weightsync_audit.engine.checkpoints.resume_check import finish_resume
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.measure.stability import persistent_hints
@@ -29,9 +32,11 @@ from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.evict import hand_off, leave_together
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink, RecordSinks
 
 __all__ = [
     "CADENCE_NAMES",
@@ -149,6 +154,7 @@ class AuditRunner:
         pinpoint_coverage: float | str = 1,
         every_n: Optional[int] = None,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
     ) -> None:
         # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
         self.config = AuditConfig(
@@ -169,13 +175,11 @@ class AuditRunner:
         resync_src = check_resync_src(resync_src)
         if report_path is not None:
             check_report_path(report_path, "report_path")
-        self.include = self.config.include
-        self.exclude = self.config.exclude
-        self.slices = self.config.slices
+        self.include, self.exclude, self.slices = self.config.include, self.config.exclude, self.config.slices
+        self.sinks = RecordSinks(sinks)  # the main process hands them each record (weightsync_audit.metrics)
         self.resync_src = resync_src
         self.report_path = None if report_path is None else str(report_path)
-        self.timeout_s = timeout_s
-        self.coverage = coverage
+        self.timeout_s, self.coverage = timeout_s, coverage
         self.verbose = verbose
         self.history = AuditHistory()
         self.console: Any = None
@@ -330,6 +334,8 @@ class AuditRunner:
             self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
+        if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
+            hand_off(result, self.auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
         if not result.in_sync and result.action == "raised":
             if self.exit_code is not None:
                 self._exit(result, is_main)
@@ -337,17 +343,22 @@ class AuditRunner:
         return result
 
     def checkpoint(
-        self, event: str, path: Any, model: Any, optimizers: Sequence[Any], *, state: Any = None, **kw: Any
-    ) -> AuditResult | None:
+        self, event: str, path: Any, model: Any, optimizers: Sequence[Any], *, state: Any = None,
+        resume: ResumeSources | None = None, **kw: Any,
+    ) -> AuditResult | None:  # fmt: skip
         """:meth:`run` at a checkpoint ``event`` (``saved``: audit and write its sidecar; ``loaded``: audit and
-        compare every rank with the sidecar); the keyword arguments are :meth:`run`'s."""
+        compare every rank with the sidecar); ``resume``: also every rank's resume state (docs/restarts.md);
+        the keyword arguments are :meth:`run`'s."""
         if self.auditor is None:
             return None
         fn = checkpoint_saved if event == "saved" else checkpoint_loaded
         auditor = self.auditor
 
         def audit(module: Any, optimizer: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
-            return fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
+            mine = capture_resume(resume) if resume is not None else None  # before the audit: nothing moves it
+            result = fn(auditor, path, step, state=state, module=module, optimizer=optimizer, epoch=epoch, hook=hook)
+            finish_resume(result, auditor.comm, event, path, mine, kw.get("is_main", False))
+            return result
 
         return self.run(model, optimizers, audit=audit, **kw)
 
@@ -362,6 +373,8 @@ class AuditRunner:
             )
         sys.stdout.flush()
         sys.stderr.flush()
+        if self.auditor is not None:  # no rank leaves before the first wrote the record and the evict file
+            leave_together(self.auditor.comm, is_main)
         os._exit(int(self.exit_code or 1))  # no teardown that could wait on a peer: every rank leaves here
 
     def _audit_failed(self, hook: str, step: int, exc: Exception, is_main: bool) -> None:
@@ -399,6 +412,7 @@ class AuditRunner:
             return
         if self.writer is not None:
             self.writer.write(result)
+        self.sinks.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
         self.voice.speak(result, verbose=self.verbose, print_fn=self.print)

@@ -41,8 +41,10 @@ from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
+from weightsync_audit.integrations.resume_sources import hf_resume
 from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["TRAINER_FIX", "WeightSyncAuditCallback", "find_trainer", "trainer_ddp"]
 
@@ -212,6 +214,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             ``on_train_begin``), compare every rank with that checkpoint's sidecar before the first step.
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (docs/restarts.md).
+        sinks: objects that the main process also hands each record to (``write(record)``): the metrics
+            exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -239,6 +243,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -258,6 +263,7 @@ class WeightSyncAuditCallback(TrainerCallback):
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            sinks=sinks,
         )
         self.checkpoints = bool(checkpoints)
         self.history = self.runner.history
@@ -351,13 +357,15 @@ class WeightSyncAuditCallback(TrainerCallback):
         if self.checkpoints and state.global_step > 0:  # resumed: the checkpoint of this step was loaded
             given = args.resume_from_checkpoint
             resumed = given if isinstance(given, str) and os.path.isdir(given) else checkpoint_dir(args, state)
-        checkpoint = ("loaded", resumed) if resumed else None
+        sched = kwargs.get("lr_scheduler")
+        checkpoint = ("loaded", resumed, hf_resume("loaded", resumed, args, state, sched)) if resumed else None
         self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step, checkpoint=checkpoint)
 
     @override
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if self.checkpoints and self._opened:
-            checkpoint = ("saved", checkpoint_dir(args, state))
+            path = checkpoint_dir(args, state)
+            checkpoint = ("saved", path, hf_resume("saved", path, args, state, kwargs.get("lr_scheduler")))
             self._run(state, model, kwargs.get("optimizer"), "on_save", state.global_step, checkpoint=checkpoint)
 
     @override
@@ -423,7 +431,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         optimizers = [optimizer] if optimizer is not None else []
         kw: dict[str, Any] = dict(step=step, epoch=epoch_of(state), hook=hook, is_main=state.is_world_process_zero)
         if checkpoint is not None:
-            result = self.runner.checkpoint(checkpoint[0], checkpoint[1], model, optimizers, **kw)
+            result = self.runner.checkpoint(checkpoint[0], checkpoint[1], model, optimizers, resume=checkpoint[2], **kw)
         else:
             result = self.runner.run(model, optimizers, grads=grads, **kw)
         if result is not None:

@@ -39,7 +39,7 @@ ACTIONS: tuple[str, ...] = get_args(Action)
 MISMATCH_KINDS: tuple[str, ...] = get_args(Kind)
 _CHECKED_KINDS = CHECKED_KINDS
 assert ACTIONS == VALID_ACTIONS and MISMATCH_KINDS == VALID_KINDS, "one list of actions and kinds"
-PinpointState = Literal["exact", "sampled", "overflow", "earlier", "unseen", "off"]
+PinpointState = Literal["exact", "sampled", "overflow", "earlier", "unseen", "unavailable", "off"]
 """How a divergent record's ``first_diverged_step`` was found: ``exact`` (per-step digests of everything
 audited), ``sampled`` (of a slice per step: the divergence showed at that step, it may have begun
 earlier, after ``last_in_sync_step``), ``overflow`` (the ring lost the steps that would tell; null),
@@ -179,7 +179,8 @@ class AuditResult:
     first_diverged_step: int | None = None
     """With pinpoint: the first step whose per-step digests disagreed (see ``pinpoint`` for how sure)."""
     pinpoint: PinpointState | None = None
-    """On a divergent record: ``exact``, ``sampled``, ``overflow``, ``earlier``, ``unseen``, ``off`` (see PINPOINT_STATES)."""
+    """On a divergent record: ``exact``, ``sampled``, ``overflow``, ``earlier``, ``unseen``, ``unavailable``, ``off``
+    (see PINPOINT_STATES)."""
     tolerance: float | None = None
     """The relative tolerance in force, or None (exact)."""
     nonfinite_count: int | None = None

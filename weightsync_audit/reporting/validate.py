@@ -47,7 +47,7 @@ SCHEMA = "weightsync-audit/1"
 ACTIONS = ("none", "warned", "raised", "resynced")
 MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
 CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
-PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "off")
+PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "unavailable", "off")
 STABILITIES = ("stable", "unstable")
 CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed")
 

@@ -26,10 +26,11 @@ from weightsync_audit.engine.hashing.digest import structure_digest
 from weightsync_audit.engine.hashing.hostbytes import host_bytes
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
 from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups, stage_module
+from weightsync_audit.engine.inventory.replicas.keys import HOLDERS, is_holders, unreplicated_label_of
 from weightsync_audit.engine.repair.held_resync import resync_held
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, plan_resync
-from weightsync_audit.engine.repair.resync_transfer import move_tensors
-from weightsync_audit.engine.repair.shard_resync import resync_shards
+from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, is_derived, plan_resync
+from weightsync_audit.engine.repair.resync_transfer import move_copies, move_tensors
+from weightsync_audit.engine.repair.shard_resync import plan_held_copies, resync_shards
 
 __all__ = ["resync", "state_device"]
 
@@ -92,16 +93,21 @@ def resync(
         return
     optimizers, module = as_optimizers(optimizer), stage_module(module)  # a PipelineStage: its stage module
     wanted = set(names) if names is not None else None
-    entries = _entries(module, optimizers, wanted)
     if declares_groups(module):  # pipeline stages, expert groups: each within its group (every rank alike)
-        return resync_held(comm, entries + _held_grads(module, optimizers, grads, wanted), src)
+        return resync_held(
+            comm, _entries(module, optimizers, wanted) + _held_grads(module, optimizers, grads, wanted), src
+        )
+    picked = _entries(module, optimizers, wanted)
+    entries, held = _split(picked)
     grad_entries = _grad_entries(comm, module, grads, wanted)
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
     structure = structure_digest(entries, devices=False)
-    table = comm.exchange(np.array([structure, len(entries)], dtype=np.int64), "the resync")
-    if not (table == table[0]).all():
-        entries = _reconcile(comm, src, entries, optimizers, module)
+    table = comm.exchange(np.array([structure, len(entries), len(held)], dtype=np.int64), "the resync")
+    # Tensors some ranks hold by design: planned (or refused, on every rank alike) before anything moves.
+    held_copies = plan_held_copies(comm, held, src, is_derived) if table[:, 2].any() else []
+    if not (table[:, :2] == table[0, :2]).all():
+        entries = _reconcile(comm, src, entries, optimizers, module, picked)
         if wanted is not None:
             entries = [e for e in entries if e.name in wanted]
         again = comm.exchange(
@@ -129,11 +135,28 @@ def resync(
     tensor_entries += [e for e in grad_entries if e.dtype != "none"]
     if tensor_entries:
         move_tensors(comm, src, [(e.name, e.tensor) for e in tensor_entries])
+    if held_copies:  # the same list on every rank (drawn from the gathered table)
+        move_copies(comm, src, held_copies)
     if value_entries:
         blob = json.dumps([host_bytes(e.tensor).hex() for e in value_entries]).encode() if comm.rank == src else None
         values = json.loads(comm.share_bytes(src, blob, "the resync values"))
         for e, hexed in zip(value_entries, values):
             e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
+
+
+def _split(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+    """``(compared everywhere, held by some ranks by design)``; what has no replica, and the checks drawn
+    from other tensors (never copied themselves), are left out of the first."""
+    plain, held = [], []
+    for e in entries:
+        layout = e.shard.layout if e.shard is not None else ""
+        if unreplicated_label_of(layout) is not None:
+            continue  # one owner: nothing to copy it from, nothing to copy it to
+        if layout.startswith(HOLDERS):
+            held.append(e)
+        elif not is_derived(e.name):
+            plain.append(e)
+    return plain, held
 
 
 def _grad_entries(
@@ -176,9 +199,17 @@ def _held_grads(
 
 
 def _reconcile(
-    comm: Comm, src: int, entries: list[Entry], optimizers: list[torch.optim.Optimizer], module: nn.Module | None
+    comm: Comm,
+    src: int,
+    entries: list[Entry],
+    optimizers: list[torch.optim.Optimizer],
+    module: nn.Module | None,
+    every: list[Entry],
 ) -> list[Entry]:
-    """Structures differ: keep what matches the source, create missing optimizer state, refuse the rest."""
+    """Structures differ: keep what matches the source, create missing optimizer state, refuse the rest.
+
+    ``every``: this rank's entries before :func:`_split`; the state of a parameter any of them holds in
+    pieces (an engine's) is never deleted nor created here."""
     rows = [[e.kind, e.name, e.dtype, list(e.shape)] for e in entries]
     manifests = [json.loads(b) for b in comm.exchange_bytes(json.dumps(rows).encode(), "the resync manifests")]
     src_rows = {(k, n): (d, tuple(s)) for k, n, d, s in manifests[src]}
@@ -216,11 +247,25 @@ def _reconcile(
     else:
         blob = None
     src_state = json.loads(comm.share_bytes(src, blob, "the resync optimizer state"))
+    failure = ""
     if comm.rank != src:
-        _install_state(src_state, optimizers, module)
-        entries = assign_replicas(
-            build_manifest(module, optimizers, include=("params", "buffers", "optimizer")), module, optimizers
-        ).entries
+        engine_held = {
+            id(e.container) for e in every if e.kind == "optimizer" and e.shard and is_holders(e.shard.layout)
+        }
+        try:
+            _install_state(src_state, optimizers, module, engine_held)
+        except ValueError as exc:  # refused before anything was changed; every rank raises it alike
+            failure = str(exc)
+    said = comm.exchange_bytes(failure.encode(), "the resync optimizer state check")
+    refused = [f"rank {comm.global_ranks[r]}: {b.decode()}" for r, b in enumerate(said) if b]
+    if refused:
+        raise ValueError("cannot resync (nothing was changed): " + "; ".join(refused[:3]))
+    if comm.rank != src:
+        entries = _split(
+            assign_replicas(
+                build_manifest(module, optimizers, include=("params", "buffers", "optimizer")), module, optimizers
+            ).entries
+        )[0]
     # Installed Python values are already the source's; tensors (created empty) and the rest are
     # broadcast by the (now equal) structure.
     installed = {name for name, spec in src_state.items() if "v" in spec}
@@ -232,7 +277,10 @@ def _is_param_group(e: Entry) -> bool:
 
 
 def _install_state(
-    src_state: dict[str, Any], optimizers: list[torch.optim.Optimizer], module: nn.Module | None
+    src_state: dict[str, Any],
+    optimizers: list[torch.optim.Optimizer],
+    module: nn.Module | None,
+    engine_held: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> None:
     from weightsync_audit.engine.inventory.manifest import unwrap_module
 
@@ -241,6 +289,10 @@ def _install_state(
     optimizer_of = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
     names_in_opt = {n: p for n, p in user.named_parameters() if id(p) in optimizer_of} if user is not None else {}
     name_of = {id(p): n for n, p in names_in_opt.items()}
+    missing = [full for full in src_state if full.rpartition(".")[0] not in names_in_opt]
+    if missing:  # checked before anything is deleted: a refused resync changes nothing
+        pname = missing[0].rpartition(".")[0]
+        raise ValueError(f"optimizer state {missing[0]!r}: no parameter {pname!r} in this rank's optimizer")
     keep: dict[str, set[str]] = {}
     for full in src_state:
         pname, _, key = full.rpartition(".")
@@ -249,8 +301,8 @@ def _install_state(
     for opt in optimizers:
         for p in list(opt.state):
             pname = name_of.get(id(p))
-            if pname is None:
-                continue
+            if pname is None or id(opt.state[p]) in engine_held:
+                continue  # not the user's parameter, or its state is held in pieces (never deleted here)
             for key in list(opt.state[p]):
                 if str(key) not in keep.get(pname, ()):
                     del opt.state[p][key]
@@ -258,9 +310,7 @@ def _install_state(
                 del opt.state[p]
     for full, spec in src_state.items():
         pname, _, key = full.rpartition(".")
-        p = names_in_opt.get(pname)
-        if p is None:
-            raise ValueError(f"cannot resync optimizer state {full!r}: no parameter {pname!r} in this rank's optimizer")
+        p = names_in_opt[pname]
         opt = optimizer_of[id(p)]
         if "t" in spec:
             dtype_name, shape = spec["t"][:2]

@@ -29,16 +29,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Sequence, Union
 
-from weightsync_audit.compat_engines import MASTER_CHECK
+from weightsync_audit.compat_engines import MASTER_CHECK, STATE_CHECK
 from weightsync_audit.errors import ResyncError
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks
 
-__all__ = ["DERIVED", "ResyncSource", "ResyncPlan", "check_resync_src", "plan_resync"]
+__all__ = ["DERIVED", "is_derived", "ResyncSource", "ResyncPlan", "check_resync_src", "plan_resync"]
 
 DERIVED = frozenset({MASTER_CHECK})
 """Entries that are checks drawn from other tensors, not tensors of their own: never copied (resyncing the
 tensors they are drawn from restores them, which the confirming audit reads again)."""
+
+
+def is_derived(name: str) -> bool:
+    """Whether ``name`` is a check drawn from other tensors (:data:`DERIVED`, or an FSDP1
+    ``fsdp1.optimizer_state_held.<parameter>``), never copied by a resync.
+
+    >>> is_derived("fsdp1.optimizer_state_held.0.weight"), is_derived("0.weight")
+    (True, False)
+    """
+    return name in DERIVED or name.startswith(STATE_CHECK + ".")
+
 
 ResyncSource = Union[int, Literal["majority"]]
 """A rank of the group, or ``"majority"``: each tensor from a rank holding its reference value."""
@@ -97,7 +108,7 @@ def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource) -> ResyncPlan
     finite: dict[tuple[int, int], list[str]] = {}
     hopeless: list[str] = []
     for m in mismatches:
-        if m.kind == "structure" or not m.reference_ranks or m.name in DERIVED:
+        if m.kind == "structure" or not m.reference_ranks or is_derived(m.name):
             continue
         if src == "majority":
             source = m.reference_ranks[0]

@@ -12,18 +12,21 @@ on a transfer that another rank skips.
 
 from __future__ import annotations
 
-from typing import Sequence
+import json
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import majority_within
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
-from weightsync_audit.engine.inventory.peers import column_peers
-from weightsync_audit.engine.repair.resync_transfer import move_copies
+from weightsync_audit.engine.inventory.peers import NEVER, column_peers, peer_sets
+from weightsync_audit.engine.repair.resync_transfer import Copy, move_copies
+from weightsync_audit.text import fmt_ranks
 
-__all__ = ["plan_shard_copies", "resync_shards"]
+__all__ = ["plan_held_copies", "plan_shard_copies", "resync_shards"]
 
 
 def plan_shard_copies(digests: np.ndarray, peers: np.ndarray, src: int) -> list[tuple[int, int, int]]:
@@ -68,3 +71,68 @@ def resync_shards(comm: Comm, entries: Sequence[Entry], src: int) -> None:
     move_copies(
         comm, src, [(entries[j].name, entries[j].tensor, source, dsts) for (j, source), dsts in targets.items()]
     )
+
+
+def _held_rows(entries: Sequence[Entry]) -> list[list[Any]]:
+    digests = digest_entries(entries).tolist() if entries else []
+    return [
+        [e.uid, int(e.shard.key) if e.shard is not None else NEVER, e.dtype, list(e.tensor.shape), int(d),
+         int(e.container is not None and not isinstance(e.container[e.key], torch.Tensor))]
+        for e, d in zip(entries, digests)
+    ]  # fmt: skip
+
+
+def plan_held_copies(comm: Comm, entries: Sequence[Entry], src: int, is_check: Callable[[str], bool]) -> list[Copy]:
+    """The copies that make the holders of each tensor held by some ranks only agree (collective).
+
+    ``entries``: this rank's tensors compared among their holders (an engine's ``holders:`` layouts: a
+    scalar ``step`` of an FSDP1-sharded parameter, an FSDP1 hybrid shard, a check such as
+    ``fsdp1.optimizer_state_held``); another rank may hold others. Every rank gathers every rank's
+    (name, peer key, dtype, local shape, digest) and derives the same plan: within each set of ranks holding
+    a tensor under one key, from ``src`` when it is one of them, else from the set's majority holder, to the
+    holders whose digest differs. Raises ``ValueError`` on every rank alike, before anything moves, when
+    holders disagree in dtype or shape, when a differing one is a Python value (never copied between
+    some ranks), or when a check (``is_check``) differs: what it checks has no replica to copy from.
+    A rank that holds no tensor of a copy passes a ``meta`` stand-in of the source's size (never written).
+    """
+    rows = _held_rows(entries)
+    gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(rows).encode(), "the resync held tensors")]
+    per_rank: list[dict[str, tuple[Any, ...]]] = [{r[0]: tuple(r[1:]) for r in rows_r} for rows_r in gathered]
+    order = list(dict.fromkeys(uid for rows_r in gathered for uid, *_ in rows_r))
+    mine = {e.uid: e for e in entries}
+    g = comm.global_ranks
+    problems: list[str] = []
+    copies: list[Copy] = []
+    for uid in order:
+        name = uid.split(":", 1)[1]
+        keys = [d[uid][0] if uid in d else NEVER for d in per_rank]
+        for members in peer_sets(keys):
+            if len(members) < 2:
+                continue
+            sigs = {(per_rank[r][uid][1], tuple(per_rank[r][uid][2])) for r in members}
+            if len(sigs) > 1:
+                problems.append(
+                    f"{name} differs in dtype or shape among its holders {fmt_ranks([g[r] for r in members])}"
+                )
+                continue
+            column = [per_rank[r][uid][3] if r in members else 0 for r in range(comm.world_size)]
+            source = src if src in members else majority_within(column, members)[0][0]
+            dsts = [r for r in members if column[r] != column[source]]
+            if not dsts:
+                continue
+            if is_check(name):
+                problems.append(
+                    f"{name} differs on {fmt_ranks([g[r] for r in dsts])} from rank {g[source]}: what it checks "
+                    "(optimizer state of a shard) has no replica to copy from; restore it from a checkpoint"
+                )
+            elif per_rank[source][uid][4]:
+                problems.append(f"{name} is a Python value held by some ranks only: it is not copied")
+            else:
+                e = mine.get(uid)
+                dtype, shape = per_rank[source][uid][1], per_rank[source][uid][2]
+                t = e.tensor if e is not None else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+                copies.append((name, t, source, dsts))
+    if problems:
+        raise ValueError(f"cannot resync (nothing was changed): {'; '.join(problems[:5])}" + (
+            f" and {len(problems) - 5} more" if len(problems) > 5 else ""))  # fmt: skip
+    return copies

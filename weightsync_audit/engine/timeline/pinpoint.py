@@ -12,6 +12,12 @@ A step that some rank did not record while the others did (a skipped optimizer s
 at that step: it is the first diverged one, and the note names the ranks that lack it; ``exact`` means
 every rank held the same steps, agreeing, up to that step.
 
+Only what every rank holds whole feeds the per-step digests: a tensor an engine holds in pieces or on
+some ranks only (an FSDP1 or ZeRO shard, a DTensor's local shard, an FSDP1 hybrid shard, the scalar
+state of a sharded parameter) differs between ranks by design, or is absent on some, so it is left out of
+them. When a divergence lies in such a tensor, the rings cannot date it: the result is ``unavailable``,
+naming the tensors and why.
+
 Never a guess: a step counts as in sync only when its full digests agreed (or an in-sync full audit
 vouches for it). When the ring lost the steps that would tell (``overflow``), when every recorded step
 agreed (``unseen``: the change came after the last recorded step, e.g. outside an optimizer step), or
@@ -34,14 +40,15 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.hashing.digest import overall_digest
+from weightsync_audit.engine.hashing.digest import overall_digest, structure_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.reporting.record import AuditResult, PinpointState
+from weightsync_audit.text import brief_names
 
 __all__ = [
     "DEFAULT_RING",
@@ -299,6 +306,8 @@ class Pinpointer:
         self.tensors: np.ndarray | None = None
         self._tensors_before: np.ndarray | None = None
         self._tensors_step: int | None = None
+        self.uncovered: set[str] = set()
+        """Names of the tensors left out of the per-step digests (held in pieces or by some ranks only)."""
 
     def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> int | None:
         """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``;
@@ -310,10 +319,21 @@ class Pinpointer:
         if self.excluded is not None and len(digests) > int(self.excluded.max(initial=-1)):
             digests = digests.copy()
             digests[self.excluded] = 0
+        shared, structure = digests, prepared.structure
+        if prepared.sharded:  # never cached: its entries are at hand
+            shared, structure = self._shared_only(prepared.manifest.entries, digests)
+            digests = np.where([e.shard is None for e in prepared.manifest.entries], digests, 0)  # keep positions
         self._fold_tensors(int(step), digests)
-        digest = overall_digest(digests, prepared.structure)
+        digest = overall_digest(shared, structure)
         self.record(step, digest)
         return digest if n == 1 else None
+
+    def _shared_only(self, entries: Sequence[Any], digests: np.ndarray) -> tuple[np.ndarray, int]:
+        """The digests and structure of the tensors every rank holds whole (no ``shard``); the others'
+        names go to :attr:`uncovered`."""
+        shared = np.array([e.shard is None for e in entries], dtype=bool)
+        self.uncovered = {e.name for e, keep in zip(entries, shared) if not keep}
+        return np.asarray(digests)[shared], structure_digest([e for e, keep in zip(entries, shared) if keep])
 
     def _fold_tensors(self, step: int, digests: np.ndarray) -> None:
         if self._tensors_step == step:  # the same step again (gradient accumulation): replace it
@@ -353,19 +373,26 @@ class Pinpointer:
         return " pinpoint=located" if self.found is not None else ""
 
     def settle(
-        self, comm: Comm, diverged: bool, step: int | None, proven: bool, tolerated: Sequence[int] | None = None
+        self,
+        comm: Comm,
+        diverged: bool,
+        step: int | None,
+        proven: bool,
+        tolerated: Sequence[int] | None = None,
+        names: Sequence[str] = (),
     ) -> Pinpoint | None:
         """After an audit's verdict (the same on every rank): locate a divergence, or trim the ring.
 
         ``tolerated``: on a divergence every part of which is within the tolerance, the manifest positions
-        of those tensors; the divergence is dated, and the ring goes on without them.
+        of those tensors; the divergence is dated, and the ring goes on without them. ``names``: the
+        diverged tensors (the same on every rank), see :meth:`_locate`.
         """
         if diverged and tolerated is None:
-            return self.diverged(comm)
+            return self.diverged(comm, names)
         if not diverged:
             self.in_sync(step, proven=proven)
             return None
-        pin = self.found or locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
+        pin = self.found or self._locate(comm, names)
         if self.drift is not None and pin.state == "unseen":
             pin = self.drift  # nothing new beyond what is left out: the drift's own date stands
         self.drift = pin
@@ -378,14 +405,30 @@ class Pinpointer:
             self.ring.mark_in_sync(step, proven=False)
         return pin
 
-    def diverged(self, comm: Comm) -> Pinpoint:
+    def _locate(self, comm: Comm, names: Sequence[str]) -> Pinpoint:
+        """Collective: exchange the rings, each with a flag per diverged tensor (``names``, the same on every
+        rank) that this rank left out of its per-step digests; any flag makes the answer ``unavailable``."""
+        flags = np.array([n in self.uncovered for n in names], dtype=np.uint8).tobytes()
+        tail = len(flags)
+        blobs = comm.exchange_bytes(self.ring.encode() + flags, "the pinpoint rings")
+        left = [n for j, n in enumerate(names) if any(b[len(b) - tail + j] for b in blobs)] if tail else []
+        if left:
+            return Pinpoint(
+                state="unavailable",
+                note=f"pinpoint unavailable: {brief_names(sorted(set(left)))} is held in pieces or by some ranks "
+                "only (a shard, or its state), and the per-step digests cover only the tensors every rank holds "
+                "whole, so the step this divergence began cannot be told from them",
+            )
+        return locate([b[: len(b) - tail] for b in blobs], comm.global_ranks)
+
+    def diverged(self, comm: Comm, names: Sequence[str] = ()) -> Pinpoint:
         """Collective: every rank calls it when an audit found a divergence; the same answer everywhere.
 
         The audit reported what the trace holds: it starts afresh, so a later in-sync audit never
         reports this divergence again as a transient one.
         """
         if self.found is None:
-            self.found = locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
+            self.found = self._locate(comm, names)
         self.ring.audited()
         self.tensors = self._tensors_before = None
         self._tensors_step = None

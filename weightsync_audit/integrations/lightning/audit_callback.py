@@ -15,12 +15,15 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import dropped_message
+from weightsync_audit.integrations.resume_sources import lightning_resume
 from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.sinks import RecordSink
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -94,6 +97,8 @@ class WeightSyncAuditMixin:
             with the sidecar before the first step (docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after
             the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
+        sinks: objects that global rank 0 also hands each record to (``write(record)``): the metrics
+            exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
 
     Example::
 
@@ -119,6 +124,7 @@ class WeightSyncAuditMixin:
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        sinks: Sequence[RecordSink] = (),
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -145,6 +151,7 @@ class WeightSyncAuditMixin:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_train_steps,
             exit_code=exit_code,
+            sinks=sinks,
         )
         self.checkpoints = bool(checkpoints)
         self._saving: Any = None
@@ -292,6 +299,12 @@ class WeightSyncAuditMixin:
         self._maybe_hook(trainer, "on_save_checkpoint")
 
     @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # After the module's own on_load_checkpoint: the RNG as the resume restored it (local, no message).
+        self._rng_at_load = rng_now()
+
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_train_end")
 
@@ -329,7 +342,9 @@ class WeightSyncAuditMixin:
         )
         if checkpoint is not None:
             event, path, state = checkpoint
-            return self.runner.checkpoint(event, path, trainer.strategy.model, trainer.optimizers, state=state, **kw)
+            rng = self.__dict__.pop("_rng_at_load", None) if event == "loaded" else None
+            model, resume = trainer.strategy.model, lightning_resume(trainer, rng)
+            return self.runner.checkpoint(event, path, model, trainer.optimizers, state=state, resume=resume, **kw)
         return self.runner.run(trainer.strategy.model, [] if grads else list(trainer.optimizers), grads=grads, **kw)
 
     # -- reporting and checkpoints -------------------------------------------------------------

@@ -53,7 +53,10 @@ def _rules(
     """The rules, the engines that reduce the gradients themselves (DeepSpeed, FSDP1), and every engine."""
     rules = Rules()
     user = unwrap_module(module) if module is not None else None
-    reducing = [deepspeed_rules(rules, user, optimizers, include), fsdp1_rules(rules, user, names)]
+    reducing = [
+        deepspeed_rules(rules, user, optimizers, include, module),
+        fsdp1_rules(rules, user, names, optimizers, include),
+    ]
     engines = [*reducing, declared_rules(rules, module, user)]
     return rules, [e for e in reducing if e], [e for e in engines if e]
 

@@ -23,21 +23,39 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from weightsync_audit.compat_engines import MASTER_CHECK, fp32_master_matches, zero3_param_status, zero_stage
+from weightsync_audit.compat_engines import (
+    MASTER_CHECK,
+    deepspeed_engine_of,
+    fp32_master_matches,
+    zero3_param_status,
+    zero_stage,
+)
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.inventory.replicas.keys import alone
 from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
-from weightsync_audit.engine.inventory.wrappers import wrapper_of
+from weightsync_audit.engine.inventory.wrappers import unwrap_optimizer, wrapper_of
 
 __all__ = ["MASTER_CHECK", "deepspeed_rules"]
 
 
 def deepspeed_rules(
-    rules: Rules, user: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer], include: Sequence[str]
+    rules: Rules,
+    user: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    include: Sequence[str],
+    module: nn.Module | None = None,
 ) -> str | None:
     """Fill ``rules`` for a DeepSpeed-trained model; return the engine's name (``"DeepSpeed ZeRO-2"``) or
-    ``None`` when nothing here is DeepSpeed's."""
+    ``None`` when nothing here is DeepSpeed's.
+
+    ``optimizers`` may hold ``engine.optimizer`` (unwrapped to its torch optimizer, the wrapper
+    remembered) or the torch optimizer the user passed to ``deepspeed.initialize``: the engine is then
+    found from ``module`` (the engine, or the model it trains) and its wrapper remembered alike."""
     found: str | None = None
+    if any(wrapper_of(opt) is None for opt in optimizers):
+        engine = next((e for m in (module, user) if (e := deepspeed_engine_of(m)) is not None), None)
+        if engine is not None and getattr(engine, "optimizer", None) is not None:
+            unwrap_optimizer(engine.optimizer)  # remembers the ZeRO wrapper of the torch optimizer inside it
     # ZeRO-3 converts every parameter of the model it holds: the first one tells, at no per-parameter cost.
     first = next(iter(user.parameters()), None) if user is not None else None
     stages = [zero_stage(wrapper_of(opt)) for opt in optimizers]

@@ -82,7 +82,9 @@ def apply_rules(
     for opt in optimizers:
         for p, state in opt.state.items():
             owner[id(state)] = p
+    kept: list[Entry] = []
     for e in manifest.entries:
+        kept.append(e)
         if e.shard is not None:
             continue  # a DTensor keeps its own peers
         info: ShardInfo | None = rules.default
@@ -97,12 +99,16 @@ def apply_rules(
             base = e.name if e.kind != "optimizer" or p is None else e.name.rsplit(".", 1)[0]
             info = rules.by_name(base) or info
         if p is not None and id(p) in rules.params:
+            if e.kind == "grad" and e.dtype == "none" and p.numel() == 0:
+                kept.pop()  # an empty local piece (FSDP1 use_orig_params=True) has no gradient: nothing held
+                continue
             rule = rules.params[id(p)]
             info = rule if e.kind != "optimizer" else _follows(rule, e.tensor, p)
         if info is not None:
             if e.kind == "grad" and e.dtype == "none":
                 info = replace(info, shape=())
             e.shard, e.shape = info, info.shape if info.shape != (-1,) else e.shape
+    manifest.entries[:] = kept
     manifest.entries.extend(rules.extra)
     for e in manifest.entries:
         for s in rules.strip:

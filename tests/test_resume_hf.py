@@ -1,0 +1,58 @@
+"""Resume fidelity through the Hugging Face Trainer on 2 ranks (tests/scripts/hf_resume_run.py, one scenario
+of the shared trainers_run launch): each resume's record against the fault planted in its checkpoint copy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def hf(trainer_runs: dict[str, Any]) -> dict[str, Any]:
+    got = trainer_runs.get("hf_resume", {}).get(0)
+    assert got is not None and "error" not in got, (got or {}).get("traceback") or trainer_runs["log"][-3000:]
+    return got
+
+
+def _details(entry: dict[str, Any]) -> list[str]:
+    return [f["detail"] for f in entry["checkpoint"]["resume"]["findings"]]
+
+
+def test_the_trainer_sidecar_holds_each_ranks_rng_scheduler_and_position(hf: dict[str, Any]) -> None:
+    ranks = hf["sidecar_resume"]["ranks"]
+    assert ranks["0"]["rng.torch"] != ranks["1"]["rng.torch"]
+    assert ranks["0"]["lr_scheduler"] == ranks["1"]["lr_scheduler"]
+    assert ranks["0"]["data.position"]["value"] == {"step": 2, "epoch": 0.5}
+
+
+def test_a_clean_trainer_resume_is_exact(hf: dict[str, Any]) -> None:
+    clean = hf["clean"]
+    assert clean["hook"] == "on_train_begin" and clean["checkpoint"]["status"] == "matching"
+    assert (clean["checkpoint"]["resume"]["status"], _details(clean)) == ("exact", [])
+
+
+def test_rank_1s_rng_file_replaced_by_rank_0s_is_named(hf: dict[str, Any]) -> None:
+    entry = hf["rng_from_rank0"]
+    assert entry["checkpoint"]["resume"]["status"] == "differs"
+    assert _details(entry) == ["rank 1 resumed with rank 0's RNG state (torch, numpy, Python random)"]
+
+
+def test_ignore_data_skip_restarts_the_epochs_data_on_every_rank(hf: dict[str, Any]) -> None:
+    assert _details(hf["ignore_data_skip"]) == [
+        "the data position restarted at epoch 0 (saved at epoch 0.5) on every rank"
+    ]
+
+
+def test_a_checkpoint_without_scheduler_pt_restarts_the_lr_scheduler(hf: dict[str, Any]) -> None:
+    assert "the lr scheduler restarted at step 0 (saved at step 2) on every rank" in _details(hf["no_scheduler"])
+
+
+def test_verify_reports_the_per_rank_resume_checks_of_the_trainer_folders(hf: dict[str, Any], capsys: Any) -> None:
+    from weightsync_audit.cli import main
+
+    codes = {f: main(["verify", hf[f]["folder"]]) for f in ("clean", "rng_from_rank0", "no_scheduler")}
+    said = capsys.readouterr().out
+    assert codes == {"clean": 0, "rng_from_rank0": 1, "no_scheduler": 1}
+    assert "rank 1 would resume with rank 0's RNG state (torch, numpy, Python random)" in said
+    assert "scheduler.pt is missing: the lr scheduler would restart at step 0" in said

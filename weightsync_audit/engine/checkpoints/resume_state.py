@@ -1,0 +1,344 @@
+"""Resume fidelity, per rank: what a resume must restore besides the weights, and whether each rank got its own.
+
+At a checkpoint every rank digests what a resume must give it back (:class:`ResumeSources`): its RNG states
+(torch CPU, CUDA when in use, numpy, Python ``random``), its data position (a sampler's epoch, seed and
+rank; the framework's loop position; a stateful loader's ``state_dict``), the lr schedulers and the grad
+scaler. The digests of every rank go into the checkpoint's sidecar under ``resume``. At resume each rank
+digests the same things again and every rank compares all of them alike (:func:`compare`):
+
+- **every rank must hold its own saved state** (``exact``), whatever the other ranks hold;
+- a rank that holds what *another* rank saved: ``rank 1 resumed with rank 0's torch RNG state``;
+- ranks that saved different states and all resumed to one: ``every rank resumed at the same data
+  position although they saved different ones``;
+- a state no rank saved (re-created, not restored): ``the lr scheduler restarted at step 0 (saved at
+  step 4) on every rank``; an RNG state fresh on *every* rank is a note (``severity: note``: the run
+  re-seeds at start, as Lightning does), one fresh on some ranks only is a finding;
+- what is meant to be equal on every replica (``scope == "equal"``: lr schedulers, the grad scaler) is
+  also compared across ranks at the save: ``the lr scheduler differed across ranks when saved``.
+
+What is meant to differ (per-rank RNG streams, data shards) may also be equal (one seed on every rank):
+the rule is only that each rank gets back what *it* saved, so a swap is visible exactly when the ranks
+saved different states.
+
+>>> saved = {"0": {"rng.torch": {"digest": "a"}}, "1": {"rng.torch": {"digest": "b"}}}
+>>> now = {"0": {"rng.torch": {"digest": "a"}}, "1": {"rng.torch": {"digest": "a"}}}
+>>> [f["detail"] for f in compare(saved, now)]
+["rank 1 resumed with rank 0's torch RNG state"]
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+import xxhash
+
+__all__ = [
+    "COMPONENTS",
+    "ResumeSources",
+    "compare",
+    "digest_state",
+    "is_error",
+    "rng_file_state",
+    "rng_now",
+    "saved_differences",
+]
+
+Scope = Literal["own", "equal"]
+
+COMPONENTS: dict[str, tuple[str, Scope]] = {
+    "rng.torch": ("torch RNG state", "own"),
+    "rng.cuda": ("CUDA RNG state", "own"),
+    "rng.numpy": ("numpy RNG state", "own"),
+    "rng.python": ("Python random state", "own"),
+    "data.position": ("data position", "own"),
+    "data.sampler": ("sampler (epoch, seed, rank)", "own"),
+    "lr_scheduler": ("lr scheduler", "equal"),
+    "grad_scaler": ("grad scaler", "equal"),
+}
+"""Component -> (its name in a sentence, ``own``: each rank its own, may differ across ranks; ``equal``:
+the same on every replica). ``lr_scheduler.1`` (a second scheduler) reads as ``lr_scheduler``."""
+
+
+def _feed(h: Any, obj: Any) -> None:
+    """Feed ``obj``'s exact content into the hash: tensors and arrays by their bytes, containers in order."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):
+        h.update(f"A{getattr(obj, 'dtype', '')}{getattr(obj, 'shape', '')}".encode())
+        h.update(obj.tobytes())
+    elif isinstance(obj, Mapping):
+        h.update(b"{")
+        for k in sorted(obj, key=str):
+            h.update(repr(k).encode())
+            _feed(h, obj[k])
+        h.update(b"}")
+    elif isinstance(obj, (list, tuple)):
+        h.update(b"[")
+        for x in obj:
+            _feed(h, x)
+        h.update(b"]")
+    else:
+        h.update(repr(obj).encode())
+
+
+def digest_state(obj: Any) -> str:
+    """16 hex digits of xxh3-64 over ``obj``'s content (tensors, numpy arrays, containers, plain values).
+
+    >>> digest_state({"a": torch.zeros(2)}) == digest_state({"a": torch.zeros(2)})
+    True
+    """
+    h = xxhash.xxh3_64()
+    _feed(h, obj)
+    return f"{h.intdigest():016x}"
+
+
+def _entry(obj: Any, value: Any = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"digest": digest_state(obj)}
+    if value is not None:
+        out["value"] = value
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it (a short repr otherwise)."""
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)[:200]
+
+
+def rng_file_state(path: str) -> dict[str, Any]:
+    """The RNG states a resume will load from ``path`` (the Hugging Face Trainer's ``rng_state_{rank}.pth``:
+    ``python``, ``numpy``, ``cpu``, ``cuda``), as the components they restore."""
+    import numpy as np  # the Trainer's file holds numpy's state: numpy is there when the file is
+
+    with torch.serialization.safe_globals([np.core.multiarray._reconstruct, np.ndarray, np.dtype]):  # type: ignore[attr-defined]
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception:  # noqa: BLE001 - an older numpy layout: the file is the run's own
+            state = torch.load(path, weights_only=False)
+    out: dict[str, Any] = {}
+    for key, comp in (("cpu", "rng.torch"), ("cuda", "rng.cuda"), ("numpy", "rng.numpy"), ("python", "rng.python")):
+        if key in state:
+            value = state[key]
+            if key == "cuda" and isinstance(value, torch.Tensor):  # one device's state (a run of one process)
+                value = [value]
+            out[comp] = _entry(value)
+    return out
+
+
+def rng_now() -> dict[str, dict[str, Any]]:
+    """This process's RNG states now: torch CPU; CUDA when initialised; numpy when imported; ``random``."""
+    out = {"rng.torch": _entry(torch.get_rng_state())}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["rng.cuda"] = _entry(torch.cuda.get_rng_state_all())
+    if "numpy" in sys.modules:
+        out["rng.numpy"] = _entry(sys.modules["numpy"].random.get_state())
+    out["rng.python"] = _entry(random.getstate())
+    return out
+
+
+@dataclass(kw_only=True, slots=True)
+class ResumeSources:
+    """What a resume must restore on this rank, digested by :meth:`capture`.
+
+    >>> sources = ResumeSources(data_position={"step": 4})
+    >>> captured = sources.capture()
+    >>> captured["data.position"]["value"], "rng.torch" in captured
+    ({'step': 4}, True)
+    """
+
+    rng: bool = True
+    """Digest this process's RNG states (torch CPU; CUDA when initialised; numpy when imported; ``random``)."""
+    rng_file: str | None = None
+    """Read the RNG states from this file instead of the live generators (what a resume *will* load:
+    the Hugging Face Trainer restores ``rng_state_{rank}.pth`` after ``on_train_begin``)."""
+    lr_schedulers: Sequence[Any] = ()
+    """The lr schedulers (anything with ``state_dict()``; ``last_epoch`` is shown as the step)."""
+    grad_scaler: Any = None
+    """A ``torch.amp.GradScaler`` (or anything with ``state_dict()``); ``None``: none."""
+    sampler: Any = None
+    """A ``DistributedSampler`` (its ``epoch``, ``seed``, ``rank``, ``num_replicas``) or a sampler with
+    ``state_dict()``."""
+    data_position: Any = None
+    """Where this rank is in its data: a step, a dict (``{"step": 4, "epoch": 1}``), a stateful loader's
+    ``state_dict()``. A ``step`` in it names where a reset restarted."""
+    rng_state: Mapping[str, Any] | None = None
+    """The RNG components as :func:`rng_now` took them earlier, at the framework's restore point (Lightning
+    draws from the generator between ``on_load_checkpoint`` and the first hook that can compare)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Further components by name (``"data.position"``-like keys), digested as they are."""
+
+    def capture(self) -> dict[str, dict[str, Any]]:
+        """Component -> ``{"digest", "value"?}`` on this rank now."""
+        out: dict[str, dict[str, Any]] = {}
+        if self.rng_file is not None:
+            out.update(rng_file_state(self.rng_file))
+        elif self.rng_state is not None:
+            out.update(self.rng_state)
+        elif self.rng:
+            out.update(rng_now())
+        for i, sched in enumerate(self.lr_schedulers):
+            step = getattr(sched, "last_epoch", None)
+            out["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = _entry(
+                sched.state_dict(), {"step": step} if isinstance(step, int) else None
+            )
+        if self.grad_scaler is not None:
+            out["grad_scaler"] = _entry(self.grad_scaler.state_dict())
+        if self.sampler is not None:
+            s = self.sampler
+            if hasattr(s, "num_replicas") and hasattr(s, "rank"):
+                value = {k: getattr(s, k, None) for k in ("epoch", "seed", "rank", "num_replicas")}
+                out["data.sampler"] = _entry(value, _plain(value))
+            else:
+                out["data.sampler"] = _entry(s.state_dict())
+        if self.data_position is not None:
+            pos = self.data_position
+            out["data.position"] = _entry(
+                pos, _plain(pos) if isinstance(pos, (int, dict)) and len(str(pos)) < 200 else None
+            )
+        for name, obj in self.extra.items():
+            out[name] = _entry(obj)
+        return out
+
+
+def _label(comp: str) -> tuple[str, Scope]:
+    base = comp.split(".")[0] if comp.startswith(("lr_scheduler", "grad_scaler")) else comp
+    label, scope = COMPONENTS.get(base, (comp, "own"))
+    suffix = comp[len(base) :].lstrip(".")
+    return (f"{label} {suffix}" if suffix else label), scope
+
+
+def _ranks_text(ranks: Sequence[int], world: int) -> str:
+    if len(ranks) == world and world > 1:
+        return "every rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _moved(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first of ``step``, ``epoch``, ``batch`` whose shown value moved: ``(key, saved, now)``."""
+    was, got = saved.get("value"), now.get("value")
+    if isinstance(was, int) and isinstance(got, int) and not isinstance(was, bool):
+        was, got = {"step": was}, {"step": got}
+    if not (isinstance(was, dict) and isinstance(got, dict)):
+        return None
+    for key in ("step", "epoch", "batch"):
+        if key in was and key in got and was[key] != got[key]:
+            return key, was[key], got[key]
+    return None
+
+
+def _merge_rng(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RNG generators that went wrong alike (same kind, ranks and source) in one line: ``rank 1 resumed
+    with rank 0's RNG state (torch, numpy, Python random)``."""
+    out: list[dict[str, Any]] = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for f in findings:
+        if f["component"].startswith("rng.") and f["kind"] != "unequal":
+            key = (f["kind"], tuple(f["ranks"]), tuple(f["from_ranks"]), f.get("severity"))
+            if key not in groups:
+                groups[key] = []
+                out.append({"merge": key})
+            groups[key].append(f)
+        else:
+            out.append(f)
+    merged = []
+    for f in out:
+        if "merge" not in f:
+            merged.append(f)
+            continue
+        parts = groups[f["merge"]]
+        if len(parts) == 1:
+            merged.append(parts[0])
+            continue
+        names = ", ".join(_label(p["component"])[0].removesuffix(" RNG state").removesuffix(" state") for p in parts)
+        first = parts[0]
+        label = _label(first["component"])[0]
+        detail = first["detail"].replace(label, f"RNG state ({names})")
+        merged.append({**first, "component": "rng", "components": [p["component"] for p in parts], "detail": detail})
+    return merged
+
+
+def saved_differences(saved: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Findings at a save: a component meant to be equal on every replica that differed across ranks."""
+    ranks = sorted(saved, key=int)
+    out = []
+    for comp in sorted(set.intersection(*(set(saved[r]) for r in ranks)) if ranks else set()):
+        label, scope = _label(comp)
+        digests = {r: saved[r][comp]["digest"] for r in ranks}
+        if scope != "equal" or len(set(digests.values())) == 1:
+            continue
+        first = digests[ranks[0]]
+        odd = [int(r) for r in ranks if digests[r] != first]
+        out.append({
+            "component": comp, "kind": "unequal", "ranks": odd, "from_ranks": [],
+            "detail": f"the {label} differed across ranks when saved ({_ranks_text(odd, len(ranks))} held another "
+            f"than rank {ranks[0]}); it is meant to be equal on every replica",
+        })  # fmt: skip
+    return out
+
+
+def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Findings at a resume: each rank against its own saved digest (rank -> component -> entry, both).
+
+    Deterministic in its inputs: every rank that compares the same gathered data finds the same."""
+    ranks = sorted(saved, key=int)
+    if not ranks or sorted(now, key=int) != ranks:
+        return []
+    world = len(ranks)
+    comps = set.intersection(*(set(saved[r]) for r in ranks), *(set(now[r]) for r in ranks))
+    out: list[dict[str, Any]] = []
+    order = list(COMPONENTS)
+    for comp in sorted(comps, key=lambda c: (order.index(c) if c in order else len(order), c)):
+        label, _ = _label(comp)
+        s = {r: saved[r][comp]["digest"] for r in ranks}
+        n = {r: now[r][comp]["digest"] for r in ranks}
+        bad = [r for r in ranks if n[r] != s[r]]
+        if not bad:
+            continue
+        if len(set(s.values())) > 1 and len(bad) > 1 and len(set(n.values())) == 1:
+            src = [int(r) for r in ranks if s[r] == n[ranks[0]]]
+            whose = f" ({_ranks_text(src, world)}'s)" if src else ""
+            out.append({
+                "component": comp, "kind": "collapsed", "ranks": [int(r) for r in bad], "from_ranks": src,
+                "detail": f"every rank resumed at the same {label}{whose} although they saved different ones",
+            })  # fmt: skip
+            continue
+        lost = []
+        for r in bad:
+            others = [q for q in ranks if q != r and s[q] == n[r] and s[q] != s[r]]
+            if others:
+                out.append({
+                    "component": comp, "kind": "from_rank", "ranks": [int(r)], "from_ranks": [int(others[0])],
+                    "detail": f"rank {r} resumed with rank {others[0]}'s {label}",
+                })  # fmt: skip
+            else:
+                lost.append(r)
+        if lost:
+            moved = _moved(saved[lost[0]][comp], now[lost[0]][comp])
+            where = _ranks_text([int(r) for r in lost], world)
+            if moved is not None:
+                detail = f"the {label} restarted at {moved[0]} {moved[2]} (saved at {moved[0]} {moved[1]}) on {where}"
+            else:
+                detail = f"the {label} was not restored on {where} (neither what it saved nor another rank's)"
+            # A generator fresh on every rank is a policy (re-seeded at start), said as a note; one restored on
+            # some ranks only, a swap or a collapse is a resume that went wrong.
+            note = comp.startswith("rng.") and len(lost) == world
+            out.append({
+                "component": comp, "kind": "not_restored", "ranks": [int(r) for r in lost], "from_ranks": [],
+                "detail": detail, **({"severity": "note"} if note else {}),
+            })  # fmt: skip
+    return _merge_rng(out)
+
+
+def is_error(finding: Mapping[str, Any]) -> bool:
+    """A finding that makes a resume ``differs`` (all but a generator re-seeded on every rank: a note)."""
+    return finding.get("severity", "error") != "note"

@@ -1,0 +1,170 @@
+"""The bad machine handed on: where schedulers and restart agents look when a verdict names a host to evict.
+
+When a record names hosts to evict (a rank whose tensors read differently twice with no step between:
+``stability == "unstable"``; or, when the run ends with ``exit_code``, the odd ranks a reference majority
+disagrees with), this module writes, with no new dependency:
+
+- a plain JSON **evict file** at ``$WEIGHTSYNC_EVICT_FILE`` (schema ``weightsync-evict/1``: ``exit_code``,
+  ``step``, ``reason``, ``hosts``: one ``{"rank", "host", "where", "why"}`` per rank named, ``tensors``,
+  ``launch_id``), written by the group's first rank, atomically, that a Slurm or Kubernetes wrapper reads
+  (``weightsync-audit launch`` is one: it exits with the run's ``exit_code`` even when torchrun says 1);
+- the NVIDIA Resiliency Extension's **segment health-check file**: with
+  ``$WEIGHTSYNC_SEGMENT_HEALTH_DIR`` set (the folder given to ``ft_launcher
+  --ft-segment-health-check-dir``), each rank named writes, from its own Slurm environment,
+  ``segment_health_check.<job_id>.<task_id>`` (``SLURM_ARRAY_JOB_ID`` or ``SLURM_JOB_ID``;
+  ``SLURM_ARRAY_TASK_ID`` or the job id), non-empty: the launcher of that segment then keeps it out of
+  the next rendezvous (an empty or missing file means healthy);
+- the exit status, by the runner (``exit_code``).
+
+>>> from weightsync_audit.reporting.record import AuditResult, Mismatch
+>>> r = AuditResult(in_sync=False, step=6, epoch=0, world_size=2, action="raised",
+...                 mismatches=[Mismatch("w", "param", [1], [0], [2], "float32", None, "")],
+...                 hosts={"1": "node-7 local_rank=1 cpu pid=42"})
+>>> evict_targets(r, exiting=True)
+{1: 'odd rank under exit_code'}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = [
+    "EVICT_FILE_ENV",
+    "EVICT_SCHEMA",
+    "LAUNCH_ID_ENV",
+    "SEGMENT_DIR_ENV",
+    "evict_targets",
+    "hand_off",
+    "leave_together",
+    "read_evict",
+    "segment_health_file",
+    "write_evict",
+]
+
+EVICT_SCHEMA = "weightsync-evict/1"
+EVICT_FILE_ENV = "WEIGHTSYNC_EVICT_FILE"
+"""Where the JSON evict file goes (none written when unset)."""
+SEGMENT_DIR_ENV = "WEIGHTSYNC_SEGMENT_HEALTH_DIR"
+"""The NVIDIA Resiliency Extension's segment health-check folder (none written when unset)."""
+LAUNCH_ID_ENV = "WEIGHTSYNC_LAUNCH_ID"
+"""Set by ``weightsync-audit launch``: the evict file says which launch wrote it."""
+
+
+def evict_targets(result: AuditResult, *, exiting: bool) -> dict[int, str]:
+    """Global rank -> why its host is to be evicted, from the record alone (the same on every rank)."""
+    out: dict[int, str] = {}
+    for m in result.mismatches:
+        if getattr(m, "stability", None) == "unstable":
+            for r in m.ranks:
+                out[r] = "unstable: its tensors read differently twice with no step between (suspect hardware)"
+    if exiting:
+        for m in result.mismatches:
+            if m.reference_ranks and len(m.reference_ranks) >= len(m.ranks):  # a majority holds the reference
+                for r in m.ranks:
+                    out.setdefault(r, "odd rank under exit_code")
+    return dict(sorted(out.items()))
+
+
+def _host(where: str | None) -> str | None:
+    return where.split()[0] if where else None
+
+
+def segment_health_file(folder: str | os.PathLike[str], env: Mapping[str, str] | None = None) -> Path | None:
+    """This process's segment health-check file in ``folder`` (NVRx's name), or ``None`` outside Slurm.
+
+    >>> segment_health_file("/shared/health", {"SLURM_JOB_ID": "4242"}).name
+    'segment_health_check.4242.4242'
+    """
+    environ = os.environ if env is None else env
+    job = environ.get("SLURM_ARRAY_JOB_ID") or environ.get("SLURM_JOB_ID")
+    if not job:
+        return None
+    task = environ.get("SLURM_ARRAY_TASK_ID") or job
+    return Path(folder) / f"segment_health_check.{job}.{task}"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def write_evict(
+    result: AuditResult, *, rank: int, is_main: bool, exit_code: int | None, env: Mapping[str, str] | None = None
+) -> list[Path]:
+    """Write what the environment asks for (``$WEIGHTSYNC_EVICT_FILE``, ``$WEIGHTSYNC_SEGMENT_HEALTH_DIR``)
+    about ``result``; local (no message), never raises. ``rank``: this process's global rank. The paths
+    written on this rank come back."""
+    environ = os.environ if env is None else env
+    targets = evict_targets(result, exiting=exit_code is not None)
+    written: list[Path] = []
+    evict_file = environ.get(EVICT_FILE_ENV)
+    try:
+        if evict_file and is_main and (targets or exit_code is not None):
+            hosts = result.hosts or {}
+            doc: dict[str, Any] = {
+                "schema": EVICT_SCHEMA,
+                "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "launch_id": environ.get(LAUNCH_ID_ENV),
+                "attempt": int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                "exit_code": exit_code,
+                "step": result.step,
+                "reason": "diverged" if exit_code is not None else "hardware-suspect",
+                "hosts": [
+                    {"rank": r, "host": _host(hosts.get(str(r))), "where": hosts.get(str(r)), "why": why}
+                    for r, why in targets.items()
+                ],
+                "tensors": result.diverged_names[:20],
+            }
+            path = Path(evict_file)
+            _write_atomic(path, json.dumps(doc) + "\n")
+            written.append(path)
+        folder = environ.get(SEGMENT_DIR_ENV)
+        if folder and rank in targets:
+            path = segment_health_file(folder, environ)  # type: ignore[assignment]
+            if path is not None:
+                _write_atomic(path, f"weightsync: rank {rank} {targets[rank]} at step {result.step}\n")
+                written.append(path)
+    except OSError as exc:  # the hand-off never ends the run by itself; the exit status still says it
+        import warnings
+
+        from weightsync_audit.errors import WeightSyncWarning
+
+        warnings.warn(f"weightsync: could not write the evict hand-off: {exc}", WeightSyncWarning, stacklevel=2)
+    return written
+
+
+def read_evict(path: str | os.PathLike[str], launch_id: str | None = None) -> dict[str, Any] | None:
+    """The evict file at ``path`` (``None`` when absent, unreadable, another schema, or written by
+    another launch than ``launch_id``)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != EVICT_SCHEMA:
+        return None
+    if launch_id is not None and doc.get("launch_id") != launch_id:
+        return None
+    return doc
+
+
+def hand_off(result: AuditResult, comm: Any, is_main: bool, exit_code: int | None) -> list[Path]:
+    """:func:`write_evict` for this rank of ``comm`` (the audit channel: its global rank)."""
+    return write_evict(result, rank=comm.global_ranks[comm.rank], is_main=is_main, exit_code=exit_code)
+
+
+def leave_together(comm: Any, is_main: bool) -> None:
+    """Before every rank ends its process: wait until the first rank, which writes the record and the evict
+    file, is here too (one round, within the audit's timeout; a launcher kills the other workers as soon
+    as the first exits). A peer already gone is no reason to stay."""
+    try:
+        comm.share_bytes(0, b"" if is_main else None, "the exit")
+    except Exception:  # noqa: BLE001
+        pass

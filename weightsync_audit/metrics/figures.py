@@ -1,0 +1,117 @@
+"""The figures of one audit record that the metrics exporters publish, read from the record alone.
+
+Both exporters (:mod:`~weightsync_audit.metrics.prometheus`, :mod:`~weightsync_audit.metrics.otel`) publish
+these and only these, so a dashboard reads the same numbers whichever it scrapes. Nothing here imports an
+optional package.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from weightsync_audit.reporting.record import MISMATCH_KINDS, AuditResult
+
+__all__ = ["CHECKED_KINDS", "DURATION_BUCKETS", "Figures", "RankPlace", "record_figures"]
+
+DURATION_BUCKETS: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+"""The audit-seconds histogram's buckets: a millisecond (a small model) to a minute (hundreds of GB hashed)."""
+
+CHECKED_KINDS: tuple[str, ...] = ("param", "buffer", "optimizer", "grad")
+"""The kinds a record counts in ``checked`` (the labels of the per-kind figures)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class RankPlace:
+    """A rank a divergent record names, and where it runs (from the record's ``hosts``)."""
+
+    rank: int
+    """The global rank that disagrees with the reference copy of some tensor."""
+    host: str
+    """The machine (the first word of the record's ``hosts`` entry); ``unknown`` when the record has none."""
+    device: str
+    """The rest of the ``hosts`` entry (``local_rank=1 cuda:1 GPU-<uuid> ...``, ``cpu pid=4242``), or ``""``."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Figures:
+    """What one record says, as numbers (the same on every rank, published by the main process).
+
+    >>> f = record_figures(AuditResult(in_sync=True, step=7, checked={"param": 4, "buffer": 0, "optimizer": 2, "grad": 0}))
+    >>> f.in_sync, f.step, f.checked["param"], f.differing["param"], f.max_abs_diff
+    (True, 7, 4, 0, 0.0)
+    """
+
+    in_sync: bool
+    """Every audited tensor is equal on every rank."""
+    step: int | None
+    """The record's optimizer step."""
+    checked: dict[str, int]
+    """Tensors compared, per kind (``param``, ``buffer``, ``optimizer``, ``grad``)."""
+    differing: dict[str, int]
+    """Tensors that differ, per kind (the checked kinds and ``structure``); all 0 when in sync."""
+    beyond_tolerance: int
+    """Differing tensors that count (not held within a ``tolerance``)."""
+    max_abs_diff: float
+    """The largest measured gap (``max_abs_diff``) over the mismatches: 0.0 in sync, NaN when diverged and
+    no gap was measured (a structural mismatch, too many tensors, a gap that did not fit its budget)."""
+    max_rel_diff: float
+    """The largest measured ``rel_diff``; 0.0 in sync, NaN when none was measured."""
+    audit_seconds: float
+    """How long the audit took on rank 0 (the record's ``duration_ms`` / 1000)."""
+    nonfinite_tensors: int | None
+    """With ``check_finite``: tensors holding NaN or inf (the record's ``nonfinite_count``), else None."""
+    action: str
+    """``none``, ``warned``, ``raised``, ``resynced``."""
+    ranks: tuple[RankPlace, ...] = field(default=())
+    """The ranks a divergent record names (those that disagree with the reference), with their machine."""
+
+
+def _largest(values: list[float | None], in_sync: bool) -> float:
+    measured = [v for v in values if v is not None and math.isfinite(v)]
+    if in_sync:
+        return 0.0
+    return max(measured) if measured else math.nan
+
+
+def record_figures(record: AuditResult) -> Figures:
+    """Read :class:`Figures` from a record (an :class:`~weightsync_audit.AuditResult`)."""
+    differing = dict.fromkeys((*CHECKED_KINDS, *(k for k in MISMATCH_KINDS if k not in CHECKED_KINDS)), 0)
+    for m in record.mismatches:
+        differing[m.kind] = differing.get(m.kind, 0) + 1
+    hosts = record.hosts or {}
+    places = []
+    for rank in sorted({r for m in record.mismatches for r in m.ranks}):
+        where = hosts.get(str(rank), "").split(None, 1)
+        places.append(
+            RankPlace(rank=rank, host=where[0] if where else "unknown", device=where[1] if len(where) > 1 else "")
+        )
+    return Figures(
+        in_sync=record.in_sync,
+        step=record.step,
+        checked={k: int(record.checked.get(k, 0)) for k in CHECKED_KINDS},
+        differing=differing,
+        beyond_tolerance=len(record.beyond_tolerance),
+        max_abs_diff=_largest([m.max_abs_diff for m in record.mismatches], record.in_sync),
+        max_rel_diff=_largest([m.rel_diff for m in record.mismatches], record.in_sync),
+        audit_seconds=float(record.duration_ms) / 1e3,
+        nonfinite_tensors=record.nonfinite_count,
+        action=record.action,
+        ranks=tuple(places),
+    )

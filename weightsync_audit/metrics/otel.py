@@ -1,0 +1,108 @@
+"""Audit figures as OpenTelemetry metrics, through the meter of an OpenTelemetry ``MeterProvider``.
+
+:class:`OpenTelemetrySink` is a record sink (``sinks=[...]``): the main process (global rank 0) hands it every
+record and it records the figures of :mod:`~weightsync_audit.metrics.figures` on synchronous instruments
+(gauges, counters, a histogram) of the ``weightsync_audit`` meter. Where they go is the provider's
+business: an OTLP exporter to a collector, the Prometheus exporter, an in-memory reader in tests (extra
+``weightsync-audit[otel]``; the SDK's ``MeterProvider``, or the global one set by the application).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import metrics
+
+from weightsync_audit.metrics.figures import CHECKED_KINDS, DURATION_BUCKETS, record_figures
+from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.version import __version__
+
+__all__ = ["OpenTelemetrySink"]
+
+
+class OpenTelemetrySink:
+    """Record each audit on OpenTelemetry instruments named ``weightsync.*``.
+
+    Args:
+        meter_provider: the provider whose meter records (default: the global one, which the
+            application sets with ``opentelemetry.metrics.set_meter_provider``).
+        prefix: the instruments' name prefix.
+
+    >>> from opentelemetry.sdk.metrics import MeterProvider
+    >>> from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    >>> reader = InMemoryMetricReader()
+    >>> sink = OpenTelemetrySink(meter_provider=MeterProvider(metric_readers=[reader]))
+    >>> sink.write(AuditResult(in_sync=True, step=3, world_size=2))
+    >>> [m.name for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics][:2]
+    ['weightsync.in_sync', 'weightsync.step']
+    """
+
+    def __init__(self, *, meter_provider: Any = None, prefix: str = "weightsync") -> None:
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError(f"prefix={prefix!r}: must be a non-empty instrument name prefix")
+        self.meter = metrics.get_meter("weightsync_audit", __version__, meter_provider=meter_provider)
+        m, p = self.meter, prefix
+        self.in_sync = m.create_gauge(
+            f"{p}.in_sync", unit="1", description="1 when the last audit found every replica equal"
+        )
+        self.step = m.create_gauge(f"{p}.step", unit="{step}", description="The optimizer step of the last audit")
+        self.checked = m.create_gauge(f"{p}.tensors.checked", unit="{tensor}", description="Tensors compared, per kind")
+        self.differing = m.create_gauge(
+            f"{p}.tensors.differing", unit="{tensor}", description="Tensors that differ, per kind"
+        )
+        self.beyond = m.create_gauge(
+            f"{p}.tensors.beyond_tolerance",
+            unit="{tensor}",
+            description="Differing tensors not held within the tolerance",
+        )
+        self.gap = m.create_gauge(f"{p}.gap.max_abs", description="Largest measured gap (0 in sync, NaN: not measured)")
+        self.rel_gap = m.create_gauge(f"{p}.gap.max_rel", unit="1", description="Largest measured relative gap")
+        self.nonfinite = m.create_gauge(
+            f"{p}.tensors.nonfinite", unit="{tensor}", description="Tensors holding NaN or inf"
+        )
+        self.duration = m.create_histogram(
+            f"{p}.audit.duration",
+            unit="s",
+            description="Seconds each audit took on rank 0",
+            explicit_bucket_boundaries_advisory=DURATION_BUCKETS,
+        )
+        self.audits = m.create_counter(f"{p}.audits", unit="{audit}", description="Audits run")
+        self.diverged = m.create_counter(
+            f"{p}.audits.diverged", unit="{audit}", description="Audits that found the replicas apart"
+        )
+        self.resyncs = m.create_counter(
+            f"{p}.resyncs", unit="{audit}", description="Audits whose divergence was resynced"
+        )
+        self.rank = m.create_gauge(
+            f"{p}.diverged_rank",
+            unit="1",
+            description="1 for each rank the last audit found apart (0 once it agrees again)",
+        )
+        self._named: set[tuple[str, str, str]] = set()
+
+    def write(self, record: AuditResult) -> None:
+        """Record the figures of ``record``; called on the main process."""
+        f = record_figures(record)
+        self.in_sync.set(int(f.in_sync))
+        if f.step is not None:
+            self.step.set(f.step)
+        for kind in CHECKED_KINDS:
+            self.checked.set(f.checked[kind], {"kind": kind})
+        for kind, n in f.differing.items():
+            self.differing.set(n, {"kind": kind})
+        self.beyond.set(f.beyond_tolerance)
+        self.gap.set(f.max_abs_diff)
+        self.rel_gap.set(f.max_rel_diff)
+        if f.nonfinite_tensors is not None:
+            self.nonfinite.set(f.nonfinite_tensors)
+        self.duration.record(f.audit_seconds)
+        self.audits.add(1)
+        if not f.in_sync:
+            self.diverged.add(1)
+        if f.action == "resynced":
+            self.resyncs.add(1)
+        # A gauge keeps every attribute set it saw: a rank named before and not now goes back to 0.
+        now = {(str(p.rank), p.host, p.device) for p in f.ranks}
+        for rank, host, device in sorted(self._named | now):
+            self.rank.set(int((rank, host, device) in now), {"rank": rank, "host": host, "device": device})
+        self._named |= now

@@ -1,0 +1,171 @@
+"""Audit figures as Prometheus metrics: an HTTP endpoint to scrape, a node_exporter textfile, or both.
+
+:class:`PrometheusSink` is a record sink (``sinks=[...]`` in the callbacks and :class:`~weightsync_audit.LoopAudit`):
+the main process (global rank 0) hands it every record and it sets the metrics of
+:mod:`~weightsync_audit.metrics.figures` with the official client, ``prometheus_client`` (extra
+``weightsync-audit[prometheus]``). The endpoint starts with the first record, so that only the process that
+exports binds the port (every worker builds the callback; only rank 0 writes). docs/metrics.md lists the
+metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, write_to_textfile
+
+from weightsync_audit.metrics.figures import CHECKED_KINDS, DURATION_BUCKETS, record_figures
+from weightsync_audit.reporting.jsonl import check_report_path
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["PrometheusSink"]
+
+_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+class PrometheusSink:
+    """Publish each audit record as Prometheus metrics (``weightsync_in_sync``, ``weightsync_tensors_differing`` ...).
+
+    Args:
+        port: serve ``/metrics`` on this port from the first record on (``0``: a free port, then read
+            :attr:`port`); ``None``: no endpoint (a ``registry`` you serve, or a ``textfile``).
+        addr: the address the endpoint listens on (``0.0.0.0``, as prometheus_client's own, for a
+            Prometheus server on another machine; ``127.0.0.1`` keeps it on this one).
+        textfile: write the metrics to this file after every record (atomically, for node_exporter's
+            textfile collector: a ``.prom`` file in its ``--collector.textfile.directory``).
+        registry: the ``CollectorRegistry`` to register in (default: one of its own, so that two sinks in
+            one process never collide; pass ``prometheus_client.REGISTRY`` to join the process's own).
+        namespace: the metric names' prefix.
+
+    >>> sink = PrometheusSink()
+    >>> sink.write(AuditResult(in_sync=True, step=3, world_size=2))
+    >>> sink.registry.get_sample_value("weightsync_in_sync"), sink.registry.get_sample_value("weightsync_step")
+    (1.0, 3.0)
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        addr: str = "0.0.0.0",
+        textfile: str | os.PathLike[str] | None = None,
+        registry: CollectorRegistry | None = None,
+        namespace: str = "weightsync",
+    ) -> None:
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"port={port!r}: must be an integer from 0 (a free port) to 65535, or None")
+        if not isinstance(namespace, str) or not _NAME.match(namespace):
+            raise ValueError(f"namespace={namespace!r}: must be a Prometheus name ([a-zA-Z_][a-zA-Z0-9_]*)")
+        self.textfile = None if textfile is None else str(check_report_path(textfile, "textfile"))
+        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
+        self.addr = addr
+        self.namespace = namespace
+        self.port = port
+        """The endpoint's port (the one bound when ``port=0`` was asked, once it serves)."""
+        self._server: Any = None
+        ns, reg = namespace, self.registry
+        self.in_sync = Gauge(
+            "in_sync", "1 when the last audit found every replica equal, else 0", namespace=ns, registry=reg
+        )
+        self.step = Gauge("step", "The optimizer step of the last audit", namespace=ns, registry=reg)
+        self.checked = Gauge(
+            "tensors_checked", "Tensors compared by the last audit", ["kind"], namespace=ns, registry=reg
+        )
+        self.differing = Gauge(
+            "tensors_differing", "Tensors that differ across ranks", ["kind"], namespace=ns, registry=reg
+        )
+        self.beyond = Gauge(
+            "tensors_beyond_tolerance", "Differing tensors not held within the tolerance", namespace=ns, registry=reg
+        )
+        self.gap = Gauge(
+            "max_abs_diff", "Largest measured gap (0 in sync, NaN: not measured)", namespace=ns, registry=reg
+        )
+        self.rel_gap = Gauge(
+            "max_rel_diff", "Largest measured relative gap (0 in sync, NaN: not measured)", namespace=ns, registry=reg
+        )
+        self.nonfinite: Gauge | None = None  # made at the first record that counts (check_finite=True)
+        self.duration = Histogram(
+            "audit_duration_seconds",
+            "Seconds each audit took on rank 0",
+            namespace=ns,
+            registry=reg,
+            buckets=DURATION_BUCKETS,
+        )
+        self.audits = Counter("audits", "Audits run", namespace=ns, registry=reg)
+        self.diverged = Counter("diverged_audits", "Audits that found the replicas apart", namespace=ns, registry=reg)
+        self.resyncs = Counter("resyncs", "Audits whose divergence was resynced", namespace=ns, registry=reg)
+        self.rank = Gauge(
+            "diverged_rank",
+            "1 for each rank the last audit found apart from the reference, with its machine",
+            ["rank", "host", "device"],
+            namespace=ns,
+            registry=reg,
+        )
+
+    def serve(self) -> int:
+        """Start the ``/metrics`` endpoint now (it starts with the first record otherwise); returns the port."""
+        if self._server is None:
+            if self.port is None:
+                raise ValueError("PrometheusSink(port=None) serves no endpoint; give port= (0: a free one)")
+            self._server, _ = start_http_server(self.port, addr=self.addr, registry=self.registry)
+            self.port = int(self._server.server_port)
+        return int(self.port)
+
+    @property
+    def url(self) -> str | None:
+        """``http://ADDR:PORT/metrics`` once the endpoint serves, else None."""
+        if self._server is None:
+            return None
+        host = "127.0.0.1" if self.addr in ("0.0.0.0", "") else self.addr
+        return f"http://{host}:{self.port}/metrics"
+
+    def write(self, record: AuditResult) -> None:
+        """Set the metrics from ``record`` (and rewrite the textfile); called on the main process."""
+        f = record_figures(record)
+        self.in_sync.set(float(f.in_sync))
+        if f.step is not None:
+            self.step.set(f.step)
+        for kind in CHECKED_KINDS:
+            self.checked.labels(kind=kind).set(f.checked[kind])
+        for kind, n in f.differing.items():
+            self.differing.labels(kind=kind).set(n)
+        self.beyond.set(f.beyond_tolerance)
+        self.gap.set(f.max_abs_diff)
+        self.rel_gap.set(f.max_rel_diff)
+        if f.nonfinite_tensors is not None:
+            if self.nonfinite is None:
+                self.nonfinite = Gauge(
+                    "nonfinite_tensors",
+                    "Audited tensors holding NaN or inf",
+                    namespace=self.namespace,
+                    registry=self.registry,
+                )
+            self.nonfinite.set(f.nonfinite_tensors)
+        self.duration.observe(f.audit_seconds)
+        self.audits.inc()
+        if not f.in_sync:
+            self.diverged.inc()
+        if f.action == "resynced":
+            self.resyncs.inc()
+        self.rank.clear()
+        for place in f.ranks:
+            self.rank.labels(rank=str(place.rank), host=place.host, device=place.device).set(1)
+        if self.port is not None:
+            self.serve()
+        if self.textfile is not None:
+            write_to_textfile(self.textfile, self.registry)
+
+    def close(self) -> None:
+        """Stop the endpoint (the metrics stay in the registry)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> PrometheusSink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
