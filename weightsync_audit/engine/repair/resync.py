@@ -93,12 +93,9 @@ def resync(
         return
     optimizers, module = as_optimizers(optimizer), stage_module(module)  # a PipelineStage: its stage module
     wanted = set(names) if names is not None else None
-    if declares_groups(module):  # pipeline stages, expert groups: each within its group (every rank alike)
-        return resync_held(
-            comm, _entries(module, optimizers, wanted) + _held_grads(module, optimizers, grads, wanted), src
-        )
-    picked = _entries(module, optimizers, wanted)
-    entries, held = _split(picked)
+    if _declared_resync(comm, module, optimizers, wanted, grads, src):  # pipeline stages, expert groups
+        return
+    entries, held = _split(picked := _entries(module, optimizers, wanted))
     grad_entries = _grad_entries(comm, module, grads, wanted)
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
@@ -108,8 +105,7 @@ def resync(
     held_copies = plan_held_copies(comm, held, src, is_derived) if table[:, 2].any() else []
     if not (table[:, :2] == table[0, :2]).all():
         entries = _reconcile(comm, src, entries, optimizers, module, picked)
-        if wanted is not None:
-            entries = [e for e in entries if e.name in wanted]
+        entries = [e for e in entries if wanted is None or e.name in wanted]
         again = comm.exchange(
             np.array([structure_digest(entries, devices=False), len(entries)], dtype=np.int64), "the resync"
         )
@@ -119,8 +115,7 @@ def resync(
                 "not in the same order); rebuild the optimizer the same way on every rank"
             )
 
-    # Tensors (parameters, buffers, optimizer state tensors) are overwritten in place; Python values
-    # (learning rates, integer steps) are replaced in their dict.
+    # Tensors are overwritten in place; Python values (learning rates, integer steps) replaced in their dict.
     value_entries = [e for e in entries if e.container is not None and not isinstance(e.container[e.key], torch.Tensor)]
     tensor_entries = [
         e
@@ -182,6 +177,23 @@ def _entries(module: nn.Module | None, optimizers: list[torch.optim.Optimizer], 
     manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
     assign_replicas(manifest, module, optimizers)
     return [e for e in manifest.entries if wanted is None or e.name in wanted]
+
+
+def _declared_resync(
+    comm: Comm,
+    module: nn.Module | None,
+    optimizers: list[torch.optim.Optimizer],
+    wanted: set[str] | None,
+    grads: bool | Sequence[str],
+    src: int,
+) -> bool:
+    """Pipeline stages and expert groups (declared, or a ``PipelineStage`` handed over): each tensor copied
+    within its group only (:mod:`.held_resync`); the path follows the module's declaration, the same on
+    every rank. ``False``: no such layout, nothing done."""
+    if not declares_groups(module):
+        return False
+    resync_held(comm, _entries(module, optimizers, wanted) + _held_grads(module, optimizers, grads, wanted), src)
+    return True
 
 
 def _held_grads(
