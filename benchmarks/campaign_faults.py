@@ -24,7 +24,7 @@ from campaign_oracle import snapshot, snapshot_fsdp1
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from weightsync_audit import Auditor
+from weightsync_audit import Auditor, declare_replicas
 
 FAULTS: dict[str, str] = {
     "flip_param_high": "one exponent bit (23-30) of one float32 parameter element flipped",
@@ -59,6 +59,8 @@ CONTROLS: dict[str, str] = {
 PARTIAL: dict[str, str] = {
     "fsdp1_state_lost": "FSDP1 FULL_SHARD in place of DDP: one rank's optimizer state lost (opt.state cleared, "
     "as after a failed load) after a step; its shards' state has no replica",
+    "stage_replica_frozen": "pipeline stages declared with declare_replicas (2 stages x 2 replicas on 4 ranks, one "
+    "stage on 2), no DDP, gradients averaged within each stage's group: a parameter frozen on one replica after its step",
 }
 """Partial-replica faults: tensors held by some ranks only (run by name: ``--kinds``)."""
 
@@ -192,6 +194,9 @@ class Injector:
         if kind == "fsdp1_state_lost":
             self.opt.state.clear()
             return
+        if kind == "stage_replica_frozen":  # after its step: an audit at this step sees the flag alone
+            p.requires_grad_(False)
+            return
         state = self.opt.state[p]
         if kind in ("flip_param_high", "flip_param_low"):
             _flip_bit(p, i, self.spec.bit)
@@ -223,8 +228,10 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
     """One run on this rank: the audit records (identical on every rank) and this rank's per-step snapshots."""
     torch.manual_seed(spec.seed % 2**31)
     model = make_model()
-    fsdp1 = spec.kind == "fsdp1_state_lost"
-    if fsdp1:
+    fsdp1, staged = spec.kind == "fsdp1_state_lost", spec.kind == "stage_replica_frozen"
+    if staged:
+        model, ddp, group, stage = _stage(spec, rank, world)
+    elif fsdp1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
 
@@ -246,16 +253,41 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
         loss = (ddp(x) - x @ w_true).pow(2).mean()
         opt.zero_grad()
         loss.backward()
+        if staged:
+            _average_grads(model, group)
         inject.before_optimizer_step(step)
         if not inject.skips_step(step):
             opt.step()
         inject.after_optimizer_step(step)
         oracle[step] = snapshot_fsdp1(ddp, opt) if fsdp1 else snapshot(model, opt)
+        if staged:  # named as the audit names a declared stage's tensors
+            oracle[step] = {f"stage{stage}.{k}": v for k, v in oracle[step].items()}
         if not inject.skips_record(step):
             auditor.record_step(step)
         if step % spec.cadence == 0:
             records.append(_same_everywhere(auditor.audit(step=step).to_dict()))
     return {"records": records, "oracle": oracle}
+
+
+def _stage(spec: RunSpec, rank: int, world: int) -> tuple[nn.Module, nn.Module, Any, int]:
+    """This rank's pipeline stage (stage ``rank % stages``, 2 stages from 4 ranks, else 1), its own weights
+    (seeded by stage), declared with its data-parallel group; every rank creates every group, in order."""
+    stages = 2 if world >= 4 else 1
+    groups = [dist.new_group([r for r in range(world) if r % stages == s]) for s in range(stages)]
+    stage = rank % stages
+    torch.manual_seed(spec.seed % 2**31 + stage)
+    model = declare_replicas(make_model(), stage=stage, stage_group=groups[stage])
+    return model, model, groups[stage], stage
+
+
+def _average_grads(model: nn.Module, group: Any) -> None:
+    """DDP's all-reduce by hand within the stage's group (a frozen parameter contributes zeros)."""
+    n = dist.get_world_size(group)
+    for p in model.parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, group=group)
+        if p.grad is not None:
+            p.grad.div_(n)
 
 
 def _same_everywhere(record: dict[str, Any]) -> dict[str, Any]:

@@ -102,9 +102,14 @@ def diverged(oracles: list[dict[int, Snapshot]], step: int, facets: bool = False
     A differing trainable flag counts under the parameter's name (``facets=True`` keeps the key apart)."""
     snaps = [o.get(step, {}) for o in oracles]
     names = sorted(set().union(*snaps))
+    stages = [{k.split(".", 1)[0] for k in s if k.startswith("stage")} for s in snaps]
     out = {}
     for n in names:
-        if _held_only(n, snaps):
+        stage = n.split(".", 1)[0] if n.startswith("stage") else None
+        if stage is not None:  # a pipeline stage's value: compared among that stage's ranks, absent or not
+            group = [r for r in range(len(snaps)) if stage in stages[r]]
+            ranks = [group[i] for i in odd_ranks([snaps[r].get(n, b"<absent>") for r in group])]
+        elif _held_only(n, snaps):
             holders = [r for r, s in enumerate(snaps) if n in s]
             ranks = [holders[i] for i in odd_ranks([snaps[r][n] for r in holders])]
         else:
