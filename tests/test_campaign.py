@@ -141,3 +141,15 @@ def test_fsdp1_state_lost_on_one_rank_is_found_at_the_audit_of_that_very_step_an
     assert r["missed_audits"] == 0 and r["false_alarm_audits"] == 0, r  # no in-sync verdict while bytes differed
     assert r["reported"] == {"fsdp1.optimizer_state_held._flat_param": [1]}, r["reported"]
     assert r["pinpoint"] == "unavailable" and not r["exact"], r  # never a date pinpoint cannot know
+
+
+def test_stage_replica_frozen_is_found_at_the_audit_of_that_very_step_and_named() -> None:
+    """Run 4 of the seed on 4 ranks (2 stages x 2 replicas): the parameter is frozen after step 8's optimizer
+    step and the audit runs at 8, where only the trainable flag differs within the stage's group."""
+    spec = make_spec(4, "stage_replica_frozen", 4, SEED)
+    assert spec.kind in PARTIAL and spec.fault_step % spec.cadence == 0
+    (r,) = execute([spec], run_timeout_s=90)
+    assert r["error"] is None and not r["hang"] and r["true_first_step"] == spec.fault_step, r
+    assert r["detected"] and r["detected_step"] == spec.fault_step and r["localized"], r
+    assert r["missed_audits"] == 0 and r["false_alarm_audits"] == 0, r  # no in-sync verdict while bytes differed
+    assert r["pinpoint"] == "unavailable" and not r["exact"], r
