@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from campaign_oracle import snapshot, snapshot_fsdp1
+from campaign_oracle import EXPERT_GROUP, snapshot, snapshot_fsdp1
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -61,6 +61,9 @@ PARTIAL: dict[str, str] = {
     "as after a failed load) after a step; its shards' state has no replica",
     "stage_replica_frozen": "pipeline stages declared with declare_replicas (2 stages x 2 replicas on 4 ranks, one "
     "stage on 2), no DDP, gradients averaged within each stage's group: a parameter frozen on one replica after its step",
+    "expert_missing": "the last layer declared as the experts with declare_replicas (groups {0, 2} and {1, 3} on 4 "
+    "ranks, each its own expert; {0, 1} on 2), no DDP: one rank loses its expert's bias (from the module and the "
+    "optimizer, as after a partial load) after its step",
 }
 """Partial-replica faults: tensors held by some ranks only (run by name: ``--kinds``)."""
 
@@ -197,6 +200,13 @@ class Injector:
         if kind == "stage_replica_frozen":  # after its step: an audit at this step sees the flag alone
             p.requires_grad_(False)
             return
+        if kind == "expert_missing":  # the expert's bias gone from the module and from the optimizer
+            bias = self.model[3].bias
+            self.model[3].register_parameter("bias", None)
+            for group in self.opt.param_groups:
+                group["params"] = [q for q in group["params"] if q is not bias]
+            self.opt.state.pop(bias, None)
+            return
         state = self.opt.state[p]
         if kind in ("flip_param_high", "flip_param_low"):
             _flip_bit(p, i, self.spec.bit)
@@ -229,8 +239,12 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
     torch.manual_seed(spec.seed % 2**31)
     model = make_model()
     fsdp1, staged = spec.kind == "fsdp1_state_lost", spec.kind == "stage_replica_frozen"
+    experts = spec.kind == "expert_missing"
     if staged:
         model, ddp, group, stage = _stage(spec, rank, world)
+    elif experts:
+        model, ddp, group, stage = _experts(spec, rank, world)
+        shapes = [(n, p.shape) for n, p in model.named_parameters()]
     elif fsdp1:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
@@ -255,6 +269,8 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
         loss.backward()
         if staged:
             _average_grads(model, group)
+        elif experts:
+            _average_expert_grads(model, shapes, group)
         inject.before_optimizer_step(step)
         if not inject.skips_step(step):
             opt.step()
@@ -262,6 +278,8 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
         oracle[step] = snapshot_fsdp1(ddp, opt) if fsdp1 else snapshot(model, opt)
         if staged:  # named as the audit names a declared stage's tensors
             oracle[step] = {f"stage{stage}.{k}": v for k, v in oracle[step].items()}
+        elif experts:  # which experts this rank holds: the oracle compares them within the group
+            oracle[step][EXPERT_GROUP] = str(stage).encode()
         if not inject.skips_record(step):
             auditor.record_step(step)
         if step % spec.cadence == 0:
@@ -278,6 +296,31 @@ def _stage(spec: RunSpec, rank: int, world: int) -> tuple[nn.Module, nn.Module, 
     torch.manual_seed(spec.seed % 2**31 + stage)
     model = declare_replicas(make_model(), stage=stage, stage_group=groups[stage])
     return model, model, groups[stage], stage
+
+
+def _experts(spec: RunSpec, rank: int, world: int) -> tuple[nn.Module, nn.Module, Any, int]:
+    """This rank's model: the dense layers alike everywhere, the last layer its expert group's own (2 groups
+    from 4 ranks, else 1), declared with ``experts="3.*"`` and the group; every rank creates every group."""
+    n = 2 if world >= 4 else 1
+    groups = [dist.new_group([r for r in range(world) if r % n == c]) for c in range(n)]
+    coord = rank % n
+    model = make_model()
+    torch.manual_seed(spec.seed % 2**31 + 100 + coord)
+    model[3].reset_parameters()
+    return declare_replicas(model, experts="3.*", expert_group=groups[coord]), model, groups[coord], coord
+
+
+def _average_expert_grads(model: nn.Module, shapes: list[tuple[str, Any]], group: Any) -> None:
+    """Dense gradients averaged over every rank, the expert's within its group; a tensor this rank lost
+    contributes zeros (the same collectives on every rank)."""
+    params = dict(model.named_parameters())
+    for name, shape in shapes:
+        p = params.get(name)
+        g = p.grad if p is not None and p.grad is not None else torch.zeros(shape)
+        where = group if name.startswith("3.") else None
+        dist.all_reduce(g, group=where)
+        if p is not None and p.grad is not None:
+            p.grad.div_(dist.get_world_size(where))
 
 
 def _average_grads(model: nn.Module, group: Any) -> None:

@@ -87,6 +87,11 @@ def _held_only(n: str, snaps: list[Snapshot]) -> bool:
     return any(HELD + n.rsplit(".", 1)[0] in s for s in snaps)
 
 
+EXPERT_GROUP = "__expert_group__"
+"""In an expert run's snapshot: which expert group the rank belongs to (its experts, ``3.*``, are compared
+within the group; the key itself differs by design and is no fact)."""
+
+
 def odd_ranks(values: list[bytes]) -> list[int]:
     """The ranks outside the reference group: the largest group of equal bytes, a tie to the lowest rank."""
     groups: dict[bytes, list[int]] = {}
@@ -106,7 +111,14 @@ def diverged(oracles: list[dict[int, Snapshot]], step: int, facets: bool = False
     out = {}
     for n in names:
         stage = n.split(".", 1)[0] if n.startswith("stage") else None
-        if stage is not None:  # a pipeline stage's value: compared among that stage's ranks, absent or not
+        if n == EXPERT_GROUP:
+            continue
+        if n.startswith("3.") and EXPERT_GROUP in snaps[0]:  # an expert: within each group, absent or not
+            ranks = []
+            for c in sorted({s[EXPERT_GROUP] for s in snaps}):
+                group = [r for r, s in enumerate(snaps) if s[EXPERT_GROUP] == c]
+                ranks += [group[i] for i in odd_ranks([snaps[r].get(n, b"<absent>") for r in group])]
+        elif stage is not None:  # a pipeline stage's value: compared among that stage's ranks, absent or not
             group = [r for r in range(len(snaps)) if stage in stages[r]]
             ranks = [group[i] for i in odd_ranks([snaps[r].get(n, b"<absent>") for r in group])]
         elif _held_only(n, snaps):

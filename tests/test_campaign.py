@@ -153,3 +153,16 @@ def test_stage_replica_frozen_is_found_at_the_audit_of_that_very_step_and_named(
     assert r["detected"] and r["detected_step"] == spec.fault_step and r["localized"], r
     assert r["missed_audits"] == 0 and r["false_alarm_audits"] == 0, r  # no in-sync verdict while bytes differed
     assert r["pinpoint"] == "unavailable" and not r["exact"], r
+
+
+def test_expert_missing_on_one_rank_of_its_group_is_found_and_named_with_its_state() -> None:
+    """Run 0 of the seed on 4 ranks: one rank loses its expert's bias (module and optimizer) after a step;
+    the next audit names the bias and its Adam state on that rank only (the oracle compares within groups)."""
+    spec = make_spec(4, "expert_missing", 0, SEED)
+    assert spec.kind in PARTIAL
+    (r,) = execute([spec], run_timeout_s=90)
+    assert r["error"] is None and not r["hang"] and r["true_first_step"] == spec.fault_step, r
+    assert r["detected"] and r["localized"] and r["missed_audits"] == 0 and r["false_alarm_audits"] == 0, r
+    assert r["reported"] == {
+        n: [spec.fault_rank] for n in ("3.bias", "3.bias.exp_avg", "3.bias.exp_avg_sq", "3.bias.step")
+    }
