@@ -203,6 +203,12 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
         return module._forward_module  # Lightning < 2.2
     if "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__} and isinstance(module.module, nn.Module):
         return module.module  # deepspeed.DeepSpeedEngine (also Lightning's and Accelerate's)
+    if type(module).__module__.startswith("megatron.") and {c.__name__ for c in type(module).__mro__} & {
+        "_BaseDataParallel",
+        "Float16Module",
+    }:
+        inner = getattr(module, "module", None)
+        return inner if isinstance(inner, nn.Module) else None  # Megatron-core's DDP and its fp16/bf16 wrapper
     return None
 
 
