@@ -124,3 +124,52 @@ def test_megatron_layouts_compare_each_tensor_among_its_holders_and_name_a_plant
                     assert row[what] == [], (rank, row["layout"], what, row[what])
                 else:
                     assert row[what] == [(prefix + name, kind, (3,))], (rank, row["layout"], what, row[what])
+
+
+def _real_gpt_tp2(rank: int, world: int) -> dict[str, Any]:
+    """Megatron's own GPTModel on tp=2 x dp=2; tensor-parallel rank 1 (ranks 1 and 3) drifts in a LayerNorm
+    that every tensor-parallel rank must hold alike (pytorch#160169's kind of drift)."""
+    import contextlib
+
+    from gpu_megatron import build_gpt
+    from megatron.core.utils import check_param_hashes_across_dp_replicas
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2)
+    try:
+        torch.manual_seed(0)
+        model = build_gpt()
+        healthy = audit(model, timeout_s=10)
+        if ps.get_tensor_model_parallel_rank() == 1:
+            with torch.no_grad():
+                model.decoder.final_layernorm.weight[0] += 1e-3
+        drifted = audit(model, timeout_s=10)
+
+        @contextlib.contextmanager
+        def cuda_is_identity():  # Megatron's check moves its 20-byte hashes to CUDA before gathering them
+            cuda = torch.Tensor.cuda
+            torch.Tensor.cuda = lambda self, *a, **k: self
+            try:
+                yield
+            finally:
+                torch.Tensor.cuda = cuda
+
+        with cuda_is_identity():
+            megatron_says_same = check_param_hashes_across_dp_replicas([model], cross_check=True)
+        return {
+            "healthy": healthy.in_sync,
+            "checked": healthy.to_dict()["checked"]["param"],
+            "params": len(list(model.parameters())),
+            "drifted": [(m.name, m.ranks, m.reference_ranks) for m in drifted.mismatches],
+            "megatron_says_same": megatron_says_same,
+        }
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_a_real_megatron_gpt_audits_in_sync_and_a_tensor_parallel_duplicate_drift_megatron_misses_is_named() -> None:
+    pytest.importorskip("megatron.core.models.gpt")
+    for rank, r in enumerate(run_ranks(_real_gpt_tp2, 4, timeout=120)):
+        assert r["healthy"] and r["checked"] == r["params"], (rank, r)
+        assert r["drifted"] == [("decoder.final_layernorm.weight", [1, 3], [0, 2])], (rank, r)
+        # Megatron's own check compares data-parallel replicas only: ranks 1 and 3 agree with each other.
+        assert r["megatron_says_same"], (rank, r)
