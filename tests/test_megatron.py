@@ -141,7 +141,7 @@ def _real_gpt_tp2(rank: int, world: int) -> dict[str, Any]:
         healthy = audit(model, timeout_s=10)
         if ps.get_tensor_model_parallel_rank() == 1:
             with torch.no_grad():
-                model.decoder.final_layernorm.weight[0] += 1e-3
+                model.decoder.final_layernorm.weight[0] += 0.5
         drifted = audit(model, timeout_s=10)
 
         @contextlib.contextmanager
@@ -155,12 +155,18 @@ def _real_gpt_tp2(rank: int, world: int) -> dict[str, Any]:
 
         with cuda_is_identity():
             megatron_says_same = check_param_hashes_across_dp_replicas([model], cross_check=True)
+        # Megatron's bf16 wrapper is looked through: the names stay the model's own.
+        from megatron.core.transformer.module import Float16Module
+
+        model.config.bf16 = True
+        wrapped = audit(Float16Module(model.config, model), timeout_s=10)
         return {
             "healthy": healthy.in_sync,
             "checked": healthy.to_dict()["checked"]["param"],
             "params": len(list(model.parameters())),
             "drifted": [(m.name, m.ranks, m.reference_ranks) for m in drifted.mismatches],
             "megatron_says_same": megatron_says_same,
+            "wrapped": [(m.name, m.ranks) for m in wrapped.mismatches],
         }
     finally:
         ps.destroy_model_parallel()
@@ -173,3 +179,4 @@ def test_a_real_megatron_gpt_audits_in_sync_and_a_tensor_parallel_duplicate_drif
         assert r["drifted"] == [("decoder.final_layernorm.weight", [1, 3], [0, 2])], (rank, r)
         # Megatron's own check compares data-parallel replicas only: ranks 1 and 3 agree with each other.
         assert r["megatron_says_same"], (rank, r)
+        assert r["wrapped"] == [("decoder.final_layernorm.weight", [1, 3])], (rank, r)
