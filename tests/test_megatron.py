@@ -180,3 +180,15 @@ def test_a_real_megatron_gpt_audits_in_sync_and_a_tensor_parallel_duplicate_drif
         # Megatron's own check compares data-parallel replicas only: ranks 1 and 3 agree with each other.
         assert r["megatron_says_same"], (rank, r)
         assert r["wrapped"] == [("decoder.final_layernorm.weight", [1, 3])], (rank, r)
+
+
+def test_megatrons_chained_optimizer_is_audited_as_its_member_optimizers() -> None:
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    model = nn.Linear(4, 4)
+    dense, other = torch.optim.Adam([model.weight], lr=0.1), torch.optim.SGD([model.bias], lr=0.2)
+    model(torch.ones(2, 4)).sum().backward()
+    dense.step()
+    result = audit(model, ChainedOptimizer([dense, other]))
+    # Adam's exp_avg, exp_avg_sq and step for the weight, and each member's hyper-parameters.
+    assert result.in_sync and result.to_dict()["checked"]["optimizer"] >= 4, result.to_dict()
