@@ -42,7 +42,7 @@ from weightsync_audit.engine.inventory.replicas.keys import alone, among
 from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
 from weightsync_audit.engine.inventory.wrappers import wrapper_of
 
-__all__ = ["MegatronLayout", "declare_megatron", "megatron_layout", "megatron_rules"]
+__all__ = ["GRAD_SHARD", "MAIN_PARAM_SHARD", "MegatronLayout", "declare_megatron", "megatron_layout", "megatron_rules"]
 
 _KEEP = (-1,)
 _DECLARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
