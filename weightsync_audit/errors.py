@@ -21,7 +21,19 @@ __all__ = [
 
 
 class WeightSyncAuditError(Exception):
-    """Base class of the library's own errors."""
+    """Base class of the library's own errors.
+
+    Every subclass pickles and unpickles with its fields (``__reduce__`` rebuilds it from its own
+    constructor's arguments): an error raised in a spawned rank, a multiprocessing or a Ray worker reaches
+    the parent whole.
+    """
+
+    def _init_args(self) -> tuple[Any, ...]:
+        """The constructor arguments that rebuild this error (the message alone for the base class)."""
+        return tuple(self.args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), self._init_args(), dict(self.__dict__))
 
 
 class WeightDivergenceError(WeightSyncAuditError, RuntimeError):
@@ -37,6 +49,9 @@ class WeightDivergenceError(WeightSyncAuditError, RuntimeError):
             message = result.divergence_message()
         super().__init__(message)
 
+    def _init_args(self) -> tuple[Any, ...]:
+        return (self.result, str(self))
+
 
 class AuditTimeoutError(WeightSyncAuditError, RuntimeError):
     """A rank did not reach the audit within ``timeout_s``.
@@ -47,6 +62,9 @@ class AuditTimeoutError(WeightSyncAuditError, RuntimeError):
     def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
         self.missing_ranks = list(missing_ranks)
         super().__init__(message)
+
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.missing_ranks)
 
 
 class AuditOutOfStepError(WeightSyncAuditError, RuntimeError):
@@ -59,13 +77,20 @@ class AuditOutOfStepError(WeightSyncAuditError, RuntimeError):
         self.positions = dict(positions or {})
         super().__init__(message)
 
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.positions)
+
 
 class UnauditableTensorError(WeightSyncAuditError, TypeError):
-    """A tensor (named in the message and ``.name``) cannot be audited."""
+    """A tensor (named in the message and ``.name``) cannot be audited; ``.why`` says why."""
 
     def __init__(self, name: str, why: str) -> None:
         self.name = name
+        self.why = why
         super().__init__(f"cannot audit {name!r}: {why}")
+
+    def _init_args(self) -> tuple[Any, ...]:
+        return (self.name, self.why)
 
 
 class ReportFormatError(WeightSyncAuditError, ValueError):
@@ -75,6 +100,9 @@ class ReportFormatError(WeightSyncAuditError, ValueError):
         self.line = line
         self.torn = torn
         super().__init__(message)
+
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.line, self.torn)
 
 
 class WeightSyncWarning(UserWarning):
@@ -91,6 +119,9 @@ class AuditPreparationError(WeightSyncAuditError, RuntimeError):
         self.failures = dict(failures or {})
         super().__init__(message)
 
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.failures)
+
 
 class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
     """Ranks hold different trainable sets where they must agree (before re-wrapping DDP); raised on every rank.
@@ -101,6 +132,9 @@ class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         self.ranks = list(ranks)
         super().__init__(message)
+
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.ranks)
 
 
 class ResyncError(WeightSyncAuditError, RuntimeError):
@@ -118,6 +152,9 @@ class ResyncError(WeightSyncAuditError, RuntimeError):
         self.partial = list(partial)
         self.untouched = list(untouched)
         super().__init__(message)
+
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.failed_rank, self.partial, self.untouched)
 
 
 #: Packages whose frames a warning is not attributed to: this one and the frameworks that call it.
