@@ -84,11 +84,17 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                     out["missing"].append(n)
             elif (now[n]["digest"], now[n]["shape"], now[n]["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
                 out["changed"].append(n)
+    verdict = sidecar["verdict"]
     if out["changed"] or out["missing"]:
         status = "changed"
+    elif verdict == "sampled":  # agreed on a slice only: nothing says the other bytes did
+        status = "unverified"
+        out["why"] = (
+            f"saved after a sampled audit (coverage {sidecar.get('coverage')}), which did not compare every byte"
+        )
     else:
-        status = "verified" if sidecar["verdict"] == "verified" else "diverged"
-    if sidecar["verdict"] != "verified":
+        status = "verified" if verdict == "verified" else "diverged"
+    if verdict == "diverged":
         out["diverged"] = sidecar.get("diverged", [])
     return {**out, "status": status}
 

@@ -5,8 +5,10 @@ folder (a Hugging Face ``checkpoint-N``, a ``torch.distributed.checkpoint`` dire
 ``weightsync.json`` inside it, so it goes when the folder is rotated away. The sidecar is JSON:
 
 ``schema`` (``weightsync-checkpoint/1``), ``checkpoint`` (the path's base name), ``step``, ``epoch``,
-``world_size``, ``time``, ``verdict`` (``verified``: every replica agreed at that step; ``diverged``: they
-did not, ``diverged`` names the tensors), ``tensors`` (dotted name in the saved object -> ``digest``
+``world_size``, ``time``, ``verdict`` (``verified``: every replica agreed at that step, in an audit that
+compared every byte; ``diverged``: they did not, ``diverged`` names the tensors; ``sampled``: they agreed
+on the slice a sampled audit read, which verifies nothing), ``coverage`` (``full``, or the ``k/n`` of a
+sampled audit), ``tensors`` (dotted name in the saved object -> ``digest``
 (16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``) and, for a
 ``torch.distributed.checkpoint`` folder, ``shards`` (file -> ``rank`` that wrote it, ``digest`` of the
 file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that rank's local tensors, as ``tensors``).
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 SIDECAR_SCHEMA = "weightsync-checkpoint/1"
-VERDICTS = ("verified", "diverged")
+VERDICTS = ("verified", "diverged", "sampled")
 _DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _MASK64 = (1 << 64) - 1
 
@@ -134,8 +136,11 @@ def new_sidecar(
     in_sync: bool,
     diverged: Iterable[str],
     tensors: Mapping[str, Any],
+    coverage: str | None = None,
 ) -> dict[str, Any]:
-    """The sidecar object (see the module's docstring for its fields)."""
+    """The sidecar object (see the module's docstring for its fields); ``coverage``: the ``k/n`` of a
+    sampled audit (``None``: it read every byte)."""
+    verdict = "diverged" if not in_sync else ("sampled" if coverage else "verified")
     return {
         "schema": SIDECAR_SCHEMA,
         "checkpoint": Path(path).name,
@@ -143,7 +148,8 @@ def new_sidecar(
         "epoch": epoch,
         "world_size": int(world_size),
         "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "verdict": "verified" if in_sync else "diverged",
+        "verdict": verdict,
+        "coverage": coverage or "full",
         "diverged": sorted(set(diverged)),
         "tensors": dict(tensors),
     }

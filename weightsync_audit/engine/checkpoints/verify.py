@@ -55,6 +55,8 @@ from weightsync_audit.reporting.record import AuditResult, Mismatch
 __all__ = ["checkpoint_loaded", "checkpoint_saved"]
 
 _warned_unverified: set[str] = set()
+_LOADED_STATUS = {"verified": "matching", "diverged": "diverged"}
+"""A load's status from an unchanged checkpoint's verdict; any other verdict (``sampled``) is ``unverified``."""
 
 
 class CheckpointAuditor(Protocol):
@@ -67,7 +69,14 @@ class CheckpointAuditor(Protocol):
     def comm(self) -> Comm: ...
 
     def audit(
-        self, module: Any = None, optimizer: Any = None, *, step: Any = None, epoch: Any = None, hook: Any = None
+        self,
+        module: Any = None,
+        optimizer: Any = None,
+        *,
+        step: Any = None,
+        epoch: Any = None,
+        hook: Any = None,
+        full: bool = False,
     ) -> AuditResult: ...
 
 
@@ -128,11 +137,13 @@ def checkpoint_saved(
     """Audit at the save step and write the sidecar of the checkpoint at ``path``. Collective.
 
     ``state`` is what was saved (default: the module's ``state_dict``); ``result`` an audit already run
-    at this step (then no second one). The sidecar says ``verified`` only when every replica agreed.
+    at this step (then no second one, unless it was sampled). The sidecar says ``verified`` only when every
+    replica agreed in an audit that compared every byte: under ``coverage="1/n"`` a full pass runs here
+    (an auditor that cannot run one gets ``sampled``, which ``verify`` does not accept).
     """
     comm = auditor.comm
-    if result is None:
-        result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook)
+    if result is None or result.sampled:
+        result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook, full=True)
     held_by = module if module is not None else auditor.module
     obj = state if state is not None else _model_state(held_by)
     dcp = bool(_on_first_rank(comm, lambda: is_dcp_folder(path), "the checkpoint's kind"))
@@ -146,6 +157,7 @@ def checkpoint_saved(
         in_sync=result.in_sync,
         diverged=result.diverged_names,
         tensors=tensors,
+        coverage=result.coverage,
     )
     if partitioned:  # each rank saved its own partition in the engine's files: nothing to digest here
         sidecar["partitioned"] = partitioned
@@ -247,10 +259,16 @@ def checkpoint_loaded(
     result.mismatches.extend(changed)
     if changed:
         result.hosts = comm.hosts_of(sorted({r for m in result.mismatches for r in m.ranks}))
-    entry["status"] = "changed" if changed else ("matching" if sidecar["verdict"] == "verified" else "diverged")
-    if sidecar["verdict"] != "verified":
+    verdict = sidecar["verdict"]
+    entry["status"] = "changed" if changed else _LOADED_STATUS.get(verdict, "unverified")
+    if verdict == "diverged":
         result.notes.append(
             f"checkpoint {path} was saved while the replicas differed ({', '.join(sidecar.get('diverged', [])[:5])})"
+        )
+    elif verdict != "verified":
+        result.notes.append(
+            f"checkpoint {path} is unverified: saved after a sampled audit (coverage {sidecar.get('coverage')}), "
+            "which did not compare every byte"
         )
     if changed and result.in_sync:  # the history records this audit as the divergence it is
         result.in_sync = False
