@@ -71,15 +71,15 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
     return p / "weightsync.json" if p.is_dir() else p.with_name(p.name + ".weightsync.json")
 
 
-def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+def flat_tensors(obj: Any, prefix: str = "", *, local: bool = True) -> dict[str, torch.Tensor]:
     """Dotted name -> tensor for every tensor in any nesting of mappings, lists and tuples (a DTensor
-    enters as this rank's local shard)."""
+    enters as this rank's local shard; as itself with ``local=False``)."""
     out: dict[str, torch.Tensor] = {}
     stack: list[tuple[str, Any]] = [(prefix, obj)]
     while stack:
         name, v = stack.pop()
         if isinstance(v, torch.Tensor):
-            out[name or "(root)"] = v.to_local() if is_dtensor(v) else v
+            out[name or "(root)"] = v.to_local() if local and is_dtensor(v) else v
         elif isinstance(v, Mapping):
             stack.extend((f"{name}.{k}" if name else str(k), x) for k, x in reversed(list(v.items())))
         elif isinstance(v, (list, tuple)):

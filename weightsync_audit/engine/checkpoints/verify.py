@@ -36,6 +36,7 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
+from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
@@ -163,7 +164,7 @@ def checkpoint_saved(
         sidecar["partitioned"] = partitioned
     if dcp:  # every rank digests what it wrote: its shard files and its local tensors
         me = comm.global_ranks[comm.rank]
-        mine = {"rank": me, "tensors": tensor_digests(obj), "shards": dcp_shards(path, me)}
+        mine = {"rank": me, "tensors": with_boxes(tensor_digests(obj), obj), "shards": dcp_shards(path, me)}
         parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), "the checkpoint shards")]
         sidecar["rank_tensors"] = {str(p["rank"]): p["tensors"] for p in parts}
         sidecar["shards"] = {f: s for p in parts for f, s in p["shards"].items()}
@@ -200,6 +201,27 @@ def _holdings(state: Any, module: nn.Module | None, optimizer: Any) -> list[tupl
     groups: list[tuple[str | None, dict[str, Any]]] = [(None, tensor_digests(_model_state(module)))]
     groups += [(None, tensor_digests(opt.state_dict())) for opt in as_optimizers(optimizer)]
     return groups
+
+
+def _boxed_differences(
+    comm: Comm, saved: dict[str, Any], state: Any, module: nn.Module | None, optimizer: Any
+) -> tuple[list[str], list[str]]:
+    """Collective: this rank's names that differ from the saved shards it holds whole (any layout: a
+    reshard compares equal when it restores the same global tensors; see ``reshard``), and the names of
+    tensors whose saved shards no rank compared."""
+    names = {n for entries in saved.values() for n in entries}
+    groups = (
+        [state] if state is not None else [_model_state(module), *(o.state_dict() for o in as_optimizers(optimizer))]
+    )
+    differ: list[str] = []
+    compared: list[list[str]] = []
+    for obj in groups:
+        prefix = "" if state is not None else match_prefix(names, tensor_digests(obj))
+        found, seen = compare_boxes(saved, obj, prefix)
+        differ += found
+        compared += seen
+    everyone = comm.exchange_bytes(json.dumps(compared).encode(), "the compared checkpoint shards")
+    return differ, uncovered_boxes(saved, (c for p in everyone for c in json.loads(p)))
 
 
 def checkpoint_loaded(
@@ -241,7 +263,17 @@ def checkpoint_loaded(
     me = str(comm.global_ranks[comm.rank])
     expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
     differ: list[str] = []
-    for prefix, held in _holdings(state, module, optimizer):
+    if has_boxes(sidecar.get("rank_tensors") or {}):  # the same on every rank: the sidecar is rank 0's
+        differ, uncovered = _boxed_differences(comm, sidecar["rank_tensors"], state, module, optimizer)
+        if uncovered:
+            entry["not_compared"] = len(uncovered)
+            result.notes.append(
+                f"{len(uncovered)} tensor(s) of {path} were not compared ({', '.join(uncovered[:3])}"
+                f"{', ...' if len(uncovered) > 3 else ''}): no rank now holds a whole shard of them as saved "
+                "(loaded on finer shards than they were saved in, or not loaded)"
+            )
+        expected = {}
+    for prefix, held in _holdings(state, module, optimizer) if expected else ():
         _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
         found = _held_differences(expected or {}, held, prefix)
         differ += found
