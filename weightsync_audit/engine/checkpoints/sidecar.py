@@ -9,9 +9,11 @@ folder (a Hugging Face ``checkpoint-N``, a ``torch.distributed.checkpoint`` dire
 compared every byte; ``diverged``: they did not, ``diverged`` names the tensors; ``sampled``: they agreed
 on the slice a sampled audit read, which verifies nothing), ``coverage`` (``full``, or the ``k/n`` of a
 sampled audit), ``tensors`` (dotted name in the saved object -> ``digest``
-(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``) and, for a
-``torch.distributed.checkpoint`` folder, ``shards`` (file -> ``rank`` that wrote it, ``digest`` of the
-file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that rank's local tensors, as ``tensors``).
+(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``), ``tied``
+(a name -> the name it shares its tensor with: tied weights, which ``verify`` accepts saved once under
+the other name, and nothing else) and, for a ``torch.distributed.checkpoint`` folder, ``shards`` (file
+-> ``rank`` that wrote it, ``digest`` of the file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that
+rank's local tensors, as ``tensors``, each with its ``offset`` and ``global_shape`` in the global tensor).
 
 >>> import torch
 >>> entry = tensor_digests({"model": {"w": torch.ones(2)}})["model.w"]
@@ -48,6 +50,7 @@ __all__ = [
     "read_sidecar",
     "sidecar_path",
     "tensor_digests",
+    "tied_names",
     "write_sidecar",
 ]
 
@@ -100,6 +103,27 @@ def tensor_digests(obj: Any) -> dict[str, dict[str, Any]]:
         n: {"digest": _hex(int(d)), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         for (n, t), d in zip(flat.items(), digests)
     }
+
+
+def tied_names(obj: Any) -> dict[str, str]:
+    """Name -> the first name holding the very same tensor (same storage, offset, shape and strides): tied
+    weights, which a folder format may save once (``model.safetensors`` drops ``lm_head.weight``).
+
+    >>> w = torch.ones(2)
+    >>> tied_names({"a": w, "b": w, "c": torch.ones(2)})
+    {'b': 'a'}
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, t in flat_tensors(obj).items():
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
 
 
 def file_digest(path: str | os.PathLike[str], block: int = 16 << 20) -> str:

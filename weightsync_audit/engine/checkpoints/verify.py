@@ -46,6 +46,7 @@ from weightsync_audit.engine.checkpoints.sidecar import (
     read_sidecar,
     sidecar_path,
     tensor_digests,
+    tied_names,
     write_sidecar,
 )
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
@@ -160,6 +161,9 @@ def checkpoint_saved(
         tensors=tensors,
         coverage=result.coverage,
     )
+    tied = tied_names(obj) if comm.rank == 0 and not dcp else {}
+    if tied:  # a folder format may save them once: verify accepts exactly these, never a digest look-alike
+        sidecar["tied"] = {n: m for n, m in tied.items() if n in tensors and m in tensors}
     if partitioned:  # each rank saved its own partition in the engine's files: nothing to digest here
         sidecar["partitioned"] = partitioned
     if dcp:  # every rank digests what it wrote: its shard files and its local tensors
