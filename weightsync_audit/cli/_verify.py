@@ -9,6 +9,7 @@ named). Exit 2: the checkpoint or its sidecar cannot be read.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -119,12 +120,15 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         except CheckpointError as exc:
             raise CliError(str(exc)) from None
         tied = sidecar.get("tied") or {}
+        partitioned = bool(sidecar.get("partitioned"))
         for n, e in sorted(saved.items()):
             held = now.get(n)
             if held is None and tied.get(n) in now and saved.get(tied[n], {}).get("digest") == e["digest"]:
                 held = now[tied[n]]  # saved once for both names (tied weights), as the sidecar recorded
             if held is None:
                 out["missing"].append(n)
+            elif partitioned and not math.prod(held["shape"]) and math.prod(e["shape"]):
+                out["not_compared"].append(n)  # ZeRO-3 saves every parameter as a placeholder in the model file
             elif (held["digest"], held["shape"], held["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
                 out["changed"].append(n)
     verdict = sidecar["verdict"]
@@ -157,8 +161,9 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
         if outcome.get("not_compared"):
             part = outcome["not_compared"]
             console.print(
-                f"  {len(part)} partitioned parameter(s) not compared ({escape(', '.join(part[:5]))}"
-                f"{', ...' if len(part) > 5 else ''}): each rank saved only its partition, in the engine's own files"
+                f"  {len(part)} partitioned tensor(s) not compared ({escape(', '.join(part[:5]))}"
+                f"{', ...' if len(part) > 5 else ''}): the engine saved them as each rank's partition, in its "
+                "optimizer files (a placeholder in the model file)"
             )
     elif status == "unverified":
         console.print(Text(f"UNVERIFIED: {path}: {outcome['why']}", style="bold yellow"))
