@@ -51,6 +51,7 @@ __all__ = [
     "StepRing",
     "locate",
     "mark_pinpoint",
+    "with_drift",
 ]
 
 
@@ -366,8 +367,10 @@ class Pinpointer:
             self.in_sync(step, proven=proven)
             return None
         pin = self.found or locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
-        if self.drift is not None and pin.state == "unseen":
-            pin = self.drift  # nothing new beyond what is left out: the drift's own date stands
+        if self.drift is not None:
+            # Nothing new beyond what is left out: the drift's own date stands; something new: the bytes
+            # still differed first at the drift's step.
+            pin = self.drift if pin.state == "unseen" else with_drift(self.drift, pin)
         self.drift = pin
         known = [] if self.excluded is None else self.excluded.tolist()
         self.excluded = np.array(sorted(set(known) | set(tolerated)), dtype=np.int64)
@@ -385,7 +388,8 @@ class Pinpointer:
         reports this divergence again as a transient one.
         """
         if self.found is None:
-            self.found = locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
+            pin = locate(comm.exchange_bytes(self.ring.encode(), "the pinpoint rings"), comm.global_ranks)
+            self.found = pin if self.drift is None else with_drift(self.drift, pin)
         self.ring.audited()
         self.tensors = self._tensors_before = None
         self._tensors_step = None
@@ -393,6 +397,35 @@ class Pinpointer:
 
 
 _TENSOR_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def with_drift(drift: Pinpoint, pin: Pinpoint) -> Pinpoint:
+    """The answer while tensors found within the tolerance (dated by ``drift``) are left out of the per-step
+    digests, from ``pin`` (located over the rest): the first step the bytes differed, never an ``exact``
+    step after the drift's; the later difference's own date goes in the note.
+
+    >>> drift = Pinpoint(state="exact", first_diverged_step=3, last_in_sync_step=2)
+    >>> later = with_drift(drift, Pinpoint(state="exact", first_diverged_step=12, last_in_sync_step=11))
+    >>> later.state, later.first_diverged_step, later.last_in_sync_step
+    ('exact', 3, 2)
+    """
+    d, new = drift.first_diverged_step, pin.first_diverged_step
+    if pin.state != "unseen" and drift.state == "exact" and d is not None and (new is None or d >= new):
+        return pin  # the new difference came first (or at the same step): its own date is the answer
+    left = "the tensors found within the tolerance at an earlier audit are left out of the per-step digests since"
+    if pin.state == "unseen":
+        said = f"{left}, and nothing else differed at a recorded step: the tensors beyond the tolerance now were "
+        said += "among them; when they went beyond it is not known"
+    else:
+        since = f"step {d}" if d is not None else "before the first step recorded"
+        said = f"within the tolerance the replicas have differed since {since}; the difference found since ({left}) "
+        said += f"began at step {new} ({pin.state}" + (
+            f", the last step before it {pin.last_in_sync_step})" if pin.last_in_sync_step is not None else ")"
+        )
+    note = "; ".join(n for n in (drift.note, f"pinpoint: {said}", pin.note) if n)
+    return Pinpoint(
+        state=drift.state, first_diverged_step=d, last_in_sync_step=drift.last_in_sync_step, note=note or None
+    )
 
 
 def mark_pinpoint(result: AuditResult, pin: Pinpoint | None) -> None:
