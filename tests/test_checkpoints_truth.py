@@ -164,7 +164,7 @@ def test_a_dcp_checkpoint_resharded_to_1_rank_names_a_changed_tensor(tmp_path: P
     [(truth, rec)] = run_ranks(_dcp_load, 1, folder, saved[0]["full"], "fc2.weight")
     assert truth == ["model.fc2.weight"]
     assert rec["checkpoint"]["status"] == "changed"
-    assert [(m["name"], m["ranks"]) for m in rec["mismatches"]] == [("model.fc2.weight", [0])]
+    assert [(m["name"], m["ranks"], m["shape"]) for m in rec["mismatches"]] == [("model.fc2.weight", [0], [5, 12])]
 
 
 def test_a_dcp_checkpoint_loaded_on_finer_shards_names_what_it_could_not_compare(tmp_path: Path) -> None:

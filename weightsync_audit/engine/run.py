@@ -342,6 +342,7 @@ class AuditRun:
                 names = [e.name for e in self.prepared.manifest.entries]
                 self.transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
                 self.notes.append(transient_note(self.transient))
+                self.transient.pop("why", None)  # said in the note; the field keeps its three keys
             self.pin = pinpointer.settle(comm, bool(self.mismatches), self.step, cfg.slices == 1, self._tolerated())
         self._tally()
         if self.mismatches:

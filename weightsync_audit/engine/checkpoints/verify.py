@@ -228,6 +228,28 @@ def _boxed_differences(
     return differ, uncovered_boxes(saved, (c for p in everyone for c in json.loads(p)))
 
 
+def _saved_differences(
+    comm: Comm, sidecar: dict[str, Any], state: Any, module: nn.Module | None, optimizer: Any
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    """This rank's names (as saved) that differ from the sidecar, the names no rank could compare, and the
+    digests this rank was compared with (collective when the sidecar records shard boxes)."""
+    me = str(comm.global_ranks[comm.rank])
+    if has_boxes(sidecar.get("rank_tensors") or {}):  # the same on every rank: the sidecar is rank 0's
+        differ, uncovered = _boxed_differences(comm, sidecar["rank_tensors"], state, module, optimizer)
+        whole = {
+            n: {**e, "shape": e.get("global_shape", e["shape"])}
+            for t in sidecar["rank_tensors"].values()
+            for n, e in t.items()
+        }
+        return differ, uncovered, whole
+    expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
+    differ = []
+    for prefix, held in _holdings(state, module, optimizer):
+        _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
+        differ += _held_differences(expected or {}, held, prefix)
+    return differ, [], expected or {}
+
+
 def checkpoint_loaded(
     auditor: CheckpointAuditor,
     path: str | os.PathLike[str],
@@ -264,23 +286,14 @@ def checkpoint_loaded(
             warnings.warn(f"weightsync: checkpoint {path} is unverified ({why})", WeightSyncWarning, stacklevel=2)
         result.checkpoint = entry
         return result
-    me = str(comm.global_ranks[comm.rank])
-    expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
-    differ: list[str] = []
-    if has_boxes(sidecar.get("rank_tensors") or {}):  # the same on every rank: the sidecar is rank 0's
-        differ, uncovered = _boxed_differences(comm, sidecar["rank_tensors"], state, module, optimizer)
-        if uncovered:
-            entry["not_compared"] = len(uncovered)
-            result.notes.append(
-                f"{len(uncovered)} tensor(s) of {path} were not compared ({', '.join(uncovered[:3])}"
-                f"{', ...' if len(uncovered) > 3 else ''}): no rank now holds a whole shard of them as saved "
-                "(loaded on finer shards than they were saved in, or not loaded)"
-            )
-        expected = {}
-    for prefix, held in _holdings(state, module, optimizer) if expected else ():
-        _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
-        found = _held_differences(expected or {}, held, prefix)
-        differ += found
+    differ, uncovered, expected = _saved_differences(comm, sidecar, state, module, optimizer)
+    if uncovered:  # what no rank could compare (a reshard to finer shards)
+        entry["not_compared"] = len(uncovered)
+        result.notes.append(
+            f"{len(uncovered)} tensor(s) of {path} were not compared ({', '.join(uncovered[:3])}"
+            f"{', ...' if len(uncovered) > 3 else ''}): no rank now holds a whole shard of them as saved "
+            "(loaded on finer shards than they were saved in, or not loaded)"
+        )
     partitioned = sidecar.get("partitioned") or []
     if partitioned:
         entry["not_compared"] = len(partitioned)

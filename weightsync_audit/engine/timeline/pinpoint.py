@@ -41,6 +41,7 @@ import numpy as np
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.timeline.answer import Pinpoint, with_drift
 from weightsync_audit.reporting.record import AuditResult, PinpointState
 
 __all__ = [
@@ -60,17 +61,6 @@ DEFAULT_RING = 1024
 
 _NONE = -(1 << 63)  # "no step" in the encoded ring (steps may be any int64 the user passes)
 _HEADER = 4  # dropped, anchor, slices, count
-
-
-@dataclass(kw_only=True, slots=True)
-class Pinpoint:
-    """Where a divergence began, as found from every rank's ring (identical on every rank)."""
-
-    state: PinpointState
-    first_diverged_step: int | None = None
-    last_in_sync_step: int | None = None
-    """The last step known in sync (None: the rings do not tell)."""
-    note: str | None = None
 
 
 class StepRing:
@@ -298,6 +288,9 @@ class Pinpointer:
         self.drift: Pinpoint | None = None
         """Where the divergence within the tolerance was dated, while ``excluded`` is in force."""
         self.tensors: np.ndarray | None = None
+        self.names: list[str] = []
+        """The audited tensors' names, aligned with ``tensors`` (the manifest of the last step recorded)."""
+        self._structure: int | None = None
         self._tensors_before: np.ndarray | None = None
         self._tensors_step: int | None = None
 
@@ -311,10 +304,31 @@ class Pinpointer:
         if self.excluded is not None and len(digests) > int(self.excluded.max(initial=-1)):
             digests = digests.copy()
             digests[self.excluded] = 0
+        if prepared.structure != self._structure:  # the audited set changed: keep each tensor's trace
+            self._realign([e.name for e in prepared.manifest.entries])
+            self._structure = prepared.structure
         self._fold_tensors(int(step), digests)
         digest = overall_digest(digests, prepared.structure)
         self.record(step, digest)
         return digest if n == 1 else None
+
+    def _realign(self, names: list[str]) -> None:
+        """Carry each tensor's trace over to a new manifest by name (a tensor new in it starts afresh), so a
+        difference that healed before the audited set grew (Adam's state appearing for a layer unfrozen
+        later) is still named."""
+        if names == self.names:
+            return
+        where = {n: i for i, n in enumerate(names)}
+        if len(where) == len(names):
+            for attr in ("tensors", "_tensors_before"):
+                old = getattr(self, attr)
+                if old is not None and len(old) == len(self.names):
+                    new = np.zeros(len(names), dtype=np.uint64)
+                    for i, n in enumerate(self.names):
+                        if n in where:
+                            new[where[n]] = old[i]
+                    setattr(self, attr, new)
+        self.names = names
 
     def _fold_tensors(self, step: int, digests: np.ndarray) -> None:
         if self._tensors_step == step:  # the same step again (gradient accumulation): replace it
@@ -397,35 +411,6 @@ class Pinpointer:
 
 
 _TENSOR_MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-def with_drift(drift: Pinpoint, pin: Pinpoint) -> Pinpoint:
-    """The answer while tensors found within the tolerance (dated by ``drift``) are left out of the per-step
-    digests, from ``pin`` (located over the rest): the first step the bytes differed, never an ``exact``
-    step after the drift's; the later difference's own date goes in the note.
-
-    >>> drift = Pinpoint(state="exact", first_diverged_step=3, last_in_sync_step=2)
-    >>> later = with_drift(drift, Pinpoint(state="exact", first_diverged_step=12, last_in_sync_step=11))
-    >>> later.state, later.first_diverged_step, later.last_in_sync_step
-    ('exact', 3, 2)
-    """
-    d, new = drift.first_diverged_step, pin.first_diverged_step
-    if pin.state != "unseen" and drift.state == "exact" and d is not None and (new is None or d >= new):
-        return pin  # the new difference came first (or at the same step): its own date is the answer
-    left = "the tensors found within the tolerance at an earlier audit are left out of the per-step digests since"
-    if pin.state == "unseen":
-        said = f"{left}, and nothing else differed at a recorded step: the tensors beyond the tolerance now were "
-        said += "among them; when they went beyond it is not known"
-    else:
-        since = f"step {d}" if d is not None else "before the first step recorded"
-        said = f"within the tolerance the replicas have differed since {since}; the difference found since ({left}) "
-        said += f"began at step {new} ({pin.state}" + (
-            f", the last step before it {pin.last_in_sync_step})" if pin.last_in_sync_step is not None else ")"
-        )
-    note = "; ".join(n for n in (drift.note, f"pinpoint: {said}", pin.note) if n)
-    return Pinpoint(
-        state=drift.state, first_diverged_step=d, last_in_sync_step=drift.last_in_sync_step, note=note or None
-    )
 
 
 def mark_pinpoint(result: AuditResult, pin: Pinpoint | None) -> None:
