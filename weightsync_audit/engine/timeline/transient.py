@@ -13,8 +13,10 @@ describes now), carries ``transient``.
 >>> for step, da, db in [(1, 10, 10), (2, 20, 21), (3, 30, 31), (4, 40, 40)]:
 ...     a.record_digest(step, da)
 ...     b.record_digest(step, db)
->>> transient_from([a.encode(), b.encode()], [b"", b""], [])
-{'first_diverged_step': 2, 'last_diverged_step': 3, 'names': []}
+>>> import numpy as np
+>>> traces = [np.array([7, 8], np.uint64).tobytes(), np.array([7, 9], np.uint64).tobytes()]
+>>> transient_from([a.encode(), b.encode()], traces, ["w", "b"])
+{'first_diverged_step': 2, 'last_diverged_step': 3, 'names': ['b']}
 """
 
 from __future__ import annotations
