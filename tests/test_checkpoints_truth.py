@@ -262,3 +262,29 @@ def test_verify_reads_an_intact_deepspeed_checkpoint_folder_and_finds_a_change_i
     outcome = verify_checkpoint(zero2)
     assert (outcome["status"], outcome["changed"], outcome["missing"]) == ("changed", ["0.bias"], ["scale"])
     assert main(["verify", str(zero2)]) == 1
+
+
+def _tp_round_trip(rank: int, world: int, folder: str) -> Any:
+    """FSDP2 + TP on a (dp=2, tp=2) mesh: ``tp_col`` is ``(_StridedShard, Shard)``, not one box of the global
+    tensor. Saved, loaded back on the same layout, one element planted on rank 0."""
+    import torch.distributed.checkpoint as dcp
+    from mesh_models import dp_tp_model
+
+    model, _ = dp_tp_model()
+    state = {"model": model.state_dict()}
+    dcp.save(state, checkpoint_id=folder)
+    Auditor(model).checkpoint_saved(folder, 1, state=state)
+    dist.barrier()
+    if rank == 0:
+        with torch.no_grad():
+            dict(model.named_parameters())["tp_col.weight"].to_local().view(-1)[0] += 1.0
+    return Auditor(model).checkpoint_loaded(folder, 1, state={"model": model.state_dict()}).to_dict()
+
+
+def test_a_tensor_that_is_not_one_box_is_still_compared_rank_by_rank(tmp_path: Path) -> None:
+    out = run_ranks(_tp_round_trip, 4, str(tmp_path / "dcp"))
+    for rec in out:
+        assert rec["checkpoint"]["status"] == "changed"
+        assert [(m["name"], m["ranks"]) for m in rec["mismatches"] if "sidecar" in (m["detail"] or "")] == [
+            ("model.tp_col.weight", [0])
+        ]

@@ -55,16 +55,24 @@ def _inside(offset: list[int], shape: list[int], held_offset: list[int], held_sh
     )
 
 
-def compare_boxes(saved: Mapping[str, Mapping[str, Any]], obj: Any, prefix: str) -> tuple[list[str], list[list[str]]]:
+def compare_boxes(
+    saved: Mapping[str, Mapping[str, Any]], obj: Any, prefix: str, me: str = "0"
+) -> tuple[list[str], list[list[str]]]:
     """This rank's names (as saved) whose held elements differ from a saved box, and the saved boxes it
     compared, as ``[name, saved_rank]``. ``saved`` is the sidecar's ``rank_tensors``; ``obj`` what this
-    rank holds (DTensors as themselves); ``prefix`` where its names sit among the saved ones."""
+    rank holds (DTensors as themselves); ``prefix`` where its names sit among the saved ones. A tensor
+    that is not one box (a ``_StridedShard`` placement) is compared with what rank ``me`` saved, as is."""
     differ: list[str] = []
     compared: list[list[str]] = []
     for own, t in flat_tensors(obj, local=False).items():
         name = prefix + own
         box = _box(t)
         if box is None:
+            e = saved.get(me, {}).get(name)
+            if e is not None and "offset" not in e:
+                now = tensor_digests({"t": t.to_local() if is_dtensor(t) else t})["t"]
+                if (now["digest"], now["shape"], now["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
+                    differ.append(name)
             continue
         held_offset, global_shape = box
         local = t.to_local() if is_dtensor(t) else t

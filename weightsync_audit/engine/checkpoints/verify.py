@@ -221,7 +221,7 @@ def _boxed_differences(
     compared: list[list[str]] = []
     for obj in groups:
         prefix = "" if state is not None else match_prefix(names, tensor_digests(obj))
-        found, seen = compare_boxes(saved, obj, prefix)
+        found, seen = compare_boxes(saved, obj, prefix, str(comm.global_ranks[comm.rank]))
         differ += found
         compared += seen
     everyone = comm.exchange_bytes(json.dumps(compared).encode(), "the compared checkpoint shards")
