@@ -23,6 +23,7 @@ __all__ = [
     "ddp_synced_count",
     "default_process_group",
     "default_store",
+    "dtensor_box",
     "dict_version_reader",
     "is_dtensor",
     "flatten_tensors",
@@ -215,6 +216,22 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (by class name first: a failed ``hasattr`` on a plain tensor is slow)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def dtensor_box(t: Any) -> tuple[list[int], list[int]] | None:
+    """``(global_offset, global_shape)`` of a DTensor's local shard, a box of the global tensor; ``None``
+    where the shard is not one box (a placement other than ``Shard``/``Replicate``: ``_StridedShard``,
+    ``Partial``) or this torch lacks ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``."""
+    if any(type(p).__name__ not in ("Shard", "Replicate") for p in t.placements):
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if list(shape) != list(t.to_local().shape):
+        return None  # not the box the local tensor holds: never compare against a guess
+    return [int(o) for o in offset], [int(n) for n in t.shape]
 
 
 def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
