@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	# The CPU build that lies on this machine; a plain `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# torchtitan's own requirements pull `datasets`, which conflicts with transformers: only what its
+	# ParallelDims import needs (docs/torchtitan.md).
+	$(PY) -m pip install -q --no-deps torchtitan spmd_types tyro docstring-parser typeguard
 	touch $(STAMP)
 
 test: $(STAMP)

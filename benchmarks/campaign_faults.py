@@ -41,6 +41,10 @@ FAULTS: dict[str, str] = {
     "counter_off_by_one": "the int64 num_batches_tracked counter off by one on one rank",
     "nan_param": "one parameter element set to NaN on one rank (spreads to every rank through the all-reduce)",
     "counter_under_tolerance": "the int64 counter at 200,000+ off by one on one rank, audited with tolerance=1e-4",
+    "sampled_checkpoint": (
+        'one element of an 80 KB buffer moved by 1.0 on one rank, in a run sampled at coverage="1/8" whose every '
+        "audit is a checkpoint save (checkpoint_saved and its sidecar)"
+    ),
 }
 """Faulty kinds: what each injects."""
 
@@ -69,6 +73,9 @@ PARTIAL: dict[str, str] = {
 
 PARAMS = ("0.weight", "0.bias", "1.weight", "3.weight", "3.bias")
 STEPS = 24
+TABLE = 20_000
+"""Elements of the ``sampled_checkpoint`` kind's buffer ``2.table`` (80 KB: over the size a sampled audit
+hashes whole, so one audit reads only a slice of it)."""
 
 
 class RunningNorm(nn.Module):
@@ -137,12 +144,12 @@ def make_spec(world: int, kind: str, n: int, base_seed: int) -> RunSpec:
         kind=kind,
         seed=seed,
         cadence=cadence,
-        coverage="1/4" if kind == "healthy_sampled_every5" else "1",
+        coverage={"healthy_sampled_every5": "1/4", "sampled_checkpoint": "1/8"}.get(kind, "1"),
         tolerance={"healthy_every3_tolerance": 1e-6, "counter_under_tolerance": 1e-4}.get(kind),
         fault_step=step if kind not in HEALTHY else None,
         fault_rank=rank if kind not in HEALTHY else None,
         target=target,
-        index=rng.randrange(numel),
+        index=rng.randrange(TABLE if kind == "sampled_checkpoint" else numel),
         bit=bit,
     )
 
@@ -232,12 +239,16 @@ class Injector:
             self.model[1].running_mean.set_(self.model[1].running_mean.clone())
         elif kind == "control_state_equal_copy":
             state["exp_avg"] = state["exp_avg"].clone()
+        elif kind == "sampled_checkpoint":
+            self.model[2].table[i] += 1.0
 
 
 def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
     """One run on this rank: the audit records (identical on every rank) and this rank's per-step snapshots."""
     torch.manual_seed(spec.seed % 2**31)
     model = make_model()
+    if spec.kind == "sampled_checkpoint":  # a buffer large enough to be sampled, equal on every rank
+        model[2].register_buffer("table", torch.randn(TABLE, generator=torch.Generator().manual_seed(3)))
     fsdp1, staged = spec.kind == "fsdp1_state_lost", spec.kind == "stage_replica_frozen"
     experts = spec.kind == "expert_missing"
     if staged:
@@ -251,7 +262,7 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
 
         ddp = FSDP(model, sharding_strategy=ShardingStrategy.FULL_SHARD, device_id=torch.device("cpu"))
     else:
-        with warnings.catch_warnings():  # broadcast_buffers is deprecated, and still the way to keep buffers local
+        with warnings.catch_warnings():  # broadcast_buffers is deprecated, and still the way to keep buffers rank-local
             warnings.simplefilter("ignore", FutureWarning)
             ddp = DDP(model, broadcast_buffers=False, find_unused_parameters=spec.kind == "frozen_one_rank")
     opt = torch.optim.Adam(ddp.parameters() if fsdp1 else model.parameters(), lr=1e-2)
@@ -283,7 +294,8 @@ def train(spec: RunSpec, rank: int, world: int) -> dict[str, Any]:
         if not inject.skips_record(step):
             auditor.record_step(step)
         if step % spec.cadence == 0:
-            records.append(_same_everywhere(auditor.audit(step=step).to_dict()))
+            result = _checkpoint(auditor, spec, rank, step) if spec.kind == "sampled_checkpoint" else None
+            records.append(_same_everywhere((result or auditor.audit(step=step)).to_dict()))
     return {"records": records, "oracle": oracle}
 
 
@@ -331,6 +343,26 @@ def _average_grads(model: nn.Module, group: Any) -> None:
         dist.all_reduce(g, group=group)
         if p.grad is not None:
             p.grad.div_(n)
+
+
+def _checkpoint(auditor: Auditor, spec: RunSpec, rank: int, step: int) -> Any:
+    """A checkpoint save at this audit (rank 0 writes the file, then every rank writes its sidecar's verdict):
+    the record the sidecar's verdict comes from, its ``checkpoint`` entry included."""
+    import os
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), f"weightsync-campaign-{os.getppid()}-{spec.run_id}.pt")
+    module = auditor.module
+    assert module is not None
+    if rank == 0:
+        torch.save(getattr(module, "module", module).state_dict(), path)
+    result = auditor.checkpoint_saved(path, step)
+    dist.barrier()
+    if rank == 0:
+        for leftover in (path, path + ".weightsync.json"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return result
 
 
 def _same_everywhere(record: dict[str, Any]) -> dict[str, Any]:

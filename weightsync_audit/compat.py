@@ -9,6 +9,7 @@ only costs a hint (DDP's reducer buckets, its logging data) return ``None`` inst
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 import torch
@@ -22,6 +23,7 @@ __all__ = [
     "ddp_synced_count",
     "default_process_group",
     "default_store",
+    "dtensor_box",
     "dict_version_reader",
     "is_dtensor",
     "flatten_tensors",
@@ -29,6 +31,7 @@ __all__ = [
     "layout_guard",
     "lightning_ddp_factory",
     "lightning_reset_static_graph",
+    "new_named_gloo_group",
     "peel_wrapper",
     "remove_ddp_autograd_hooks",
     "self_check",
@@ -72,6 +75,37 @@ def default_process_group() -> Any:
 def default_store() -> Any:
     """The job's key-value store (``distributed_c10d._get_default_store``)."""
     return _require(dist.distributed_c10d, "_get_default_store", "torch.distributed's default store accessor")()
+
+
+def new_named_gloo_group(ranks: Sequence[int], name: str, timeout: timedelta) -> Any:
+    """A gloo process group over ``ranks`` (global, sorted), created by the member ranks only, under ``name``.
+
+    ``dist.new_group(..., use_local_synchronization=True)`` names its group (and so the store prefix where
+    the members rendezvous) by hashing the ranks with ``len(_world.pg_names)``: the number of groups this
+    process belongs to. Once another library made groups that not every rank belongs to (Megatron-core's
+    ``initialize_model_parallel`` with pipeline stages: ranks of the first stage join an embedding group the
+    others do not), that count differs per rank, the members of one group compute different names and wait
+    for each other in different places until the deadline. The caller passes a name every member computes
+    alike; the group is made as ``new_group`` makes it (``_new_process_group_helper``, then the
+    global-to-group rank map) and is registered, so ``dist.isend(group=...)`` and ``destroy_process_group``
+    work on it.
+    """
+    c10d = dist.distributed_c10d
+    helper = _require(c10d, "_new_process_group_helper", "torch.distributed's process group factory")
+    world = _require(c10d, "_world", "torch.distributed's group registry")
+    ranks = list(ranks)
+    pg, _ = helper(
+        len(ranks),
+        ranks.index(dist.get_rank()),
+        ranks,
+        "gloo",
+        default_store(),
+        group_name=name,
+        timeout=timeout,
+        group_desc=name,
+    )
+    world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
 
 
 def is_timeout_text(text: str) -> bool:
@@ -170,12 +204,34 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
         return module._forward_module  # Lightning < 2.2
     if "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__} and isinstance(module.module, nn.Module):
         return module.module  # deepspeed.DeepSpeedEngine (also Lightning's and Accelerate's)
+    if type(module).__module__.startswith("megatron.") and {c.__name__ for c in type(module).__mro__} & {
+        "_BaseDataParallel",
+        "Float16Module",
+    }:
+        inner = getattr(module, "module", None)
+        return inner if isinstance(inner, nn.Module) else None  # Megatron-core's DDP and its fp16/bf16 wrapper
     return None
 
 
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (by class name first: a failed ``hasattr`` on a plain tensor is slow)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def dtensor_box(t: Any) -> tuple[list[int], list[int]] | None:
+    """``(global_offset, global_shape)`` of a DTensor's local shard, a box of the global tensor; ``None``
+    where the shard is not one box (a placement other than ``Shard``/``Replicate``: ``_StridedShard``,
+    ``Partial``) or this torch lacks ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``."""
+    if any(type(p).__name__ not in ("Shard", "Replicate") for p in t.placements):
+        return None
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if list(shape) != list(t.to_local().shape):
+        return None  # not the box the local tensor holds: never compare against a guess
+    return [int(o) for o in offset], [int(n) for n in t.shape]
 
 
 def flatten_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -271,6 +327,8 @@ def self_check() -> None:
         return
     _require(dist.distributed_c10d, "_get_default_group", "torch.distributed's default group accessor")
     _require(dist.distributed_c10d, "_get_default_store", "torch.distributed's default store accessor")
+    _require(dist.distributed_c10d, "_new_process_group_helper", "torch.distributed's process group factory")
+    _require(dist.distributed_c10d, "_world", "torch.distributed's group registry")
     _require(nn.parallel.DistributedDataParallel, "_remove_autograd_hooks", "DistributedDataParallel's hook removal")
     _checked = True
 

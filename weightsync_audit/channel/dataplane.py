@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.channel.verdicts import WaitFailure, wait_until
-from weightsync_audit.compat import default_process_group, is_timeout_text
+from weightsync_audit.compat import default_process_group, is_timeout_text, new_named_gloo_group
 
 __all__ = [
     "CHUNK_BYTES",
@@ -96,6 +96,9 @@ class _DataGroup:
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, _DataGroup]] = {}
 _retired: list[_DataGroup] = []
+_openings: dict[tuple[int, ...], int] = {}
+"""How many data groups this process opened per set of ranks: every member opens and discards them alike,
+so the count names the same group on every member (its gloo name, see ``new_named_gloo_group``)."""
 _lock = threading.Lock()
 
 
@@ -123,13 +126,16 @@ class DataPlane:
             if hit is not None and hit[0] is default_process_group():
                 self._group = hit[1]
                 return
+            ranks = self.comm.global_ranks
+            opening = _openings.get(ranks, 0)
+            _openings[ranks] = opening + 1
+            name = f"weightsync_audit.data:{'.'.join(map(str, ranks))}:{opening}"
+            limit = timedelta(seconds=max(deadline_s, 1.0))
             try:
-                pg = dist.new_group(
-                    ranks=list(self.comm.global_ranks),
-                    backend="gloo",
-                    timeout=timedelta(seconds=max(deadline_s, 1.0)),
-                    use_local_synchronization=True,
-                )
+                if self.comm.own_names:
+                    pg = new_named_gloo_group(ranks, name, limit)
+                else:  # a member on an earlier release: torch names the group, as that release lets it
+                    pg = dist.new_group(list(ranks), timeout=limit, backend="gloo", use_local_synchronization=True)
             except Exception as exc:
                 raise TransferFailure(None, is_timeout_text(str(exc)), f"could not open the data plane: {exc}") from exc
             group = _DataGroup(pg)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync_audit.channel.storelink import StoreLink, StoreUnreachable
-from weightsync_audit.compat import default_process_group, default_store
+from weightsync_audit.compat import default_process_group, default_store, new_named_gloo_group
 from weightsync_audit.errors import AuditTimeoutError
 
 __all__ = ["AuditGroup", "forget_groups", "open_group"]
@@ -51,6 +51,9 @@ class AuditGroup:
         # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
         self.lock = threading.Lock()
+        self.own_names = True
+        """Whether every member names its gloo groups itself (this release and later); ``False`` when a
+        member runs a release that lets torch name them (then this group and the data plane do too)."""
         self.hosts: list[str] | None = None
         """Where each rank of the group runs (:func:`~weightsync_audit.compat.describe_this_rank`), gathered
         once when the group opens."""
@@ -65,6 +68,16 @@ _LAZY_ENV = "TORCH_GLOO_LAZY_INIT"
 
 def _store_prefix(ranks: tuple[int, ...], generation: int) -> str:
     return f"weightsync_audit/{'.'.join(map(str, ranks))}/{generation}"
+
+
+def _group_name(ranks: tuple[int, ...], generation: int) -> str:
+    """The gloo group's name (and its store prefix): the same on every member, whatever other groups exist."""
+    return f"weightsync_audit.channel:{'.'.join(map(str, ranks))}:{generation}"
+
+
+_WHERE_PREFIX = "weightsync_audit/where/"
+"""Under it, each global rank's latest opening (``{"ranks": [...], "opening": n}``): read by the first rank
+to give up waiting, to name what the ranks disagree on instead of only who did not come."""
 
 
 def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> AuditGroup:
@@ -84,16 +97,18 @@ def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s:
         _generations[ranks] = generation + 1
         store = StoreLink(default_store(), _store_prefix(ranks, generation))
         try:
-            _meet(store, ranks, my_rank, deadline_s, grace_s)
-            # Only the member ranks take part in creating the group (use_local_synchronization), so an
-            # audit over a subgroup never waits on ranks outside it.
+            own_names = _meet(store, ranks, my_rank, generation, deadline_s, grace_s)
+            # Only the member ranks take part in creating the group, so an audit over a subgroup never
+            # waits on ranks outside it; its name comes from what the ranks just met on, not from how
+            # many groups this process belongs to, which differs per rank once another library made
+            # groups that not every rank belongs to (issue 36). A member on an earlier release lets
+            # torch name it; then every member does, as that release does.
+            limit = timedelta(seconds=max(deadline_s, 1.0) + grace_s)
             with _lazy_gloo():
-                pg = dist.new_group(
-                    ranks=list(ranks),
-                    backend="gloo",
-                    timeout=timedelta(seconds=max(deadline_s, 1.0) + grace_s),
-                    use_local_synchronization=True,
-                )
+                if own_names:
+                    pg = new_named_gloo_group(ranks, _group_name(ranks, generation), limit)
+                else:
+                    pg = dist.new_group(list(ranks), timeout=limit, backend="gloo", use_local_synchronization=True)
             _first_contact(pg, ranks, my_rank, deadline_s, grace_s)
         except AuditTimeoutError as exc:
             _failed_opens[key] = (default_pg, exc)
@@ -106,6 +121,7 @@ def open_group(ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s:
             _failed_opens[key] = (default_pg, err)
             raise err from exc
         group = AuditGroup(pg, ranks, store)
+        group.own_names = own_names
         _groups[key] = (default_pg, group)
         return group
 
@@ -176,44 +192,95 @@ def _first_contact(pg: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: fl
     )
 
 
-def _meet(link: StoreLink, ranks: tuple[int, ...], my_rank: int, deadline_s: float, grace_s: float) -> None:
+def _meet(
+    link: StoreLink, ranks: tuple[int, ...], my_rank: int, generation: int, deadline_s: float, grace_s: float
+) -> bool:
     """Store-side rendezvous with a deadline: the last to arrive says 'ok', the first to give up says
-    who is missing, and whichever is written first is what every rank acts on."""
+    who is missing (and what the missing ones are opening instead, if anything), and whichever is written
+    first is what every rank acts on. Returns whether every rank names its gloo groups itself (the same on
+    every rank: each counts itself in before it counts as arrived, and all read after the last arrived)."""
     me = ranks[my_rank]
+    where = dist.PrefixStore(_WHERE_PREFIX, default_store())  # outside any group's prefix
+    view = json.dumps({"ranks": list(ranks), "opening": generation + 1})
     try:
-        decision = link.call(lambda store: _meet_in(store, ranks, my_rank, deadline_s), deadline_s + grace_s)
+        decision = link.call(
+            lambda store: _meet_in(store, where, view, ranks, my_rank, deadline_s), deadline_s + grace_s
+        )
     except StoreUnreachable as exc:
         raise AuditTimeoutError(
             f"weightsync audit: the job's store stopped answering while the ranks met to open the audit "
             f"channel (this is rank {me}): {exc}; its host, usually global rank 0, died or is stopped",
             [0],
         ) from exc
-    _check_decision(decision, ranks, me, deadline_s)
+    _check_decision(decision[0], ranks, me, deadline_s)
+    return decision[1]
 
 
-def _meet_in(store: Any, ranks: tuple[int, ...], my_rank: int, deadline_s: float) -> str:
+def _meet_in(
+    store: Any, where: Any, view: str, ranks: tuple[int, ...], my_rank: int, deadline_s: float
+) -> tuple[str, bool]:
+    where.set(str(ranks[my_rank]), view)
     store.set(f"arrived/{my_rank}", "1")
+    store.add("own_names", 1)
     if store.add("count", 1) == len(ranks):
         store.compare_set("decision", "", "ok")
     try:
         store.wait(["decision"], timedelta(seconds=deadline_s))
-        return store.get("decision").decode()
+        decision = store.get("decision").decode()
+        return decision, decision == "ok" and store.add("own_names", 0) == len(ranks)
     except Exception:  # noqa: BLE001 - DistStoreError on timeout
         missing = [ranks[r] for r in range(len(ranks)) if not store.check([f"arrived/{r}"])]
-        return store.compare_set("decision", "", "missing " + json.dumps(missing)).decode()
+        views = _views(where, ranks)
+        verdict = json.dumps({"missing": missing, "views": views})
+        return store.compare_set("decision", "", "missing " + verdict).decode(), False
+
+
+def _views(where: Any, ranks: tuple[int, ...]) -> dict[str, str]:
+    """Each rank's latest opening, for ``ranks`` and every rank named in what they open (transitively), so
+    that ranks on either side of a disagreement describe it in the same words."""
+    views: dict[str, str] = {}
+    todo = list(ranks)
+    while todo:
+        r = todo.pop(0)
+        if str(r) in views or not where.check([str(r)]):
+            continue
+        views[str(r)] = where.get(str(r)).decode()
+        todo.extend(json.loads(views[str(r)])["ranks"])
+    return views
+
+
+def _disagreement(views: dict[str, str]) -> str:
+    """What the ranks are opening, when they do not all open the same channel: '' when they agree."""
+    by_view: dict[str, list[int]] = {}
+    for rank, view in sorted(views.items(), key=lambda kv: int(kv[0])):
+        by_view.setdefault(view, []).append(int(rank))
+    if len(by_view) < 2:
+        return ""
+    parts = []
+    for view, who in sorted(by_view.items(), key=lambda kv: kv[1]):
+        seen = json.loads(view)
+        parts.append(f"rank(s) {who} open the audit channel among ranks {seen['ranks']} (opening #{seen['opening']})")
+    return (
+        "; the ranks disagree on the audit group: "
+        + "; ".join(parts)
+        + " (every rank of a group must call the audit with the same group=, and open it as often)"
+    )
 
 
 def _check_decision(decision: str, ranks: tuple[int, ...], me: int, deadline_s: float) -> None:
     if decision == "ok":
         return
-    missing = json.loads(decision.split(" ", 1)[1]) if decision.startswith("missing ") else []
+    verdict = json.loads(decision.split(" ", 1)[1]) if decision.startswith("missing ") else {}
+    if isinstance(verdict, list):  # written by a version before the views were named
+        verdict = {"missing": verdict}
+    missing = verdict.get("missing", [])
     if me in missing:
         why = "this rank arrived after the others had given up waiting for it"
     else:
         why = "a rank is stuck, dead, or auditing at a different point"
     raise AuditTimeoutError(
         f"weightsync audit: rank(s) {missing} did not arrive at the first audit within {deadline_s:g}s "
-        f"(this is rank {me} of {len(ranks)}); {why}",
+        f"(this is rank {me}, one of {len(ranks)}); {why}{_disagreement(verdict.get('views', {}))}",
         missing,
     )
 

@@ -140,6 +140,12 @@ class Comm(StarWire):
         mine = json.dumps(self.known_hosts(ranks)).encode() if self.rank == 0 else None
         return json.loads(self.share_bytes(0, mine, "where the odd ranks run")) or None
 
+    @property
+    def own_names(self) -> bool:
+        """Whether the groups of these ranks are named by this library (every member on this release or
+        later) rather than by torch; see :func:`~weightsync_audit.channel.groups.open_group`."""
+        return self._group.own_names if self._group is not None else True
+
     def audit_pg(self) -> Any:
         """The dedicated gloo process group once opened, else ``None``."""
         return self._group.pg if self._group is not None else None

@@ -9,8 +9,9 @@ named). Exit 2: the checkpoint or its sidecar cannot be read.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from rich.console import Console
 from rich.markup import escape
@@ -18,6 +19,7 @@ from rich.text import Text
 
 from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError
 from weightsync_audit.cli.checkpoint_diff import CHECKPOINT_SUFFIXES, CheckpointError, load_checkpoint
+from weightsync_audit.cli.checkpoint_load import UnsafeCheckpointError
 from weightsync_audit.cli.verify_resume import verify_resume
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
@@ -33,19 +35,57 @@ _SKIPPED = ("training_args.bin", "rng_state")
 """Files of a checkpoint folder that hold no tensors the sidecar records (Hugging Face's own)."""
 
 
-def _folder_tensors(folder: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for f in sorted(folder.iterdir()):
-        if not f.is_file() or f.name.startswith(_SKIPPED):
-            continue
-        if f.suffix == ".safetensors":
-            from safetensors.torch import load_file
+def _folder_files(folder: Path) -> list[Path]:
+    """The files of a checkpoint folder that may hold tensors: its own, and those under the tag that its
+    ``latest`` file names (a DeepSpeed ``save_checkpoint`` folder: ``<tag>/mp_rank_00_model_states.pt``)
+    or, without one, under every subfolder."""
+    files = [f for f in sorted(folder.iterdir()) if f.is_file()]
+    subdirs = [d for d in sorted(folder.iterdir()) if d.is_dir()]
+    latest = folder / "latest"
+    if latest.is_file():
+        try:
+            tag = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            tag = ""
+        if tag and (folder / tag).is_dir():
+            subdirs = [folder / tag]
+    for d in subdirs:
+        files += sorted(f for f in d.rglob("*") if f.is_file())
+    return [f for f in files if not f.name.startswith(_SKIPPED)]
 
-            out.update(load_file(str(f)))
-        elif f.suffix in CHECKPOINT_SUFFIXES:
-            obj = load_checkpoint(f)
-            out.update(obj if isinstance(obj, dict) and all(isinstance(k, str) for k in obj) else {f.name: obj})
-    return out
+
+def _prefix_in(keys: Mapping[str, Any], wanted: list[str]) -> str:
+    """The prefix under which most of ``wanted`` sit among ``keys`` (``""`` when none do)."""
+    cands = {""}
+    for n in wanted[:8]:
+        cands |= {k[: len(k) - len(n)] for k in keys if k.endswith(n) and (len(k) == len(n) or k[-len(n) - 1] in "./")}
+    return max(sorted(cands), key=lambda p: sum(p + n in keys for n in wanted))
+
+
+def _folder_digests(folder: Path, wanted: list[str], out: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Name (as in the sidecar) -> digest entry of every tensor found in the folder's files, each file's
+    names matched to the sidecar's under the prefix they sit at there (``module.`` in a DeepSpeed model
+    file). A file that would need code to load is skipped and listed in ``out["skipped"]``."""
+    found: dict[str, dict[str, Any]] = {}
+    for f in _folder_files(folder):
+        try:
+            if f.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                obj: Any = load_file(str(f))
+            elif f.suffix in CHECKPOINT_SUFFIXES:
+                obj = load_checkpoint(f)
+            else:
+                continue
+        except UnsafeCheckpointError:
+            out["skipped"].append(str(f.relative_to(folder)))
+            continue
+        digests = tensor_digests(obj)
+        prefix = _prefix_in(digests, [n for n in wanted if n not in found])
+        for n in wanted:
+            if n not in found and prefix + n in digests:
+                found[n] = digests[prefix + n]
+    return found
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -62,9 +102,11 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     except SidecarError as exc:
         raise CliError(str(exc)) from None
     out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
+    out["skipped"] = []
     if sidecar is None:
         return {**out, "status": "unverified", "why": f"no sidecar ({sidecar_path(p).name})"}
     out.update(step=sidecar.get("step"), world_size=sidecar.get("world_size"), saved=sidecar["verdict"])
+    out["not_compared"] = list(sidecar.get("partitioned") or [])  # saved as each rank's partition only
     if "shards" in sidecar:
         now = dcp_shards(p)
         for f, s in sorted(sidecar["shards"].items()):
@@ -73,23 +115,34 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             elif now[f]["digest"] != s["digest"]:
                 out["changed"].append(f"{f} (rank {s['rank']})")
     else:
+        saved = sidecar["tensors"]
         try:
-            loaded = _folder_tensors(p) if p.is_dir() else load_checkpoint(p)
+            now = _folder_digests(p, sorted(saved), out) if p.is_dir() else tensor_digests(load_checkpoint(p))
         except CheckpointError as exc:
             raise CliError(str(exc)) from None
-        now = tensor_digests(loaded)
-        present = {e["digest"] for e in now.values()}
-        for n, e in sorted(sidecar["tensors"].items()):
-            if n not in now:
-                if not (p.is_dir() and e["digest"] in present):  # a tied weight saved once in a folder
-                    out["missing"].append(n)
-            elif (now[n]["digest"], now[n]["shape"], now[n]["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
+        tied = sidecar.get("tied") or {}
+        partitioned = bool(sidecar.get("partitioned"))
+        for n, e in sorted(saved.items()):
+            held = now.get(n)
+            if held is None and tied.get(n) in now and saved.get(tied[n], {}).get("digest") == e["digest"]:
+                held = now[tied[n]]  # saved once for both names (tied weights), as the sidecar recorded
+            if held is None:
+                out["missing"].append(n)
+            elif partitioned and not math.prod(held["shape"]) and math.prod(e["shape"]):
+                out["not_compared"].append(n)  # ZeRO-3 saves every parameter as a placeholder in the model file
+            elif (held["digest"], held["shape"], held["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
                 out["changed"].append(n)
+    verdict = sidecar["verdict"]
     if out["changed"] or out["missing"]:
         status = "changed"
+    elif verdict == "sampled":  # agreed on a slice only: nothing says the other bytes did
+        status = "unverified"
+        out["why"] = (
+            f"saved after a sampled audit (coverage {sidecar.get('coverage')}), which did not compare every byte"
+        )
     else:
-        status = "verified" if sidecar["verdict"] == "verified" else "diverged"
-    if sidecar["verdict"] != "verified":
+        status = "verified" if verdict == "verified" else "diverged"
+    if verdict == "diverged":
         out["diverged"] = sidecar.get("diverged", [])
     out["resume"] = verify_resume(p, sidecar)  # each rank's own RNG, position, schedulers (cli/verify_resume.py)
     return {**out, "status": status}
@@ -113,6 +166,13 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
         console.print(Text(f"NOT VERIFIED: {where}: the weights agree; the resume state above does not"))
     elif status == "verified":
         console.print(Text(f"VERIFIED: {where}: every replica agreed when it was saved; unchanged since", "bold green"))
+        if outcome.get("not_compared"):
+            part = outcome["not_compared"]
+            console.print(
+                f"  {len(part)} partitioned tensor(s) not compared ({escape(', '.join(part[:5]))}"
+                f"{', ...' if len(part) > 5 else ''}): the engine saved them as each rank's partition, in its "
+                "optimizer files (a placeholder in the model file)"
+            )
     elif status == "unverified":
         console.print(Text(f"UNVERIFIED: {path}: {outcome['why']}", style="bold yellow"))
     else:
@@ -121,6 +181,8 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
             said.append(f"changed since saved: {', '.join(outcome['changed'][:10])}")
         if outcome["missing"]:
             said.append(f"missing: {', '.join(outcome['missing'][:10])}")
+            if outcome.get("skipped"):
+                said.append(f"not read (they need code to load): {', '.join(outcome['skipped'][:5])}")
         if outcome.get("diverged") is not None:
             said.append(f"saved while the replicas differed ({', '.join(outcome['diverged'][:5]) or 'see its record'})")
         console.print(Text(f"NOT VERIFIED: {where}: " + "; ".join(said), style="bold red"))

@@ -20,6 +20,7 @@ same path and no collective is ever entered by some ranks only. The phases thems
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import torch
@@ -192,14 +193,24 @@ class Auditor:
         step: int | None = None,
         epoch: int | None = None,
         hook: str | None = None,
+        full: bool = False,
     ) -> AuditResult:
         """Compare every rank's tensors; collective over the group. Returns the same result everywhere.
 
-        The phases (prepare, agree, localize, measure, explain, record) are :class:`AuditRun`'s."""
+        ``full``: read every byte this once, whatever ``coverage`` says (every rank passes the same; a
+        checkpoint's ``verified`` needs it). The phases (prepare, agree, localize, measure, explain,
+        record) are :class:`AuditRun`'s."""
         module = stage_module(module) if module is not None else self.module
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(module) if module is not None else None
-        return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+        if not full or self.config.slices == 1:
+            return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+        sampled = self.config
+        self.config = dataclasses.replace(sampled, slices=1)
+        try:
+            return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+        finally:
+            self.config = sampled
 
     def checkpoint_saved(self, path: Any, step: int | None, *, state: Any = None, **kwargs: Any) -> AuditResult:
         """After saving a checkpoint at ``path``: audit and write its sidecar (collective; see docs/restarts.md).

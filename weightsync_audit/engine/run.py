@@ -52,7 +52,7 @@ from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.inventory.replicas import reducing_engine
-from weightsync_audit.engine.measure.finite import apply_nonfinite, count_everywhere, in_sync_note, nonfinite_row
+from weightsync_audit.engine.measure.finite import NonfiniteCount, apply_nonfinite, count_everywhere, nonfinite_row
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
@@ -169,7 +169,7 @@ class AuditRun:
         self.hints: list[str] = []
         self.hints_shared = False
         self.pin: Pinpoint | None = None
-        self.nonfinite: tuple[int, list[str]] | None = None
+        self.nonfinite: NonfiniteCount | None = None
         self.transient: dict[str, Any] | None = None
         self.hosts: dict[str, str] | None = None
 
@@ -343,6 +343,7 @@ class AuditRun:
                 names = [e.name for e in self.prepared.manifest.entries]
                 self.transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
                 self.notes.append(transient_note(self.transient))
+                self.transient.pop("why", None)  # said in the note; the field keeps its three keys
             names = [m.name for m in self.mismatches]
             self.pin = pinpointer.settle(comm, bool(names), self.step, cfg.slices == 1, self._tolerated(), names)
         self._tally()
@@ -435,13 +436,8 @@ class AuditRun:
             hosts=self.hosts,
         )
         if self.nonfinite is not None:
-            result.nonfinite_count, names = self.nonfinite
-            if result.nonfinite_count:
-                result.notes.append(
-                    in_sync_note(result.nonfinite_count, names)
-                    if in_sync
-                    else f"{result.nonfinite_count} tensor(s) hold NaN/inf on some rank: {', '.join(names)}"
-                )
+            result.nonfinite_count = self.nonfinite.count
+            result.notes.extend(self.nonfinite.notes(in_sync))
         mark_pinpoint(result, self.pin)
         history.record(result)
         result.duration_ms = (time.perf_counter() - self.t0) * 1e3

@@ -49,7 +49,7 @@ MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
 CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
 PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "unavailable", "off")
 STABILITIES = ("stable", "unstable")
-CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed")
+CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed", "sampled")
 
 _INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
 _COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")

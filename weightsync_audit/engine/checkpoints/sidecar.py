@@ -5,11 +5,15 @@ folder (a Hugging Face ``checkpoint-N``, a ``torch.distributed.checkpoint`` dire
 ``weightsync.json`` inside it, so it goes when the folder is rotated away. The sidecar is JSON:
 
 ``schema`` (``weightsync-checkpoint/1``), ``checkpoint`` (the path's base name), ``step``, ``epoch``,
-``world_size``, ``time``, ``verdict`` (``verified``: every replica agreed at that step; ``diverged``: they
-did not, ``diverged`` names the tensors), ``tensors`` (dotted name in the saved object -> ``digest``
-(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``) and, for a
-``torch.distributed.checkpoint`` folder, ``shards`` (file -> ``rank`` that wrote it, ``digest`` of the
-file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that rank's local tensors, as ``tensors``).
+``world_size``, ``time``, ``verdict`` (``verified``: every replica agreed at that step, in an audit that
+compared every byte; ``diverged``: they did not, ``diverged`` names the tensors; ``sampled``: they agreed
+on the slice a sampled audit read, which verifies nothing), ``coverage`` (``full``, or the ``k/n`` of a
+sampled audit), ``tensors`` (dotted name in the saved object -> ``digest``
+(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``), ``tied``
+(a name -> the name it shares its tensor with: tied weights, which ``verify`` accepts saved once under
+the other name, and nothing else) and, for a ``torch.distributed.checkpoint`` folder, ``shards`` (file
+-> ``rank`` that wrote it, ``digest`` of the file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that
+rank's local tensors, as ``tensors``, each with its ``offset`` and ``global_shape`` in the global tensor).
 
 >>> import torch
 >>> entry = tensor_digests({"model": {"w": torch.ones(2)}})["model.w"]
@@ -46,11 +50,12 @@ __all__ = [
     "read_sidecar",
     "sidecar_path",
     "tensor_digests",
+    "tied_names",
     "write_sidecar",
 ]
 
 SIDECAR_SCHEMA = "weightsync-checkpoint/1"
-VERDICTS = ("verified", "diverged")
+VERDICTS = ("verified", "diverged", "sampled")
 _DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _MASK64 = (1 << 64) - 1
 
@@ -69,15 +74,15 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
     return p / "weightsync.json" if p.is_dir() else p.with_name(p.name + ".weightsync.json")
 
 
-def flat_tensors(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+def flat_tensors(obj: Any, prefix: str = "", *, local: bool = True) -> dict[str, torch.Tensor]:
     """Dotted name -> tensor for every tensor in any nesting of mappings, lists and tuples (a DTensor
-    enters as this rank's local shard)."""
+    enters as this rank's local shard; as itself with ``local=False``)."""
     out: dict[str, torch.Tensor] = {}
     stack: list[tuple[str, Any]] = [(prefix, obj)]
     while stack:
         name, v = stack.pop()
         if isinstance(v, torch.Tensor):
-            out[name or "(root)"] = v.to_local() if is_dtensor(v) else v
+            out[name or "(root)"] = v.to_local() if local and is_dtensor(v) else v
         elif isinstance(v, Mapping):
             stack.extend((f"{name}.{k}" if name else str(k), x) for k, x in reversed(list(v.items())))
         elif isinstance(v, (list, tuple)):
@@ -98,6 +103,27 @@ def tensor_digests(obj: Any) -> dict[str, dict[str, Any]]:
         n: {"digest": _hex(int(d)), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         for (n, t), d in zip(flat.items(), digests)
     }
+
+
+def tied_names(obj: Any) -> dict[str, str]:
+    """Name -> the first name holding the very same tensor (same storage, offset, shape and strides): tied
+    weights, which a folder format may save once (``model.safetensors`` drops ``lm_head.weight``).
+
+    >>> w = torch.ones(2)
+    >>> tied_names({"a": w, "b": w, "c": torch.ones(2)})
+    {'b': 'a'}
+    """
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, t in flat_tensors(obj).items():
+        if t.numel() == 0 or t.device.type == "meta":
+            continue
+        key = (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key in first:
+            out[name] = first[key]
+        else:
+            first[key] = name
+    return out
 
 
 def file_digest(path: str | os.PathLike[str], block: int = 16 << 20) -> str:
@@ -134,8 +160,11 @@ def new_sidecar(
     in_sync: bool,
     diverged: Iterable[str],
     tensors: Mapping[str, Any],
+    coverage: str | None = None,
 ) -> dict[str, Any]:
-    """The sidecar object (see the module's docstring for its fields)."""
+    """The sidecar object (see the module's docstring for its fields); ``coverage``: the ``k/n`` of a
+    sampled audit (``None``: it read every byte)."""
+    verdict = "diverged" if not in_sync else ("sampled" if coverage else "verified")
     return {
         "schema": SIDECAR_SCHEMA,
         "checkpoint": Path(path).name,
@@ -143,7 +172,8 @@ def new_sidecar(
         "epoch": epoch,
         "world_size": int(world_size),
         "time": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "verdict": "verified" if in_sync else "diverged",
+        "verdict": verdict,
+        "coverage": coverage or "full",
         "diverged": sorted(set(diverged)),
         "tensors": dict(tensors),
     }

@@ -36,6 +36,7 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
+from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
@@ -45,6 +46,7 @@ from weightsync_audit.engine.checkpoints.sidecar import (
     read_sidecar,
     sidecar_path,
     tensor_digests,
+    tied_names,
     write_sidecar,
 )
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
@@ -55,6 +57,8 @@ from weightsync_audit.reporting.record import AuditResult, Mismatch
 __all__ = ["checkpoint_loaded", "checkpoint_saved"]
 
 _warned_unverified: set[str] = set()
+_LOADED_STATUS = {"verified": "matching", "diverged": "diverged"}
+"""A load's status from an unchanged checkpoint's verdict; any other verdict (``sampled``) is ``unverified``."""
 
 
 class CheckpointAuditor(Protocol):
@@ -67,7 +71,14 @@ class CheckpointAuditor(Protocol):
     def comm(self) -> Comm: ...
 
     def audit(
-        self, module: Any = None, optimizer: Any = None, *, step: Any = None, epoch: Any = None, hook: Any = None
+        self,
+        module: Any = None,
+        optimizer: Any = None,
+        *,
+        step: Any = None,
+        epoch: Any = None,
+        hook: Any = None,
+        full: bool = False,
     ) -> AuditResult: ...
 
 
@@ -128,11 +139,13 @@ def checkpoint_saved(
     """Audit at the save step and write the sidecar of the checkpoint at ``path``. Collective.
 
     ``state`` is what was saved (default: the module's ``state_dict``); ``result`` an audit already run
-    at this step (then no second one). The sidecar says ``verified`` only when every replica agreed.
+    at this step (then no second one, unless it was sampled). The sidecar says ``verified`` only when every
+    replica agreed in an audit that compared every byte: under ``coverage="1/n"`` a full pass runs here
+    (an auditor that cannot run one gets ``sampled``, which ``verify`` does not accept).
     """
     comm = auditor.comm
-    if result is None:
-        result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook)
+    if result is None or result.sampled:
+        result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook, full=True)
     held_by = module if module is not None else auditor.module
     obj = state if state is not None else _model_state(held_by)
     dcp = bool(_on_first_rank(comm, lambda: is_dcp_folder(path), "the checkpoint's kind"))
@@ -146,12 +159,16 @@ def checkpoint_saved(
         in_sync=result.in_sync,
         diverged=result.diverged_names,
         tensors=tensors,
+        coverage=result.coverage,
     )
+    tied = tied_names(obj) if comm.rank == 0 and not dcp else {}
+    if tied:  # a folder format may save them once: verify accepts exactly these, never a digest look-alike
+        sidecar["tied"] = {n: m for n, m in tied.items() if n in tensors and m in tensors}
     if partitioned:  # each rank saved its own partition in the engine's files: nothing to digest here
         sidecar["partitioned"] = partitioned
     if dcp:  # every rank digests what it wrote: its shard files and its local tensors
         me = comm.global_ranks[comm.rank]
-        mine = {"rank": me, "tensors": tensor_digests(obj), "shards": dcp_shards(path, me)}
+        mine = {"rank": me, "tensors": with_boxes(tensor_digests(obj), obj), "shards": dcp_shards(path, me)}
         parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), "the checkpoint shards")]
         sidecar["rank_tensors"] = {str(p["rank"]): p["tensors"] for p in parts}
         sidecar["shards"] = {f: s for p in parts for f, s in p["shards"].items()}
@@ -190,6 +207,49 @@ def _holdings(state: Any, module: nn.Module | None, optimizer: Any) -> list[tupl
     return groups
 
 
+def _boxed_differences(
+    comm: Comm, saved: dict[str, Any], state: Any, module: nn.Module | None, optimizer: Any
+) -> tuple[list[str], list[str]]:
+    """Collective: this rank's names that differ from the saved shards it holds whole (any layout: a
+    reshard compares equal when it restores the same global tensors; see ``reshard``), and the names of
+    tensors whose saved shards no rank compared."""
+    names = {n for entries in saved.values() for n in entries}
+    groups = (
+        [state] if state is not None else [_model_state(module), *(o.state_dict() for o in as_optimizers(optimizer))]
+    )
+    differ: list[str] = []
+    compared: list[list[str]] = []
+    for obj in groups:
+        prefix = "" if state is not None else match_prefix(names, tensor_digests(obj))
+        found, seen = compare_boxes(saved, obj, prefix, str(comm.global_ranks[comm.rank]))
+        differ += found
+        compared += seen
+    everyone = comm.exchange_bytes(json.dumps(compared).encode(), "the compared checkpoint shards")
+    return differ, uncovered_boxes(saved, (c for p in everyone for c in json.loads(p)))
+
+
+def _saved_differences(
+    comm: Comm, sidecar: dict[str, Any], state: Any, module: nn.Module | None, optimizer: Any
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    """This rank's names (as saved) that differ from the sidecar, the names no rank could compare, and the
+    digests this rank was compared with (collective when the sidecar records shard boxes)."""
+    me = str(comm.global_ranks[comm.rank])
+    if has_boxes(sidecar.get("rank_tensors") or {}):  # the same on every rank: the sidecar is rank 0's
+        differ, uncovered = _boxed_differences(comm, sidecar["rank_tensors"], state, module, optimizer)
+        whole = {
+            n: {**e, "shape": e.get("global_shape", e["shape"])}
+            for t in sidecar["rank_tensors"].values()
+            for n, e in t.items()
+        }
+        return differ, uncovered, whole
+    expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
+    differ = []
+    for prefix, held in _holdings(state, module, optimizer):
+        _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
+        differ += _held_differences(expected or {}, held, prefix)
+    return differ, [], expected or {}
+
+
 def checkpoint_loaded(
     auditor: CheckpointAuditor,
     path: str | os.PathLike[str],
@@ -226,13 +286,14 @@ def checkpoint_loaded(
             warnings.warn(f"weightsync: checkpoint {path} is unverified ({why})", WeightSyncWarning, stacklevel=2)
         result.checkpoint = entry
         return result
-    me = str(comm.global_ranks[comm.rank])
-    expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
-    differ: list[str] = []
-    for prefix, held in _holdings(state, module, optimizer):
-        _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
-        found = _held_differences(expected or {}, held, prefix)
-        differ += found
+    differ, uncovered, expected = _saved_differences(comm, sidecar, state, module, optimizer)
+    if uncovered:  # what no rank could compare (a reshard to finer shards)
+        entry["not_compared"] = len(uncovered)
+        result.notes.append(
+            f"{len(uncovered)} tensor(s) of {path} were not compared ({', '.join(uncovered[:3])}"
+            f"{', ...' if len(uncovered) > 3 else ''}): no rank now holds a whole shard of them as saved "
+            "(loaded on finer shards than they were saved in, or not loaded)"
+        )
     partitioned = sidecar.get("partitioned") or []
     if partitioned:
         entry["not_compared"] = len(partitioned)
@@ -247,10 +308,16 @@ def checkpoint_loaded(
     result.mismatches.extend(changed)
     if changed:
         result.hosts = comm.hosts_of(sorted({r for m in result.mismatches for r in m.ranks}))
-    entry["status"] = "changed" if changed else ("matching" if sidecar["verdict"] == "verified" else "diverged")
-    if sidecar["verdict"] != "verified":
+    verdict = sidecar["verdict"]
+    entry["status"] = "changed" if changed else _LOADED_STATUS.get(verdict, "unverified")
+    if verdict == "diverged":
         result.notes.append(
             f"checkpoint {path} was saved while the replicas differed ({', '.join(sidecar.get('diverged', [])[:5])})"
+        )
+    elif verdict != "verified":
+        result.notes.append(
+            f"checkpoint {path} is unverified: saved after a sampled audit (coverage {sidecar.get('coverage')}), "
+            "which did not compare every byte"
         )
     if changed and result.in_sync:  # the history records this audit as the divergence it is
         result.in_sync = False

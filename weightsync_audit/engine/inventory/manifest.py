@@ -122,10 +122,13 @@ def unwrap_module(module: nn.Module) -> nn.Module:
 
 
 def as_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """Accept ``None``, one optimizer, a Lightning/Fabric wrapped one, or a sequence of them."""
+    """Accept ``None``, one optimizer, a Lightning/Fabric wrapped one, a Megatron ``ChainedOptimizer``, or a
+    sequence of them."""
     if optimizer is None:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    # Megatron-core's get_megatron_optimizer returns a ChainedOptimizer (dense and expert optimizers).
+    items = [o for item in items for o in (getattr(item, "chained_optimizers", None) or [item])]
     out = []
     for i, opt in enumerate(items):
         # LightningOptimizer / _FabricOptimizer / a DeepSpeed ZeRO optimizer (remembered for the replica rules)

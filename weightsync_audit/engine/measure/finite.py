@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks
 
 __all__ = [
+    "NonfiniteCount",
     "count_everywhere",
     "count_nonfinite",
     "apply_nonfinite",
@@ -39,6 +40,8 @@ __all__ = [
     "nonfinite_row",
     "nonfinite_entries",
     "nonfinite_indices",
+    "screen_entries",
+    "screen_nonfinite",
 ]
 
 _PIECE = 1 << 18
@@ -53,43 +56,98 @@ def _floating(t: torch.Tensor) -> bool:
     return t.dtype.is_floating_point or t.dtype.is_complex
 
 
+_SUMMED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128})
+"""Dtypes screened by a sum as they are; every other floating dtype (float8, complex32) has no sum or
+``isfinite`` kernel on some device and is counted in pieces widened to float32 / complex64 (exact: the
+widening keeps every NaN and inf)."""
+_NO_NONFINITE = frozenset(d for d in (getattr(torch, "float4_e2m1fn_x2", None),) if d is not None)
+"""Floating dtypes that have no NaN or inf encoding at all (nothing to count, nothing to read)."""
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a piece of ``dtype`` is counted in; ``None`` for a dtype summed as it is."""
+    if dtype in _SUMMED:
+        return None
+    return torch.complex64 if dtype.is_complex else torch.float32
+
+
 def _all_finite(t: torch.Tensor) -> bool:
     # A finite sum proves every element finite (NaN and inf propagate); an overflow sends it to the count.
+    if _wide(t.dtype) is not None:
+        return count_nonfinite(t) == 0
     return bool(torch.isfinite(t.sum())) or count_nonfinite(t) == 0
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
     """NaN and ±inf elements of ``t`` (0 for integer, bool and empty tensors).
 
+    Any floating dtype is counted: float8 and complex32, which have no sum on the CPU, in pieces widened
+    to float32 / complex64 (a piece at a time, never the whole tensor). Raises where the tensor cannot be
+    read at all (the caller names it as not counted).
+
     >>> import torch
     >>> count_nonfinite(torch.tensor([1.0, float("nan"), float("-inf")]))
     2
+    >>> count_nonfinite(torch.tensor([1.0, float("nan")]).to(torch.float8_e4m3fn))
+    1
     """
     t = t.detach()
-    if not _floating(t) or t.numel() == 0:
+    if not _floating(t) or t.numel() == 0 or t.dtype in _NO_NONFINITE:
         return 0
+    wide = _wide(t.dtype)
+    if wide is not None:
+        return sum(int(torch.isfinite(piece.to(wide)).logical_not_().sum()) for piece in chunk_views(t, _PIECE))
     if bool(torch.isfinite(t.sum())):
         return 0
     return sum(int(torch.isfinite(piece).logical_not_().sum()) for piece in chunk_views(t, _PIECE))
 
 
-def nonfinite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Positions of the tensors holding NaN or inf; small ones are screened together per dtype."""
+def screen_nonfinite(tensors: Sequence[torch.Tensor]) -> tuple[list[int], list[int]]:
+    """Positions of the tensors holding NaN or inf, and of those that could not be read to tell.
+
+    Small tensors of a dtype summed as it is are screened together per dtype and device; a tensor that
+    cannot be counted (a dtype with no kernel to read it on its device) is listed apart and never hides
+    the others' counts.
+    """
     out: list[int] = []
+    uncounted: list[int] = []
     small: dict[tuple[torch.dtype, bool], list[int]] = {}
     for i, (t, dtype) in enumerate(zip(tensors, map(_DTYPE, tensors))):
         if not (dtype.is_floating_point or dtype.is_complex):
             continue
         n = t.numel()
-        if 0 < n <= _SMALL:
+        if 0 < n <= _SMALL and _wide(dtype) is None:
             small.setdefault((dtype, t.is_cpu), []).append(i)
-        elif n and not _all_finite(t.detach()):
-            out.append(i)
+        elif n:
+            _screen_one(t.detach(), i, out, uncounted)
     for idx in small.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-        if not bool(torch.isfinite(flat.sum())):  # a finite sum: no NaN/inf (an overflow is checked below)
-            out.extend(i for i in idx if count_nonfinite(tensors[i]))
-    return sorted(out)
+        try:
+            flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            clean = bool(torch.isfinite(flat.sum()))  # a finite sum: no NaN/inf (an overflow is checked below)
+        except Exception:  # noqa: BLE001 - screened one by one instead
+            clean = False
+        if not clean:
+            for i in idx:
+                _screen_one(tensors[i].detach(), i, out, uncounted)
+    return sorted(out), sorted(uncounted)
+
+
+def _screen_one(t: torch.Tensor, i: int, out: list[int], uncounted: list[int]) -> None:
+    try:
+        bad = not _all_finite(t)
+    except Exception:  # noqa: BLE001 - named as not counted, never a hang and never a silent 0
+        uncounted.append(i)
+        return
+    if bad:
+        out.append(i)
+
+
+def nonfinite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Positions of the tensors holding NaN or inf; small ones are screened together per dtype.
+
+    (:func:`screen_nonfinite` also says which tensors could not be read to tell.)
+    """
+    return screen_nonfinite(tensors)[0]
 
 
 def _safe_count(t: torch.Tensor) -> int:
@@ -148,19 +206,27 @@ def apply_nonfinite(g: Sequence[int], mismatches: Sequence[Mismatch], table: np.
             m.detail = f"{text}; {m.detail}" if m.detail else text
 
 
-def _bad_views(views: list[Any], dtype: torch.dtype) -> list[int]:
-    """Which of ``views`` (raw memory of tensors of ``dtype``) hold NaN/inf: one pass over them all."""
+def _bad_views(views: list[Any], dtype: torch.dtype) -> tuple[list[int], list[int]]:
+    """Which of ``views`` (raw memory of tensors of ``dtype``) hold NaN/inf, and which could not be read:
+    one pass over them all for a dtype summed as it is."""
     # A finite sum proves every element finite (NaN and inf propagate); only an overflow or a real NaN/inf
     # sends the views to the element-wise check.
-    if bool(torch.isfinite(torch.frombuffer(bytearray().join(views), dtype=dtype).sum())):
-        return []
-    return [
-        k for k, v in enumerate(views) if not bool(torch.isfinite(torch.frombuffer(bytearray(v), dtype=dtype)).all())
-    ]
+    if _wide(dtype) is None:
+        try:
+            if bool(torch.isfinite(torch.frombuffer(bytearray().join(views), dtype=dtype).sum())):
+                return [], []
+        except Exception:  # noqa: BLE001 - counted one by one below
+            pass
+    bad: list[int] = []
+    uncounted: list[int] = []
+    for k, v in enumerate(views):
+        if len(v):
+            _screen_one(torch.frombuffer(bytearray(v), dtype=dtype), k, bad, uncounted)
+    return bad, uncounted
 
 
-def nonfinite_entries(prepared: PreparedManifest) -> list[int]:
-    """Entry indices of a prepared manifest whose tensors hold NaN/inf.
+def screen_entries(prepared: PreparedManifest) -> tuple[list[int], list[int]]:
+    """Entry indices of a prepared manifest whose tensors hold NaN/inf, and of those not counted.
 
     On a cached plan the tensors hashed in place are read through the plan's wrappers, all of one dtype
     in one pass (checked by :meth:`DigestPlan.verify` in this same audit, like the hashing); the others
@@ -168,36 +234,106 @@ def nonfinite_entries(prepared: PreparedManifest) -> list[int]:
     """
     plan = prepared.plan
     found: list[int] = []
+    uncounted: list[int] = []
+
+    def add(at: Any, screened: tuple[list[int], list[int]]) -> None:
+        found.extend(int(at[k]) for k in screened[0])
+        uncounted.extend(int(at[k]) for k in screened[1])
+
     if plan.fast_count:
         for dtype, (views, where) in plan.floating.items():
-            found += [where[k] for k in _bad_views(views, dtype)]
-        slow = list(itertools.compress(prepared.sources, prepared.slow_mask))
-        found += [int(plan.slow_index[k]) for k in nonfinite_indices(slow)]
+            add(where, _bad_views(views, dtype))
+        add(plan.slow_index, screen_nonfinite(list(itertools.compress(prepared.sources, prepared.slow_mask))))
     else:
-        found += [int(plan.all_index[k]) for k in nonfinite_indices(prepared.sources)]
-    found += [int(plan.dyn_index[k]) for k in nonfinite_indices(prepared.dynamic)]
-    return sorted(found)
+        add(plan.all_index, screen_nonfinite(prepared.sources))
+    add(plan.dyn_index, screen_nonfinite(prepared.dynamic))
+    return sorted(found), sorted(uncounted)
 
 
-def count_everywhere(comm: Comm, prepared: PreparedManifest) -> tuple[int, list[str]]:
-    """Collective: how many audited tensors hold NaN/inf (the most on any rank) and their names.
+def nonfinite_entries(prepared: PreparedManifest) -> list[int]:
+    """Entry indices of a prepared manifest whose tensors hold NaN/inf (see :func:`screen_entries`)."""
+    return screen_entries(prepared)[0]
 
-    Every rank returns the same answer: the counts are exchanged, the names are the first rank's that
-    found the most (its manifest is built only then).
+
+class NonfiniteCount(NamedTuple):
+    """What :func:`count_everywhere` found, the same on every rank."""
+
+    count: int
+    """Audited tensors holding NaN/inf: the most on any rank."""
+    names: list[str]
+    """Up to five of them (the first rank's that found the most)."""
+    uncounted: int = 0
+    """Floating tensors that could not be read to tell (the most on any rank): not in ``count``."""
+    uncounted_names: list[str] = []
+    """Up to five of them, each with its dtype and device (the first rank's that had the most)."""
+    failed_ranks: list[int] = []
+    """Global ranks on which the check itself failed (their tensors are not in ``count``)."""
+
+    def notes(self, in_sync: bool) -> list[str]:
+        """The record's words: what holds NaN/inf, and what could not be counted (never a silent 0)."""
+        out: list[str] = []
+        if self.count:
+            out.append(
+                in_sync_note(self.count, self.names)
+                if in_sync
+                else f"{self.count} tensor(s) hold NaN/inf on some rank: {', '.join(self.names)}"
+            )
+        if self.uncounted:
+            out.append(
+                f"NaN/inf not counted in {self.uncounted} tensor(s) ({', '.join(self.uncounted_names)}"
+                f"{', ...' if self.uncounted > len(self.uncounted_names) else ''}): their dtype cannot be read on "
+                "their device; nonfinite_count covers the other tensors"
+            )
+        if self.failed_ranks:
+            out.append(
+                f"the NaN/inf check failed on {fmt_ranks(self.failed_ranks)}: nonfinite_count covers the other ranks"
+            )
+        return out
+
+
+def _described(prepared: PreparedManifest, i: int) -> str:
+    e = prepared.manifest.entries[i]
+    t = getattr(e, "tensor", None)
+    where = f" {str(t.dtype).removeprefix('torch.')} on {t.device}" if isinstance(t, torch.Tensor) else ""
+    return f"{e.name}{where}"
+
+
+def count_everywhere(comm: Comm, prepared: PreparedManifest) -> NonfiniteCount:
+    """Collective: how many audited tensors hold NaN/inf (the most on any rank) and their names, and the
+    floating tensors that could not be read to tell (named, never folded into a silent 0).
+
+    Every rank returns the same answer: the counts are exchanged in one round with each rank's names; the
+    coordinator picks the first rank that found the most of each.
     """
+    failed = 0
     try:
-        found = nonfinite_entries(prepared)
-    except Exception:  # noqa: BLE001 - never a hang: an unreadable tensor is reported by the audit itself
-        found = []
-    table = comm.exchange(np.array([len(found)], dtype=np.int64), "the non-finite check")
-    most = int(table[:, 0].max())
-    if most == 0:
-        return 0, []
-    first = int(np.nonzero(table[:, 0] == most)[0][0])
-    names = [prepared.manifest.entries[i].name for i in found[:5]] if comm.rank == first else []
-    mine = json.dumps(names).encode()
-    listed = json.loads(comm.share_bytes(first, mine, "the non-finite names"))
-    return most, listed
+        found, uncounted = screen_entries(prepared)
+    except Exception:  # noqa: BLE001 - never a hang: this rank's failure is named in the record
+        found, uncounted, failed = [], [], 1
+    names = [prepared.manifest.entries[i].name for i in found[:5]] if found else []
+    odd = [_described(prepared, i) for i in uncounted[:5]] if uncounted else []
+    row = np.array([len(found), len(uncounted), failed], dtype=np.int64)
+
+    def pick(table: np.ndarray, blobs: list[bytes]) -> bytes:
+        out: list[list[str]] = [[], []]
+        for col in (0, 1):
+            first = int(np.argmax(table[:, col]))  # the first rank holding the most
+            try:
+                out[col] = [str(n) for n in json.loads(blobs[first])[col]] if table[first, col] else []
+            except Exception:  # noqa: BLE001 - run on the coordinator alone: never raise there
+                out[col] = ["(names unreadable)"]
+        return json.dumps(out).encode()
+
+    table, answer = comm.exchange_then(row, "the non-finite check", blob=json.dumps([names, odd]).encode(), then=pick)
+    listed, odd_listed = json.loads(answer)
+    g = comm.global_ranks
+    return NonfiniteCount(
+        count=int(table[:, 0].max()),
+        names=listed,
+        uncounted=int(table[:, 1].max()),
+        uncounted_names=odd_listed,
+        failed_ranks=[g[r] for r in np.nonzero(table[:, 2])[0].tolist()],
+    )
 
 
 def in_sync_note(count: int, names: Sequence[str]) -> str:

@@ -39,7 +39,6 @@ earlier), or when the very first recorded step already differed with nothing bef
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -47,6 +46,15 @@ import numpy as np
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing.digest import overall_digest, structure_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.timeline.answer import (
+    NO_STEP,
+    Pinpoint,
+    compared_steps,
+    decode_ring,
+    locate,
+    step_differs,
+    with_drift,
+)
 from weightsync_audit.reporting.record import AuditResult, PinpointState
 from weightsync_audit.text import brief_names
 
@@ -56,27 +64,17 @@ __all__ = [
     "Pinpointer",
     "PinpointState",
     "StepRing",
+    "compared_steps",
+    "decode_ring",
     "locate",
+    "step_differs",
     "mark_pinpoint",
+    "with_drift",
 ]
 
 
 DEFAULT_RING = 1024
 """Steps a ring holds by default: 16 bytes each (16 KiB); enough for an audit every 1,000 steps."""
-
-_NONE = -(1 << 63)  # "no step" in the encoded ring (steps may be any int64 the user passes)
-_HEADER = 4  # dropped, anchor, slices, count
-
-
-@dataclass(kw_only=True, slots=True)
-class Pinpoint:
-    """Where a divergence began, as found from every rank's ring (identical on every rank)."""
-
-    state: PinpointState
-    first_diverged_step: int | None = None
-    last_in_sync_step: int | None = None
-    """The last step known in sync (None: the rings do not tell)."""
-    note: str | None = None
 
 
 class StepRing:
@@ -157,7 +155,7 @@ class StepRing:
         if recent:
             entries = entries[len(entries) - min(self.recorded, len(entries)) :]
             dropped = max(0, self.recorded - len(entries))
-        head = [dropped, _NONE if self.anchor is None else self.anchor, self.slices, len(entries)]
+        head = [dropped, NO_STEP if self.anchor is None else self.anchor, self.slices, len(entries)]
         steps = [s for s, _ in entries]
         digests = [d for _, d in entries]
         return np.array(head + steps + digests, dtype=np.int64).tobytes()
@@ -170,117 +168,6 @@ def _fold(trace: int, step: int, digest: int) -> int:
     """One more ``(step, digest)`` in a trace: order-sensitive, 64 bits."""
     h = ((trace ^ (step & _MASK)) * 0x9E3779B97F4A7C15) & _MASK
     return ((h ^ (digest & _MASK)) * 0xC2B2AE3D27D4EB4F + 0x165667B19E3779F9) & _MASK
-
-
-@dataclass(slots=True)
-class Ring:
-    dropped: int
-    anchor: int | None
-    slices: int
-    steps: list[int]
-    digests: list[int]
-
-
-def decode_ring(blob: bytes) -> Ring:
-    a = np.frombuffer(blob, dtype=np.int64)
-    if len(a) < _HEADER or len(a) != _HEADER + 2 * int(a[3]):
-        raise ValueError(f"a pinpoint ring of {len(blob)} bytes does not decode")
-    n = int(a[3])
-    anchor = int(a[1])
-    return Ring(
-        int(a[0]),
-        None if anchor == _NONE else anchor,
-        int(a[2]),
-        a[_HEADER : _HEADER + n].tolist(),
-        a[_HEADER + n :].tolist(),
-    )
-
-
-def compared_steps(rings: Sequence[Ring]) -> list[int]:
-    """The steps to compare: every step some rank recorded, from the first one every ring still holds.
-
-    A step recorded on some ranks only is a difference at that step (a skipped optimizer step); steps
-    before the latest start of a ring that overflowed are lost on that rank, so they are not compared.
-    """
-    union = sorted(set().union(*(r.steps for r in rings)))
-    if any(r.dropped for r in rings):
-        start = max((r.steps[0] for r in rings if r.steps), default=None)
-        union = [s for s in union if start is None or s >= start]
-    return union
-
-
-def step_differs(by_step: Sequence[dict[int, int]], step: int) -> bool:
-    """Some rank lacks ``step``, or the ranks' digests at it differ."""
-    first = by_step[0].get(step)
-    return any(d.get(step, _NONE) != first or step not in d for d in by_step)
-
-
-def missing_at(by_step: Sequence[dict[int, int]], step: int) -> list[int]:
-    """The ranks (positions) that recorded no ``step``."""
-    return [r for r, d in enumerate(by_step) if step not in d]
-
-
-def locate(blobs: Sequence[bytes], ranks: Sequence[int] | None = None) -> Pinpoint:
-    """The first step whose digests differ, or that some rank did not record, across the gathered rings.
-
-    One ring per rank, in rank order; ``ranks`` names them (global ranks) in notes. ``exact`` only when
-    every rank holds the same steps up to that step, each agreeing.
-    """
-    rings = [decode_ring(b) for b in blobs]
-    names = list(ranks) if ranks is not None else list(range(len(rings)))
-    sampled = any(r.slices > 1 for r in rings)
-    by_step = [dict(zip(r.steps, r.digests)) for r in rings]
-    steps = compared_steps(rings)
-    dropped = any(r.dropped for r in rings)
-    anchors = {r.anchor for r in rings}
-    anchor = anchors.pop() if len(anchors) == 1 else None
-    capacity_note = "raise pinpoint_ring to at least the number of steps between audits"
-    first = next((i for i, s in enumerate(steps) if step_differs(by_step, s)), None)
-    if first is None:
-        if not steps:
-            return Pinpoint(
-                state="unseen",
-                note="pinpoint: no optimizer step was recorded on every rank since the last in-sync audit "
-                "(is record_step called each step?)",
-            )
-        last = steps[-1]
-        return Pinpoint(
-            state="unseen",
-            last_in_sync_step=None if sampled else last,
-            note=f"pinpoint: every rank's digests agreed at every recorded step up to step {last}; the change "
-            "came after it, outside a recorded optimizer step",
-        )
-    step = steps[first]
-    lacking = missing_at(by_step, step)
-    missing = (
-        f"pinpoint: rank(s) {[names[r] for r in lacking]} recorded no step {step} while the others did "
-        "(a skipped optimizer step?): the replicas parted there"
-        if lacking
-        else None
-    )
-    if sampled:
-        return Pinpoint(
-            state="sampled",
-            first_diverged_step=step,
-            note=f"pinpoint (sampled per-step digests): the replicas differed at step {step}; the divergence "
-            "may have begun earlier, after the last in-sync audit" + (f"; {missing}" if missing else ""),
-        )
-    if first > 0:
-        return Pinpoint(state="exact", first_diverged_step=step, last_in_sync_step=steps[first - 1], note=missing)
-    if not dropped and anchor is not None and anchor < step:
-        # Nothing lost since an in-sync audit at `anchor`, and the first step recorded after it differs.
-        return Pinpoint(state="exact", first_diverged_step=step, last_in_sync_step=anchor, note=missing)
-    if dropped:
-        return Pinpoint(
-            state="overflow",
-            note=f"pinpoint ring overflowed: the replicas already differed at step {step}, the oldest step it "
-            f"still held; the divergence began before it; {capacity_note}",
-        )
-    return Pinpoint(
-        state="earlier",
-        note=f"pinpoint: the replicas already differed at step {step}, the first step recorded, and no "
-        "earlier step is known to have agreed",
-    )
 
 
 class Pinpointer:
@@ -304,6 +191,9 @@ class Pinpointer:
         self.drift: Pinpoint | None = None
         """Where the divergence within the tolerance was dated, while ``excluded`` is in force."""
         self.tensors: np.ndarray | None = None
+        self.names: list[str] = []
+        """The audited tensors' names, aligned with ``tensors`` (the manifest of the last step recorded)."""
+        self._structure: int | None = None
         self._tensors_before: np.ndarray | None = None
         self._tensors_step: int | None = None
         self.uncovered: set[str] = set()
@@ -319,6 +209,9 @@ class Pinpointer:
         if self.excluded is not None and len(digests) > int(self.excluded.max(initial=-1)):
             digests = digests.copy()
             digests[self.excluded] = 0
+        if prepared.structure != self._structure:  # the audited set changed: keep each tensor's trace
+            self._realign([e.name for e in prepared.manifest.entries])
+            self._structure = prepared.structure
         shared, structure = digests, prepared.structure
         if prepared.sharded:  # never cached: its entries are at hand
             shared, structure = self._shared_only(prepared.manifest.entries, digests)
@@ -334,6 +227,24 @@ class Pinpointer:
         shared = np.array([e.shard is None for e in entries], dtype=bool)
         self.uncovered = {e.name for e, keep in zip(entries, shared) if not keep}
         return np.asarray(digests)[shared], structure_digest([e for e, keep in zip(entries, shared) if keep])
+
+    def _realign(self, names: list[str]) -> None:
+        """Carry each tensor's trace over to a new manifest by name (a tensor new in it starts afresh), so a
+        difference that healed before the audited set grew (Adam's state appearing for a layer unfrozen
+        later) is still named."""
+        if names == self.names:
+            return
+        where = {n: i for i, n in enumerate(names)}
+        if len(where) == len(names):
+            for attr in ("tensors", "_tensors_before"):
+                old = getattr(self, attr)
+                if old is not None and len(old) == len(self.names):
+                    new = np.zeros(len(names), dtype=np.uint64)
+                    for i, n in enumerate(self.names):
+                        if n in where:
+                            new[where[n]] = old[i]
+                    setattr(self, attr, new)
+        self.names = names
 
     def _fold_tensors(self, step: int, digests: np.ndarray) -> None:
         if self._tensors_step == step:  # the same step again (gradient accumulation): replace it
@@ -393,8 +304,10 @@ class Pinpointer:
             self.in_sync(step, proven=proven)
             return None
         pin = self.found or self._locate(comm, names)
-        if self.drift is not None and pin.state == "unseen":
-            pin = self.drift  # nothing new beyond what is left out: the drift's own date stands
+        if self.drift is not None:
+            # Nothing new beyond what is left out: the drift's own date stands; something new: the bytes
+            # still differed first at the drift's step.
+            pin = self.drift if pin.state == "unseen" else with_drift(self.drift, pin)
         self.drift = pin
         known = [] if self.excluded is None else self.excluded.tolist()
         self.excluded = np.array(sorted(set(known) | set(tolerated)), dtype=np.int64)
@@ -428,7 +341,8 @@ class Pinpointer:
         reports this divergence again as a transient one.
         """
         if self.found is None:
-            self.found = self._locate(comm, names)
+            pin = self._locate(comm, names)
+            self.found = pin if self.drift is None else with_drift(self.drift, pin)
         self.ring.audited()
         self.tensors = self._tensors_before = None
         self._tensors_step = None

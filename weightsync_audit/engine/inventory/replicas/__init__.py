@@ -8,6 +8,7 @@ DTensor (FSDP2, HSDP, TP)  the tensor's own peers (:mod:`~weightsync_audit.engin
 DeepSpeed ZeRO 0-3        :mod:`.deepspeed`
 FSDP1                     :mod:`.fsdp1`
 pipeline stages, experts  :mod:`.declared` (:func:`declare_replicas`)
+Megatron-core             :mod:`.megatron` (its ``parallel_state`` groups, its parameters' attributes)
 ========================  ===============================================================================
 
 A tensor with replicas is compared among their holders; a tensor with one owner is never compared and
@@ -29,6 +30,7 @@ from weightsync_audit.engine.inventory.replicas.declared import declare_replicas
 from weightsync_audit.engine.inventory.replicas.deepspeed import deepspeed_rules
 from weightsync_audit.engine.inventory.replicas.fsdp1 import fsdp1_rules
 from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
+from weightsync_audit.engine.inventory.replicas.megatron import megatron_rules
 from weightsync_audit.engine.inventory.replicas.rules import Rules, apply_rules
 from weightsync_audit.engine.inventory.wrappers import remember_wrapper, unwrap_optimizer
 
@@ -57,7 +59,8 @@ def _rules(
         deepspeed_rules(rules, user, optimizers, include, module),
         fsdp1_rules(rules, user, names, optimizers, include),
     ]
-    engines = [*reducing, declared_rules(rules, module, user)]
+    megatron = megatron_rules(rules, module, user, optimizers, include)
+    engines = [*reducing, megatron or declared_rules(rules, module, user)]
     return rules, [e for e in reducing if e], [e for e in engines if e]
 
 

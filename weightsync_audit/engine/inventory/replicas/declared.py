@@ -23,7 +23,7 @@ from __future__ import annotations
 import fnmatch
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 from torch import nn
@@ -84,16 +84,19 @@ def declare_replicas(
     mesh: Any = None,
     pp_dim: str = "pp",
     ep_dim: str = "ep",
+    stage_ranks: Sequence[int] | None = None,
 ) -> nn.Module:
     """Name the replica groups of a pipeline stage and/or of expert parameters on ``module``; returns it.
 
-    See the module docstring; ``module`` is what is then passed to ``audit``/``Auditor``/a callback."""
+    See the module docstring; ``module`` is what is then passed to ``audit``/``Auditor``/a callback.
+    ``stage_ranks``: the global ranks holding the same stage, in place of ``stage_group`` (when the
+    framework knows them but made no process group of exactly them, as torchtitan's meshes)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     index = stage if isinstance(stage, int) or stage is None else pipeline_stage_index(stage)
     if stage is not None and index is None:
         raise TypeError(f"stage={stage!r}: give the stage's index or its torch.distributed.pipelining stage")
-    stage_ranks = _ranks(stage_group)
+    stage_ranks = tuple(sorted(int(r) for r in stage_ranks)) if stage_ranks is not None else _ranks(stage_group)
     if mesh is not None and (found := _mesh_ranks(mesh, pp_dim)) is not None:
         stage_ranks, index = found[0], found[1] if index is None else index
     if index is not None and stage_ranks is None and dist.is_initialized():
