@@ -35,6 +35,9 @@ class LoopAudit:
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
             or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
+        attribution: per-step records that name the corrupted rank even between two replicas and tell the
+            machine from the software (``True``, or :class:`~weightsync_audit.AttributionConfig`'s fields
+            as a dict; the record's ``blame``, docs/report-schema.md). Off by default.
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -67,6 +70,7 @@ class LoopAudit:
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
+        attribution: Any = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -88,6 +92,7 @@ class LoopAudit:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            attribution=attribution,
         )
         self.is_main = True
         self._opened = False
@@ -101,6 +106,7 @@ class LoopAudit:
         world = dist.get_world_size() if joined else 1
         self.is_main = dist.get_rank() == 0 if joined else True
         self.runner.open(world_size=world, is_main=self.is_main)
+        self.runner.attach(self.module, self.optimizers)
         self._opened = True
 
     def step(self, step: int, epoch: int | None = None) -> AuditResult | None:

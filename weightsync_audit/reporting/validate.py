@@ -50,6 +50,15 @@ CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
 PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "off")
 STABILITIES = ("stable", "unstable")
 CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed")
+BLAME_EVIDENCE = (
+    "vote",
+    "at_rest_change",
+    "update_not_reproducible",
+    "collective_mismatch",
+    "deterministic_difference",
+    "undecided",
+)
+"""What a record's ``blame`` rests on (docs/report-schema.md)."""
 
 _INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
 _COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")
@@ -319,6 +328,19 @@ def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
     return dict(v)
 
 
+def blame_entry(v: Any, path: str) -> dict[str, Any]:
+    """``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``: whom a divergence is blamed on."""
+    if not isinstance(v, dict):
+        raise _fail(path, 'an object {"ranks", "evidence", "hardware_suspect", ...}', v)
+    list_of(integer(0), "ranks (integers >= 0)")(v.get("ranks"), f"{path}.ranks")
+    one_of(BLAME_EVIDENCE)(v.get("evidence"), f"{path}.evidence")
+    boolean(v.get("hardware_suspect"), f"{path}.hardware_suspect")
+    optional(integer())(v.get("step"), f"{path}.step")
+    optional(string)(v.get("detail"), f"{path}.detail")
+    optional(string)(v.get("cause"), f"{path}.cause")
+    return dict(v)
+
+
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
     """How one field is checked: ``check`` its value; ``required`` or else ``default``."""
@@ -374,6 +396,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "transient": FieldSpec(optional(transient_span)),
     "hosts": FieldSpec(optional(rank_hosts)),
     "checkpoint": FieldSpec(optional(checkpoint_entry)),
+    "blame": FieldSpec(optional(blame_entry)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

@@ -1,0 +1,52 @@
+"""The watch set on a training run: :func:`attach_watch` (the callbacks and ``LoopAudit`` call it once)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from weightsync_audit.ddp.inspect import find_ddp
+from weightsync_audit.engine.attribution.watch import StepWatch
+from weightsync_audit.engine.inventory.manifest import as_optimizers
+
+__all__ = ["attach_watch", "param_names"]
+
+_WRAPPERS = ("module.", "_forward_module.", "_orig_mod.")
+
+
+def param_names(model: Any) -> dict[int, str]:
+    """id(parameter) -> its name without the wrappers' prefixes (``module.`` of DDP, Lightning's, compile's)."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    out = {}
+    for name, p in model.named_parameters():
+        while name.startswith(_WRAPPERS):
+            name = name.split(".", 1)[1]
+        out.setdefault(id(p), name)
+    return out
+
+
+def attach_watch(
+    auditor: Any,
+    model: Any,
+    optimizers: Sequence[Any],
+    *,
+    hook: Callable[..., Any] | None = None,
+    state: Any = None,
+) -> StepWatch:
+    """A :class:`StepWatch` over ``auditor``'s own manifest of ``model`` and ``optimizers``, its hooks set
+    (with ``collective``, DDP's comm hook: ``hook``/``state`` are one the user's DDP already runs)."""
+    cfg = auditor.config
+    opts = as_optimizers(optimizers)
+    ddp = find_ddp(model) if model is not None else None
+    watch = StepWatch(
+        cfg.attribution,
+        prepare=lambda: auditor.prepare(model, opts, ddp=ddp),
+        optimizers=opts,
+        names=param_names(model),
+        capacity=cfg.pinpoint_ring,
+        method=cfg.method,
+    )
+    watch.attach(ddp, hook, state)
+    return watch

@@ -1,0 +1,219 @@
+"""Each rank's own timeline, recorded locally per optimizer step: :class:`StepWatch`.
+
+Per optimizer step, with no message: right before it (an optimizer pre-step hook) the digests of the
+parameters and optimizer state are compared with this rank's own digests taken after the step before
+(:meth:`StepWatch.mark`): a tensor that changed in between changed at rest. The hyperparameters are read
+too (one changed at rest on some rank only is a software difference), and with ``collective`` the
+gradients are compared with what the all-reduce gave (:mod:`.collective`). Right after it (a post-step
+hook) the sampled update is replayed (:mod:`.replay`). Each step leaves one small record in a bounded ring;
+an in-sync audit empties it; a divergent audit exchanges it (:mod:`.settle`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
+from weightsync_audit.engine.attribution.config import AttributionConfig
+from weightsync_audit.engine.attribution.replay import UpdateReplay
+from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
+from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+
+__all__ = ["StepWatch", "hyper_text"]
+
+MAX_NAMES = 8
+"""Tensor names a record keeps per finding (the count is kept too)."""
+
+
+def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    """Every group's hyperparameters (not its parameters), as text: what the update reads besides tensors."""
+    parts = []
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            for k in sorted(group):
+                v = group[k]
+                if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None))):
+                    parts.append(f"{i}.{j}.{k}={v!r}")
+    return " ".join(parts)
+
+
+def _changed(before: str, after: str) -> str:
+    old, new = dict(p.split("=", 1) for p in before.split()), dict(p.split("=", 1) for p in after.split())
+    diff = [f"{k.split('.', 2)[2]} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return ", ".join(diff[:4])
+
+
+def _word(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode()) >> 1
+
+
+class StepWatch:
+    """This rank's per-step records (a ring of ``capacity`` steps) and the hooks that take them.
+
+    ``prepare()`` gives the audit's own manifest (cached while the structure holds): the at-rest digests
+    are the audit's digests, of the parameters and optimizer state (buffers change in every forward).
+    """
+
+    def __init__(
+        self,
+        config: AttributionConfig,
+        *,
+        prepare: Callable[[], PreparedManifest],
+        optimizers: Sequence[torch.optim.Optimizer],
+        names: dict[int, str],
+        capacity: int = 1024,
+        method: str = "auto",
+    ) -> None:
+        self.config = config
+        self.prepare = prepare
+        self.optimizers = list(optimizers)
+        self.names = names
+        self.method = method
+        self.records: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self.current: dict[str, Any] | None = None
+        """The step under way: opened by the first pre-step hook after a mark, closed by :meth:`mark`."""
+        self.last_post: np.ndarray | None = None
+        self.last_structure = 0
+        self.last_names: list[str] = []
+        self.last_hyper = ""
+        self.last_step: int | None = None
+        self.steps_taken = 0
+        self.reduced = ReducedDigests()
+        self.replay = UpdateReplay(config.recheck) if config.recheck else None
+        if self.replay is not None:
+            self.replay.names = names
+        self._handles: list[Any] = []
+        self._depth: dict[int, int] = {}
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def attach(self, ddp: Any = None, hook: Callable[..., Any] | None = None, state: Any = None) -> None:
+        """Register the optimizer hooks (and, with ``collective`` and a DDP wrapper, the comm hook)."""
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._pre))
+            self._handles.append(opt.register_step_post_hook(self._post))
+        if self.config.collective and ddp is not None:
+            attach_collective(ddp, self.reduced, hook, state)
+
+    def detach(self) -> None:
+        """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _digests(self) -> tuple[np.ndarray, int, list[str]]:
+        prepared = self.prepare()
+        entries = prepared.manifest.entries
+        keep = [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer")]
+        digests = prepared.digests(method=self.method)[keep]
+        return digests, prepared.structure, [entries[i].name for i in keep]
+
+    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # A subclass whose step calls super().step() runs the hooks again inside: only the outer call counts.
+        self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
+        if self._depth[id(opt)] > 1:
+            return
+        try:
+            if self.current is None:
+                self.current = self._open_step()
+            if self.replay is not None:
+                self.replay.before(opt, self.steps_taken)
+        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+            self._failed(exc)
+
+    def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1
+        if self._depth[id(opt)] > 0:
+            return
+        try:
+            if self.current is None:
+                self.current = {"stepped": True}
+            self.current["stepped"] = True
+            if self.replay is not None:
+                bad = self.replay.after(opt)
+                self.current["covered"] = self.current.get("covered", 0) + self.replay.covered
+                self.current["recheck"] = self.config.recheck
+                if bad:
+                    self.current.setdefault("update", []).extend(bad[:MAX_NAMES])
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        if self.current is not None:
+            self.current["failed"] = f"{type(exc).__name__}: {exc}"[:200]
+
+    def _open_step(self) -> dict[str, Any]:
+        """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
+        rec: dict[str, Any] = {"stepped": False}
+        if self.config.at_rest:
+            digests, structure, names = self._digests()
+            rec["pre"] = overall_digest(digests, structure)
+            if self.last_post is not None and structure == self.last_structure and len(digests) == len(self.last_post):
+                moved = np.nonzero(digests != self.last_post)[0].tolist()
+                if moved:
+                    rec["rest"] = [names[i] for i in moved[:MAX_NAMES]]
+                    rec["rest_count"] = len(moved)
+        hyper = hyper_text(self.optimizers)
+        rec["hyper"] = _word(hyper)
+        if self.last_step is not None and hyper != self.last_hyper:
+            rec["hyper_changed"] = _changed(self.last_hyper, hyper)
+        rec["hyper_text"] = hyper[:2000]
+        if self.config.collective:
+            buckets, reduced = self.reduced.take()
+            rec["buckets"] = sorted(buckets.items())
+            params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+            mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
+            rec["grads"] = int(overall_digest(mine, len(mine)))
+            moved_grads = [self.names.get(id(p), "?") for p, d in zip(params, mine.tolist()) if id(p) in reduced and reduced[id(p)] != d]
+            if moved_grads:
+                rec["grads_changed"] = moved_grads[:MAX_NAMES]
+        return rec
+
+    # -- the step's end --------------------------------------------------------------------------
+
+    def mark(self, step: int) -> None:
+        """After every optimizer step (where pinpoint records): this rank's digests at rest, and the record
+        of the step closed under ``step``. A mark with no optimizer step since the last is recorded too
+        (a skipped step)."""
+        rec = self.current if self.current is not None else {"stepped": False}
+        self.current = None
+        rec["step"] = int(step)
+        if self.config.at_rest:
+            digests, structure, names = self._digests()
+            rec["post"] = overall_digest(digests, structure)
+            self.last_post, self.last_structure, self.last_names = digests, structure, names
+        self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
+        if self.records and self.records[-1]["step"] == rec["step"]:
+            self.records.pop()  # the same step marked again (gradient accumulation): the latest counts
+        self.records.append(rec)
+        self.last_step = int(step)
+        self.steps_taken += 1
+
+    def in_sync(self) -> None:
+        """A full audit found every rank in sync: what came before is known good."""
+        self.records.clear()
+
+    def restart(self) -> None:
+        """A resync wrote the tensors: nothing before counts, and the next step finds no change at rest."""
+        self.records.clear()
+        self.last_post = None
+
+    def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
+        """The audit's own full digests against this rank's at rest after the last step: what changed since."""
+        if self.last_post is None or not self.config.at_rest:
+            return []
+        entries = prepared.manifest.entries
+        keep = [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer")]
+        if prepared.structure != self.last_structure or len(keep) != len(self.last_post) or len(digests) != len(entries):
+            return []
+        now = digests[keep]
+        return [self.last_names[i] for i in np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]]
+
+    def payload(self) -> dict[str, Any]:
+        """This rank's records since the last in-sync audit, to exchange."""
+        return {"records": list(self.records), "hyper": self.last_hyper}
