@@ -90,7 +90,8 @@ def corrupting_hook(faulty: int, rank: int, at_call: int) -> Any:
         mine = calls[0]
 
         def bad(fut: Any) -> torch.Tensor:
-            t = fut.value()[0]
+            value = fut.value()
+            t = value[0] if isinstance(value, (list, tuple)) else value
             if rank == faulty and mine == at_call:
                 t[0] += 1e-3
             return t

@@ -365,7 +365,7 @@ class AuditRun:
         )  # fmt: skip
         if where:
             self.hosts = {**(self.hosts or {}), **where}
-        if self.blame["detail"]:
+        if self.auditor.attribution is not None and self.blame["detail"]:  # the vote alone is said already
             self.hints.insert(0, blame_hint(self.blame, self.hosts))
 
     def _tally(self) -> None:

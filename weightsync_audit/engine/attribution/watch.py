@@ -24,7 +24,7 @@ from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
-__all__ = ["StepWatch", "hyper_text"]
+__all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
 
 MAX_NAMES = 8
 """Tensor names a record keeps per finding (the count is kept too)."""
@@ -39,11 +39,18 @@ def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
                 v = group[k]
                 if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None))):
                     parts.append(f"{i}.{j}.{k}={v!r}")
-    return " ".join(parts)
+    return "\n".join(parts)
+
+
+def at_rest_positions(entries: Sequence[Any]) -> list[int]:
+    """The manifest positions that must not change between steps: parameters and optimizer state (not the
+    buffers, which every forward may write, nor the hyperparameters, watched apart)."""
+    return [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer") and "param_groups." not in e.name]
 
 
 def _changed(before: str, after: str) -> str:
-    old, new = dict(p.split("=", 1) for p in before.split()), dict(p.split("=", 1) for p in after.split())
+    old = dict(p.split("=", 1) for p in before.splitlines() if "=" in p)
+    new = dict(p.split("=", 1) for p in after.splitlines() if "=" in p)
     diff = [f"{k.split('.', 2)[2]} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     return ", ".join(diff[:4])
 
@@ -109,7 +116,7 @@ class StepWatch:
     def _digests(self) -> tuple[np.ndarray, int, list[str]]:
         prepared = self.prepare()
         entries = prepared.manifest.entries
-        keep = [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer")]
+        keep = at_rest_positions(entries)
         digests = prepared.digests(method=self.method)[keep]
         return digests, prepared.structure, [entries[i].name for i in keep]
 
@@ -144,8 +151,9 @@ class StepWatch:
             self._failed(exc)
 
     def _failed(self, exc: Exception) -> None:
-        if self.current is not None:
-            self.current["failed"] = f"{type(exc).__name__}: {exc}"[:200]
+        if self.current is None:
+            self.current = {"stepped": False}
+        self.current["failed"] = f"{type(exc).__name__}: {exc}"[:200]
 
     def _open_step(self) -> dict[str, Any]:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
@@ -208,7 +216,7 @@ class StepWatch:
         if self.last_post is None or not self.config.at_rest:
             return []
         entries = prepared.manifest.entries
-        keep = [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer")]
+        keep = at_rest_positions(entries)
         if prepared.structure != self.last_structure or len(keep) != len(self.last_post) or len(digests) != len(entries):
             return []
         now = digests[keep]
