@@ -46,7 +46,7 @@ from weightsync_audit.engine.agreement.consensus import (
 )
 from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
 from weightsync_audit.engine.agreement.rounds import agree, bucket_sketch, compare_structures, localize_values
-from weightsync_audit.engine.attribution.settle import attribute, blame_hint, settle_watch
+from weightsync_audit.engine.attribution.settle import attribute_into
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
@@ -69,7 +69,6 @@ class Engine(Protocol):
     config: AuditConfig
     history: AuditHistory
     pinpointer: Pinpointer | None
-    attribution: Any
 
     @property
     def comm(self) -> Comm: ...
@@ -175,7 +174,6 @@ class AuditRun:
         self.nonfinite: tuple[int, list[str]] | None = None
         self.transient: dict[str, Any] | None = None
         self.hosts: dict[str, str] | None = None
-        self.blame: dict[str, Any] | None = None
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
@@ -352,21 +350,7 @@ class AuditRun:
             if not self.hints_shared:
                 self._share_hints()
             self.hints += unstable_hints(self.mismatches, self.hosts)
-            self._attribute()
-        else:
-            settle_watch(self.auditor.attribution, in_sync=True, full=cfg.slices == 1)
-
-    def _attribute(self) -> None:
-        """Whom to blame (collective with attribution on: every rank here, from the same record)."""
-        cfg = self.auditor.config
-        self.blame, where = attribute(
-            self.comm, self.auditor.attribution, self.mismatches,
-            prepared=self.prepared, digests=self.digests, full=cfg.slices == 1,
-        )  # fmt: skip
-        if where:
-            self.hosts = {**(self.hosts or {}), **where}
-        if self.auditor.attribution is not None and self.blame["detail"]:  # the vote alone is said already
-            self.hints.insert(0, blame_hint(self.blame, self.hosts))
+        self.blame = attribute_into(self)  # whom to blame, its hint, where the blamed run (None: in sync)
 
     def _tally(self) -> None:
         """What was compared, and the notes (once per audit)."""

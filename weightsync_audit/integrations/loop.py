@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
@@ -92,8 +93,8 @@ class LoopAudit:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
-            attribution=attribution,
         )
+        watch_run(self.runner, module, self.optimizers, attribution)  # validated now, set when the run opens
         self.is_main = True
         self._opened = False
 
@@ -106,12 +107,13 @@ class LoopAudit:
         world = dist.get_world_size() if joined else 1
         self.is_main = dist.get_rank() == 0 if joined else True
         self.runner.open(world_size=world, is_main=self.is_main)
-        self.runner.attach(self.module, self.optimizers)
+        watch_run(self.runner, self.module, self.optimizers)
         self._opened = True
 
     def step(self, step: int, epoch: int | None = None) -> AuditResult | None:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence."""
         self._open()
+        mark_step(self.runner, step)
         self.runner.record_step(self.module, self.optimizers, step)
         if self.every_n_steps is None or step % self.every_n_steps:
             return None

@@ -20,8 +20,6 @@ import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
-from weightsync_audit.engine.attribution.attach import attach_watch
-from weightsync_audit.engine.attribution.config import check_attribution
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
@@ -151,7 +149,6 @@ class AuditRunner:
         pinpoint_coverage: float | str = 1,
         every_n: Optional[int] = None,
         exit_code: Optional[int] = None,
-        attribution: Any = False,
     ) -> None:
         # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
         self.config = AuditConfig(
@@ -164,7 +161,6 @@ class AuditRunner:
             # By default the ring holds two audit intervals of steps (and at least DEFAULT_RING).
             pinpoint_ring=max(DEFAULT_RING, 2 * (every_n or 0) + 16) if pinpoint_ring is None else pinpoint_ring,
             pinpoint_slices=parse_coverage(pinpoint_coverage),
-            attribution=check_attribution(attribution),
         )
         self.on_mismatch = check_on_mismatch(on_mismatch)
         self.exit_code = check_exit_code(exit_code, self.on_mismatch)
@@ -255,15 +251,8 @@ class AuditRunner:
 
     # -- the audit -----------------------------------------------------------------------------
 
-    def attach(self, model: Any, optimizers: Sequence[Any]) -> None:
-        """With ``attribution``: the per-step hooks on the optimizers (and DDP), once (local, no message)."""
-        if self.auditor is not None and self.config.attribution is not None and self.auditor.attribution is None:
-            self.auditor.attribution = attach_watch(self.auditor, model, list(optimizers))
-
     def record_step(self, model: Any, optimizers: Sequence[Any], step: int) -> None:
         """With ``pinpoint``: digest, locally, what the audit covers, once per optimizer step (no message)."""
-        if self.auditor is not None and self.auditor.attribution is not None:
-            self.auditor.attribution.mark(step)  # this rank's own digests at rest after the step
         if self.auditor is None or not self.config.pinpoint or step == self.last_step_recorded:
             return
         self.last_step_recorded = step
@@ -339,8 +328,6 @@ class AuditRunner:
         )
         if result.action == "resynced":  # a rank that diverges again after this is a persistent fault
             self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
-            if self.auditor is not None and self.auditor.attribution is not None:
-                self.auditor.attribution.restart()  # the resync wrote the tensors: not a change at rest
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
         if not result.in_sync and result.action == "raised":

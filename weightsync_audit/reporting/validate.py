@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from weightsync_audit.errors import ReportFormatError
+from weightsync_audit.reporting.blame_field import blame_entry
 
 __all__ = [
     "json_skeleton",
@@ -50,15 +51,6 @@ CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
 PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "off")
 STABILITIES = ("stable", "unstable")
 CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed")
-BLAME_EVIDENCE = (
-    "vote",
-    "at_rest_change",
-    "update_not_reproducible",
-    "collective_mismatch",
-    "deterministic_difference",
-    "undecided",
-)
-"""What a record's ``blame`` rests on (docs/report-schema.md)."""
 
 _INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
 _COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")
@@ -325,19 +317,6 @@ def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
     one_of(CHECKPOINT_STATES)(v.get("status"), f"{path}.status")
     optional(integer())(v.get("saved_step"), f"{path}.saved_step")
     optional(integer(0))(v.get("not_compared"), f"{path}.not_compared")
-    return dict(v)
-
-
-def blame_entry(v: Any, path: str) -> dict[str, Any]:
-    """``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``: whom a divergence is blamed on."""
-    if not isinstance(v, dict):
-        raise _fail(path, 'an object {"ranks", "evidence", "hardware_suspect", ...}', v)
-    list_of(integer(0), "ranks (integers >= 0)")(v.get("ranks"), f"{path}.ranks")
-    one_of(BLAME_EVIDENCE)(v.get("evidence"), f"{path}.evidence")
-    boolean(v.get("hardware_suspect"), f"{path}.hardware_suspect")
-    optional(integer())(v.get("step"), f"{path}.step")
-    optional(string)(v.get("detail"), f"{path}.detail")
-    optional(string)(v.get("cause"), f"{path}.cause")
     return dict(v)
 
 

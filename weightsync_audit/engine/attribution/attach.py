@@ -7,10 +7,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from weightsync_audit.ddp.inspect import find_ddp
+from weightsync_audit.engine.attribution.config import check_attribution
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 
-__all__ = ["attach_watch", "param_names"]
+__all__ = ["attach_watch", "mark_step", "param_names", "watch_run"]
 
 _WRAPPERS = ("module.", "_forward_module.", "_orig_mod.")
 
@@ -50,3 +51,21 @@ def attach_watch(
     )
     watch.attach(ddp, hook, state)
     return watch
+
+
+def watch_run(runner: Any, model: Any, optimizers: Sequence[Any], attribution: Any = None) -> None:
+    """For a callback's :class:`~weightsync_audit.integrations.runner.AuditRunner`: before it opens, set
+    ``attribution`` in its config (validated); once open, set the watch on its main auditor (once, local)."""
+    if attribution is not None:
+        runner.config.attribution = check_attribution(attribution)
+        return
+    auditor = runner.auditor
+    if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
+        auditor.attribution = attach_watch(auditor, model, optimizers)
+
+
+def mark_step(runner: Any, step: int) -> None:
+    """After every optimizer step: the watch's record of it closed under ``step`` (local, no message)."""
+    watch = getattr(runner.auditor, "attribution", None)
+    if watch is not None:
+        watch.mark(step)

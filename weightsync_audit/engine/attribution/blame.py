@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Literal, Sequence, get_args
 
-from weightsync_audit.reporting.validate import BLAME_EVIDENCE
+from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
 __all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "blame_source", "decide", "vote_blame"]

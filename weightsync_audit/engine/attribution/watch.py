@@ -96,6 +96,9 @@ class StepWatch:
             self.replay.names = names
         self._handles: list[Any] = []
         self._depth: dict[int, int] = {}
+        self.found: tuple[dict[str, Any], dict[str, str]] | None = None
+        """The blame of the divergence under way (every rank alike): later audits repeat it, no message,
+        until an audit finds the replicas in sync again."""
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -205,11 +208,6 @@ class StepWatch:
     def in_sync(self) -> None:
         """A full audit found every rank in sync: what came before is known good."""
         self.records.clear()
-
-    def restart(self) -> None:
-        """A resync wrote the tensors: nothing before counts, and the next step finds no change at rest."""
-        self.records.clear()
-        self.last_post = None
 
     def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
         """The audit's own full digests against this rank's at rest after the last step: what changed since."""
