@@ -16,7 +16,9 @@ from weightsync_audit import AuditResult, LoopAudit, read_report
 STEPS = 6
 
 
-def _loop(rank: int, world: int, fault: str | None, faulty: int, report: str | None, on_mismatch: str) -> dict[str, Any]:
+def _loop(
+    rank: int, world: int, fault: str | None, faulty: int, report: str | None, on_mismatch: str
+) -> dict[str, Any]:
     _, ddp, opt = build(rank)
     audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch=on_mismatch, report_path=report, verbose=False,
                       attribution=True)  # fmt: skip

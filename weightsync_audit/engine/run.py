@@ -46,8 +46,8 @@ from weightsync_audit.engine.agreement.consensus import (
 )
 from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
 from weightsync_audit.engine.agreement.rounds import agree, bucket_sketch, compare_structures, localize_values
-from weightsync_audit.engine.attribution.settle import attribute_into
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
+from weightsync_audit.engine.attribution.settle import attribute_into
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest

@@ -144,7 +144,9 @@ def _at_step(s: int, prev: int | None, recs: list[dict[str, Any] | None], g: lis
                       f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes; no replay covered "
                       "it (attribution recheck=1 replays every update)")  # fmt: skip
     if pre_differ:
-        return _blame([], "undecided", False, s, f"the ranks already differed before step {s}: earlier than the records")
+        return _blame(
+            [], "undecided", False, s, f"the ranks already differed before step {s}: earlier than the records"
+        )
     return None
 
 

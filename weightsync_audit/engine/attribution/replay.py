@@ -99,7 +99,7 @@ class UpdateReplay:
         replayed.step()
         self.covered = len(pairs)
         bad = []
-        for real, copy, state in pairs:
+        for real, copy, _ in pairs:
             mine = [real.detach(), *[v for v in opt.state.get(real, {}).values() if isinstance(v, torch.Tensor)]]
             again = [copy.detach(), *[v for v in replayed.state.get(copy, {}).values() if isinstance(v, torch.Tensor)]]
             if len(mine) != len(again) or (digest_tensors(mine) != digest_tensors(again)).any():

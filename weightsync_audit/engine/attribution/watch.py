@@ -51,7 +51,11 @@ def at_rest_positions(entries: Sequence[Any]) -> list[int]:
 def _changed(before: str, after: str) -> str:
     old = dict(p.split("=", 1) for p in before.splitlines() if "=" in p)
     new = dict(p.split("=", 1) for p in after.splitlines() if "=" in p)
-    diff = [f"{k.split('.', 2)[2]} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    diff = [
+        f"{k.split('.', 2)[2]} {old.get(k)} -> {new.get(k)}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
     return ", ".join(diff[:4])
 
 
@@ -180,7 +184,11 @@ class StepWatch:
             params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
             mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
             rec["grads"] = int(overall_digest(mine, len(mine)))
-            moved_grads = [self.names.get(id(p), "?") for p, d in zip(params, mine.tolist()) if id(p) in reduced and reduced[id(p)] != d]
+            moved_grads = [
+                self.names.get(id(p), "?")
+                for p, d in zip(params, mine.tolist())
+                if id(p) in reduced and reduced[id(p)] != d
+            ]
             if moved_grads:
                 rec["grads_changed"] = moved_grads[:MAX_NAMES]
         return rec
@@ -215,7 +223,11 @@ class StepWatch:
             return []
         entries = prepared.manifest.entries
         keep = at_rest_positions(entries)
-        if prepared.structure != self.last_structure or len(keep) != len(self.last_post) or len(digests) != len(entries):
+        if (
+            prepared.structure != self.last_structure
+            or len(keep) != len(self.last_post)
+            or len(digests) != len(entries)
+        ):
             return []
         now = digests[keep]
         return [self.last_names[i] for i in np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]]
