@@ -127,17 +127,40 @@ class StepWatch:
         digests = prepared.digests(method=self.method)[keep]
         return digests, prepared.structure, [entries[i].name for i in keep]
 
-    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         # A subclass whose step calls super().step() runs the hooks again inside: only the outer call counts.
         self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
         if self._depth[id(opt)] > 1:
-            return
+            return None
         try:
             if self.current is None:
                 self.current = self._open_step()
+        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+            self._failed(exc)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
+        if closure is None:
+            self._gradients(opt)
+            return None
+
+        def then_watch() -> Any:  # Lightning's step runs forward and backward in the closure: grads after it
+            loss = closure()
+            self._gradients(opt)
+            return loss
+
+        return (
+            (args, {**kwargs, "closure": then_watch})
+            if "closure" in kwargs
+            else ((args[0], then_watch, *args[2:]), kwargs)
+        )
+
+    def _gradients(self, opt: torch.optim.Optimizer) -> None:
+        """Once the gradients are there: what the all-reduce gave against them, and the replay's copy."""
+        try:
+            if self.config.collective and self.current is not None and "grads" not in self.current:
+                self._check_gradients(self.current)
             if self.replay is not None:
                 self.replay.before(opt, self.steps_taken)
-        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+        except Exception as exc:  # noqa: BLE001
             self._failed(exc)
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -178,20 +201,17 @@ class StepWatch:
         if self.last_step is not None and hyper != self.last_hyper:
             rec["hyper_changed"] = _changed(self.last_hyper, hyper)
         rec["hyper_text"] = hyper[:2000]
-        if self.config.collective:
-            buckets, reduced = self.reduced.take()
-            rec["buckets"] = sorted(buckets.items())
-            params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-            mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
-            rec["grads"] = int(overall_digest(mine, len(mine)))
-            moved_grads = [
-                self.names.get(id(p), "?")
-                for p, d in zip(params, mine.tolist())
-                if id(p) in reduced and reduced[id(p)] != d
-            ]
-            if moved_grads:
-                rec["grads_changed"] = moved_grads[:MAX_NAMES]
         return rec
+
+    def _check_gradients(self, rec: dict[str, Any]) -> None:
+        buckets, reduced = self.reduced.take()
+        rec["buckets"] = sorted(buckets.items())
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+        mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
+        rec["grads"] = int(overall_digest(mine, len(mine)))
+        moved = [self.names.get(id(p), "?") for p, d in zip(params, mine.tolist()) if reduced.get(id(p), d) != d]
+        if moved:
+            rec["grads_changed"] = moved[:MAX_NAMES]
 
     # -- the step's end --------------------------------------------------------------------------
 
