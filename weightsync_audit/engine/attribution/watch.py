@@ -1,12 +1,14 @@
 """Each rank's own timeline, recorded locally per optimizer step: :class:`StepWatch`.
 
 Per optimizer step, with no message: right before it (an optimizer pre-step hook) the digests of the
-parameters and optimizer state are compared with this rank's own digests taken after the step before
-(:meth:`StepWatch.mark`): a tensor that changed in between changed at rest. The hyperparameters are read
+parameters and optimizer state are compared with this rank's own digests taken right after the step
+before (a post-step hook): a tensor that changed in between changed at rest. The hyperparameters are read
 too (one changed at rest on some rank only is a software difference), and with ``collective`` the
-gradients are compared with what the all-reduce gave (:mod:`.collective`). Right after it (a post-step
-hook) the sampled update is replayed (:mod:`.replay`). Each step leaves one small record in a bounded ring;
-an in-sync audit empties it; a divergent audit exchanges it (:mod:`.settle`).
+gradients, once there (after the step's closure, where Lightning runs backward), are compared with what
+the all-reduce gave (:mod:`.collective`). Right after the step the sampled update is replayed
+(:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number. Each step
+leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit exchanges it
+(:mod:`.settle`), and an audit's own digests against the post-step ones say what changed after the step.
 """
 
 from __future__ import annotations
@@ -177,6 +179,10 @@ class StepWatch:
                 self.current["recheck"] = self.config.recheck
                 if bad:
                     self.current.setdefault("update", []).extend(bad[:MAX_NAMES])
+            if self.config.at_rest:  # at rest from here: whatever runs before the next step must not write
+                digests, structure, names = self._digests()
+                self.current["post"] = overall_digest(digests, structure)
+                self.last_post, self.last_structure, self.last_names = digests, structure, names
         except Exception as exc:  # noqa: BLE001
             self._failed(exc)
 
@@ -216,16 +222,12 @@ class StepWatch:
     # -- the step's end --------------------------------------------------------------------------
 
     def mark(self, step: int) -> None:
-        """After every optimizer step (where pinpoint records): this rank's digests at rest, and the record
-        of the step closed under ``step``. A mark with no optimizer step since the last is recorded too
-        (a skipped step)."""
+        """After every optimizer step (where pinpoint records): the record of the step closed under ``step``
+        (its digests at rest were taken by the post-step hook). A mark with no optimizer step since the
+        last is recorded too (a skipped step)."""
         rec = self.current if self.current is not None else {"stepped": False}
         self.current = None
         rec["step"] = int(step)
-        if self.config.at_rest:
-            digests, structure, names = self._digests()
-            rec["post"] = overall_digest(digests, structure)
-            self.last_post, self.last_structure, self.last_names = digests, structure, names
         self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
         if self.records and self.records[-1]["step"] == rec["step"]:
             self.records.pop()  # the same step marked again (gradient accumulation): the latest counts
