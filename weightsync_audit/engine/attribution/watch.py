@@ -13,6 +13,7 @@ leaves one small record in a bounded ring; an in-sync audit empties it; a diverg
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -25,6 +26,7 @@ from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
 
@@ -114,7 +116,15 @@ class StepWatch:
             self._handles.append(opt.register_step_pre_hook(self._pre))
             self._handles.append(opt.register_step_post_hook(self._post))
         if self.config.collective and ddp is not None:
-            attach_collective(ddp, self.reduced, hook, state)
+            try:
+                attach_collective(ddp, self.reduced, hook, state)
+            except (RuntimeError, ValueError) as exc:  # DDP runs another comm hook already: pass it as ``hook``
+                warnings.warn(
+                    f"weightsync audit: attribution's collective check is off ({exc}); pass your comm hook to "
+                    "attach_watch(hook=...) so that it runs inside the check",
+                    WeightSyncWarning,
+                    stacklevel=2,
+                )
 
     def detach(self) -> None:
         """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed)."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
@@ -94,6 +95,9 @@ class WeightSyncAuditMixin:
             with the sidecar before the first step (docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after
             the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
+        attribution: per-step records that name the corrupted rank even between two replicas and tell
+            the machine from the software (``True``, or a dict of ``AttributionConfig``'s fields); the
+            record's ``blame`` (docs/report-schema.md). Off by default.
 
     Example::
 
@@ -119,6 +123,7 @@ class WeightSyncAuditMixin:
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        attribution: Any = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -146,6 +151,7 @@ class WeightSyncAuditMixin:
             every_n=every_n_train_steps,
             exit_code=exit_code,
         )
+        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
         self.checkpoints = bool(checkpoints)
         self._saving: Any = None
         self.config = self.runner.config
@@ -250,6 +256,8 @@ class WeightSyncAuditMixin:
         step = trainer.global_step
         if self._opened and not self._disabled:
             # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
+            watch_run(self.runner, trainer.strategy.model, list(trainer.optimizers))  # attribution, once
+            mark_step(self.runner, step)
             self.runner.record_step(trainer.strategy.model, list(trainer.optimizers), step)
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
         if self.every_n_train_steps is None or step == self._last_step_audited:
