@@ -4,6 +4,7 @@ blame on a tie; healthy runs carry no blame; records with and without ``blame`` 
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,15 @@ def test_resync_on_a_tie_takes_its_source_from_the_blame(tmp_path: Path, faulty:
     assert fixed and fixed[0].action == "resynced" and fixed[0].blame["ranks"] == [faulty]
     assert any(f"from rank {1 - faulty}" in n for n in fixed[0].notes), fixed[0].notes
     assert out[0]["records"][-1]["in_sync"]
+    from rich.console import Console
+
+    from weightsync_audit.cli._reports import cmd_check, cmd_show
+
+    for cmd in (cmd_check, cmd_show):
+        console = Console(file=io.StringIO(), width=10_000)
+        cmd(str(report), console=console)
+        said = console.file.getvalue()
+        assert f"blame: rank {faulty} (memory at rest; evidence at_rest_change; HARDWARE SUSPECT)" in said, said
 
 
 def test_a_record_without_blame_still_reads_and_a_bad_blame_is_named() -> None:
