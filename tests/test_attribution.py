@@ -119,3 +119,18 @@ def test_a_record_without_blame_still_reads_and_a_bad_blame_is_named() -> None:
     bad = {**r, "in_sync": True, "blame": {"ranks": [0], "evidence": "guess", "hardware_suspect": True}}
     with pytest.raises(ReportFormatError, match="blame.evidence"):
         AuditResult.from_dict(bad)
+
+
+def test_the_vote_alone_never_names_a_culprit_of_a_tie_and_a_strict_majority_names_the_odd_rank() -> None:
+    from weightsync_audit import Mismatch
+    from weightsync_audit.engine.attribution.blame import decide
+
+    tie = Mismatch("w", "param", [1], [0], detail="tie vote: rank 0 vs rank 1, no majority")
+    assert decide([{}, {}], [0, 1], [tie])["ranks"] == []
+    odd = Mismatch("w", "param", [2], [0, 1])
+    assert decide([{}, {}, {}], [0, 1, 2], [odd]) | {"detail": ""} == {
+        "ranks": [2], "evidence": "vote", "cause": "unknown", "hardware_suspect": False, "step": None, "detail": ""
+    }  # fmt: skip
+    # Every rank changed at rest (code run everywhere between the steps), to other values: no one alone.
+    recs = [{"records": [{"step": 3, "pre": p, "stepped": True, "rest": ["w"]}]} for p in (1, 2)]
+    assert decide(recs, [0, 1], [tie])["ranks"] == []
