@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from weightsync_audit.cli._reports import print_report
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
+    from weightsync_audit.engine.attribution.attach import attach_watch
+    from weightsync_audit.engine.attribution.config import AttributionConfig
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
     from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.engine.repair.resync import resync
@@ -46,6 +48,8 @@ _LAZY = {
     "maybe_rewrap": "weightsync_audit.ddp.rewrap",
     "rewrap_ddp": "weightsync_audit.ddp.rewrap",
     "AuditConfig": "weightsync_audit.engine.auditor",
+    "AttributionConfig": "weightsync_audit.engine.attribution.config",
+    "attach_watch": "weightsync_audit.engine.attribution.attach",
     "AuditHistory": "weightsync_audit.engine.auditor",
     "Auditor": "weightsync_audit.engine.auditor",
     "audit": "weightsync_audit.engine.auditor",
@@ -79,6 +83,7 @@ _LAZY = {
 
 __all__ = [
     "SCHEMA",
+    "AttributionConfig",
     "AuditConfig",
     "AuditHistory",
     "AuditOutOfStepError",
@@ -100,6 +105,7 @@ __all__ = [
     "WeightSyncAudit",
     "WeightSyncAuditError",
     "WeightSyncWarning",
+    "attach_watch",
     "audit",
     "declare_replicas",
     "maybe_rewrap",

@@ -6,12 +6,13 @@ the CLI all share it without an import cycle.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "COMPARED_NOTES",
     "NOTHING_COMPARED",
     "TIE_PREFIX",
+    "blame_line",
     "brief_names",
     "fmt_ranks",
     "fmt_shard",
@@ -91,3 +92,19 @@ def layer_of(name: str, kind: str) -> str:
             return name.rsplit(".", 1)[0]
         name = name.rsplit(".", 1)[0]  # drop the state key
     return name.rsplit(".", 1)[0] if "." in name else "(root)"
+
+
+def blame_line(blame: Mapping[str, Any]) -> str:
+    """A record's ``blame`` in one line, for ``check``, ``show`` and the printed report.
+
+    >>> blame_line({"ranks": [0], "evidence": "at_rest_change", "cause": "memory at rest",
+    ...             "hardware_suspect": True, "detail": "rank 0's w changed"})
+    "blame: rank 0 (memory at rest; evidence at_rest_change; HARDWARE SUSPECT): rank 0's w changed"
+    """
+    ranks = list(blame.get("ranks") or [])
+    who = fmt_ranks(ranks) if ranks else "undecided"
+    what = [str(blame.get("cause") or "unknown"), f"evidence {blame.get('evidence')}"]
+    if blame.get("hardware_suspect"):
+        what.append("HARDWARE SUSPECT")
+    detail = blame.get("detail")
+    return f"blame: {who} ({'; '.join(what)})" + (f": {detail}" if detail else "")

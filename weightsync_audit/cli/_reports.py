@@ -21,7 +21,7 @@ from weightsync_audit.cli._summary import (
 )
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.render import log_console
-from weightsync_audit.text import COMPARED_NOTES, brief_names, fmt_ranks, fmt_shard, without_tie
+from weightsync_audit.text import COMPARED_NOTES, blame_line, brief_names, fmt_ranks, fmt_shard, without_tie
 
 #: Rows of a printed table (timeline stretches, layers); the rest are counted below it.
 MAX_ROWS = 30
@@ -78,6 +78,8 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     refs = sorted({x for m in r.mismatches for x in m.reference_ranks})
     out.append(Text(f"  ranks: {diverged_ranks(r.mismatches)} differ from the reference held by {refs}"))
     out.extend(Text(f"  rank {rank} runs on {where}") for rank, where in (r.hosts or {}).items())
+    if r.blame is not None:
+        out.append(Text("  " + blame_line(r.blame), style="bold"))
     ties = [m for m in r.mismatches if m.tie]
     if ties:
         sides = sorted({x for m in ties for x in m.reference_ranks}), diverged_ranks(ties)
@@ -330,6 +332,8 @@ def cmd_show(
         first = summary.first_divergence
         for rank, where in (first[1].hosts or {}).items() if first is not None else ():
             console.print(Text(f"rank {rank} (diverged) runs on {where}", style="red"))
+        if first is not None and first[1].blame is not None:
+            console.print(Text(blame_line(first[1].blame), style="bold red"))
         began = pinpoint_line(first[1]) if first is not None else None
         if began is not None:
             console.print(Text(f"divergence {began}", style="bold red"))

@@ -250,6 +250,7 @@ class ReportSummary:
                 "ranks": diverged_ranks(r.mismatches),
                 "reference_ranks": sorted({x for m in r.mismatches for x in m.reference_ranks}),
                 "hosts": dict(r.hosts or {}),
+                "blame": r.blame,
                 "tie": any(m.tie for m in r.mismatches),
                 "hints": list(r.hints),
                 "mismatches": [m.to_dict() for m in r.mismatches],

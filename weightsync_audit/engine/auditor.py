@@ -108,6 +108,9 @@ class Auditor:
         self._manifests = ManifestCache()
         self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
         self.pinpointer = Pinpointer(config.pinpoint_ring, config.pinpoint_slices) if config.pinpoint else None
+        self.attribution: Any = None
+        """The :class:`~weightsync_audit.engine.attribution.watch.StepWatch` whose records a divergent audit
+        exchanges to name the corrupted rank (set by the callbacks with ``attribution``); None: the vote."""
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
 
     # -- plumbing ------------------------------------------------------------------------------

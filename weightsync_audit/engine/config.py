@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.inventory.manifest import check_include
 from weightsync_audit.engine.measure.tolerance import check_tolerance
 
@@ -92,6 +93,10 @@ class AuditConfig:
     and one small exchange; cost in docs/performance.md), so replicas that agree on NaN are not a silent
     "in sync". Without it NaN/inf are counted on diverged tensors only."""
 
+    attribution: AttributionConfig | None = None
+    """Per-step records that name the corrupted rank and tell the machine from the software
+    (:mod:`weightsync_audit.engine.attribution`); None: the vote alone, and a tie names no one."""
+
     def __post_init__(self) -> None:
         self.include = check_include(self.include)
         if isinstance(self.exclude, str):
@@ -127,4 +132,6 @@ class AuditConfig:
             text += " pinpoint=on"
         if self.check_finite:
             text += " check_finite=on"
+        if self.attribution is not None:
+            text += self.attribution.fingerprint()
         return text

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
+from weightsync_audit.engine.attribution.blame import blame_source
 from weightsync_audit.engine.repair.resync import resync
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, plan_resync
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -70,7 +71,8 @@ def _resync(
     # Each tensor from a rank holding its reference value (engine/repair/resync_plan.py): the same plan on
     # every rank, from the same record; one broadcast per source rank.
     try:
-        plan = plan_resync(result.mismatches, resync_src)  # never a source holding NaN/inf
+        # On a tie the blame, when it names a rank, decides the source (never the blamed side).
+        plan = plan_resync(result.mismatches, blame_source(result, resync_src))  # never a source holding NaN/inf
     except ResyncError as exc:  # no finite copy anywhere: nothing moves
         result.action = "raised"
         result.notes.append(f"resync impossible: {exc}")

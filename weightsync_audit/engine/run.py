@@ -47,6 +47,7 @@ from weightsync_audit.engine.agreement.consensus import (
 from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
 from weightsync_audit.engine.agreement.rounds import agree, bucket_sketch, compare_structures, localize_values
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
+from weightsync_audit.engine.attribution.settle import attribute_into
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
@@ -102,6 +103,7 @@ class AuditRun:
 
     __slots__ = (
         "auditor",
+        "blame",
         "buckets",
         "by_uid",
         "candidates",
@@ -351,6 +353,7 @@ class AuditRun:
             if not self.hints_shared:
                 self._share_hints()
             self.hints += unstable_hints(self.mismatches, self.hosts)
+        self.blame = attribute_into(self)  # whom to blame, its hint, where the blamed run (None: in sync)
 
     def _tally(self) -> None:
         """What was compared, and the notes (once per audit)."""
@@ -434,6 +437,7 @@ class AuditRun:
             tolerance=cfg.tolerance,
             transient=self.transient,
             hosts=self.hosts,
+            blame=self.blame,
         )
         if self.nonfinite is not None:
             result.nonfinite_count = self.nonfinite.count

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
@@ -43,6 +44,9 @@ class LoopAudit:
             or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
         sinks: objects that rank 0 also hands each record to (``write(record)``): the metrics exporters
             of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
+        attribution: per-step records that name the corrupted rank even between two replicas and tell the
+            machine from the software (``True``, or :class:`~weightsync_audit.AttributionConfig`'s fields
+            as a dict; the record's ``blame``, docs/report-schema.md). Off by default.
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -77,6 +81,7 @@ class LoopAudit:
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
         check_batches: bool = False,
+        attribution: Any = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -100,6 +105,7 @@ class LoopAudit:
             exit_code=exit_code,
             sinks=sinks,
         )
+        watch_run(self.runner, module, self.optimizers, attribution)  # validated now, set when the run opens
         self.is_main = True
         self._opened = False
         self.duplicates = DuplicateBatches() if check_batches else None
@@ -114,12 +120,14 @@ class LoopAudit:
         world = dist.get_world_size() if joined else 1
         self.is_main = dist.get_rank() == 0 if joined else True
         self.runner.open(world_size=world, is_main=self.is_main)
+        watch_run(self.runner, self.module, self.optimizers)
         self._opened = True
 
     def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
         ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
         self._open()
+        mark_step(self.runner, step)
         self.runner.record_step(self.module, self.optimizers, step)
         if self.every_n_steps is None or step % self.every_n_steps:
             return None

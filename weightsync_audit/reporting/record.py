@@ -193,6 +193,9 @@ class AuditResult:
     """On a divergent record: global rank -> ``"host local_rank device"`` of each rank it names."""
     checkpoint: dict[str, Any] | None = None
     """At a checkpoint save or load: ``{"path", "event", "status", "saved_step"}`` (docs/restarts.md)."""
+    blame: dict[str, Any] | None = None
+    """On a divergent record: ``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``, the
+    rank(s) held responsible and why (docs/report-schema.md); ``ranks: []`` is undecided (a tie, say)."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -246,6 +249,8 @@ class AuditResult:
             d["hosts"] = dict(self.hosts)
         if self.checkpoint is not None:
             d["checkpoint"] = dict(self.checkpoint)
+        if self.blame is not None:
+            d["blame"] = dict(self.blame)
         return d
 
     @classmethod
@@ -275,6 +280,7 @@ class AuditResult:
             transient=v["transient"],
             hosts=v["hosts"],
             checkpoint=v["checkpoint"],
+            blame=v["blame"],
         )
 
     def summary(self, *, tie: bool = True) -> str:

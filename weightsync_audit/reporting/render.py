@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.text import fmt_ranks, fmt_shard, is_tie, layer_of, without_tie
+from weightsync_audit.text import blame_line, fmt_ranks, fmt_shard, is_tie, layer_of, without_tie
 
 __all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render", "render_group", "render_result"]
 
@@ -165,6 +165,9 @@ def render_result(result: ResultLike) -> Iterator[RenderableType]:
         )
     if result.mismatches:
         yield mismatch_table(result.mismatches)
+    blame = getattr(result, "blame", None)  # a record read back from an older report has none
+    if blame is not None:
+        yield Text(blame_line(blame), style="bold")
     for hint in result.hints:
         yield Text("hint: " + hint, style="yellow")
     for note in result.notes:

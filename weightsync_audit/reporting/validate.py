@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from weightsync_audit.errors import ReportFormatError
+from weightsync_audit.reporting.blame_field import blame_entry
 
 __all__ = [
     "json_skeleton",
@@ -374,6 +375,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "transient": FieldSpec(optional(transient_span)),
     "hosts": FieldSpec(optional(rank_hosts)),
     "checkpoint": FieldSpec(optional(checkpoint_entry)),
+    "blame": FieldSpec(optional(blame_entry)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

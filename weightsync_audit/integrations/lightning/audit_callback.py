@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from typing_extensions import override
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
@@ -99,6 +100,9 @@ class WeightSyncAuditMixin:
             the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
         sinks: objects that global rank 0 also hands each record to (``write(record)``): the metrics
             exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
+        attribution: per-step records that name the corrupted rank even between two replicas and tell
+            the machine from the software (``True``, or a dict of ``AttributionConfig``'s fields); the
+            record's ``blame`` (docs/report-schema.md). Off by default.
 
     Example::
 
@@ -125,6 +129,7 @@ class WeightSyncAuditMixin:
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
+        attribution: Any = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -153,6 +158,7 @@ class WeightSyncAuditMixin:
             exit_code=exit_code,
             sinks=sinks,
         )
+        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
         self.checkpoints = bool(checkpoints)
         self._saving: Any = None
         self.config = self.runner.config
@@ -257,6 +263,8 @@ class WeightSyncAuditMixin:
         step = trainer.global_step
         if self._opened and not self._disabled:
             # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
+            watch_run(self.runner, trainer.strategy.model, list(trainer.optimizers))  # attribution, once
+            mark_step(self.runner, step)
             self.runner.record_step(trainer.strategy.model, list(trainer.optimizers), step)
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
         if self.every_n_train_steps is None or step == self._last_step_audited:

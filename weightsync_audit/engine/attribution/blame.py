@@ -1,0 +1,220 @@
+"""Whom to blame and why, from every rank's gathered step records: a pure function, the same on every rank.
+
+The first step at which the ranks' records part decides, read in the order things happen within a step:
+
+1. **at rest** (between the step before and this one's optimizer step): a rank whose own parameters or
+   optimizer state changed while the others' did not is the one, whatever the vote (``at_rest_change``,
+   hardware-suspect: a bit flip, or a stray write);
+2. the **hyperparameters** changed at rest on some ranks only, or a rank took **no optimizer step**
+   (``deterministic_difference``);
+3. the **all-reduce** gave other bytes (``collective_mismatch``): a majority names the rank, two cannot;
+4. a **gradient changed after the all-reduce** on some ranks only (``deterministic_difference``);
+5. the **update**: from the same inputs, the rank whose replay of its own step does not give its own
+   bytes (``update_not_reproducible``, hardware-suspect); every rank reproducing its own is a
+   deterministic difference in the step itself.
+
+Nothing in the records: a strict majority of the vote (``vote``); a tie names no one (``ranks: []``).
+
+>>> blame = decide([{"records": [{"step": 7, "pre": 1, "post": 5, "stepped": True, "rest": ["0.weight"]}]},
+...                 {"records": [{"step": 7, "pre": 2, "post": 6, "stepped": True}]}], [0, 1], [])
+>>> blame["ranks"], blame["evidence"], blame["hardware_suspect"]
+([0], 'at_rest_change', True)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Literal, Sequence, get_args
+
+from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
+from weightsync_audit.text import fmt_ranks
+
+__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "blame_source", "decide", "vote_blame"]
+
+Evidence = Literal[
+    "vote", "at_rest_change", "update_not_reproducible", "collective_mismatch", "deterministic_difference", "undecided"
+]
+EVIDENCE: tuple[str, ...] = BLAME_EVIDENCE
+assert EVIDENCE == get_args(Evidence), "one list of evidence"
+CAUSES = {
+    "at_rest_change": "memory at rest",
+    "update_not_reproducible": "compute in the step",
+    "collective_mismatch": "the collective",
+    "deterministic_difference": "a software difference",
+    "vote": "unknown",
+    "undecided": "unknown",
+}
+"""The class each evidence names (the ``cause`` of the record's ``blame``)."""
+
+
+def _blame(ranks: Sequence[int], evidence: str, hardware: bool, step: int | None, detail: str) -> dict[str, Any]:
+    return {
+        "ranks": sorted(ranks),
+        "evidence": evidence,
+        "cause": CAUSES[evidence],
+        "hardware_suspect": bool(hardware and ranks),
+        "step": step,
+        "detail": detail,
+    }
+
+
+def _side(flags: Sequence[bool]) -> list[int] | None:
+    """The positions flagged, when some but not all are."""
+    side = [i for i, f in enumerate(flags) if f]
+    return side if 0 < len(side) < len(flags) else None
+
+
+def _odd(values: Sequence[Any]) -> list[int] | None:
+    """The positions outside a strict majority value (None: no strict majority, or all equal)."""
+    top, count = Counter(values).most_common(1)[0]
+    if count * 2 <= len(values) or count == len(values):
+        return None
+    return [i for i, v in enumerate(values) if v != top]
+
+
+def _whose(ranks: Sequence[int], what: str) -> str:
+    return f"rank {ranks[0]}'s {what}" if len(ranks) == 1 else f"{fmt_ranks(list(ranks))}' {what}"
+
+
+def _differ(recs: Sequence[dict[str, Any]], key: str) -> bool:
+    values = [r.get(key) for r in recs]
+    return None not in values and len(set(map(str, values))) > 1
+
+
+def _at_step(s: int, prev: int | None, recs: list[dict[str, Any] | None], g: list[int]) -> dict[str, Any] | None:
+    """What the records at step ``s`` say, or None when the ranks agree at it."""
+    full = [r or {} for r in recs]
+    n = len(full)
+    names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
+    at = lambda idx: [g[i] for i in idx]  # noqa: E731
+    since = f"between step {prev} and step {s}" if prev is not None else f"before the optimizer step of step {s}"
+    pre_differ = _differ(full, "pre")
+    side = _side([bool(r.get("rest")) for r in full])
+    if pre_differ and side is not None:
+        what = ", ".join(names(side, "rest"))
+        return _blame(at(side), "at_rest_change", True, s,
+                      f"{_whose(at(side), what)} changed {since} with no optimizer step in between")  # fmt: skip
+    if pre_differ and all(r.get("rest") for r in full):
+        return _blame([], "at_rest_change", False, s,
+                      f"every rank's tensors changed {since}, to other values: no rank alone is at fault by its own record")  # fmt: skip
+    if _differ(full, "hyper"):
+        side = _side([bool(r.get("hyper_changed")) for r in full]) or _odd([r.get("hyper") for r in full])
+        if side is not None:
+            what = "; ".join(f"rank {g[i]}: {full[i].get('hyper_changed') or 'unchanged'}" for i in range(n))
+            return _blame(at(side), "deterministic_difference", False, s,
+                          f"{_whose(at(side), 'hyperparameters')} changed at rest {since} and differ from the other "
+                          f"rank(s)' ({what})")  # fmt: skip
+        return _blame([], "deterministic_difference", False, s, f"the hyperparameters differ at step {s} on every rank")
+    side = _side([not r.get("stepped") for r in full])
+    if side is not None:
+        return _blame(at(side), "deterministic_difference", False, s,
+                      f"{fmt_ranks(at(side))} took no optimizer step at step {s} while the others did (a skipped step)")  # fmt: skip
+    buckets = [dict(r.get("buckets", [])) for r in full]
+    for b in sorted(set.intersection(*(set(x) for x in buckets))) if all(buckets) else []:
+        values = [x[b] for x in buckets]
+        if len(set(values)) > 1:
+            odd = _odd(values)
+            if odd is not None:
+                return _blame(at(odd), "collective_mismatch", False, s,
+                              f"the all-reduce of bucket {b} at step {s} gave other bytes on {fmt_ranks(at(odd))}")  # fmt: skip
+            return _blame([], "collective_mismatch", False, s,
+                          f"the all-reduce of bucket {b} at step {s} gave the ranks other bytes; with no majority no "
+                          "rank alone is named (the link, the library, or either rank's receive path)")  # fmt: skip
+    if _differ(full, "grads"):
+        side = _side([bool(r.get("grads_changed")) for r in full]) or _odd([r.get("grads") for r in full])
+        if side is not None:
+            what = ", ".join(names(side, "grads_changed")) or "gradients"
+            return _blame(at(side), "deterministic_difference", False, s,
+                          f"{_whose(at(side), 'gradient of ' + what)} changed after the all-reduce, before the optimizer "
+                          f"step of step {s}, on that rank only (local code: clipping, unscaling, a hook)")  # fmt: skip
+        return _blame([], "deterministic_difference", False, s,
+                      f"the gradients differ after the all-reduce at step {s}; no rank alone changed its own")  # fmt: skip
+    side = _side([bool(r.get("update")) for r in full])
+    if side is not None:
+        what = ", ".join(names(side, "update"))
+        return _blame(at(side), "update_not_reproducible", True, s,
+                      f"{_whose(at(side), 'optimizer step')} at step {s} gave other bytes ({what}) than its own replay "
+                      "of it from the same pre-step values: the computation is not reproducible there")  # fmt: skip
+    if _differ(full, "post") and not pre_differ:
+        if all(r.get("recheck") == 1 for r in full):
+            return _blame([], "deterministic_difference", False, s,
+                          f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes, and each "
+                          "rank's replay reproduced its own: a deterministic difference in the step itself")  # fmt: skip
+        return _blame([], "undecided", False, s,
+                      f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes; no replay covered "
+                      "it (attribution recheck=1 replays every update)")  # fmt: skip
+    if pre_differ:
+        return _blame(
+            [], "undecided", False, s, f"the ranks already differed before step {s}: earlier than the records"
+        )
+    return None
+
+
+def vote_blame(mismatches: Sequence[Any]) -> dict[str, Any]:
+    """From the vote alone: a strict majority names the odd ranks; a tie names no one."""
+    if not mismatches:
+        return _blame([], "undecided", False, None, "")
+    if any(m.tie for m in mismatches):
+        return _blame([], "undecided", False, None,
+                      "the vote is a tie: no majority, and no rank's own record says which side is wrong")  # fmt: skip
+    odd = sorted({r for m in mismatches for r in m.ranks})
+    return _blame(odd, "vote", False, None, f"{fmt_ranks(odd)} hold the minority value(s)")
+
+
+def decide(
+    payloads: Sequence[dict[str, Any]],
+    ranks: Sequence[int],
+    mismatches: Sequence[Any],
+    audit_rest: Sequence[Sequence[str]] | None = None,
+) -> dict[str, Any]:
+    """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame."""
+    g = list(ranks)
+    per = [{int(r["step"]): r for r in p.get("records", [])} for p in payloads]
+    steps = sorted(set().union(*per)) if per else []
+    prev = None
+    for s in steps:
+        found = _at_step(s, prev, [d.get(s) for d in per], g)
+        if found is not None:
+            return found
+        prev = s
+    side = _side([bool(x) for x in audit_rest]) if audit_rest else None
+    if side is not None and audit_rest is not None:
+        what = ", ".join(sorted({x for i in side for x in audit_rest[i]}))
+        since = f"after step {prev}" if prev is not None else "after the last optimizer step"
+        return _blame([g[i] for i in side], "at_rest_change", True, prev,
+                      f"{_whose([g[i] for i in side], what)} changed {since}, before this audit, with no optimizer step "
+                      "in between")  # fmt: skip
+    return vote_blame(mismatches)
+
+
+def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
+    """The hint that names the class: memory at rest, compute in the step, the collective, software."""
+    ranks, detail = blame["ranks"], blame["detail"]
+    where = "; ".join(f"rank {r} runs on {hosts[str(r)]}" for r in ranks if hosts and str(r) in hosts)
+    where = f" ({where})" if where else ""
+    if not ranks:
+        return f"attribution undecided ({blame['cause']}): {detail}"
+    if blame["evidence"] == "at_rest_change":
+        return (f"memory at rest: {detail}{where}. A bit flip or a stray write: run a memory test on that device "
+                "(dcgmi diag -r 3, compute-sanitizer) or look for code writing to the weights between steps")  # fmt: skip
+    if blame["evidence"] == "update_not_reproducible":
+        return (f"compute in the step: {detail}{where}. Hardware-suspect: drain the host and run the vendor "
+                "diagnostics before it trains again")  # fmt: skip
+    if blame["evidence"] == "collective_mismatch":
+        return f"the collective: {detail}{where}. Check the link and the communication library on that rank"
+    if blame["evidence"] == "deterministic_difference":
+        return f"a software difference: {detail}. Not the machine: the ranks ran other code or settings"
+    return f"by vote: {detail}{where}"
+
+
+def blame_source(result: Any, src: Any) -> Any:
+    """The resync source: ``src``, unless the vote is a tie and the blame names a rank on it, then the lowest
+    rank not blamed (never copy the blamed side over the other)."""
+    blame = getattr(result, "blame", None) or {}
+    blamed = set(blame.get("ranks", []))
+    if not blamed or blame.get("evidence") == "vote" or not any(m.tie for m in result.mismatches):
+        return src
+    involved = sorted({r for m in result.mismatches for r in (*m.ranks, *m.reference_ranks)})
+    if src != "majority" and src in involved and src not in blamed:
+        return src
+    return next((r for r in involved if r not in blamed), src)

@@ -1,0 +1,75 @@
+"""The collective checked: a DDP communication hook that digests every reduced gradient bucket.
+
+:func:`attach_collective` wraps the hook DDP would run (its default all-reduce, or the user's own) and,
+when the bucket's reduction completes, digests it: one word per bucket (compared across ranks at a
+divergent audit: "the all-reduce of bucket 3 gave other bytes on rank 1") and one per gradient in it
+(compared, on the same rank, with the gradient right before the optimizer step: a gradient changed after
+the all-reduce). Local: no message is added to the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed
+
+from weightsync_audit.engine.hashing.digest import digest_tensors
+
+__all__ = ["ReducedDigests", "attach_collective"]
+
+
+class ReducedDigests:
+    """What the hook saw since the last optimizer step: bucket index -> digest, id(param) -> digest."""
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.grads: dict[int, int] = {}
+
+    def take(self) -> tuple[dict[int, int], dict[int, int]]:
+        """The digests of this step's reductions, and a fresh start for the next step."""
+        out = self.buckets, self.grads
+        self.buckets, self.grads = {}, {}
+        return out
+
+    def reduced(self, index: int, flat: torch.Tensor, params: list[Any], spans: list[tuple[int, int]]) -> None:
+        """The reduced bucket ``index`` (``flat``), its parameters and their ``(offset, numel)`` in it."""
+        pieces = [flat.detach()] + [flat.detach()[o : o + n] for o, n in spans]
+        digests = digest_tensors(pieces).tolist()
+        self.buckets[index] = digests[0]
+        for p, d in zip(params, digests[1:]):
+            self.grads[id(p)] = d
+
+
+def attach_collective(
+    ddp: Any, into: ReducedDigests, hook: Callable[..., Any] | None = None, state: Any = None
+) -> None:
+    """Register on ``ddp`` a communication hook that runs ``hook`` (default: DDP's all-reduce) and digests
+    what it returns into ``into``. DDP takes one hook: pass yours as ``hook`` (and its ``state``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    inner = hook or allreduce_hook
+
+    def digesting_hook(hook_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buf = bucket.buffer()
+        spans = [(g.storage_offset() - buf.storage_offset(), g.numel()) for g in bucket.gradients()]
+        params, index = list(bucket.parameters()), bucket.index()
+
+        def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            value = fut.value()
+            flat = value[0] if isinstance(value, (list, tuple)) else value
+            try:
+                into.reduced(index, flat, params, spans)
+            except Exception:  # noqa: BLE001 - a digest never breaks the user's step
+                into.buckets[index] = 0
+            return flat
+
+        return inner(hook_state, bucket).then(done)
+
+    # DDP reads the hook's annotations as objects (this module's are strings): given as DDP expects them.
+    digesting_hook.__annotations__ = {
+        "hook_state": object,
+        "bucket": torch.distributed.GradBucket,
+        "return": torch.futures.Future[torch.Tensor],
+    }
+    ddp.register_comm_hook(state, digesting_hook)

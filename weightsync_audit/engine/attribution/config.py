@@ -1,0 +1,63 @@
+"""How attribution watches each step: :class:`AttributionConfig`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AttributionConfig", "check_attribution"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AttributionConfig:
+    """What each rank records, locally, to name the corrupted rank and tell the machine from the software.
+
+    >>> AttributionConfig(recheck=8).fingerprint()
+    ' attribution=rest,recheck/8'
+    """
+
+    at_rest: bool = True
+    """Digest the parameters and optimizer state right before each optimizer step and compare them with
+    this rank's own digests after the step before: a change while at rest (a bit flip, a stray write)."""
+    collective: bool = False
+    """A DDP communication hook digests every reduced gradient bucket (compared across ranks at a
+    divergent audit: the all-reduce itself), and each rank digests its gradients right before the
+    optimizer step (a gradient changed after the all-reduce, on this rank)."""
+    recheck: int = 0
+    """Replay the optimizer update of 1 in ``recheck`` parameters (rotating, per step) from a pre-step
+    copy, and compare with the rank's own result: a non-reproducible update is the machine. 0: off;
+    1: every parameter at every step."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.recheck, bool) or not isinstance(self.recheck, int) or self.recheck < 0:
+            raise ValueError(f"attribution recheck={self.recheck!r}: must be an integer >= 0 (1 in n parameters)")
+        if not (self.at_rest or self.collective or self.recheck):
+            raise ValueError("attribution: at_rest, collective and recheck are all off; pass attribution=False")
+
+    def fingerprint(self) -> str:
+        """Part of the audit position: every rank must watch alike (the records are exchanged)."""
+        parts = (["rest"] if self.at_rest else []) + (["collective"] if self.collective else [])
+        parts += [f"recheck/{self.recheck}"] if self.recheck else []
+        return " attribution=" + ",".join(parts)
+
+
+def check_attribution(value: Any, argument: str = "attribution") -> AttributionConfig | None:
+    """``False``/``None`` (off), ``True`` (at rest, collective, and every update replayed), a dict of
+    :class:`AttributionConfig`'s fields, or one itself.
+
+    >>> check_attribution({"recheck": 4}).recheck
+    4
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return AttributionConfig(at_rest=True, collective=True, recheck=1)
+    if isinstance(value, AttributionConfig):
+        return value
+    if isinstance(value, dict):
+        known = set(AttributionConfig.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(f"{argument}: unknown field(s) {unknown}; the fields are {sorted(known)}")
+        return AttributionConfig(**value)
+    raise TypeError(f"{argument}={value!r}: pass True, False, a dict of fields or an AttributionConfig")

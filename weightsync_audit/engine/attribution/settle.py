@@ -1,0 +1,74 @@
+"""At an audit: the blame for a divergence (collective, off the healthy path), and the watch kept in step.
+
+On a divergent audit every rank sends its step records (one message, JSON) and every rank decides the
+same blame from the same gathered records (:func:`~.blame.decide`). Without a watch the vote alone
+decides, with no message. An in-sync full audit empties the records: nothing before it is in doubt.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import numpy as np
+
+from weightsync_audit.channel.star import Comm
+from weightsync_audit.compat import describe_this_rank
+from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_blame
+from weightsync_audit.engine.attribution.watch import StepWatch
+from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+
+__all__ = ["attribute", "attribute_into", "settle_watch"]
+
+
+def attribute(
+    comm: Comm,
+    watch: StepWatch | None,
+    mismatches: Sequence[Any],
+    *,
+    prepared: PreparedManifest,
+    digests: np.ndarray,
+    full: bool,
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """The blame of a divergence, and where each blamed rank runs; collective when a watch is on (every rank
+    calls it, from the same record)."""
+    if watch is None:
+        return vote_blame(mismatches), {}
+    mine = watch.payload()
+    mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if full else []
+    mine["host"] = describe_this_rank()
+    gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
+    ranks = list(comm.global_ranks)
+    blame = decide(gathered, ranks, mismatches, [p.get("audit_rest", []) for p in gathered])
+    hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame["ranks"]}
+    return blame, hosts
+
+
+def settle_watch(watch: StepWatch | None, *, in_sync: bool, full: bool) -> None:
+    """After an audit: an in-sync full audit empties the records."""
+    if watch is not None and in_sync:
+        watch.found = None
+        if full:
+            watch.in_sync()
+
+
+def attribute_into(run: Any) -> dict[str, Any] | None:
+    """An :class:`~weightsync_audit.engine.run.AuditRun`'s blame (None when in sync: the watch is emptied);
+    with a watch, its hint first and the blamed ranks' hosts in the run."""
+    watch = getattr(run.auditor, "attribution", None)
+    full = run.auditor.config.slices == 1
+    if not run.mismatches:
+        settle_watch(watch, in_sync=True, full=full)
+        return None
+    if watch is not None and watch.found is not None:  # the same divergence, attributed already (every rank)
+        blame, where = watch.found
+    else:
+        blame, where = attribute(run.comm, watch, run.mismatches, prepared=run.prepared, digests=run.digests, full=full)
+    if watch is not None:  # decided once; its records reported (a resync after it is no change at rest)
+        watch.found = blame, where
+        watch.records.clear()
+    if where:
+        run.hosts = {**(run.hosts or {}), **where}
+    if watch is not None and blame["detail"]:  # without a watch the vote is said already
+        run.hints.insert(0, blame_hint(blame, run.hosts))
+    return dict(blame)

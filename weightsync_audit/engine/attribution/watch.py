@@ -1,0 +1,269 @@
+"""Each rank's own timeline, recorded locally per optimizer step: :class:`StepWatch`.
+
+Per optimizer step, with no message: right before it (an optimizer pre-step hook) the digests of the
+parameters and optimizer state are compared with this rank's own digests taken right after the step
+before (a post-step hook): a tensor that changed in between changed at rest. The hyperparameters are read
+too (one changed at rest on some rank only is a software difference), and with ``collective`` the
+gradients, once there (after the step's closure, where Lightning runs backward), are compared with what
+the all-reduce gave (:mod:`.collective`). Right after the step the sampled update is replayed
+(:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number. Each step
+leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit exchanges it
+(:mod:`.settle`), and an audit's own digests against the post-step ones say what changed after the step.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import deque
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import xxhash
+
+from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
+from weightsync_audit.engine.attribution.config import AttributionConfig
+from weightsync_audit.engine.attribution.replay import UpdateReplay
+from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
+from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.errors import WeightSyncWarning
+
+__all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
+
+MAX_NAMES = 8
+"""Tensor names a record keeps per finding (the count is kept too)."""
+
+
+def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
+    """Every group's hyperparameters (not its parameters), as text: what the update reads besides tensors."""
+    parts = []
+    for i, opt in enumerate(optimizers):
+        for j, group in enumerate(opt.param_groups):
+            for k in sorted(group):
+                v = group[k]
+                if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None))):
+                    parts.append(f"{i}.{j}.{k}={v!r}")
+    return "\n".join(parts)
+
+
+def at_rest_positions(entries: Sequence[Any]) -> list[int]:
+    """The manifest positions that must not change between steps: parameters and optimizer state (not the
+    buffers, which every forward may write, nor the hyperparameters, watched apart)."""
+    return [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer") and "param_groups." not in e.name]
+
+
+def _changed(before: str, after: str) -> str:
+    old = dict(p.split("=", 1) for p in before.splitlines() if "=" in p)
+    new = dict(p.split("=", 1) for p in after.splitlines() if "=" in p)
+    diff = [
+        f"{k.split('.', 2)[2]} {old.get(k)} -> {new.get(k)}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k)
+    ]
+    return ", ".join(diff[:4])
+
+
+def _word(text: str) -> int:
+    return xxhash.xxh3_64_intdigest(text.encode()) >> 1
+
+
+class StepWatch:
+    """This rank's per-step records (a ring of ``capacity`` steps) and the hooks that take them.
+
+    ``prepare()`` gives the audit's own manifest (cached while the structure holds): the at-rest digests
+    are the audit's digests, of the parameters and optimizer state (buffers change in every forward).
+    """
+
+    def __init__(
+        self,
+        config: AttributionConfig,
+        *,
+        prepare: Callable[[], PreparedManifest],
+        optimizers: Sequence[torch.optim.Optimizer],
+        names: dict[int, str],
+        capacity: int = 1024,
+        method: str = "auto",
+    ) -> None:
+        self.config = config
+        self.prepare = prepare
+        self.optimizers = list(optimizers)
+        self.names = names
+        self.method = method
+        self.records: deque[dict[str, Any]] = deque(maxlen=capacity)
+        self.current: dict[str, Any] | None = None
+        """The step under way: opened by the first pre-step hook after a mark, closed by :meth:`mark`."""
+        self.last_post: np.ndarray | None = None
+        self.last_structure = 0
+        self.last_names: list[str] = []
+        self.last_hyper = ""
+        self.last_step: int | None = None
+        self.steps_taken = 0
+        self.reduced = ReducedDigests()
+        self.replay = UpdateReplay(config.recheck) if config.recheck else None
+        if self.replay is not None:
+            self.replay.names = names
+        self._handles: list[Any] = []
+        self._depth: dict[int, int] = {}
+        self.found: tuple[dict[str, Any], dict[str, str]] | None = None
+        """The blame of the divergence under way (every rank alike): later audits repeat it, no message,
+        until an audit finds the replicas in sync again."""
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def attach(self, ddp: Any = None, hook: Callable[..., Any] | None = None, state: Any = None) -> None:
+        """Register the optimizer hooks (and, with ``collective`` and a DDP wrapper, the comm hook)."""
+        for opt in self.optimizers:
+            self._handles.append(opt.register_step_pre_hook(self._pre))
+            self._handles.append(opt.register_step_post_hook(self._post))
+        if self.config.collective and ddp is not None:
+            try:
+                attach_collective(ddp, self.reduced, hook, state)
+            except (RuntimeError, ValueError) as exc:  # DDP runs another comm hook already: pass it as ``hook``
+                warnings.warn(
+                    f"weightsync audit: attribution's collective check is off ({exc}); pass your comm hook to "
+                    "attach_watch(hook=...) so that it runs inside the check",
+                    WeightSyncWarning,
+                    stacklevel=2,
+                )
+
+    def detach(self) -> None:
+        """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _digests(self) -> tuple[np.ndarray, int, list[str]]:
+        prepared = self.prepare()
+        entries = prepared.manifest.entries
+        keep = at_rest_positions(entries)
+        digests = prepared.digests(method=self.method)[keep]
+        return digests, prepared.structure, [entries[i].name for i in keep]
+
+    def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        # A subclass whose step calls super().step() runs the hooks again inside: only the outer call counts.
+        self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
+        if self._depth[id(opt)] > 1:
+            return None
+        try:
+            if self.current is None:
+                self.current = self._open_step()
+        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+            self._failed(exc)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
+        if closure is None:
+            self._gradients(opt)
+            return None
+
+        def then_watch() -> Any:  # Lightning's step runs forward and backward in the closure: grads after it
+            loss = closure()
+            self._gradients(opt)
+            return loss
+
+        return (
+            (args, {**kwargs, "closure": then_watch})
+            if "closure" in kwargs
+            else ((args[0], then_watch, *args[2:]), kwargs)
+        )
+
+    def _gradients(self, opt: torch.optim.Optimizer) -> None:
+        """Once the gradients are there: what the all-reduce gave against them, and the replay's copy."""
+        try:
+            if self.config.collective and self.current is not None and "grads" not in self.current:
+                self._check_gradients(self.current)
+            if self.replay is not None:
+                self.replay.before(opt, self.steps_taken)
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+
+    def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1
+        if self._depth[id(opt)] > 0:
+            return
+        try:
+            if self.current is None:
+                self.current = {"stepped": True}
+            self.current["stepped"] = True
+            if self.replay is not None:
+                bad = self.replay.after(opt)
+                self.current["covered"] = self.current.get("covered", 0) + self.replay.covered
+                self.current["recheck"] = self.config.recheck
+                if bad:
+                    self.current.setdefault("update", []).extend(bad[:MAX_NAMES])
+            if self.config.at_rest:  # at rest from here: whatever runs before the next step must not write
+                digests, structure, names = self._digests()
+                self.current["post"] = overall_digest(digests, structure)
+                self.last_post, self.last_structure, self.last_names = digests, structure, names
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        if self.current is None:
+            self.current = {"stepped": False}
+        self.current["failed"] = f"{type(exc).__name__}: {exc}"[:200]
+
+    def _open_step(self) -> dict[str, Any]:
+        """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
+        rec: dict[str, Any] = {"stepped": False}
+        if self.config.at_rest:
+            digests, structure, names = self._digests()
+            rec["pre"] = overall_digest(digests, structure)
+            if self.last_post is not None and structure == self.last_structure and len(digests) == len(self.last_post):
+                moved = np.nonzero(digests != self.last_post)[0].tolist()
+                if moved:
+                    rec["rest"] = [names[i] for i in moved[:MAX_NAMES]]
+                    rec["rest_count"] = len(moved)
+        hyper = hyper_text(self.optimizers)
+        rec["hyper"] = _word(hyper)
+        if self.last_step is not None and hyper != self.last_hyper:
+            rec["hyper_changed"] = _changed(self.last_hyper, hyper)
+        rec["hyper_text"] = hyper[:2000]
+        return rec
+
+    def _check_gradients(self, rec: dict[str, Any]) -> None:
+        buckets, reduced = self.reduced.take()
+        rec["buckets"] = sorted(buckets.items())
+        params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+        mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
+        rec["grads"] = int(overall_digest(mine, len(mine)))
+        moved = [self.names.get(id(p), "?") for p, d in zip(params, mine.tolist()) if reduced.get(id(p), d) != d]
+        if moved:
+            rec["grads_changed"] = moved[:MAX_NAMES]
+
+    # -- the step's end --------------------------------------------------------------------------
+
+    def mark(self, step: int) -> None:
+        """After every optimizer step (where pinpoint records): the record of the step closed under ``step``
+        (its digests at rest were taken by the post-step hook). A mark with no optimizer step since the
+        last is recorded too (a skipped step)."""
+        rec = self.current if self.current is not None else {"stepped": False}
+        self.current = None
+        rec["step"] = int(step)
+        self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
+        if self.records and self.records[-1]["step"] == rec["step"]:
+            self.records.pop()  # the same step marked again (gradient accumulation): the latest counts
+        self.records.append(rec)
+        self.last_step = int(step)
+        self.steps_taken += 1
+
+    def in_sync(self) -> None:
+        """A full audit found every rank in sync: what came before is known good."""
+        self.records.clear()
+
+    def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
+        """The audit's own full digests against this rank's at rest after the last step: what changed since."""
+        if self.last_post is None or not self.config.at_rest:
+            return []
+        entries = prepared.manifest.entries
+        keep = at_rest_positions(entries)
+        if (
+            prepared.structure != self.last_structure
+            or len(keep) != len(self.last_post)
+            or len(digests) != len(entries)
+        ):
+            return []
+        now = digests[keep]
+        return [self.last_names[i] for i in np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]]
+
+    def payload(self) -> dict[str, Any]:
+        """This rank's records since the last in-sync audit, to exchange."""
+        return {"records": list(self.records), "hyper": self.last_hyper}
