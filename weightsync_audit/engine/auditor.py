@@ -35,6 +35,7 @@ from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, build_manifest
 from weightsync_audit.engine.inventory.replicas import assign_replicas
+from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
@@ -107,6 +108,8 @@ class Auditor:
         self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
         self.pinpointer = Pinpointer(config.pinpoint_ring, config.pinpoint_slices) if config.pinpoint else None
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        self.window: OverlapWindow | None = None
+        """The overlapped audits (:meth:`launch`), made at the first one."""
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -194,11 +197,43 @@ class Auditor:
     ) -> AuditResult:
         """Compare every rank's tensors; collective over the group. Returns the same result everywhere.
 
-        The phases (prepare, agree, localize, measure, explain, record) are :class:`AuditRun`'s."""
+        The phases (prepare, agree, localize, measure, explain, record) are :class:`AuditRun`'s. An
+        overlapped audit still pending (:meth:`launch`) is settled first: the channel is used in order."""
+        if self.window is not None:
+            self.window.settle("another audit")
         module = module if module is not None else self.module
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(module) if module is not None else None
         return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+
+    def launch(
+        self,
+        module: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        hook: str | None = "step",
+    ) -> PendingAudit:
+        """Audit off the critical path: call right after ``optimizer.step()`` on every rank (collective).
+
+        Returns at once; the digests and the exchange run on a worker thread while the next forward and
+        backward run, and every optimizer's next step waits for them first (docs/performance.md). The
+        result (:meth:`PendingAudit.result`) covers ``step``; a write to an audited tensor meanwhile,
+        outside the optimizer, is named and the step audited again at rest. Call :meth:`close` at the end.
+        See :mod:`weightsync_audit.engine.overlap.window` for an example."""
+        module = module if module is not None else self.module
+        optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        ddp = find_ddp(module) if module is not None else None
+        if self.window is None:
+            self.window = OverlapWindow(self)
+        return self.window.launch(module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp)
+
+    def close(self) -> None:
+        """Settle an overlapped audit still pending and stop its worker thread (a no-op without :meth:`launch`)."""
+        if self.window is not None:
+            window, self.window = self.window, None
+            window.close()
 
     def checkpoint_saved(self, path: Any, step: int | None, *, state: Any = None, **kwargs: Any) -> AuditResult:
         """After saving a checkpoint at ``path``: audit and write its sidecar (collective; see docs/restarts.md).

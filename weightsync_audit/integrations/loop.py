@@ -35,6 +35,10 @@ class LoopAudit:
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
             or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
+        overlap: :meth:`step` launches the audit and returns ``None``; the digest and the exchange run on
+            a worker thread while the next forward and backward run, and the verdict for step s is acted on
+            (report, ``raise``, ``resync``) before the next ``optimizer.step()`` writes anything, or at
+            :meth:`settle` / :meth:`close` (docs/performance.md).
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -67,6 +71,7 @@ class LoopAudit:
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
+        overlap: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -88,6 +93,7 @@ class LoopAudit:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            overlap=overlap,
         )
         self.is_main = True
         self._opened = False
@@ -109,7 +115,17 @@ class LoopAudit:
         self.runner.record_step(self.module, self.optimizers, step)
         if self.every_n_steps is None or step % self.every_n_steps:
             return None
+        if self.runner.overlap is not None:
+            return self.runner.run(
+                self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=self.is_main, after_step=True
+            )
         return self.audit(step, epoch, hook="step")
+
+    def settle(self) -> AuditResult | None:
+        """With ``overlap=True``: wait for the pending audit and act on it now; the last verdict acted on."""
+        if self.runner.overlap is None:
+            return None
+        return self.runner.overlap.settle("settle")
 
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
@@ -150,7 +166,10 @@ class LoopAudit:
         return self.runner.summary()
 
     def close(self) -> None:
-        """Close the report; with ``verbose``, print the run's summary on rank 0."""
+        """Settle a pending overlapped audit (acting on it), close the report; with ``verbose``, print the
+        run's summary on rank 0."""
+        if self._opened:
+            self.settle()
         if self._opened and self.is_main and self.runner.verbose:
             self.runner.print(self.summary())
         self.runner.close()

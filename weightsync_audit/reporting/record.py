@@ -192,6 +192,9 @@ class AuditResult:
     """On a divergent record: global rank -> ``"host local_rank device"`` of each rank it names."""
     checkpoint: dict[str, Any] | None = None
     """At a checkpoint save or load: ``{"path", "event", "status", "saved_step"}`` (docs/restarts.md)."""
+    overlap: dict[str, Any] | None = None
+    """An overlapped audit's (``overlap=True``): ``{"covers_step", "settled_at", "waited_ms", "audit_ms"}``
+    and ``"raced": true`` when it was audited again at rest (docs/report-schema.md)."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -245,6 +248,8 @@ class AuditResult:
             d["hosts"] = dict(self.hosts)
         if self.checkpoint is not None:
             d["checkpoint"] = dict(self.checkpoint)
+        if self.overlap is not None:
+            d["overlap"] = dict(self.overlap)
         return d
 
     @classmethod
@@ -274,6 +279,7 @@ class AuditResult:
             transient=v["transient"],
             hosts=v["hosts"],
             checkpoint=v["checkpoint"],
+            overlap=v["overlap"],
         )
 
     def summary(self, *, tie: bool = True) -> str:
