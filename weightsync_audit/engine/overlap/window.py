@@ -225,7 +225,8 @@ class OverlapWindow:
         self._hook = register_optimizer_step_pre_hook(pre_step)
 
     def _before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        closure = kwargs.get("closure", args[0] if args else None)
+        # torch hands the hook the step's arguments with the optimizer first: (opt, closure?, ...)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if not callable(closure):
             self.settle("optimizer pre-step")
             return None
@@ -237,7 +238,7 @@ class OverlapWindow:
 
         if "closure" in kwargs:
             return args, {**kwargs, "closure": then_settle}
-        return (then_settle, *args[1:]), kwargs
+        return (args[0], then_settle, *args[2:]), kwargs
 
     def close(self) -> None:
         """Settle what is pending (acting on it), then remove the hook and end the worker thread."""
