@@ -212,6 +212,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             ``on_train_begin``), compare every rank with that checkpoint's sidecar before the first step.
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (docs/restarts.md).
+        overlap: the audit after an optimizer step runs on a worker thread while the next step's forward and
+            backward run; its verdict is acted on before the next ``optimizer.step()`` (docs/performance.md).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -239,6 +241,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        overlap: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -258,6 +261,7 @@ class WeightSyncAuditCallback(TrainerCallback):
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_steps,
             exit_code=exit_code,
+            overlap=overlap,
         )
         self.checkpoints = bool(checkpoints)
         self.history = self.runner.history
@@ -425,7 +429,9 @@ class WeightSyncAuditCallback(TrainerCallback):
         if checkpoint is not None:
             result = self.runner.checkpoint(checkpoint[0], checkpoint[1], model, optimizers, **kw)
         else:
-            result = self.runner.run(model, optimizers, grads=grads, **kw)
+            result = self.runner.run(model, optimizers, grads=grads, after_step=hook == "on_step_end", **kw)
+            if result is None and self.runner.overlap is not None:  # overlap=True: the last verdict acted on
+                result = self.runner.overlap.last
         if result is not None:
             self.last_result = result
             self._unlogged = audit_metrics(result)

@@ -94,6 +94,10 @@ class WeightSyncAuditMixin:
             with the sidecar before the first step (docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after
             the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
+        overlap: the audit after an optimizer step runs on a worker thread while the next batch's forward
+            and backward run; its verdict (report, ``raise``, ``resync``) is acted on before the next
+            optimizer update, and the record's ``overlap.covers_step`` says which step it covers
+            (docs/performance.md).
 
     Example::
 
@@ -119,6 +123,7 @@ class WeightSyncAuditMixin:
         pinpoint_coverage: float | str = 1,
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
+        overlap: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -145,6 +150,7 @@ class WeightSyncAuditMixin:
             pinpoint_coverage=pinpoint_coverage,
             every_n=every_n_train_steps,
             exit_code=exit_code,
+            overlap=overlap,
         )
         self.checkpoints = bool(checkpoints)
         self._saving: Any = None
@@ -256,7 +262,7 @@ class WeightSyncAuditMixin:
             return
         if step % self.every_n_train_steps == 0:
             self._last_step_audited = step
-            self._run(trainer, "on_train_batch_end")
+            self._run(trainer, "on_train_batch_end", after_step=True)  # overlap=True: launched here
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -310,7 +316,13 @@ class WeightSyncAuditMixin:
     # -- the audit -----------------------------------------------------------------------------
 
     def _run(
-        self, trainer: Any, hook: str, grads: bool = False, step: int | None = None, checkpoint: Any = None
+        self,
+        trainer: Any,
+        hook: str,
+        grads: bool = False,
+        step: int | None = None,
+        checkpoint: Any = None,
+        after_step: bool = False,
     ) -> AuditResult | None:
         if not self._opened or self._disabled:
             return None
@@ -330,7 +342,8 @@ class WeightSyncAuditMixin:
         if checkpoint is not None:
             event, path, state = checkpoint
             return self.runner.checkpoint(event, path, trainer.strategy.model, trainer.optimizers, state=state, **kw)
-        return self.runner.run(trainer.strategy.model, [] if grads else list(trainer.optimizers), grads=grads, **kw)
+        optimizers = [] if grads else list(trainer.optimizers)
+        return self.runner.run(trainer.strategy.model, optimizers, grads=grads, after_step=after_step, **kw)
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
