@@ -29,6 +29,7 @@ all-reduce ties the ranks' steps together).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -55,7 +56,7 @@ DIMS = (1536, 4096, 3072, 512)  # 20.45M parameters; with Adam's two moments 245
 
 def _mlp() -> nn.Module:
     layers: list[nn.Module] = []
-    for a, b in zip(DIMS, DIMS[1:]):
+    for a, b in itertools.pairwise(DIMS):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 

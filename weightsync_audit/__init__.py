@@ -19,10 +19,12 @@ if TYPE_CHECKING:
     from weightsync_audit.cli._reports import print_report
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
+    from weightsync_audit.engine.overlap import PendingAudit
     from weightsync_audit.engine.repair.resync import resync
     from weightsync_audit.errors import (
         AuditOutOfStepError,
         AuditPreparationError,
+        AuditRaceError,
         AuditTimeoutError,
         ReportFormatError,
         ResyncError,
@@ -52,6 +54,7 @@ _LAZY = {
     "declare_replicas": "weightsync_audit.engine.inventory.replicas",
     "AuditOutOfStepError": _ERRORS,
     "AuditPreparationError": _ERRORS,
+    "AuditRaceError": _ERRORS,
     "AuditTimeoutError": _ERRORS,
     "ReportFormatError": _ERRORS,
     "ResyncError": _ERRORS,
@@ -69,6 +72,7 @@ _LAZY = {
     "render": "weightsync_audit.reporting.render",
     "print_report": "weightsync_audit.cli._reports",
     "LoopAudit": "weightsync_audit.integrations.loop",
+    "PendingAudit": "weightsync_audit.engine.overlap",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.integrations.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
@@ -81,12 +85,14 @@ __all__ = [
     "AuditHistory",
     "AuditOutOfStepError",
     "AuditPreparationError",
+    "AuditRaceError",
     "AuditResult",
     "AuditTimeoutError",
     "Auditor",
     "DDPRewrapOnTrainableChange",
     "LoopAudit",
     "Mismatch",
+    "PendingAudit",
     "ReportContents",
     "ReportFormatError",
     "ReportWriter",

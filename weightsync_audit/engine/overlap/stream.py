@@ -59,6 +59,11 @@ class StreamOrder:
         event.record(module.current_stream(device))
         return cls(device, module, event, side)
 
+    @classmethod
+    def devices(cls) -> list[torch.device]:
+        """The devices on which an overlapped audit has had a side stream in this process."""
+        return list(cls._side)
+
     @contextmanager
     def on_worker(self) -> Iterator[None]:
         """On the worker thread: this device current, the side stream current and waiting for the event."""
