@@ -15,24 +15,26 @@ import torch
 from ranks import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from weightsync_audit import Auditor, LoopAudit, WeightDivergenceError
+from weightsync_audit import AuditResult, Auditor, LoopAudit, ReportFormatError, WeightDivergenceError
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _train(rank: int, world: int, report: str, on_mismatch: str, plant_at: int | None, steps: int = 6) -> dict:
+def _train(rank: int, world: int, report: str, on_mismatch: str, plant_at: int | None, pinpoint: bool = False) -> dict:
     """Adam under DDP, audited after every step with overlap; rank 1 drifts right after step ``plant_at``."""
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     model = DDP(net)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    audit = LoopAudit(model, opt, every_n_steps=1, on_mismatch=on_mismatch, report_path=report, overlap=True)
+    audit = LoopAudit(
+        model, opt, every_n_steps=1, on_mismatch=on_mismatch, report_path=report, overlap=True, pinpoint=pinpoint
+    )
     audit.runner.verbose = False
     where, raised_step, raised_covers = "", None, None
     try:
-        for step in range(1, steps + 1):
+        for step in range(1, 7):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 10 + rank))
             opt.zero_grad()
             model(x).square().mean().backward()  # the next step's all-reduce runs while the audit exchanges
@@ -69,12 +71,13 @@ def test_overlapped_audit_stays_silent_on_a_healthy_ddp_run_and_says_which_step_
 
 def test_overlapped_audit_finds_a_planted_divergence_and_names_the_step_it_covers(tmp_path: Path) -> None:
     report = tmp_path / "r.jsonl"
-    run_ranks(_train, 2, str(report), "warn", 3)
+    run_ranks(_train, 2, str(report), "warn", 3, pinpoint=True)  # pinpoint's per-step digests compose with it
     records = _records(report)
     assert [r["in_sync"] for r in records] == [True, True, False, False, False, False]
     first = records[2]
     assert first["step"] == 3 and first["overlap"]["covers_step"] == 3 and first["action"] == "warned"
     assert first["mismatches"][0]["name"] == "0.weight" and first["mismatches"][0]["ranks"] == [1]
+    assert first["first_diverged_step"] == 3 and first["pinpoint"] == "exact"
 
 
 def test_overlapped_audit_raises_on_every_rank_at_the_next_optimizer_step(tmp_path: Path) -> None:
@@ -157,3 +160,12 @@ def test_an_audit_launched_after_the_structure_failed_to_prepare_raises_at_the_s
     with pytest.raises(Exception, match="meta"):
         pending.result()
     auditor.close()
+
+
+def test_the_overlap_field_round_trips_and_a_bad_one_is_named() -> None:
+    r = AuditResult(in_sync=True, step=4, overlap={"covers_step": 4, "settled_at": "optimizer pre-step",
+                                                   "waited_ms": 0.1, "audit_ms": 9.0})  # fmt: skip
+    assert AuditResult.from_dict(r.to_dict()).overlap == r.overlap
+    bad = {**r.to_dict(), "overlap": {"covers_step": 4, "settled_at": 3}}
+    with pytest.raises(ReportFormatError, match="overlap.settled_at"):
+        AuditResult.from_dict(bad)

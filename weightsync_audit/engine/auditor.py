@@ -178,6 +178,8 @@ class Auditor:
         """``pinpoint=True``: digest, locally, what the audit covers; call it after every optimizer step."""
         if self.pinpointer is None:
             raise RuntimeError("record_step needs Auditor(pinpoint=True)")
+        if self.window is not None:  # the ring the pending audit's summary reads: settled before it moves
+            self.window.settle("next launch")
         mod = module if module is not None else self.module
         opts = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(mod) if mod is not None else None
