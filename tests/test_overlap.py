@@ -15,7 +15,7 @@ import torch
 from ranks import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from weightsync_audit import AuditResult, Auditor, LoopAudit, ReportFormatError, WeightDivergenceError
+from weightsync_audit import Auditor, AuditResult, LoopAudit, ReportFormatError, WeightDivergenceError
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -169,3 +169,21 @@ def test_the_overlap_field_round_trips_and_a_bad_one_is_named() -> None:
     bad = {**r.to_dict(), "overlap": {"covers_step": 4, "settled_at": 3}}
     with pytest.raises(ReportFormatError, match="overlap.settled_at"):
         AuditResult.from_dict(bad)
+
+
+def test_lightning_overlap_raises_at_the_next_update_after_the_closure_on_every_rank(tmp_path: Path) -> None:
+    pytest.importorskip("pytorch_lightning")
+    from lightning_helpers import Perturb, SmallModel, fit, records
+
+    from weightsync_audit import WeightSyncAudit
+
+    report = tmp_path / "audit.jsonl"
+    drift = Perturb(1, 3, lambda trainer, module: module.net[0].weight[0, 0].add_(1e-3))  # before the launch
+    audit = WeightSyncAudit(every_n_train_steps=1, overlap=True, on_mismatch="raise", report_path=str(report))
+    with pytest.raises(Exception, match="WeightDivergenceError"):  # through ddp_fork's launcher
+        fit(tmp_path, SmallModel(optimizer="adam"), [drift, audit], max_epochs=1)
+    got = [r for r in records(report) if "overlap" in r]  # the train-start audit is synchronous
+    assert [(r["step"], r["in_sync"]) for r in got] == [(1, True), (2, True), (3, False)]
+    # raised by step 4's optimizer.step(), after its closure's forward and backward, before the update
+    assert got[-1]["overlap"]["settled_at"] == "optimizer pre-step, after its closure"
+    assert got[-1]["action"] == "raised"
