@@ -187,3 +187,21 @@ def test_lightning_overlap_raises_at_the_next_update_after_the_closure_on_every_
     # raised by step 4's optimizer.step(), after its closure's forward and backward, before the update
     assert got[-1]["overlap"]["settled_at"] == "optimizer pre-step, after its closure"
     assert got[-1]["action"] == "raised"
+
+
+def test_small_buffers_read_at_launch_do_not_race_with_the_next_forward() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048))  # a 16 MiB weight
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    auditor = Auditor(model, opt)
+    for step in range(1, 4):  # from the second audit on the manifest is cached: the small tensors read at launch
+        opt.zero_grad()
+        model(torch.randn(8, 2048)).square().mean().backward()
+        opt.step()
+        pending = auditor.launch(step=step)
+        with torch.no_grad():  # what the next forward does to the running statistics, while the weight is read
+            model[1].running_mean.add_(1.0)
+            model[1].num_batches_tracked.add_(1)
+        got = pending.result()
+        assert got.in_sync
+    assert "raced" not in got.overlap and not any("overlap:" in n for n in got.notes)
+    auditor.close()

@@ -11,12 +11,16 @@ raises :class:`~weightsync_audit.AuditRaceError` on every rank together when eve
 every rank takes the same next step (the window audits again at rest, before the next optimizer step).
 
 Not seen: a write through ``.data`` or through another tensor's raw pointer (neither bumps the version
-counter). Small tensors and Python values (learning rates) are read at launch, on the training thread,
-so a scheduler stepping in the window changes nothing the audit reads.
+counter). Small CPU tensors (up to 64 KiB: biases, norms, a BatchNorm's running statistics, optimizer
+scalars) and Python values (learning rates) are read at launch, on the training thread, so the next
+forward updating running statistics, or a scheduler stepping in the window, changes nothing the audit
+reads (from the second audit on, once the manifest is cached; the first one reads everything on the
+worker).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,7 +54,12 @@ class RaceGuard:
     def __init__(self, prepared: PreparedManifest) -> None:
         seen: set[int] = set()
         self.tensors: list[torch.Tensor] = []
-        for t in (*prepared.sources, *prepared.dynamic):
+        later = prepared.sources
+        if prepared.in_place is not None and len(prepared.slow_mask) == len(prepared.sources):
+            # The small CPU tensors were hashed at launch, at rest: a write to them afterwards (a BatchNorm's
+            # running statistics in the next forward) is not this audit's; only what the worker reads counts.
+            later = list(itertools.compress(prepared.sources, prepared.slow_mask))
+        for t in (*later, *prepared.dynamic):
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
                 self.tensors.append(t)
