@@ -205,3 +205,8 @@ def test_small_buffers_read_at_launch_do_not_race_with_the_next_forward() -> Non
         assert got.in_sync
     assert "raced" not in got.overlap and not any("overlap:" in n for n in got.notes)
     auditor.close()
+
+
+def test_overlap_must_be_a_bool_and_is_refused_at_construction_naming_it() -> None:
+    with pytest.raises(TypeError, match="overlap='yes'"):
+        LoopAudit(torch.nn.Linear(2, 2), overlap="yes")  # type: ignore[arg-type]

@@ -34,6 +34,13 @@ class OverlapDriver:
         """The last verdict acted on (``None`` before the first, or when that audit failed under ``warn``)."""
         self._acting: tuple[Any, list[Any], bool, Callable[[dict[str, float]], None] | None] | None = None
 
+    @classmethod
+    def of(cls, runner: _Runner, overlap: object) -> OverlapDriver | None:
+        """The driver for ``overlap=True``, ``None`` for ``False``; anything else is refused, naming it."""
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap={overlap!r}: must be True or False")
+        return cls(runner) if overlap else None
+
     def launch(
         self,
         model: Any,

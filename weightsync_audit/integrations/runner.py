@@ -200,9 +200,7 @@ class AuditRunner:
         self.last_step_recorded: int | None = None
         self.resynced_ranks: dict[int, int] = {}
         """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap={overlap!r}: must be True or False")
-        self.overlap = OverlapDriver(self) if overlap else None
+        self.overlap = OverlapDriver.of(self, overlap)
         """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
     # -- set-up and teardown -------------------------------------------------------------------
@@ -298,10 +296,8 @@ class AuditRunner:
         """Audit, act on the result, report it on the main process; raise on every rank if asked.
 
         ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise. ``audit``
-        replaces the auditor's own (a checkpoint's: :meth:`checkpoint`). ``after_step``: called right after
-        an optimizer step; with ``overlap=True`` the audit is then launched and acted on at the next safe
-        point (this returns ``None``; ``overlap.last`` is the last verdict acted on).
-        """
+        replaces the auditor's own (a checkpoint's: :meth:`checkpoint`). ``after_step`` with ``overlap=True``:
+        launched, acted on at the next safe point (returns ``None``; ``overlap.last``: the last acted on)."""
         auditor = self.grad_auditor if grads else self.auditor
         if auditor is None:
             return None
