@@ -20,6 +20,14 @@ Without a CUDA device it dry-runs by itself. Checks (``answer`` column: ``ok``, 
   whatever the model size, and gives the host copy's digests;
 - ``SyncBatchNorm``: DDP training with SyncBatchNorm on 2 ranks audits in sync (no false alarm on the
   running statistics). The dry run uses BatchNorm with broadcast buffers (SyncBatchNorm needs a GPU).
+- ``overlap 2 ranks``, ``overlap step ratio``: the overlapped audit (``overlap=True``) on a side stream
+  ordered after the step by an event: a planted drift found at the step it covers, and the step time
+  with no audit, the synchronous and the overlapped every-step audit, with the overlapped digest's rate
+  against a device-to-device copy (``benchmarks/gpu_overlap.py``);
+- ``Megatron hash check``, ``attribution``, ``resume``: the ``run()`` of ``benchmarks/gpu_megatron.py``,
+  ``gpu_attribution.py`` and ``gpu_resume.py`` when those modules exist (``skipped`` rows otherwise).
+  They run before this process touches CUDA, so a ``run()`` may fork ranks, and must leave CUDA
+  uninitialised in this process if it does not.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import gpu_overlap
 import harness  # noqa: F401 - first: it puts this checkout and tests/ on sys.path
 import torch
 import torch.distributed as dist
@@ -392,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("fused", "capturable"):
         report.run(f"resync {flag} Adam", "2 ranks, 1 device", lambda flag=flag: check_resync(device, flag))
     report.run("SyncBatchNorm", "2 ranks, 1 device", lambda: check_batchnorm(device))
+    report.run("overlap 2 ranks", "2 ranks, 1 device", lambda: gpu_overlap.check_ranks(device))
+    for row in gpu_overlap.optional_checks(device, dry):  # other work's checks, when their modules are here
+        report.add(*row)
     report.run("digest == reference", "every dtype/layout", lambda: check_digests(device))
     flips = 64 if dry else 512
     report.run("bit flips", f"{flips} flips", lambda: check_bit_flips(device, 1 << 16 if dry else 4 << 20, flips))
@@ -401,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     for total in sizes:
         label = f"{total / 1e9:.3g} GB bf16"
         report.run(f"rate {label}", label, lambda total=total: check_rate(device, total, args.reps))
+    size = "MLP 256x3" if dry else "MLP 8192x6, 4.8 GB"
+    report.run("overlap step ratio", size, lambda: gpu_overlap.check_step_ratio(device, dry))
     print()
     print(table(["check", "size", "answer", "figures"], report.rows))
     print(f"\n{time.perf_counter() - t0:.0f} s; {'a WRONG answer above' if report.wrong else 'every answer right'}")

@@ -34,6 +34,9 @@ def test_the_gpu_check_dry_runs_every_check_on_the_cpu_and_answers_right() -> No
         "xxh3 host memory",
         "rate 0.00839 GB",
         "rate 0.0336 GB",
+        "overlap 2 ranks",
+        "overlap step ratio",
+        "Megatron hash check",
     ):
         assert check in table
     assert "WRONG" not in table and "every answer right" in done.stdout

@@ -22,10 +22,12 @@ if TYPE_CHECKING:
     from weightsync_audit.engine.attribution.config import AttributionConfig
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
     from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
+    from weightsync_audit.engine.overlap import PendingAudit
     from weightsync_audit.engine.repair.resync import resync
     from weightsync_audit.errors import (
         AuditOutOfStepError,
         AuditPreparationError,
+        AuditRaceError,
         AuditTimeoutError,
         ReportFormatError,
         ResyncError,
@@ -57,6 +59,7 @@ _LAZY = {
     "declare_replicas": "weightsync_audit.engine.inventory.replicas",
     "AuditOutOfStepError": _ERRORS,
     "AuditPreparationError": _ERRORS,
+    "AuditRaceError": _ERRORS,
     "AuditTimeoutError": _ERRORS,
     "ReportFormatError": _ERRORS,
     "ResyncError": _ERRORS,
@@ -75,6 +78,7 @@ _LAZY = {
     "print_report": "weightsync_audit.cli._reports",
     "LoopAudit": "weightsync_audit.integrations.loop",
     "ResumeSources": "weightsync_audit.engine.checkpoints.resume_state",
+    "PendingAudit": "weightsync_audit.engine.overlap",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
     # weightsync_audit.integrations.lightning.lightning_pytorch.
     "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
@@ -88,12 +92,14 @@ __all__ = [
     "AuditHistory",
     "AuditOutOfStepError",
     "AuditPreparationError",
+    "AuditRaceError",
     "AuditResult",
     "AuditTimeoutError",
     "Auditor",
     "DDPRewrapOnTrainableChange",
     "LoopAudit",
     "Mismatch",
+    "PendingAudit",
     "ReportContents",
     "ReportFormatError",
     "ReportWriter",

@@ -9,6 +9,9 @@ only costs a hint (DDP's reducer buckets, its logging data) return ``None`` inst
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -35,7 +38,9 @@ __all__ = [
     "peel_wrapper",
     "remove_ddp_autograd_hooks",
     "self_check",
+    "stream_ordered",
     "synchronize",
+    "tensor_version",
 ]
 
 
@@ -169,6 +174,12 @@ def synchronize(device: torch.device) -> None:
     """
     if device.type == "cpu":
         return
+    if getattr(_ordered, "active", False):  # this thread's stream was ordered after the writes it reads
+        module = getattr(torch, device.type, None)
+        current_stream = getattr(module, "current_stream", None)
+        if callable(current_stream):
+            current_stream(device).synchronize()
+            return
     accelerator = getattr(torch, "accelerator", None)
     current = getattr(accelerator, "current_accelerator", None)
     if callable(current) and hasattr(accelerator, "synchronize"):
@@ -183,6 +194,31 @@ def synchronize(device: torch.device) -> None:
             sync(device)
         except TypeError:  # a module whose synchronize takes no device (mps)
             sync()
+
+
+_ordered = threading.local()
+
+
+@contextmanager
+def stream_ordered() -> Iterator[None]:
+    """In this thread, :func:`synchronize` waits for the thread's current stream only, not the whole device.
+
+    For a side stream that was made to wait, by an event, for the writes it reads (the overlapped audit's:
+    :mod:`weightsync_audit.engine.overlap`): the device keeps running the training's next kernels while
+    the digest reads, and a device-wide wait would wait for those too.
+    """
+    before = getattr(_ordered, "active", False)
+    _ordered.active = True
+    try:
+        yield
+    finally:
+        _ordered.active = before
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The tensor's version counter (``Tensor._version``, private): every in-place write through the tensor
+    or a view of it bumps it (not a write through ``.data``, which has a counter of its own)."""
+    return int(t._version)
 
 
 # -- wrappers and tensor types -----------------------------------------------------------------

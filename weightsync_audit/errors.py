@@ -16,6 +16,7 @@ __all__ = [
     "WeightSyncWarning",
     "TrainableSetMismatchError",
     "ResyncError",
+    "AuditRaceError",
     "user_stacklevel",
 ]
 
@@ -121,6 +122,16 @@ class AuditPreparationError(WeightSyncAuditError, RuntimeError):
 
     def _init_args(self) -> tuple[Any, ...]:
         return (str(self), self.failures)
+
+
+class AuditRaceError(WeightSyncAuditError, RuntimeError):
+    """An overlapped audit's tensors were written while it read them (outside the optimizer, whose step
+    waits for the audit): the step is not compared half-updated. Raised on every rank together;
+    ``.raced`` maps each rank that saw a write to what it saw."""
+
+    def __init__(self, message: str, raced: dict[int, str] | None = None) -> None:
+        self.raced = dict(raced or {})
+        super().__init__(message)
 
 
 class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):

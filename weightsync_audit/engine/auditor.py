@@ -36,6 +36,7 @@ from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, build_manifest
 from weightsync_audit.engine.inventory.replicas import assign_replicas, stage_module
+from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
@@ -112,6 +113,8 @@ class Auditor:
         """The :class:`~weightsync_audit.engine.attribution.watch.StepWatch` whose records a divergent audit
         exchanges to name the corrupted rank (set by the callbacks with ``attribution``); None: the vote."""
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+        self.window: OverlapWindow | None = None
+        """The overlapped audits (:meth:`launch`), made at the first one."""
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -180,6 +183,8 @@ class Auditor:
         """``pinpoint=True``: digest, locally, what the audit covers; call it after every optimizer step."""
         if self.pinpointer is None:
             raise RuntimeError("record_step needs Auditor(pinpoint=True)")
+        if self.window is not None:  # the ring the pending audit's summary reads: settled before it moves
+            self.window.settle("next launch")
         mod = module if module is not None else self.module
         opts = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(mod) if mod is not None else None
@@ -202,7 +207,10 @@ class Auditor:
 
         ``full``: read every byte this once, whatever ``coverage`` says (every rank passes the same; a
         checkpoint's ``verified`` needs it). The phases (prepare, agree, localize, measure, explain,
-        record) are :class:`AuditRun`'s."""
+        record) are :class:`AuditRun`'s. An overlapped audit still pending (:meth:`launch`) is settled
+        first: the channel is used in order."""
+        if self.window is not None:
+            self.window.settle("another audit")
         module = stage_module(module) if module is not None else self.module
         optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
         ddp = find_ddp(module) if module is not None else None
@@ -214,6 +222,35 @@ class Auditor:
             return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
         finally:
             self.config = sampled
+
+    def launch(
+        self,
+        module: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        hook: str | None = "step",
+    ) -> PendingAudit:
+        """Audit off the critical path: call right after ``optimizer.step()`` on every rank (collective).
+
+        Returns at once; the digests and the exchange run on a worker thread while the next forward and
+        backward run, and every optimizer's next step waits for them first (docs/performance.md). The
+        result (:meth:`PendingAudit.result`) covers ``step``; a write to an audited tensor meanwhile,
+        outside the optimizer, is named and the step audited again at rest. Call :meth:`close` at the end.
+        See :mod:`weightsync_audit.engine.overlap.window` for an example."""
+        module = module if module is not None else self.module
+        optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        ddp = find_ddp(module) if module is not None else None
+        if self.window is None:
+            self.window = OverlapWindow(self)
+        return self.window.launch(module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp)
+
+    def close(self) -> None:
+        """Settle an overlapped audit still pending and stop its worker thread (a no-op without :meth:`launch`)."""
+        if self.window is not None:
+            window, self.window = self.window, None
+            window.close()
 
     def checkpoint_saved(self, path: Any, step: int | None, *, state: Any = None, **kwargs: Any) -> AuditResult:
         """After saving a checkpoint at ``path``: audit and write its sidecar (collective; see docs/restarts.md).

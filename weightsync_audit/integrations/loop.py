@@ -47,6 +47,10 @@ class LoopAudit:
         attribution: per-step records that name the corrupted rank even between two replicas and tell the
             machine from the software (``True``, or :class:`~weightsync_audit.AttributionConfig`'s fields
             as a dict; the record's ``blame``, docs/report-schema.md). Off by default.
+        overlap: :meth:`step` launches the audit and returns ``None``; the digest and the exchange run on
+            a worker thread while the next forward and backward run, and the verdict for step s is acted on
+            (report, ``raise``, ``resync``) before the next ``optimizer.step()`` writes anything, or at
+            :meth:`settle` / :meth:`close` (docs/performance.md).
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -82,6 +86,7 @@ class LoopAudit:
         sinks: Sequence[RecordSink] = (),
         check_batches: bool = False,
         attribution: Any = False,
+        overlap: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -104,6 +109,7 @@ class LoopAudit:
             every_n=every_n_steps,
             exit_code=exit_code,
             sinks=sinks,
+            overlap=overlap,
         )
         watch_run(self.runner, module, self.optimizers, attribution)  # validated now, set when the run opens
         self.is_main = True
@@ -131,6 +137,10 @@ class LoopAudit:
         self.runner.record_step(self.module, self.optimizers, step)
         if self.every_n_steps is None or step % self.every_n_steps:
             return None
+        if self.runner.overlap is not None:
+            return self.runner.run(
+                self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=self.is_main, after_step=True
+            )
         if self.duplicates is None or self.runner.auditor is None:
             return self.audit(step, epoch, hook="step")
         auditor, check, is_main = self.runner.auditor, self.duplicates, self.is_main
@@ -145,6 +155,12 @@ class LoopAudit:
         return self.runner.run(
             self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=is_main, audit=audit
         )
+
+    def settle(self) -> AuditResult | None:
+        """With ``overlap=True``: wait for the pending audit and act on it now; the last verdict acted on."""
+        if self.runner.overlap is None:
+            return None
+        return self.runner.overlap.settle("settle")
 
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
@@ -189,7 +205,10 @@ class LoopAudit:
         return self.runner.summary()
 
     def close(self) -> None:
-        """Close the report; with ``verbose``, print the run's summary on rank 0."""
+        """Settle a pending overlapped audit (acting on it), close the report; with ``verbose``, print the
+        run's summary on rank 0."""
+        if self._opened:
+            self.settle()
         if self._opened and self.is_main and self.runner.verbose:
             self.runner.print(self.summary())
         self.runner.close()

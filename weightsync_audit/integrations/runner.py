@@ -33,6 +33,7 @@ from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, leave_together
+from weightsync_audit.integrations.overlap import OverlapDriver
 from weightsync_audit.integrations.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
 from weightsync_audit.reporting.record import AuditResult
@@ -155,6 +156,7 @@ class AuditRunner:
         every_n: Optional[int] = None,
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
+        overlap: bool = False,
     ) -> None:
         # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
         self.config = AuditConfig(
@@ -202,6 +204,8 @@ class AuditRunner:
         self.last_step_recorded: int | None = None
         self.resynced_ranks: dict[int, int] = {}
         """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
+        self.overlap = OverlapDriver.of(self, overlap)
+        """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
     # -- set-up and teardown -------------------------------------------------------------------
 
@@ -247,6 +251,8 @@ class AuditRunner:
         """Close the report (idempotent), and leave the history for the process that built the runner
         when that is another one (the parent of ddp_fork/ddp_spawn workers). The audit channel stays
         cached for the process's next run."""
+        if self.overlap is not None:
+            self.overlap.close()  # the pending verdict acted on first (collective, as the audit was)
         if self.writer is not None:
             self.writer.close()
             self.writer = None
@@ -289,15 +295,22 @@ class AuditRunner:
         grads: bool = False,
         log_metrics: Callable[[dict[str, float]], None] | None = None,
         audit: Callable[..., AuditResult] | None = None,
+        after_step: bool = False,
     ) -> AuditResult | None:
         """Audit, act on the result, report it on the main process; raise on every rank if asked.
 
         ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise. ``audit``
-        replaces the auditor's own (a checkpoint's: :meth:`checkpoint`).
-        """
+        replaces the auditor's own (a checkpoint's: :meth:`checkpoint`). ``after_step`` with ``overlap=True``:
+        launched, acted on at the next safe point (returns ``None``; ``overlap.last``: the last acted on)."""
         auditor = self.grad_auditor if grads else self.auditor
         if auditor is None:
             return None
+        if self.overlap is not None:
+            if after_step and audit is None and not grads:
+                return self.overlap.launch(
+                    model, optimizers, step=step, epoch=epoch, hook=hook, is_main=is_main, log_metrics=log_metrics
+                )
+            self.overlap.settle("another audit")  # the channel is used in order: the pending verdict first
         t0 = time.perf_counter()
         try:
             result = (audit or auditor.audit)(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)

@@ -216,6 +216,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             record is written (docs/restarts.md).
         sinks: objects that the main process also hands each record to (``write(record)``): the metrics
             exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
+        overlap: the audit after an optimizer step runs on a worker thread while the next step's forward and
+            backward run; its verdict is acted on before the next ``optimizer.step()`` (docs/performance.md).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -244,6 +246,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
+        overlap: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
@@ -264,6 +267,7 @@ class WeightSyncAuditCallback(TrainerCallback):
             every_n=every_n_steps,
             exit_code=exit_code,
             sinks=sinks,
+            overlap=overlap,
         )
         self.checkpoints = bool(checkpoints)
         self.history = self.runner.history
@@ -433,7 +437,9 @@ class WeightSyncAuditCallback(TrainerCallback):
         if checkpoint is not None:
             result = self.runner.checkpoint(checkpoint[0], checkpoint[1], model, optimizers, resume=checkpoint[2], **kw)
         else:
-            result = self.runner.run(model, optimizers, grads=grads, **kw)
+            result = self.runner.run(model, optimizers, grads=grads, after_step=hook == "on_step_end", **kw)
+            if result is None and self.runner.overlap is not None:  # overlap=True: the last verdict acted on
+                result = self.runner.overlap.last
         if result is not None:
             self.last_result = result
             self._unlogged = audit_metrics(result)

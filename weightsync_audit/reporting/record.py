@@ -196,6 +196,9 @@ class AuditResult:
     blame: dict[str, Any] | None = None
     """On a divergent record: ``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``, the
     rank(s) held responsible and why (docs/report-schema.md); ``ranks: []`` is undecided (a tie, say)."""
+    overlap: dict[str, Any] | None = None
+    """An overlapped audit's (``overlap=True``): ``{"covers_step", "settled_at", "waited_ms", "audit_ms"}``
+    and ``"raced": true`` when it was audited again at rest (docs/report-schema.md)."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -251,6 +254,8 @@ class AuditResult:
             d["checkpoint"] = dict(self.checkpoint)
         if self.blame is not None:
             d["blame"] = dict(self.blame)
+        if self.overlap is not None:
+            d["overlap"] = dict(self.overlap)
         return d
 
     @classmethod
@@ -281,6 +286,7 @@ class AuditResult:
             hosts=v["hosts"],
             checkpoint=v["checkpoint"],
             blame=v["blame"],
+            overlap=v["overlap"],
         )
 
     def summary(self, *, tie: bool = True) -> str:

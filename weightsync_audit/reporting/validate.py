@@ -320,6 +320,18 @@ def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
     return dict(v)
 
 
+def overlap_entry(v: Any, path: str) -> dict[str, Any]:
+    """``{"covers_step", "settled_at", "waited_ms", "audit_ms"}`` (and ``"raced"``) of an overlapped audit."""
+    if not isinstance(v, dict):
+        raise _fail(path, "an object with covers_step, settled_at, waited_ms and audit_ms", v)
+    optional(integer())(v.get("covers_step"), f"{path}.covers_step")
+    string(v.get("settled_at"), f"{path}.settled_at")
+    for key in ("waited_ms", "audit_ms"):
+        optional(number)(v.get(key), f"{path}.{key}")
+    optional(boolean)(v.get("raced"), f"{path}.raced")
+    return dict(v)
+
+
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
     """How one field is checked: ``check`` its value; ``required`` or else ``default``."""
@@ -376,6 +388,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "hosts": FieldSpec(optional(rank_hosts)),
     "checkpoint": FieldSpec(optional(checkpoint_entry)),
     "blame": FieldSpec(optional(blame_entry)),
+    "overlap": FieldSpec(optional(overlap_entry)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

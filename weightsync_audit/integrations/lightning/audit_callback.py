@@ -103,6 +103,10 @@ class WeightSyncAuditMixin:
         attribution: per-step records that name the corrupted rank even between two replicas and tell
             the machine from the software (``True``, or a dict of ``AttributionConfig``'s fields); the
             record's ``blame`` (docs/report-schema.md). Off by default.
+        overlap: the audit after an optimizer step runs on a worker thread while the next batch's forward
+            and backward run; its verdict (report, ``raise``, ``resync``) is acted on before the next
+            optimizer update, and the record's ``overlap.covers_step`` says which step it covers
+            (docs/performance.md).
 
     Example::
 
@@ -130,6 +134,7 @@ class WeightSyncAuditMixin:
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
         attribution: Any = False,
+        overlap: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -157,6 +162,7 @@ class WeightSyncAuditMixin:
             every_n=every_n_train_steps,
             exit_code=exit_code,
             sinks=sinks,
+            overlap=overlap,
         )
         watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
         self.checkpoints = bool(checkpoints)
@@ -271,7 +277,7 @@ class WeightSyncAuditMixin:
             return
         if step % self.every_n_train_steps == 0:
             self._last_step_audited = step
-            self._run(trainer, "on_train_batch_end")
+            self._run(trainer, "on_train_batch_end", after_step=True)  # overlap=True: launched here
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
@@ -331,7 +337,13 @@ class WeightSyncAuditMixin:
     # -- the audit -----------------------------------------------------------------------------
 
     def _run(
-        self, trainer: Any, hook: str, grads: bool = False, step: int | None = None, checkpoint: Any = None
+        self,
+        trainer: Any,
+        hook: str,
+        grads: bool = False,
+        step: int | None = None,
+        checkpoint: Any = None,
+        after_step: bool = False,
     ) -> AuditResult | None:
         if not self._opened or self._disabled:
             return None
@@ -353,7 +365,8 @@ class WeightSyncAuditMixin:
             rng = self.__dict__.pop("_rng_at_load", None) if event == "loaded" else None
             model, resume = trainer.strategy.model, lightning_resume(trainer, rng)
             return self.runner.checkpoint(event, path, model, trainer.optimizers, state=state, resume=resume, **kw)
-        return self.runner.run(trainer.strategy.model, [] if grads else list(trainer.optimizers), grads=grads, **kw)
+        optimizers = [] if grads else list(trainer.optimizers)
+        return self.runner.run(trainer.strategy.model, optimizers, grads=grads, after_step=after_step, **kw)
 
     # -- reporting and checkpoints -------------------------------------------------------------
 

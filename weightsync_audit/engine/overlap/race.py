@@ -1,0 +1,135 @@
+"""An overlapped audit never compares a tensor hashed half-updated: :class:`RaceGuard` and :class:`OverlapRun`.
+
+Between one optimizer step and the next the audited tensors are at rest, so their digest can run while
+the next forward and backward run; the optimizer's pre-step hook waits for it before the step writes
+them. Anything else that writes them in that window (a manual ``p.mul_()``, an EMA kept in a parameter, a
+buffer the forward updates and the audit compares) would be read mid-write. :class:`RaceGuard` stamps
+every audited tensor (its version counter and its address) when the audit is launched, right after the
+step, and looks again once its digests are computed: a write in between is *seen*, and the rank that saw
+it flags its summary as failed. :class:`OverlapRun` then shares every rank's reason in one more round and
+raises :class:`~weightsync_audit.AuditRaceError` on every rank together when every failure was a race, so
+every rank takes the same next step (the window audits again at rest, before the next optimizer step).
+
+Not seen: a write through ``.data`` or through another tensor's raw pointer (neither bumps the version
+counter). Small CPU tensors (up to 64 KiB: biases, norms, a BatchNorm's running statistics, optimizer
+scalars) and Python values (learning rates) are read at launch, on the training thread, so the next
+forward updating running statistics, or a scheduler stepping in the window, changes nothing the audit
+reads (from the second audit on, once the manifest is cached; the first one reads everything on the
+worker).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from weightsync_audit.compat import tensor_version
+from weightsync_audit.engine.agreement.consensus import PROTOCOL_FAILED
+from weightsync_audit.engine.agreement.failures import raise_out_of_step
+from weightsync_audit.engine.agreement.rounds import agree
+from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
+from weightsync_audit.engine.run import AuditRun, Engine
+from weightsync_audit.errors import AuditPreparationError, AuditRaceError
+from weightsync_audit.text import brief_names
+
+__all__ = ["RACE", "OverlapRun", "RaceGuard"]
+
+RACE = AuditRaceError.__name__
+"""How a race reads in the shared failure report: ``AuditRaceError: ...``."""
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        return tensor_version(t), t.data_ptr()
+    except Exception:  # noqa: BLE001 - a tensor without storage (meta) has nothing to race on
+        return -1, -1
+
+
+class RaceGuard:
+    """The audited tensors' version counters and addresses at launch, to compare once they are digested."""
+
+    def __init__(self, prepared: PreparedManifest) -> None:
+        seen: set[int] = set()
+        self.tensors: list[torch.Tensor] = []
+        later = prepared.sources
+        if prepared.in_place is not None and len(prepared.slow_mask) == len(prepared.sources):
+            # The small CPU tensors were hashed at launch, at rest: a write to them afterwards (a BatchNorm's
+            # running statistics in the next forward) is not this audit's; only what the worker reads counts.
+            later = list(itertools.compress(prepared.sources, prepared.slow_mask))
+        for t in (*later, *prepared.dynamic):
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                self.tensors.append(t)
+        self.stamps = list(map(_stamp, self.tensors))
+
+    def moved(self) -> list[torch.Tensor]:
+        """The tensors written (or re-pointed) since the stamps were taken."""
+        return [t for t, s in zip(self.tensors, self.stamps) if _stamp(t) != s]
+
+    def describe(self, moved: Sequence[torch.Tensor], prepared: PreparedManifest, step: int | None) -> str:
+        """What this rank saw, naming the tensors (the manifest is built only here, on a race)."""
+        ptrs = {(t.data_ptr(), t.nbytes) for t in moved}
+        try:
+            names = [e.name for e in prepared.manifest.entries if (_ptr(e.tensor), _nbytes(e.tensor)) in ptrs]
+        except Exception:  # noqa: BLE001 - the names are a courtesy; the race stands without them
+            names = []
+        what = brief_names(names, 5) if names else f"{len(moved)} tensor(s)"
+        return (
+            f"{what} written while the overlapped audit of step {'-' if step is None else step} read them, "
+            "outside the optimizer's step (which waits for the audit): not compared half-updated"
+        )
+
+
+def _ptr(t: Any) -> int:
+    return t.data_ptr() if isinstance(t, torch.Tensor) else -1
+
+
+def _nbytes(t: Any) -> int:
+    return t.nbytes if isinstance(t, torch.Tensor) else -1
+
+
+class OverlapRun(AuditRun):
+    """An :class:`AuditRun` that checks the :class:`RaceGuard` after digesting and shares a race on every rank."""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, engine: Engine, module: Any, optimizers: list[Any], *, guard: RaceGuard, **kw: Any) -> None:
+        super().__init__(engine, module, optimizers, **kw)
+        self.guard = guard
+
+    def prepare(self) -> np.ndarray:
+        summary = super().prepare()
+        if self.failure is None:
+            moved = self.guard.moved()
+            if moved:
+                self.failure = AuditRaceError(self.guard.describe(moved, self.prepared, self.step))
+                summary[0] = PROTOCOL_FAILED
+        return summary
+
+    def agree(self, summary: np.ndarray) -> None:
+        agreed = agree(self.comm, summary)
+        if agreed.failed:
+            self._raise_failed()
+        self.verdict, self.candidates = agreed.verdict, agreed.candidates
+        if self.verdict.status == "out_of_step":
+            position = {"step": self.step, "epoch": self.epoch, "hook": self.hook}
+            position.update(config=self.auditor.config.fingerprint(), slice=self.slice_index)
+            raise_out_of_step(self.comm, self.verdict.differing_fields, position)
+
+    def _raise_failed(self) -> None:
+        """Every rank's reason, shared; a race on every failed rank is one :class:`AuditRaceError` everywhere."""
+        mine = "" if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
+        parts = self.comm.exchange_bytes(mine.encode(), "the failure report")
+        failed = {self.comm.global_ranks[r]: b.decode("utf-8", "replace") for r, b in enumerate(parts) if b}
+        if failed and all(m.startswith(RACE + ":") for m in failed.values()):
+            text = "; ".join(f"rank {r}: {m[len(RACE) + 2 :]}" for r, m in failed.items())
+            raise AuditRaceError(f"weightsync audit: {text}", failed)
+        if self.failure is not None:
+            raise self.failure
+        text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+        raise AuditPreparationError(
+            f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed
+        )

@@ -1,0 +1,263 @@
+"""The overlapped audit: step s digested and compared while step s+1's forward and backward run.
+
+:meth:`OverlapWindow.launch` is called right after an optimizer step, on the training thread, on every
+rank. It reads there what is cheap and could change under the audit (the cached manifest's structure
+check, the small tensors, the Python values such as learning rates), stamps every audited tensor
+(:class:`~weightsync_audit.engine.overlap.race.RaceGuard`), and hands the rest (the large tensors'
+digests and every round of the exchange) to one worker thread. The training goes on at once.
+
+The verdict is taken at the next *safe point*: a pre-step hook on every optimizer
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) waits for the worker before any optimizer
+writes the audited tensors again; for an optimizer stepped with a closure (LBFGS, Lightning) the wait
+runs after the closure's forward and backward, right before the update. The next launch, any other audit
+on the same channel, and :meth:`OverlapWindow.close` are safe points too. What the verdict leads to
+(``raise``, ``resync``, the report) is done there, on the training thread, so every rank acts at the
+same point of its program; the record's ``overlap`` field says which step it covers and where it was
+settled.
+
+Collectives stay in one order on every rank: the exchange runs over the audit's own gloo group (never
+the default group on which DDP reduces gradients), and the training thread touches that group only
+after the worker is done with it (every use settles the pending audit first). A write to an audited
+tensor inside the window is named, never compared half-updated: every rank then audits again at rest,
+at the safe point.
+
+>>> import torch
+>>> from weightsync_audit import Auditor
+>>> model = torch.nn.Linear(4, 2)
+>>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+>>> auditor = Auditor(model, opt)
+>>> model(torch.ones(1, 4)).sum().backward(); opt.step()
+>>> pending = auditor.launch(step=1)      # returns at once; the digest runs on a worker thread
+>>> pending.result().in_sync, pending.result().overlap["covers_step"]
+(True, 1)
+>>> auditor.close()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import weakref
+from contextlib import nullcontext
+from typing import Any, Callable, Protocol
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
+from weightsync_audit.engine.overlap.race import OverlapRun, RaceGuard
+from weightsync_audit.engine.overlap.stream import StreamOrder, accelerator_of
+from weightsync_audit.engine.run import Engine
+from weightsync_audit.errors import AuditRaceError
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["OverlapWindow", "PendingAudit"]
+
+
+class _Auditor(Engine, Protocol):
+    def audit(self, module: Any = None, optimizer: Any = None, **kw: Any) -> AuditResult: ...
+
+
+class PendingAudit:
+    """One overlapped audit: launched after step ``step``'s optimizer step, settled before the next one."""
+
+    def __init__(self, window: OverlapWindow, step: int | None, epoch: int | None, hook: str | None) -> None:
+        self.step, self.epoch, self.hook = step, epoch, hook
+        self._window = window
+        self._done = threading.Event()
+        self._result: AuditResult | None = None
+        self._error: BaseException | None = None
+        self.audit_ms = 0.0
+        """The worker's time on this audit (digests and exchange)."""
+        self.waited_ms: float | None = None
+        """How long the training thread waited for it at the safe point (``None``: not settled yet)."""
+        self.settled_at: str | None = None
+        """The safe point that settled it: ``optimizer pre-step``, ``next launch``, ``another audit``..."""
+        self.raced: str | None = None
+        """What a race was (then the result is the audit again at rest), else ``None``."""
+
+    def done(self) -> bool:
+        """The worker has finished (the verdict is there to take, without waiting)."""
+        return self._done.is_set()
+
+    def result(self) -> AuditResult:
+        """The verdict (waiting for it, at a safe point, if need be); raises what the audit raised."""
+        if self.settled_at is None:
+            self._window.settle("result", only=self)
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class _Worker:
+    """One daemon thread that runs the audits handed to it, in order."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[tuple[PendingAudit, Callable[[], AuditResult]] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="weightsync-audit-overlap", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (item := self.jobs.get()) is not None:
+            pending, job = item
+            t0 = time.perf_counter()
+            try:
+                pending._result = job()
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread, raised there
+                pending._error = exc
+            finally:
+                pending.audit_ms = (time.perf_counter() - t0) * 1e3
+                pending._done.set()
+
+
+class _Held:
+    """The auditor as its run sees it, with the manifest prepared at launch (or the error preparing it)."""
+
+    def __init__(self, auditor: Engine, prepared: PreparedManifest | BaseException) -> None:
+        self.auditor, self.prepared = auditor, prepared
+        self.config, self.history, self.pinpointer = auditor.config, auditor.history, auditor.pinpointer
+
+    @property
+    def comm(self) -> Any:
+        return self.auditor.comm
+
+    def slice_for(self, step: int | None) -> int:
+        return self.auditor.slice_for(step)
+
+    def prepare(self, module: Any, optimizers: list[Any], *, ddp: Any) -> PreparedManifest:
+        if isinstance(self.prepared, BaseException):
+            raise self.prepared
+        return self.prepared
+
+
+class OverlapWindow:
+    """An auditor's overlapped audits: its worker thread, the audit pending, the optimizers' pre-step hook.
+
+    ``on_settled`` (the callbacks' runner sets it) is called on the training thread with each audit as it
+    is settled, to act on it; an exception it raises leaves through the safe point (``optimizer.step()``).
+    """
+
+    def __init__(self, auditor: _Auditor) -> None:
+        self.auditor = auditor
+        self.pending: PendingAudit | None = None
+        self.on_settled: Callable[[PendingAudit], None] | None = None
+        self._worker: _Worker | None = None
+        self._hook: Any = None
+        self._context: tuple[Any, list[Any]] = (None, [])
+
+    def launch(
+        self, module: Any, optimizers: list[Any], *, step: int | None, epoch: int | None, hook: str | None, ddp: Any
+    ) -> PendingAudit:
+        """Right after an optimizer step, on every rank: prepare here, digest and compare on the worker."""
+        self.settle("next launch")
+        self.auditor.comm.setup()  # opened (collective) on the training thread, with every rank here
+        pending = PendingAudit(self, step, epoch, hook)
+        prepared: PreparedManifest | BaseException
+        guard, order = None, None
+        try:
+            prepared = self.auditor.prepare(module, optimizers, ddp=ddp)
+            guard = RaceGuard(prepared)
+            order = StreamOrder.at_launch(accelerator_of(guard.tensors))
+        except Exception as exc:  # noqa: BLE001 - the run reports it to every rank, which raise together
+            prepared = exc
+        held = _Held(self.auditor, prepared)
+
+        def job() -> AuditResult:
+            with order.on_worker() if order is not None else nullcontext():
+                run = OverlapRun(
+                    held, module, optimizers, guard=guard or _NO_GUARD, step=step, epoch=epoch, hook=hook, ddp=ddp
+                )
+                return run.run()
+
+        if self._worker is None:
+            self._worker = _Worker()
+        self._install_hook()
+        self._context = (module, optimizers)
+        self.pending = pending
+        self._worker.jobs.put((pending, job))
+        return pending
+
+    def settle(self, where: str, *, only: PendingAudit | None = None) -> PendingAudit | None:
+        """Wait for the pending audit here (a safe point), audit again at rest if it raced, and act on it."""
+        pending = self.pending
+        if pending is None or (only is not None and pending is not only):
+            return None
+        self.pending = None
+        t0 = time.perf_counter()
+        pending._done.wait()
+        pending.waited_ms = (time.perf_counter() - t0) * 1e3
+        pending.settled_at = where
+        error = pending._error
+        if isinstance(error, AuditRaceError) and error.raced:  # the same decision on every rank
+            module, optimizers = self._context
+            pending.raced, pending._error = str(error), None
+            try:  # at rest now: nothing writes the tensors until this returns
+                pending._result = self.auditor.audit(
+                    module, optimizers or None, step=pending.step, epoch=pending.epoch, hook=pending.hook
+                )
+                pending._result.notes.append(f"overlap: {error}; audited again at rest before the next step")
+            except Exception as exc:  # noqa: BLE001 - raised from result(), as any audit's error
+                pending._error = exc
+        if pending._result is not None:
+            pending._result.overlap = {
+                "covers_step": pending.step,
+                "settled_at": where,
+                "waited_ms": round(pending.waited_ms, 3),
+                "audit_ms": round(pending.audit_ms, 3),
+                **({"raced": True} if pending.raced else {}),
+            }
+        if self.on_settled is not None:
+            self.on_settled(pending)
+        return pending
+
+    def _install_hook(self) -> None:
+        if self._hook is not None:
+            return
+        me = weakref.ref(self)
+
+        def pre_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            window = me()
+            if window is None or window.pending is None:
+                return None
+            return window._before_step(args, kwargs)
+
+        self._hook = register_optimizer_step_pre_hook(pre_step)
+
+    def _before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # torch hands the hook the step's arguments with the optimizer first: (opt, closure?, ...)
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if not callable(closure):
+            self.settle("optimizer pre-step")
+            return None
+
+        def then_settle() -> Any:  # the closure runs the forward and backward: wait after them
+            loss = closure()
+            self.settle("optimizer pre-step, after its closure")
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": then_settle}
+        return (args[0], then_settle, *args[2:]), kwargs
+
+    def close(self) -> None:
+        """Settle what is pending (acting on it), then remove the hook and end the worker thread."""
+        try:
+            self.settle("close")
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if self._worker is not None:
+                self._worker.jobs.put(None)
+                self._worker = None
+
+
+class _NoGuard(RaceGuard):
+    """For a launch whose preparation failed: nothing stamped, nothing moves (the run fails anyway)."""
+
+    def __init__(self) -> None:
+        self.tensors, self.stamps = [], []
+
+
+_NO_GUARD = _NoGuard()
