@@ -88,7 +88,7 @@ def test_a_tensor_whose_bytes_change_between_two_reads_is_unstable_and_a_plain_d
 
 
 def _diverges_twice(rank: int, world: int) -> list[dict]:
-    from weightsync_audit.integrations.runner import AuditRunner
+    from weightsync_audit.integrations.session.runner import AuditRunner
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)

@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
-from weightsync_audit.integrations.transformers import TRAINER_FIX
+from weightsync_audit.integrations.hf.callback import TRAINER_FIX
 
 PROVEN = "body.weight, body.bias require grad, but DistributedDataParallel does not all-reduce"
 
@@ -74,7 +74,7 @@ def test_hf_trainer_fix_unfreeze_with_every_parameter_in_the_reducer_keeps_repli
 def test_outside_a_trainer_no_trainer_is_found_and_the_callback_audits_the_model_it_is_given() -> None:
     import torch
 
-    from weightsync_audit.integrations.transformers import WeightSyncAuditCallback, find_trainer, trainer_ddp
+    from weightsync_audit.integrations.hf.callback import WeightSyncAuditCallback, find_trainer, trainer_ddp
 
     model = torch.nn.Linear(2, 2)
     assert find_trainer() is None and trainer_ddp(None, model) is None

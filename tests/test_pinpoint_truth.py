@@ -13,7 +13,7 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditResult
-from weightsync_audit.integrations.runner import AuditRunner
+from weightsync_audit.integrations.session.runner import AuditRunner
 
 
 def _record(result: AuditResult) -> dict[str, Any]:

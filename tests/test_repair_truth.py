@@ -16,7 +16,7 @@ from torch import nn
 
 from weightsync_audit import Auditor, AuditResult, ResyncError, WeightDivergenceError, audit, resync
 from weightsync_audit.engine.repair.resync_plan import plan_resync
-from weightsync_audit.integrations.runner import AuditRunner
+from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.record import Mismatch
 
 

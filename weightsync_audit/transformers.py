@@ -1,5 +1,5 @@
-"""``WeightSyncAuditCallback`` for the Hugging Face ``transformers.Trainer`` (defined in :mod:`weightsync_audit.integrations.transformers`)."""
+"""``WeightSyncAuditCallback`` for the Hugging Face ``transformers.Trainer`` (defined in :mod:`weightsync_audit.integrations.hf.callback`)."""
 
-from weightsync_audit.integrations.transformers import TRAINER_FIX, WeightSyncAuditCallback
+from weightsync_audit.integrations.hf.callback import TRAINER_FIX, WeightSyncAuditCallback
 
 __all__ = ["TRAINER_FIX", "WeightSyncAuditCallback"]

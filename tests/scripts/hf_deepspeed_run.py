@@ -74,7 +74,7 @@ def launched(env: dict[str, str]) -> dict[str, str]:
 
 def via_accelerate(name: str, env: dict[str, str], model: Any, data: Any, plant: bool) -> dict[str, Any]:
     """A Trainer launched as ``accelerate launch --use_deepspeed`` would: no ``deepspeed=`` argument."""
-    from weightsync_audit.integrations.transformers import engine_of
+    from weightsync_audit.integrations.hf.engines import engine_of
 
     path = OUT / f"{name}.jsonl"
     cb = WeightSyncAuditCallback(every_n_steps=2, report_path=str(path), timeout_s=60)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from weightsync_audit import ResumeSources
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
-from weightsync_audit.integrations.runner import EXIT_DIVERGED, AuditRunner
+from weightsync_audit.integrations.session.runner import EXIT_DIVERGED, AuditRunner
 
 
 def last_verified(folder: Path) -> tuple[int, Path] | None:

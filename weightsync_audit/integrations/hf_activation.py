@@ -83,7 +83,7 @@ def add_env_callback(trainer: Any) -> None:
     if not is_on(os.environ.get(ENV_VAR)):
         return
     try:
-        from weightsync_audit.integrations.transformers import WeightSyncAuditCallback
+        from weightsync_audit.integrations.hf.callback import WeightSyncAuditCallback
 
         present = list(trainer.callback_handler.callbacks)
     except Exception as exc:  # noqa: BLE001 - another transformers, a broken install: the Trainer stays as it is

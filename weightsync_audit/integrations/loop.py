@@ -1,6 +1,6 @@
 """The callbacks' behaviour for a plain PyTorch training loop: :class:`LoopAudit`.
 
-It is the same :class:`~weightsync_audit.integrations.runner.AuditRunner` the Lightning and Hugging Face
+It is the same :class:`~weightsync_audit.integrations.session.runner.AuditRunner` the Lightning and Hugging Face
 callbacks run on, so ``on_mismatch`` (warn, raise on every rank together, resync and confirm),
 ``report_path``, ``verbose`` (the table printed on rank 0, once per new divergence), the cadence and the
 run summary behave exactly as they do there. :class:`~weightsync_audit.Auditor` stays the bare engine
@@ -17,7 +17,7 @@ from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 

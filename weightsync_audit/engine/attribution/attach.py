@@ -54,7 +54,7 @@ def attach_watch(
 
 
 def watch_run(runner: Any, model: Any, optimizers: Sequence[Any], attribution: Any = None) -> None:
-    """For a callback's :class:`~weightsync_audit.integrations.runner.AuditRunner`: before it opens, set
+    """For a callback's :class:`~weightsync_audit.integrations.session.runner.AuditRunner`: before it opens, set
     ``attribution`` in its config (validated); once open, set the watch on its main auditor (once, local)."""
     if attribution is not None:
         runner.config.attribution = check_attribution(attribution)

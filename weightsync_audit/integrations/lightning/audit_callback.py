@@ -22,7 +22,7 @@ from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import dropped_message
 from weightsync_audit.integrations.resume_sources import lightning_resume
-from weightsync_audit.integrations.runner import AuditRunner, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 

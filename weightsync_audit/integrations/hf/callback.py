@@ -1,6 +1,6 @@
 """``WeightSyncAuditCallback``: the weight audit as a Hugging Face ``transformers.TrainerCallback``.
 
-A thin adapter over :class:`~weightsync_audit.integrations.runner.AuditRunner` (the same engine and the
+A thin adapter over :class:`~weightsync_audit.integrations.session.runner.AuditRunner` (the same engine and the
 same options as the Lightning callback). What is particular to the Trainer:
 
 * callback events receive the *unwrapped* model, so the buffer policy cannot be read from a wrapper: it
@@ -41,8 +41,14 @@ from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
+from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
 from weightsync_audit.integrations.resume_sources import hf_resume
-from weightsync_audit.integrations.runner import AuditRunner, audit_metrics, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.runner import (
+    AuditRunner,
+    audit_metrics,
+    check_every_n,
+    reject_unknown_options,
+)
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 
@@ -59,53 +65,6 @@ TRAINER_FIX = (
     "TrainingArguments(ddp_find_unused_parameters=True); unfreezing them later is then all-reduced. Replicas "
     "that already differ: resume from a checkpoint saved before they diverged (every rank loads the same weights)."
 )
-
-
-def engine_of(args: Any) -> str | None:
-    """What the Trainer trains with: ``"deepspeed"``, ``"fsdp"``, ``"ddp"`` or ``None`` (one process).
-
-    Read from Accelerate's state first (``accelerate launch`` with a DeepSpeed or FSDP config sets it and
-    leaves ``args.deepspeed``/``args.fsdp`` unset; ``fsdp="full_shard"`` on CPU silently trains plain
-    DDP), from ``args`` only when Accelerate has no state yet.
-    """
-    try:
-        from accelerate.state import AcceleratorState, is_initialized
-
-        if is_initialized():
-            kind = str(getattr(AcceleratorState().distributed_type, "value", "")).upper()
-            if "DEEPSPEED" in kind:
-                return "deepspeed"
-            if "FSDP" in kind:
-                return "fsdp"
-            return "ddp" if getattr(args, "world_size", 1) > 1 else None
-    except ImportError:  # pragma: no cover - accelerate is a dependency of the Trainer
-        pass
-    if getattr(args, "deepspeed", None):
-        return "deepspeed"
-    if getattr(args, "fsdp", None):
-        return "fsdp"
-    return "ddp" if getattr(args, "world_size", 1) > 1 else None
-
-
-def sharded_reason(args: Any) -> str | None:
-    """Kept for callers: no engine the Trainer runs is refused any more (DeepSpeed and FSDP are audited
-    through their replica adapters, see docs/sharded.md), so this is always ``None``."""
-    return None
-
-
-def buffer_policy(args: Any) -> bool | None:
-    """Whether the Trainer's engine overwrites buffers from rank 0 at every forward (``None``: no engine).
-
-    Only DDP does (``args.ddp_broadcast_buffers``, ``None`` is DDP's default, on); DeepSpeed broadcasts
-    buffers at initialisation only and FSDP not at all, so their buffers are compared.
-    """
-    engine = engine_of(args)
-    if engine is None:
-        return None
-    if engine != "ddp":
-        return False
-    value = getattr(args, "ddp_broadcast_buffers", None)
-    return True if value is None else bool(value)
 
 
 class _LogLead(TrainerCallback):

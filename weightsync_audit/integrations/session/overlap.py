@@ -3,7 +3,7 @@
 :class:`OverlapDriver` is the runner's side of :class:`~weightsync_audit.engine.overlap.OverlapWindow`:
 an audit asked for right after a step is launched on the worker thread instead of run, and the verdict is
 acted on (``warn``, ``raise`` on every rank together, ``resync`` and confirm, the report, the metrics) at
-the next safe point, through the runner's own :meth:`~weightsync_audit.integrations.runner.AuditRunner.run`,
+the next safe point, through the runner's own :meth:`~weightsync_audit.integrations.session.runner.AuditRunner.run`,
 so it behaves exactly as the synchronous audit does, one step later. ``raise`` leaves through the next
 ``optimizer.step()`` (before it writes anything); the record's ``step`` is the step it covers.
 """
