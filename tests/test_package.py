@@ -76,4 +76,4 @@ def test_the_core_imports_no_transformers_and_only_the_hf_adapter_names_it() -> 
             names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
             if any(n.split(".")[0] in ("transformers", "accelerate") for n in names):
                 importers.add(path.relative_to(root).as_posix())
-    assert importers == {"integrations/hf/callback.py"}
+    assert importers == {"integrations/hf/callback.py", "integrations/hf/engines.py"}  # the HF adapter only
