@@ -218,6 +218,9 @@ def _call(run: Callable[..., Any], device: torch.device, dry: bool) -> Any:
 
 def _rows(label: str, answer: Any) -> list[Row]:
     """``run()`` may answer ``(ok, figures)``, ``(check, size, ok, figures)``, a dict, or a list of these."""
+    if isinstance(answer, list) and len(answer) == 4 and isinstance(answer[0], str):  # one row, as gpu_megatron's
+        ok = {"ok": True, "WRONG": False, "skipped": None}.get(answer[2], answer[2])
+        return [(f"{label}: {answer[0]}", str(answer[1]), ok, str(answer[3]))]
     if isinstance(answer, list):
         return [r for a in answer for r in _rows(label, a)]
     if isinstance(answer, dict):

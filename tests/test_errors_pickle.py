@@ -42,6 +42,7 @@ def _samples() -> list[tuple[BaseException, dict[str, Any]]]:
         ),
         (errors.ReportFormatError("bad line", line=3, torn=True), {"line": 3, "torn": True}),
         (errors.TrainableSetMismatchError("flags", [2]), {"ranks": [2]}),
+        (errors.AuditRaceError("written in the window", {1: "0.weight"}), {"raced": {1: "0.weight"}}),
         (
             errors.ResyncError("rank 1 died", 1, partial=["fc.weight"], untouched=["fc.bias"]),
             {"failed_rank": 1, "partial": ["fc.weight"], "untouched": ["fc.bias"]},

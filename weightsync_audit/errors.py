@@ -133,6 +133,9 @@ class AuditRaceError(WeightSyncAuditError, RuntimeError):
         self.raced = dict(raced or {})
         super().__init__(message)
 
+    def _init_args(self) -> tuple[Any, ...]:
+        return (str(self), self.raced)
+
 
 class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
     """Ranks hold different trainable sets where they must agree (before re-wrapping DDP); raised on every rank.

@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from weightsync_audit.ddp.inspect import FIX_ATTR, find_ddp
 from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
@@ -175,6 +176,9 @@ class WeightSyncAuditCallback(TrainerCallback):
             record is written (docs/restarts.md).
         sinks: objects that the main process also hands each record to (``write(record)``): the metrics
             exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
+        attribution: per-step records that name the corrupted rank even between two replicas and tell the
+            machine from the software (``True``, or a dict of ``AttributionConfig``'s fields); the record's
+            ``blame`` (docs/report-schema.md). Off by default.
         overlap: the audit after an optimizer step runs on a worker thread while the next step's forward and
             backward run; its verdict is acted on before the next ``optimizer.step()`` (docs/performance.md).
 
@@ -205,6 +209,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         checkpoints: bool = True,
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
+        attribution: Any = False,
         overlap: bool = False,
         **unknown: Any,
     ) -> None:
@@ -228,6 +233,7 @@ class WeightSyncAuditCallback(TrainerCallback):
             sinks=sinks,
             overlap=overlap,
         )
+        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
         self.checkpoints = bool(checkpoints)
         self.history = self.runner.history
         self.last_result: AuditResult | None = None
@@ -350,6 +356,8 @@ class WeightSyncAuditCallback(TrainerCallback):
         if self._opened and model is not None:
             # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
             optimizer = kwargs.get("optimizer")
+            watch_run(self.runner, self.audited(model), [optimizer] if optimizer is not None else [])  # once
+            mark_step(self.runner, step)
             self.runner.record_step(self.audited(model), [optimizer] if optimizer is not None else [], step)
         if self.every_n_steps is None or step == self._last_step_audited or step % self.every_n_steps:
             return
