@@ -173,6 +173,48 @@ def test_a_rank_named_once_goes_back_to_0_when_the_replicas_agree_again() -> Non
     ]
 
 
+def test_the_blamed_rank_and_its_host_are_exported_with_the_evidence_and_cleared_when_in_sync() -> None:
+    """The host to drain (the record's ``blame``, docs/report-schema.md) reaches Prometheus and OpenTelemetry;
+    an undecided blame (a tie of two replicas) names no rank."""
+    pytest.importorskip("opentelemetry.sdk")
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from weightsync_audit.metrics import OpenTelemetrySink
+
+    reader = InMemoryMetricReader()
+    otel = OpenTelemetrySink(meter_provider=MeterProvider(metric_readers=[reader]))
+    prom = PrometheusSink()
+    hosts = {"0": "n3 cuda:0 GPU-a", "1": "n7 cuda:1 GPU-b"}
+    blamed = AuditResult(
+        in_sync=False,
+        step=7,
+        mismatches=[Mismatch("w", "param", [1], [0], max_abs_diff=1e-3)],
+        hosts=hosts,
+        blame={"ranks": [0], "evidence": "at_rest_change", "hardware_suspect": True},
+    )
+    labels = {"rank": "0", "host": "n3", "device": "cuda:0 GPU-a", "evidence": "at_rest_change"}
+    for sink in (otel, prom):
+        sink.write(blamed)
+    # The blame names rank 0 although the vote's odd one is rank 1: the exporters follow the blame.
+    assert prom.registry.get_sample_value("weightsync_blamed_rank", {**labels, "hardware_suspect": "true"}) == 1
+    assert record_figures(blamed).ranks[0].rank == 1
+    undecided = AuditResult(
+        in_sync=False, step=8, mismatches=blamed.mismatches, hosts=hosts, blame={"ranks": [], "evidence": "undecided"}
+    )
+    for sink in (otel, prom):
+        sink.write(undecided)
+    assert prom.registry.get_sample_value("weightsync_blamed_rank", {**labels, "hardware_suspect": "true"}) is None
+    [metric] = [
+        m
+        for m in reader.get_metrics_data().resource_metrics[0].scope_metrics[0].metrics
+        if m.name == "weightsync.blamed_rank"
+    ]
+    assert [(dict(p.attributes), p.value) for p in metric.data.data_points] == [
+        ({**labels, "hardware_suspect": "true"}, 0)
+    ]
+
+
 def test_a_divergence_whose_gap_was_not_measured_reads_nan_not_zero() -> None:
     f = record_figures(AuditResult(in_sync=False, mismatches=[Mismatch("w", "structure", [1], [0])]))
     assert math.isnan(f.max_abs_diff) and f.differing["structure"] == 1 and f.ranks[0].host == "unknown"

@@ -81,6 +81,13 @@ class Figures:
     """``none``, ``warned``, ``raised``, ``resynced``."""
     ranks: tuple[RankPlace, ...] = field(default=())
     """The ranks a divergent record names (those that disagree with the reference), with their machine."""
+    blamed: tuple[RankPlace, ...] = field(default=())
+    """The ranks the record's ``blame`` holds responsible, with their machine: the host to drain. Empty in
+    sync, without a ``blame``, or when it is undecided (a tie between two replicas with nothing else)."""
+    evidence: str = ""
+    """What the blame rests on (``vote``, ``at_rest_change``, ``update_not_reproducible``, ...); ``""``: none."""
+    hardware_suspect: bool = False
+    """The blame points at the machine (memory at rest, a step that does not reproduce), not the software."""
 
 
 def _largest(values: list[float | None], in_sync: bool) -> float:
@@ -96,12 +103,8 @@ def record_figures(record: AuditResult) -> Figures:
     for m in record.mismatches:
         differing[m.kind] = differing.get(m.kind, 0) + 1
     hosts = record.hosts or {}
-    places = []
-    for rank in sorted({r for m in record.mismatches for r in m.ranks}):
-        where = hosts.get(str(rank), "").split(None, 1)
-        places.append(
-            RankPlace(rank=rank, host=where[0] if where else "unknown", device=where[1] if len(where) > 1 else "")
-        )
+    blame = record.blame or {}
+    blamed = [r for r in blame.get("ranks") or [] if isinstance(r, int)]
     return Figures(
         in_sync=record.in_sync,
         step=record.step,
@@ -113,5 +116,18 @@ def record_figures(record: AuditResult) -> Figures:
         audit_seconds=float(record.duration_ms) / 1e3,
         nonfinite_tensors=record.nonfinite_count,
         action=record.action,
-        ranks=tuple(places),
+        ranks=_places(sorted({r for m in record.mismatches for r in m.ranks}), hosts),
+        blamed=_places(sorted(set(blamed)), hosts),
+        evidence=str(blame.get("evidence") or "") if blamed else "",
+        hardware_suspect=bool(blame.get("hardware_suspect")) and bool(blamed),
     )
+
+
+def _places(ranks: list[int], hosts: dict[str, str]) -> tuple[RankPlace, ...]:
+    places = []
+    for rank in ranks:
+        where = hosts.get(str(rank), "").split(None, 1)
+        places.append(
+            RankPlace(rank=rank, host=where[0] if where else "unknown", device=where[1] if len(where) > 1 else "")
+        )
+    return tuple(places)

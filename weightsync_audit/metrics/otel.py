@@ -79,6 +79,12 @@ class OpenTelemetrySink:
             description="1 for each rank the last audit found apart (0 once it agrees again)",
         )
         self._named: set[tuple[str, str, str]] = set()
+        self.blamed = m.create_gauge(
+            f"{p}.blamed_rank",
+            unit="1",
+            description="1 for each rank the last audit's blame holds responsible (0 once it no longer does)",
+        )
+        self._blamed: set[tuple[tuple[str, str], ...]] = set()
 
     def write(self, record: AuditResult) -> None:
         """Record the figures of ``record``; called on the main process."""
@@ -106,3 +112,12 @@ class OpenTelemetrySink:
         for rank, host, device in sorted(self._named | now):
             self.rank.set(int((rank, host, device) in now), {"rank": rank, "host": host, "device": device})
         self._named |= now
+        suspect = str(f.hardware_suspect).lower()
+        held = {
+            (("rank", str(p.rank)), ("host", p.host), ("device", p.device), ("evidence", f.evidence),
+             ("hardware_suspect", suspect))
+            for p in f.blamed
+        }  # fmt: skip
+        for attrs in sorted(self._blamed | held):
+            self.blamed.set(int(attrs in held), dict(attrs))
+        self._blamed |= held

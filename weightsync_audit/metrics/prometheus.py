@@ -104,6 +104,14 @@ class PrometheusSink:
             registry=reg,
         )
 
+        self.blamed = Gauge(
+            "blamed_rank",
+            "1 for each rank the last audit's blame holds responsible, with its machine and the evidence",
+            ["rank", "host", "device", "evidence", "hardware_suspect"],
+            namespace=ns,
+            registry=reg,
+        )
+
     def serve(self) -> int:
         """Start the ``/metrics`` endpoint now (it starts with the first record otherwise); returns the port."""
         if self._server is None:
@@ -152,6 +160,10 @@ class PrometheusSink:
         self.rank.clear()
         for place in f.ranks:
             self.rank.labels(rank=str(place.rank), host=place.host, device=place.device).set(1)
+        self.blamed.clear()
+        for place in f.blamed:
+            suspect = str(f.hardware_suspect).lower()
+            self.blamed.labels(str(place.rank), place.host, place.device, f.evidence, suspect).set(1)
         if self.port is not None:
             self.serve()
         if self.textfile is not None:
