@@ -31,7 +31,7 @@ from harness import launch, machine, median, table
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from weightsync_audit import AttributionConfig, Auditor
+from weightsync_audit import AttributionConfig, Auditor, compat
 from weightsync_audit.engine.attribution.attach import attach_watch
 from weightsync_audit.engine.config import AuditConfig
 
@@ -45,11 +45,17 @@ CONFIGS: dict[str, AttributionConfig | None] = {
 }
 
 
-def _rank(rank: int, world: int, width: int, layers: int, batch: int, steps: int) -> dict[str, float]:
+def step_times(
+    rank: int, world: int, width: int, layers: int, batch: int, steps: int, device: str = "cpu"
+) -> dict[str, Any]:
+    """This rank's ``times`` (configuration -> median step seconds, slowest rank) with the model on ``device``,
+    and ``moved_at_rest``: the tensors a healthy loop's watch saw change at rest (none, for a right answer)."""
+    dev = torch.device(device)
     torch.manual_seed(0)
-    model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU())))
-    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank))
+    model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width), nn.ReLU()))).to(dev)
+    x = torch.randn(batch, width, generator=torch.Generator().manual_seed(rank)).to(dev)
     out: dict[str, float] = {}
+    moved: list[str] = []
     for name, cfg in CONFIGS.items():
         ddp = DDP(model)
         opt = torch.optim.Adam(ddp.parameters(), lr=1e-4)
@@ -66,13 +72,15 @@ def _rank(rank: int, world: int, width: int, layers: int, batch: int, steps: int
             opt.step()
             if watch is not None:
                 watch.mark(step)
+            compat.synchronize(dev)
             times.append(time.perf_counter() - t0)
         if watch is not None:
+            moved += [f"{name}: {n}" for r in watch.records for n in r.get("rest") or ()]
             watch.detach()
         t = torch.tensor([median(times[3:])])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[name] = float(t)
-    return out
+    return {"times": out, "moved_at_rest": moved}
 
 
 def main() -> None:
@@ -83,7 +91,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     a = ap.parse_args()
     params = a.layers * (a.width * a.width + a.width)
-    res: Any = launch(_rank, 2, a.width, a.layers, a.batch, a.steps)[0]
+    res: Any = launch(step_times, 2, a.width, a.layers, a.batch, a.steps)[0]["times"]
     base = res["none"]
     rows = [[k, f"{v * 1e3:.1f}", f"{v / base:.3f}"] for k, v in res.items()]
     print(f"attribution per step, 2 gloo ranks, {params / 1e6:.1f}M params, Adam, batch {a.batch}; {machine()}")

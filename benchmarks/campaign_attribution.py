@@ -41,11 +41,12 @@ def draw(kind: str | None, n: int, seed: int) -> tuple[Fault, int]:
     return fault, rng.randint(1, 3)
 
 
-def _run(rank: int, world: int, fault: Fault, every: int) -> list[dict[str, Any]]:
+def run_fault(rank: int, world: int, fault: Fault, every: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """One run on this rank (model on ``device``): the records of its audits, every ``every`` steps."""
     from weightsync_audit import AttributionConfig, Auditor, LoopAudit, attach_watch
     from weightsync_audit.engine.config import AuditConfig
 
-    _, ddp, opt = build(rank)
+    _, ddp, opt = build(rank, device)
     records = []
     if fault.kind == "collective_bytes":
         auditor = Auditor(ddp, opt, config=AuditConfig(attribution=AttributionConfig(collective=True, recheck=1)))
@@ -109,7 +110,7 @@ def main() -> None:
     for kind in kinds:
         for n in range(a.runs_per_kind):
             fault, every = draw(kind, n, a.seed)
-            per_rank = launch(_run, 2, fault, every, timeout=120)
+            per_rank = launch(run_fault, 2, fault, every, timeout=120)
             s = score(fault, per_rank[0])
             s["same_on_every_rank"] = [r.get("blame") for r in per_rank[0]] == [r.get("blame") for r in per_rank[1]]
             results.append(s)

@@ -54,7 +54,7 @@ class FaultyAdam(torch.optim.Adam):
             with torch.no_grad():
                 w = self.param_groups[0]["params"][self.fault_param].view(-1)
                 i = self.fault_element % w.numel()
-                w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
+                w[i] = torch.nextafter(w[i], torch.tensor(math.inf, device=w.device))
         return out
 
 
@@ -67,9 +67,10 @@ def flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
         as_int ^= 1 << bit
 
 
-def build(rank: int) -> tuple[nn.Module, DDP, FaultyAdam]:
+def build(rank: int, device: str = "cpu") -> tuple[nn.Module, DDP, FaultyAdam]:
+    """The model of rank ``rank`` on ``device`` (the same on every rank), its DDP and its :class:`FaultyAdam`."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
     ddp = DDP(model)
     return model, ddp, FaultyAdam(ddp.parameters(), lr=1e-2)
 
@@ -84,7 +85,8 @@ def train_step(
     """One step; ``fault`` (a kind on rank ``faulty`` at :data:`FAULT_STEP`, or a :class:`Fault`)."""
     f = _spec(fault, faulty)
     g = torch.Generator().manual_seed(1000 * step + rank)
-    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+    dev = next(ddp.parameters()).device
+    x, y = torch.randn(4, 8, generator=g).to(dev), torch.randn(4, 4, generator=g).to(dev)
     at = step == f.step and rank == f.rank
     if at and f.kind == "lr_one_rank":
         for group in opt.param_groups:
