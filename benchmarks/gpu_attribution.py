@@ -81,7 +81,8 @@ def _said(s: dict[str, Any]) -> str:
     return f"on rank {s['rank']}: blamed {who}, {blame['evidence']}{hw}, step {blame.get('step')}"
 
 
-def _right(s: dict[str, Any]) -> bool:
+def right_answer(s: dict[str, Any]) -> bool:
+    """Whether a scored run (``campaign_attribution.score``) is a right answer for its kind."""
     if s["kind"] == "healthy":
         return not s["false_alarm"]
     if s["kind"] == "collective_bytes":  # two ranks: the class, and never the wrong rank
@@ -102,7 +103,7 @@ def check_kinds(device: torch.device, size: str) -> list[Row]:
             fault, mine, theirs = next(runs)
             s = score(fault, mine)
             same = [r.get("blame") for r in mine] == [r.get("blame") for r in theirs]
-            ok &= _right(s) and same
+            ok &= right_answer(s) and same
             said.append(_said(s) + ("" if same else "; the ranks' blames DIFFER"))
         rows.append((f"attribution: {label}", size, ok, "; ".join(said)))
     return rows

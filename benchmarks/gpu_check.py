@@ -24,10 +24,12 @@ Without a CUDA device it dry-runs by itself. Checks (``answer`` column: ``ok``, 
   ordered after the step by an event: a planted drift found at the step it covers, and the step time
   with no audit, the synchronous and the overlapped every-step audit, with the overlapped digest's rate
   against a device-to-device copy (``benchmarks/gpu_overlap.py``);
-- ``Megatron hash check``, ``attribution``, ``resume``: the ``run()`` of ``benchmarks/gpu_megatron.py``,
-  ``gpu_attribution.py`` and ``gpu_resume.py`` when those modules exist (``skipped`` rows otherwise).
-  They run before this process touches CUDA, so a ``run()`` may fork ranks, and must leave CUDA
-  uninitialised in this process if it does not.
+- ``attribution: ...``, ``resume: ...``, ``Megatron hash check``: the ``run()`` of
+  ``benchmarks/gpu_attribution.py`` (issue 31's faults on 2 ranks sharing the device, each named with its
+  rank and class, and attribution's cost per step), ``gpu_resume.py`` (issue 32's per-rank resume with
+  the CUDA generator) and ``gpu_megatron.py``, in that order (``skipped`` rows for a module absent).
+  They run before this process touches CUDA, so a ``run()`` may fork ranks; Megatron's, last, opens a
+  process group and CUDA here.
 """
 
 from __future__ import annotations

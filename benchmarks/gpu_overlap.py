@@ -190,10 +190,12 @@ def _copy_rate(net: nn.Module, opt: torch.optim.Optimizer, device: torch.device)
 # -- the other helpers' checks, when their modules are here ---------------------------------------------
 
 OPTIONAL = (
-    ("Megatron hash check", "gpu_megatron"),
     ("attribution", "gpu_attribution"),
     ("resume", "gpu_resume"),
+    ("Megatron hash check", "gpu_megatron"),
 )
+"""In the order they run: the ones that fork ranks first; Megatron's last, since it opens a process group (and,
+on a GPU, CUDA) in this process, after which a forked rank can neither open its own group nor use CUDA."""
 
 
 def optional_checks(device: torch.device, dry: bool) -> list[Row]:
