@@ -128,3 +128,18 @@ def test_without_reduce_the_fields_would_be_lost() -> None:
     state = Exception.__reduce__(err)
     with pytest.raises(TypeError):
         state[0](*state[1])
+
+
+class _NewFieldError(errors.AuditTimeoutError):
+    """A subclass with a field of its own and no ``_init_args``: rebuilt from its signature all the same."""
+
+    def __init__(self, message: str, missing_ranks: list[int], hint: str = "") -> None:
+        self.hint = hint
+        super().__init__(message, missing_ranks)
+
+
+def test_a_field_named_in_the_signature_pickles_without_restating_it() -> None:
+    exc = _NewFieldError("late", [1], hint="check rank 1")
+    back = pickle.loads(pickle.dumps(exc))
+    _same(exc, back, {"missing_ranks": [1], "hint": "check rank 1"})
+    assert exc._init_args() == ("late", [1], "check rank 1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Sequence
 
@@ -30,8 +31,17 @@ class WeightSyncAuditError(Exception):
     """
 
     def _init_args(self) -> tuple[Any, ...]:
-        """The constructor arguments that rebuild this error (the message alone for the base class)."""
-        return tuple(self.args)
+        """The constructor arguments that rebuild this error, read from its own ``__init__``'s signature: each
+        parameter is the attribute of the same name, ``message`` the message (a class without its own
+        ``__init__``: its ``args``). One rule for every subclass, so a new field cannot be forgotten."""
+        init = type(self).__init__
+        if not inspect.isfunction(init):
+            return tuple(self.args)
+        params = list(inspect.signature(init).parameters.values())[1:]
+        plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        if any(p.kind not in plain or (p.name != "message" and not hasattr(self, p.name)) for p in params):
+            return tuple(self.args)  # a signature that does not name its fields (a user's subclass)
+        return tuple(str(self) if p.name == "message" else getattr(self, p.name) for p in params)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), self._init_args(), dict(self.__dict__))
@@ -50,9 +60,6 @@ class WeightDivergenceError(WeightSyncAuditError, RuntimeError):
             message = result.divergence_message()
         super().__init__(message)
 
-    def _init_args(self) -> tuple[Any, ...]:
-        return (self.result, str(self))
-
 
 class AuditTimeoutError(WeightSyncAuditError, RuntimeError):
     """A rank did not reach the audit within ``timeout_s``.
@@ -63,9 +70,6 @@ class AuditTimeoutError(WeightSyncAuditError, RuntimeError):
     def __init__(self, message: str, missing_ranks: Sequence[int] = ()) -> None:
         self.missing_ranks = list(missing_ranks)
         super().__init__(message)
-
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.missing_ranks)
 
 
 class AuditOutOfStepError(WeightSyncAuditError, RuntimeError):
@@ -78,9 +82,6 @@ class AuditOutOfStepError(WeightSyncAuditError, RuntimeError):
         self.positions = dict(positions or {})
         super().__init__(message)
 
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.positions)
-
 
 class UnauditableTensorError(WeightSyncAuditError, TypeError):
     """A tensor (named in the message and ``.name``) cannot be audited; ``.why`` says why."""
@@ -90,9 +91,6 @@ class UnauditableTensorError(WeightSyncAuditError, TypeError):
         self.why = why
         super().__init__(f"cannot audit {name!r}: {why}")
 
-    def _init_args(self) -> tuple[Any, ...]:
-        return (self.name, self.why)
-
 
 class ReportFormatError(WeightSyncAuditError, ValueError):
     """A report line is not a valid record; ``.line`` is its 1-based number."""
@@ -101,9 +99,6 @@ class ReportFormatError(WeightSyncAuditError, ValueError):
         self.line = line
         self.torn = torn
         super().__init__(message)
-
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.line, self.torn)
 
 
 class WeightSyncWarning(UserWarning):
@@ -120,9 +115,6 @@ class AuditPreparationError(WeightSyncAuditError, RuntimeError):
         self.failures = dict(failures or {})
         super().__init__(message)
 
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.failures)
-
 
 class AuditRaceError(WeightSyncAuditError, RuntimeError):
     """An overlapped audit's tensors were written while it read them (outside the optimizer, whose step
@@ -132,9 +124,6 @@ class AuditRaceError(WeightSyncAuditError, RuntimeError):
     def __init__(self, message: str, raced: dict[int, str] | None = None) -> None:
         self.raced = dict(raced or {})
         super().__init__(message)
-
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.raced)
 
 
 class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
@@ -146,9 +135,6 @@ class TrainableSetMismatchError(WeightSyncAuditError, RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         self.ranks = list(ranks)
         super().__init__(message)
-
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.ranks)
 
 
 class ResyncError(WeightSyncAuditError, RuntimeError):
@@ -166,9 +152,6 @@ class ResyncError(WeightSyncAuditError, RuntimeError):
         self.partial = list(partial)
         self.untouched = list(untouched)
         super().__init__(message)
-
-    def _init_args(self) -> tuple[Any, ...]:
-        return (str(self), self.failed_rank, self.partial, self.untouched)
 
 
 #: Packages whose frames a warning is not attributed to: this one and the frameworks that call it.
