@@ -12,7 +12,16 @@ from dataclasses import dataclass, field
 
 from weightsync_audit.reporting.record import MISMATCH_KINDS, AuditResult
 
-__all__ = ["CHECKED_KINDS", "DURATION_BUCKETS", "Figures", "RankPlace", "record_figures"]
+__all__ = [
+    "CHECKED_KINDS",
+    "DURATION_BUCKETS",
+    "GAUGES",
+    "Figures",
+    "GaugeSpec",
+    "RankPlace",
+    "gauge_values",
+    "record_figures",
+]
 
 DURATION_BUCKETS: tuple[float, ...] = (
     0.001,
@@ -88,6 +97,61 @@ class Figures:
     """What the blame rests on (``vote``, ``at_rest_change``, ``update_not_reproducible``, ...); ``""``: none."""
     hardware_suspect: bool = False
     """The blame points at the machine (memory at rest, a step that does not reproduce), not the software."""
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeSpec:
+    """One gauge both exporters set from every record: its sink attribute, its two names, unit, text, label."""
+
+    attr: str
+    """The sink's attribute holding the gauge (``sink.checked``), and the key :func:`gauge_values` gives."""
+    prometheus: str
+    """The Prometheus name after the namespace (``tensors_checked`` -> ``weightsync_tensors_checked``)."""
+    otel: str
+    """The OpenTelemetry instrument name after the prefix (``tensors.checked`` -> ``weightsync.tensors.checked``)."""
+    unit: str
+    """The OpenTelemetry unit (UCUM: ``1``, ``{tensor}``; ``""``: none)."""
+    description: str
+    """The help text, the same in both."""
+    label: str | None = None
+    """The one label (``kind``) of a per-kind gauge; ``None``: no label."""
+
+
+GAUGES: tuple[GaugeSpec, ...] = (
+    GaugeSpec("in_sync", "in_sync", "in_sync", "1", "1 when the last audit found every replica equal, else 0"),
+    GaugeSpec("step", "step", "step", "{step}", "The optimizer step of the last audit"),
+    GaugeSpec("checked", "tensors_checked", "tensors.checked", "{tensor}", "Tensors compared by the last audit, per kind",
+              "kind"),
+    GaugeSpec("differing", "tensors_differing", "tensors.differing", "{tensor}", "Tensors that differ across ranks, "
+              "per kind", "kind"),
+    GaugeSpec("beyond", "tensors_beyond_tolerance", "tensors.beyond_tolerance", "{tensor}",
+              "Differing tensors not held within the tolerance"),
+    GaugeSpec("gap", "max_abs_diff", "gap.max_abs", "", "Largest measured gap (0 in sync, NaN: not measured)"),
+    GaugeSpec("rel_gap", "max_rel_diff", "gap.max_rel", "1",
+              "Largest measured relative gap (0 in sync, NaN: not measured)"),
+    GaugeSpec("nonfinite", "nonfinite_tensors", "tensors.nonfinite", "{tensor}", "Audited tensors holding NaN or inf"),
+)  # fmt: skip
+"""The gauges set from every record, in both exporters (the counters, histogram and per-rank gauges are each
+exporter's own: their update rules differ)."""
+
+
+def gauge_values(f: Figures) -> list[tuple[str, float, dict[str, str]]]:
+    """``(GaugeSpec.attr, value, labels)`` for every gauge :data:`GAUGES` that ``f`` sets (a ``step`` or a
+    non-finite count the record lacks sets nothing).
+
+    >>> f = record_figures(AuditResult(in_sync=True, step=7))
+    >>> gauge_values(f)[:3]
+    [('in_sync', 1, {}), ('step', 7, {}), ('checked', 0, {'kind': 'param'})]
+    """
+    out: list[tuple[str, float, dict[str, str]]] = [("in_sync", int(f.in_sync), {})]
+    if f.step is not None:
+        out.append(("step", f.step, {}))
+    out += [("checked", f.checked[kind], {"kind": kind}) for kind in CHECKED_KINDS]
+    out += [("differing", n, {"kind": kind}) for kind, n in f.differing.items()]
+    out += [("beyond", f.beyond_tolerance, {}), ("gap", f.max_abs_diff, {}), ("rel_gap", f.max_rel_diff, {})]
+    if f.nonfinite_tensors is not None:
+        out.append(("nonfinite", f.nonfinite_tensors, {}))
+    return out
 
 
 def _largest(values: list[float | None], in_sync: bool) -> float:

@@ -13,7 +13,7 @@ from typing import Any
 
 from opentelemetry import metrics
 
-from weightsync_audit.metrics.figures import CHECKED_KINDS, DURATION_BUCKETS, record_figures
+from weightsync_audit.metrics.figures import DURATION_BUCKETS, GAUGES, gauge_values, record_figures
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.version import __version__
 
@@ -42,24 +42,8 @@ class OpenTelemetrySink:
             raise ValueError(f"prefix={prefix!r}: must be a non-empty instrument name prefix")
         self.meter = metrics.get_meter("weightsync_audit", __version__, meter_provider=meter_provider)
         m, p = self.meter, prefix
-        self.in_sync = m.create_gauge(
-            f"{p}.in_sync", unit="1", description="1 when the last audit found every replica equal"
-        )
-        self.step = m.create_gauge(f"{p}.step", unit="{step}", description="The optimizer step of the last audit")
-        self.checked = m.create_gauge(f"{p}.tensors.checked", unit="{tensor}", description="Tensors compared, per kind")
-        self.differing = m.create_gauge(
-            f"{p}.tensors.differing", unit="{tensor}", description="Tensors that differ, per kind"
-        )
-        self.beyond = m.create_gauge(
-            f"{p}.tensors.beyond_tolerance",
-            unit="{tensor}",
-            description="Differing tensors not held within the tolerance",
-        )
-        self.gap = m.create_gauge(f"{p}.gap.max_abs", description="Largest measured gap (0 in sync, NaN: not measured)")
-        self.rel_gap = m.create_gauge(f"{p}.gap.max_rel", unit="1", description="Largest measured relative gap")
-        self.nonfinite = m.create_gauge(
-            f"{p}.tensors.nonfinite", unit="{tensor}", description="Tensors holding NaN or inf"
-        )
+        for g in GAUGES:  # in_sync, step, checked, differing, beyond, gap, rel_gap, nonfinite
+            setattr(self, g.attr, m.create_gauge(f"{p}.{g.otel}", unit=g.unit, description=g.description))
         self.duration = m.create_histogram(
             f"{p}.audit.duration",
             unit="s",
@@ -89,18 +73,8 @@ class OpenTelemetrySink:
     def write(self, record: AuditResult) -> None:
         """Record the figures of ``record``; called on the main process."""
         f = record_figures(record)
-        self.in_sync.set(int(f.in_sync))
-        if f.step is not None:
-            self.step.set(f.step)
-        for kind in CHECKED_KINDS:
-            self.checked.set(f.checked[kind], {"kind": kind})
-        for kind, n in f.differing.items():
-            self.differing.set(n, {"kind": kind})
-        self.beyond.set(f.beyond_tolerance)
-        self.gap.set(f.max_abs_diff)
-        self.rel_gap.set(f.max_rel_diff)
-        if f.nonfinite_tensors is not None:
-            self.nonfinite.set(f.nonfinite_tensors)
+        for attr, value, labels in gauge_values(f):
+            getattr(self, attr).set(value, labels or None)
         self.duration.record(f.audit_seconds)
         self.audits.add(1)
         if not f.in_sync:

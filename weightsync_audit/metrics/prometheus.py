@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, write_to_textfile
 
-from weightsync_audit.metrics.figures import CHECKED_KINDS, DURATION_BUCKETS, record_figures
+from weightsync_audit.metrics.figures import DURATION_BUCKETS, GAUGES, GaugeSpec, gauge_values, record_figures
 from weightsync_audit.reporting.jsonl import check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
@@ -66,26 +66,10 @@ class PrometheusSink:
         """The endpoint's port (the one bound when ``port=0`` was asked, once it serves)."""
         self._server: Any = None
         ns, reg = namespace, self.registry
-        self.in_sync = Gauge(
-            "in_sync", "1 when the last audit found every replica equal, else 0", namespace=ns, registry=reg
-        )
-        self.step = Gauge("step", "The optimizer step of the last audit", namespace=ns, registry=reg)
-        self.checked = Gauge(
-            "tensors_checked", "Tensors compared by the last audit", ["kind"], namespace=ns, registry=reg
-        )
-        self.differing = Gauge(
-            "tensors_differing", "Tensors that differ across ranks", ["kind"], namespace=ns, registry=reg
-        )
-        self.beyond = Gauge(
-            "tensors_beyond_tolerance", "Differing tensors not held within the tolerance", namespace=ns, registry=reg
-        )
-        self.gap = Gauge(
-            "max_abs_diff", "Largest measured gap (0 in sync, NaN: not measured)", namespace=ns, registry=reg
-        )
-        self.rel_gap = Gauge(
-            "max_rel_diff", "Largest measured relative gap (0 in sync, NaN: not measured)", namespace=ns, registry=reg
-        )
         self.nonfinite: Gauge | None = None  # made at the first record that counts (check_finite=True)
+        for g in GAUGES:  # in_sync, step, checked, differing, beyond, gap, rel_gap
+            if g.attr != "nonfinite":
+                setattr(self, g.attr, self._gauge(g))
         self.duration = Histogram(
             "audit_duration_seconds",
             "Seconds each audit took on rank 0",
@@ -112,6 +96,10 @@ class PrometheusSink:
             registry=reg,
         )
 
+    def _gauge(self, g: GaugeSpec) -> Gauge:
+        labels = [g.label] if g.label else []
+        return Gauge(g.prometheus, g.description, labels, namespace=self.namespace, registry=self.registry)
+
     def serve(self) -> int:
         """Start the ``/metrics`` endpoint now (it starts with the first record otherwise); returns the port."""
         if self._server is None:
@@ -132,25 +120,11 @@ class PrometheusSink:
     def write(self, record: AuditResult) -> None:
         """Set the metrics from ``record`` (and rewrite the textfile); called on the main process."""
         f = record_figures(record)
-        self.in_sync.set(float(f.in_sync))
-        if f.step is not None:
-            self.step.set(f.step)
-        for kind in CHECKED_KINDS:
-            self.checked.labels(kind=kind).set(f.checked[kind])
-        for kind, n in f.differing.items():
-            self.differing.labels(kind=kind).set(n)
-        self.beyond.set(f.beyond_tolerance)
-        self.gap.set(f.max_abs_diff)
-        self.rel_gap.set(f.max_rel_diff)
-        if f.nonfinite_tensors is not None:
-            if self.nonfinite is None:
-                self.nonfinite = Gauge(
-                    "nonfinite_tensors",
-                    "Audited tensors holding NaN or inf",
-                    namespace=self.namespace,
-                    registry=self.registry,
-                )
-            self.nonfinite.set(f.nonfinite_tensors)
+        for attr, value, labels in gauge_values(f):
+            if getattr(self, attr) is None:  # nonfinite, at the first record that counts
+                setattr(self, attr, self._gauge(next(g for g in GAUGES if g.attr == attr)))
+            gauge = getattr(self, attr)
+            (gauge.labels(**labels) if labels else gauge).set(value)
         self.duration.observe(f.audit_seconds)
         self.audits.inc()
         if not f.in_sync:
