@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, Iterable, Literal, Mapping, get_args
+from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
 from weightsync_audit.reporting.validate import CHECKED_KINDS, validate_mismatch, validate_record
@@ -50,6 +50,15 @@ assert PINPOINT_STATES == VALID_PINPOINT_STATES, "one list of pinpoint states"
 
 def _now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _put_present(d: dict[str, Any], obj: Any, fields: Mapping[str, Callable[[Any], Any]]) -> None:
+    """Set ``d[name] = convert(obj.name)`` for each of ``fields`` in order, leaving out a value that is
+    ``None``: a record's optional fields, absent when unset."""
+    for name, convert in fields.items():
+        value = getattr(obj, name)
+        if value is not None:
+            d[name] = convert(value)
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -109,12 +118,7 @@ class Mismatch:
             "max_abs_diff": _finite_or_none(self.max_abs_diff),
             "detail": self.detail,
         }
-        if self.shard is not None:
-            d["shard"] = dict(self.shard)
-        if self.rel_diff is not None:
-            d["rel_diff"] = _finite_or_none(self.rel_diff)
-        if self.within_tolerance is not None:
-            d["within_tolerance"] = bool(self.within_tolerance)
+        _put_present(d, self, {"shard": dict, "rel_diff": _finite_or_none, "within_tolerance": bool})
         if self.nonfinite:
             d["nonfinite"] = {str(r): int(n) for r, n in sorted(self.nonfinite.items())}
         if self.diff_count is not None:
@@ -240,22 +244,13 @@ class AuditResult:
         if self.pinpoint is not None:
             d["pinpoint"] = self.pinpoint
             d["first_diverged_step"] = self.first_diverged_step
-        if self.transient is not None:
-            d["transient"] = dict(self.transient)
-        if self.tolerance is not None:
-            d["tolerance"] = float(self.tolerance)
-            if not self.in_sync:
-                d["within_tolerance"] = self.within_tolerance
-        if self.nonfinite_count is not None:
-            d["nonfinite_count"] = int(self.nonfinite_count)
+        _put_present(d, self, {"transient": dict, "tolerance": float})
+        if self.tolerance is not None and not self.in_sync:
+            d["within_tolerance"] = self.within_tolerance
+        _put_present(d, self, {"nonfinite_count": int})
         if self.hosts:
             d["hosts"] = dict(self.hosts)
-        if self.checkpoint is not None:
-            d["checkpoint"] = dict(self.checkpoint)
-        if self.blame is not None:
-            d["blame"] = dict(self.blame)
-        if self.overlap is not None:
-            d["overlap"] = dict(self.overlap)
+        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict})
         return d
 
     @classmethod
