@@ -32,7 +32,6 @@ Every rank must take the same decision: a blame that differs across the two rank
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,7 +43,8 @@ import torch
 from attribution_faults import Fault
 from bench_attribution import step_times
 from campaign_attribution import run_fault, score
-from harness import launch, machine, table
+from gpu_overlap import check_device, standalone
+from harness import launch
 
 Row = tuple[str, str, "bool | None", str]
 
@@ -127,8 +127,7 @@ def check_cost(device: torch.device, dry: bool) -> Row:
 
 def run(device: torch.device | None = None, dry: bool = False) -> list[Row]:
     """Every attribution check as rows ``(check, size, ok, figures)`` (``ok``: True, False, or None: skipped)."""
-    if device is None:
-        device = torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda", None if dry else 0)
+    device = check_device(device, dry)
     where = "2 ranks, 1 device" if device.type != "cpu" else "2 CPU ranks (dry run)"
     rows: list[Row] = []
     for check in (lambda: check_kinds(device, where), lambda: [check_cost(device, dry)]):
@@ -140,14 +139,8 @@ def run(device: torch.device | None = None, dry: bool = False) -> list[Row]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="the same checks on 2 CPU ranks at tiny sizes")
-    args = ap.parse_args()
-    rows = run(dry=args.dry_run)
-    print(machine())
-    print(table(["check", "size", "answer", "figures"], [[c, s, {True: "ok", False: "WRONG"}.get(o, "skipped"), f]
-                                                         for c, s, o, f in rows]))  # fmt: skip
-    sys.exit(1 if any(r[2] is False for r in rows) else 0)
+    """Run as a script (``--dry-run``: on the CPU)."""
+    standalone(run, __doc__ or "", "the same checks on 2 CPU ranks at tiny sizes")
 
 
 if __name__ == "__main__":

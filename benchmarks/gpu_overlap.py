@@ -233,3 +233,26 @@ def _rows(label: str, answer: Any) -> list[Row]:
     if isinstance(answer, tuple) and len(answer) == 2:
         return [(label, "-", answer[0], str(answer[1]))]
     return [(label, "-", False, f"run() answered {answer!r:.160}, not (ok, figures)")]
+
+
+def check_device(device: torch.device | None, dry: bool) -> torch.device:
+    """The device a check module's ``run()`` uses: the one given, else ``cuda:0`` when there is one and not ``dry``."""
+    if device is not None:
+        return device
+    return torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda", None if dry else 0)
+
+
+def standalone(run: Callable[..., list[Row]], doc: str, dry_help: str) -> None:
+    """A check module run as a script: ``--dry-run``, its rows as a table, exit status 1 on a wrong answer."""
+    import argparse
+    import sys
+
+    from harness import machine, table
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help=dry_help)
+    rows = run(dry=ap.parse_args().dry_run)
+    print(machine())
+    answers = {True: "ok", False: "WRONG"}
+    print(table(["check", "size", "answer", "figures"], [[c, s, answers.get(o, "skipped"), f] for c, s, o, f in rows]))
+    sys.exit(1 if any(r[2] is False for r in rows) else 0)

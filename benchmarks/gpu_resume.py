@@ -24,7 +24,6 @@ own) must be named with that rank, one equal to no saved state as not restored, 
 
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 import tempfile
@@ -37,7 +36,8 @@ import harness  # noqa: F401 - first: it puts this checkout and tests/ on sys.pa
 import numpy as np
 import torch
 import torch.distributed as dist
-from harness import launch, machine, table
+from gpu_overlap import check_device, standalone
+from harness import launch
 from torch import nn
 
 from weightsync_audit import LoopAudit, ResumeSources
@@ -170,8 +170,7 @@ def _row(label: str, size: str, seen: dict[str, Any], scenario: str) -> Row:
 
 def run(device: torch.device | None = None, dry: bool = False) -> list[Row]:
     """Every resume check as rows ``(check, size, ok, figures)`` (``ok``: True, False, or None: skipped)."""
-    if device is None:
-        device = torch.device("cpu" if dry or not torch.cuda.is_available() else "cuda", None if dry else 0)
+    device = check_device(device, dry)
     size = "2 ranks, 1 device" if device.type != "cpu" else "2 CPU ranks (dry run)"
     with tempfile.TemporaryDirectory() as tmp:
         seen = launch(_resume_rank, 2, str(device), tmp, timeout=240)[0]
@@ -188,14 +187,8 @@ def run(device: torch.device | None = None, dry: bool = False) -> list[Row]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dry-run", action="store_true", help="2 CPU ranks; the CUDA row skipped")
-    args = ap.parse_args()
-    rows = run(dry=args.dry_run)
-    print(machine())
-    print(table(["check", "size", "answer", "figures"], [[c, s, {True: "ok", False: "WRONG"}.get(o, "skipped"), f]
-                                                         for c, s, o, f in rows]))  # fmt: skip
-    sys.exit(1 if any(r[2] is False for r in rows) else 0)
+    """Run as a script (``--dry-run``: on the CPU)."""
+    standalone(run, __doc__ or "", "2 CPU ranks; the CUDA row skipped")
 
 
 if __name__ == "__main__":
