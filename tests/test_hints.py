@@ -301,13 +301,15 @@ def test_gradients_differing_under_a_live_ddp_wrapper_do_not_blame_a_missing_wra
 
 
 def test_zero_master_check_differing_with_parameters_on_its_ranks_blames_an_edit_not_an_optimizer_load() -> None:
-    from weightsync_audit.ddp.hints import explain
+    from weightsync_audit.engine.explain import Evidence, explain
     from weightsync_audit.reporting.record import Mismatch
 
     check = Mismatch("zero.fp32_master_matches_params", "optimizer", [1], [0])
-    with_params = explain([Mismatch("net.2.bias", "param", [1], [0]), check])
+    with_params = explain(Evidence([Mismatch("net.2.bias", "param", [1], [0]), check]))
     assert len(with_params) == 1 and "net.2.bias differ: likely those parameters were edited" in with_params[0]
     assert "loaded or reset" not in with_params[0]  # the optimizer-state rule is not asked for them
-    alone = explain([check, Mismatch("net.0.bias", "param", [2], [0])])  # a parameter off on another rank only
+    alone = explain(
+        Evidence([check, Mismatch("net.0.bias", "param", [2], [0])])
+    )  # a parameter off on another rank only
     assert "no parameter differs on those ranks: likely that master partition was changed" in alone[0], alone
     assert any("net.0.bias" in h for h in alone[1:]), alone

@@ -1,12 +1,12 @@
 """Hints under a sharding engine (DeepSpeed, FSDP1, a declared layout): its own reduction, not DDP's.
 
-The generic causes of :mod:`~weightsync_audit.ddp.hint_rules` for a differing parameter or gradient name
+The generic causes of :mod:`~weightsync_audit.engine.explain.rules` for a differing parameter or gradient name
 DDP's failure modes (a trainable set changed after the wrap, ``no_sync()`` misuse, no wrapper at all).
 Under an engine that reduces the gradients itself those are not the causes; these rules speak instead,
 asked just before the generic one they replace (:data:`ENGINE_RULES`), and only when the evidence names
 an engine and no DDP wrapper.
 
->>> from weightsync_audit.ddp.evidence import Evidence
+>>> from weightsync_audit.engine.explain.evidence import Evidence
 >>> from weightsync_audit.reporting.record import Mismatch
 >>> ev = Evidence([Mismatch("fc.weight", "param", [1], [0])], engine="DeepSpeed ZeRO-2")
 >>> ENGINE_RULES["parameters differ"][0].find(ev)[0].split(":")[0]
@@ -15,8 +15,8 @@ an engine and no DDP wrapper.
 
 from __future__ import annotations
 
-from weightsync_audit.ddp.evidence import Evidence
-from weightsync_audit.ddp.hint_rules import Names, Rule
+from weightsync_audit.engine.explain.evidence import Evidence
+from weightsync_audit.engine.explain.rules import Names, Rule
 from weightsync_audit.text import brief_names
 
 __all__ = ["ENGINE_RULES"]

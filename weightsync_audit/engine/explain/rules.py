@@ -1,6 +1,6 @@
 """The causes a hint can name, one rule each: the evidence it needs, the evidence that rules it out, its words.
 
-:data:`RULES` lists them most specific first; :func:`~weightsync_audit.ddp.hints.explain` is the loop
+:data:`RULES` lists them most specific first; :func:`~weightsync_audit.engine.explain.hints.explain` is the loop
 over them. A rule speaks when it finds mismatches it would explain (``needs``) and nothing gathered
 rules it out (``ruled_out``); the names it accounts for are then closed to the rules after it, so each
 mismatch feeds at most one parameter hint. Causes the wrapper proves come first and are stated as fact;
@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from weightsync_audit.ddp.evidence import Evidence, uses_fsdp2
-from weightsync_audit.ddp.hint_follow import followers, followers_accounts, followers_hint
-from weightsync_audit.ddp.inspect import fix_for, syncs_buffers
+from weightsync_audit.engine.explain.evidence import Evidence, uses_fsdp2
+from weightsync_audit.engine.explain.follow import followers, followers_accounts, followers_hint
+from weightsync_audit.engine.inventory.reducer import fix_for, syncs_buffers
 from weightsync_audit.text import brief_names
 
 __all__ = ["RULES", "Rule", "ddp_frozen_hint", "ddp_unsynced_hint"]
@@ -446,4 +446,4 @@ _REST = (
 )
 
 RULES: tuple[Rule, ...] = (*_PROVEN, *_PATTERN, *_OPTIMIZER, *_REST)
-"""Every cause, most specific first: the order in which :func:`~weightsync_audit.ddp.hints.explain` asks."""
+"""Every cause, most specific first: the order in which :func:`~weightsync_audit.engine.explain.hints.explain` asks."""
