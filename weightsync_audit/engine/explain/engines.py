@@ -15,9 +15,10 @@ an engine and no DDP wrapper.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from weightsync_audit.engine.explain.evidence import Evidence
-from weightsync_audit.engine.explain.rules import Names, Rule
-from weightsync_audit.text import brief_names
+from weightsync_audit.engine.explain.rules import RULES, Rule, worded
 
 __all__ = ["ENGINE_RULES"]
 
@@ -26,37 +27,31 @@ def _under_engine(ev: Evidence) -> bool:
     return ev.engine is not None and ev.ddp is None
 
 
-def _say_params(ev: Evidence, names: Names) -> str:
-    return (
-        f"Parameters {brief_names(names)} differ under {ev.engine}, which reduces their gradients itself: "
-        "likely they were loaded, initialised or edited on some ranks only outside the engine (after it set "
-        "the model up, or between its steps), or updated from local values (an EMA from local data)."
+def _under_an_engine(generic: Rule, words: str) -> Rule:
+    """``generic`` read against an engine's own reduction: the same mismatches, ruled out and accounted for
+    alike, asked only under an engine without a DDP wrapper, and worded for that engine."""
+    return replace(
+        generic,
+        cause=f"{generic.cause} under a sharding engine",
+        needs=lambda ev: generic.needs(ev) if _under_engine(ev) else [],
+        says=worded(words),
     )
 
 
-def _say_grads(ev: Evidence, names: Names) -> str:
-    return (
-        f"Gradients differ ({brief_names(names)}) under {ev.engine}, which reduces them itself: likely they "
-        "were changed on some ranks after its reduction (a hook or manual edit), or computed outside it."
-    )
-
-
-ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
+_WORDS = {
     "gradients differ": (
-        Rule(
-            "gradients differ under a sharding engine",
-            needs=lambda ev: ev.open("grad") if _under_engine(ev) else [],
-            says=_say_grads,
-            accounts=lambda ev, names: (),
-        ),
+        "Gradients differ ({names}) under {engine}, which reduces them itself: likely they were changed on some "
+        "ranks after its reduction (a hook or manual edit), or computed outside it."
     ),
     "parameters differ": (
-        Rule(
-            "parameters differ under a sharding engine",
-            needs=lambda ev: ev.open("param") if _under_engine(ev) else [],
-            says=_say_params,
-            ruled_out=lambda ev, names: bool(ev.open("grad")),  # the gradients' hint says it
-        ),
+        "Parameters {names} differ under {engine}, which reduces their gradients itself: likely they were "
+        "loaded, initialised or edited on some ranks only outside the engine (after it set the model up, or "
+        "between its steps), or updated from local values (an EMA from local data)."
     ),
+}
+"""The generic causes an engine speaks for instead, and its words for them."""
+
+ENGINE_RULES: dict[str, tuple[Rule, ...]] = {
+    rule.cause: (_under_an_engine(rule, _WORDS[rule.cause]),) for rule in RULES if rule.cause in _WORDS
 }
 """Cause of the generic rule -> the rules asked just before it under an engine."""
