@@ -301,13 +301,57 @@ def test_gradients_differing_under_a_live_ddp_wrapper_do_not_blame_a_missing_wra
 
 
 def test_zero_master_check_differing_with_parameters_on_its_ranks_blames_an_edit_not_an_optimizer_load() -> None:
-    from weightsync_audit.ddp.hints import explain
+    from weightsync_audit.engine.explain import Evidence, explain
     from weightsync_audit.reporting.record import Mismatch
 
     check = Mismatch("zero.fp32_master_matches_params", "optimizer", [1], [0])
-    with_params = explain([Mismatch("net.2.bias", "param", [1], [0]), check])
+    with_params = explain(Evidence([Mismatch("net.2.bias", "param", [1], [0]), check]))
     assert len(with_params) == 1 and "net.2.bias differ: likely those parameters were edited" in with_params[0]
     assert "loaded or reset" not in with_params[0]  # the optimizer-state rule is not asked for them
-    alone = explain([check, Mismatch("net.0.bias", "param", [2], [0])])  # a parameter off on another rank only
+    alone = explain(
+        Evidence([check, Mismatch("net.0.bias", "param", [2], [0])])
+    )  # a parameter off on another rank only
     assert "no parameter differs on those ranks: likely that master partition was changed" in alone[0], alone
     assert any("net.0.bias" in h for h in alone[1:]), alone
+
+
+def test_explain_takes_the_evidence_whole_and_the_engine_imports_nothing_of_the_ddp_adapter() -> None:
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import weightsync_audit
+    from weightsync_audit.engine.explain import Evidence, explain
+    from weightsync_audit.reporting.record import Mismatch
+
+    assert list(inspect.signature(explain).parameters) == ["evidence"]
+    assert explain(Evidence([])) == []
+    ev = Evidence([Mismatch("0.weight", "param", [1], [0])], state_names=["0.weight.exp_avg"])
+    assert explain(ev)[0].startswith("Parameters 0.weight differ while the optimizer state stepped")
+    assert ev.explained == {"0.weight"}  # the ledger the rules filled
+    engine = Path(weightsync_audit.__file__).parent / "engine"
+    for path in engine.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            assert not any(n == "weightsync_audit.ddp" or n.startswith("weightsync_audit.ddp.") for n in names), path
+
+
+def test_an_engine_rule_is_its_generic_rule_asked_under_an_engine_only_in_its_own_words() -> None:
+    from weightsync_audit.engine.explain.engines import ENGINE_RULES
+    from weightsync_audit.engine.explain.evidence import Evidence
+    from weightsync_audit.engine.explain.rules import RULES
+    from weightsync_audit.reporting.record import Mismatch
+
+    generic = {rule.cause: rule for rule in RULES}
+    mismatches = [Mismatch("fc.weight", "param", [1], [0]), Mismatch("fc.bias", "grad", [1], [0])]
+    assert set(ENGINE_RULES) == {"gradients differ", "parameters differ"}
+    for cause, variants in ENGINE_RULES.items():
+        for variant in variants:
+            base = generic[cause]
+            assert (variant.ruled_out, variant.accounts, variant.proven) == (base.ruled_out, base.accounts, base.proven)
+            assert variant.cause == f"{cause} under a sharding engine"
+            assert variant.find(Evidence(mismatches)) is None  # no engine: the generic rule speaks
+            under = Evidence(mismatches, engine="DeepSpeed ZeRO-2")
+            assert variant.needs(under) == base.needs(under)
+            assert "under DeepSpeed ZeRO-2" in variant.says(under, variant.needs(under))

@@ -12,7 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import audit, maybe_rewrap, rewrap_ddp
-from weightsync_audit.ddp.inspect import comm_hooks, ddp_settings, synced_parameter_names
+from weightsync_audit.ddp.inspect import comm_hooks, ddp_settings
+from weightsync_audit.engine.inventory.reducer import synced_parameter_names
 
 GLOBAL_BATCH = 8
 LR = 0.1

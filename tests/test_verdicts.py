@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from weightsync_audit import Auditor, AuditResult, Mismatch, audit, maybe_rewrap, resync
 from weightsync_audit.cli import main
 from weightsync_audit.cli._reports import cmd_show
-from weightsync_audit.ddp.hints import explain
+from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
 from weightsync_audit.reporting.jsonl import ReportWriter
 
@@ -203,7 +203,7 @@ def test_hints_read_the_live_wrapper_keep_the_resync_fix_name_ema_and_forward_sy
 
 def test_an_optimizer_cause_stays_named_once_the_parameters_follow() -> None:
     ms = [Mismatch("param_groups.0.lr", "optimizer", [1], [0]), Mismatch("0.weight", "param", [1], [0])]
-    hints = explain(ms)
+    hints = explain(Evidence(ms))
     assert hints[0].startswith("The learning rate differs (param_groups.0.lr) and the parameters have followed")
     assert not any("likely their gradients are not all-reduced" in h for h in hints)
 

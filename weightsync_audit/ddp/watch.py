@@ -14,15 +14,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from weightsync_audit.ddp.hints import ddp_frozen_hint, ddp_unsynced_hint
-from weightsync_audit.ddp.inspect import (
-    covered_flags,
-    find_ddp,
-    fix_for,
-    flags_change,
-    trainable_flags,
-    watched_parameters,
-)
+from weightsync_audit.ddp.inspect import covered_flags, flags_change, trainable_flags, watched_parameters
+from weightsync_audit.engine.explain.trainable import ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.engine.inventory.reducer import find_ddp, fix_for
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
 __all__ = ["TrainableSetWatch"]

@@ -29,12 +29,12 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import self_check
-from weightsync_audit.ddp.inspect import find_ddp, syncs_buffers
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, build_manifest
+from weightsync_audit.engine.inventory.reducer import find_ddp, syncs_buffers
 from weightsync_audit.engine.inventory.replicas import assign_replicas, stage_module
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.run import AuditRun

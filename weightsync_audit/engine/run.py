@@ -33,7 +33,6 @@ import xxhash
 from torch import nn
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.ddp.hints import explain
 from weightsync_audit.engine.agreement.consensus import (
     HOLDERS_VALUE,
     PROTOCOL,
@@ -49,6 +48,7 @@ from weightsync_audit.engine.agreement.rounds import agree, bucket_sketch, compa
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.attribution.settle import attribute_into
 from weightsync_audit.engine.config import AuditConfig
+from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
@@ -391,7 +391,7 @@ class AuditRun:
         hints: list[str] = []
         notes = list(self.notes)
         try:
-            hints = explain(
+            evidence = Evidence(
                 mismatches,
                 ddp=self.ddp,
                 grads_checked="grads" in self.auditor.config.include,
@@ -401,6 +401,7 @@ class AuditRun:
                 engine=reducing_engine(self.module, self.optimizers),
                 **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
             )
+            hints = explain(evidence)
         except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
             notes.append(f"no hint: {type(exc).__name__}: {exc}")
         odd = sorted({r for m in mismatches for r in m.ranks})

@@ -6,10 +6,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from weightsync_audit.ddp.inspect import find_ddp
 from weightsync_audit.engine.attribution.config import check_attribution
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.inventory.manifest import as_optimizers
+from weightsync_audit.engine.inventory.reducer import find_ddp
 
 __all__ = ["attach_watch", "mark_step", "param_names", "watch_run"]
 

@@ -137,7 +137,8 @@ def drift_hint(names: Sequence[str], worst: float) -> str:
 
 
 def drift_arguments(mismatches: Sequence[Mismatch]) -> dict[str, Any]:
-    """``explain()``'s ``drifting`` and ``drift_hint`` for these mismatches."""
+    """The hints' :class:`~weightsync_audit.engine.explain.evidence.Evidence` ``drifting`` and ``drift_hint``
+    for these mismatches."""
     drifting = drift_sized(mismatches)
     worst = max((m.rel_diff or 0.0 for m in drifting), default=0.0)
     return {"drifting": [m.name for m in drifting], "drift_hint": lambda names: drift_hint(names, worst)}

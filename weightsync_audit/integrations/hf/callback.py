@@ -34,11 +34,11 @@ from typing import Any, Optional, Sequence
 from transformers import TrainerCallback
 from typing_extensions import override
 
-from weightsync_audit.ddp.inspect import FIX_ATTR, find_ddp
 from weightsync_audit.ddp.watch import TrainableSetWatch
 from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
+from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message

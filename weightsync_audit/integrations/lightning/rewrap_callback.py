@@ -39,12 +39,12 @@ from weightsync_audit.compat import lightning_ddp_factory, lightning_reset_stati
 from weightsync_audit.ddp.inspect import (
     TrainableChange,
     covered_flags,
-    find_ddp,
     flags_change,
     trainable_flags,
     watched_parameters,
 )
 from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, agree_trainable, reduce_grads_by_hand, rewrap_ddp
+from weightsync_audit.engine.inventory.reducer import find_ddp
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -1,7 +1,7 @@
 """What the hints reason from: the mismatches of one audit, the live DDP wrapper and the optimizer state.
 
-:class:`Evidence` is gathered once per :func:`~weightsync_audit.ddp.hints.explain` call and read by every
-rule in :mod:`~weightsync_audit.ddp.hint_rules`; it also keeps the ledger of names a cause already
+:class:`Evidence` is gathered once per :func:`~weightsync_audit.engine.explain.hints.explain` call and read by every
+rule in :mod:`~weightsync_audit.engine.explain.rules`; it also keeps the ledger of names a cause already
 accounts for (``explained``), so that each mismatch feeds at most one parameter hint. What the wrapper
 tells (the reducer's coverage, the ignore list) is read lazily: only a rule that needs it pays for it.
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Collection, Sequence
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.ddp.inspect import live_ddp, remembered_flags, synced_parameter_names
+from weightsync_audit.engine.inventory.reducer import live_ddp, remembered_flags, synced_parameter_names
 from weightsync_audit.reporting.record import Mismatch
 
 __all__ = ["GRADIENT_STATE", "Evidence", "uses_fsdp2"]
@@ -53,7 +53,22 @@ def uses_fsdp2(module: Any) -> bool:
 
 
 class Evidence:
-    """The facts one set of hints is drawn from, and the names the causes found so far account for."""
+    """The facts one set of hints is drawn from, and the names the causes found so far account for.
+
+    ``mismatches``: what differs. ``ddp``: the wrapper of the audited module, if any (a retired one is
+    followed to its successor, or not read). ``synced``: the parameter names DDP all-reduces when the
+    caller already knows them (for example a snapshot taken right after the wrap); otherwise they are read
+    from ``ddp``. ``grads_checked``: gradients were part of this audit, so "no grad mismatch" means they
+    agree. ``params_compared``: at least one parameter was compared (not so when every shard has no
+    replica), so "no param mismatch" means they agree. ``module``: the audited module, to recognise FSDP2.
+    ``drifting``: names whose measured gap is the size of float rounding; unless a proven cause accounts
+    for them, ``drift_hint(names)`` explains them instead of the bug-class guesses.
+    ``state_names``: the per-parameter optimizer state entries this audit compared on every rank
+    (``0.weight.exp_avg``): what the hints may say of the optimizer, and state stepped from a parameter's
+    gradients that agrees rules out unreduced gradients as the cause of that parameter's difference.
+    ``engine``: the sharding engine holding the tensors (``"DeepSpeed ZeRO-2"``): its own reduction, not
+    DDP's, is then what a differing parameter or gradient is read against.
+    """
 
     def __init__(
         self,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from weightsync_audit.ddp.evidence import Evidence
+from weightsync_audit.engine.explain.evidence import Evidence
 from weightsync_audit.text import brief_names
 
 __all__ = ["followers", "followers_accounts", "followers_hint"]

@@ -5,7 +5,7 @@ partition. A rank where it fails holds parameters the masters did not produce. W
 those same ranks, the parameters were changed there after the optimizer step (the masters did not follow),
 which is no optimizer state loaded or reset; when none differs there, the master partition itself was
 changed, and the next all-gather hands it to every rank, where no comparison can see it any more. Asked
-before the optimizer rules of :mod:`~weightsync_audit.ddp.hint_rules`, which would otherwise blame a
+before the optimizer rules of :mod:`~weightsync_audit.engine.explain.rules`, which would otherwise blame a
 checkpoint loaded on one rank.
 
 >>> ZERO_RULES[0].cause
@@ -15,8 +15,8 @@ checkpoint loaded on one rank.
 from __future__ import annotations
 
 from weightsync_audit.compat_engines import MASTER_CHECK
-from weightsync_audit.ddp.evidence import Evidence
-from weightsync_audit.ddp.hint_rules import Names, Rule
+from weightsync_audit.engine.explain.evidence import Evidence
+from weightsync_audit.engine.explain.rules import Names, Rule
 from weightsync_audit.text import brief_names
 
 __all__ = ["ZERO_RULES"]

@@ -1,6 +1,6 @@
 """The causes a hint can name, one rule each: the evidence it needs, the evidence that rules it out, its words.
 
-:data:`RULES` lists them most specific first; :func:`~weightsync_audit.ddp.hints.explain` is the loop
+:data:`RULES` lists them most specific first; :func:`~weightsync_audit.engine.explain.hints.explain` is the loop
 over them. A rule speaks when it finds mismatches it would explain (``needs``) and nothing gathered
 rules it out (``ruled_out``); the names it accounts for are then closed to the rules after it, so each
 mismatch feeds at most one parameter hint. Causes the wrapper proves come first and are stated as fact;
@@ -17,68 +17,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from weightsync_audit.ddp.evidence import Evidence, uses_fsdp2
-from weightsync_audit.ddp.hint_follow import followers, followers_accounts, followers_hint
-from weightsync_audit.ddp.inspect import fix_for, syncs_buffers
+from weightsync_audit.engine.explain.evidence import Evidence, uses_fsdp2
+from weightsync_audit.engine.explain.follow import followers, followers_accounts, followers_hint
+from weightsync_audit.engine.explain.trainable import ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.engine.inventory.reducer import fix_for, syncs_buffers
 from weightsync_audit.text import brief_names
 
-__all__ = ["RULES", "Rule", "ddp_frozen_hint", "ddp_unsynced_hint"]
+__all__ = ["RULES", "Names", "Rule", "worded"]
 
 Names = list[str]
 
 #: Name parts that mark an averaged copy of the weights (EMA, Polyak, target networks).
 _EMA_MARKS = ("ema", "ewm", "shadow", "average", "averaged", "swa", "polyak", "target", "momentum_encoder")
 
-_FIX = (
-    "Fix: re-create the DDP wrapper whenever the trainable set changes: add "
-    "weightsync_audit.DDPRewrapOnTrainableChange() to the Trainer's callbacks, or, in a plain loop, "
-    "ddp = weightsync_audit.maybe_rewrap(ddp) (or rewrap_ddp(ddp)) on every rank after unfreezing or freezing."
-)
 
+def worded(template: str) -> Callable[[Evidence, Names], str]:
+    """A rule's words when all they name of the evidence is the mismatches (``{names}``, briefly) and the
+    sharding engine (``{engine}``)."""
 
-def _resync_too(state: Sequence[str]) -> str:
-    """The second half of the fix once replicas drifted, naming only optimizer state that exists."""
-    stepped = (
-        f"their {', '.join(state)} were stepped from local gradients too and bring"
-        if state
-        else "any state the optimizer keeps per parameter was stepped from local gradients too and brings"
-    )
-    return (
-        " Re-wrapping stops new drift but does not undo what already differs: resync it once, optimizer state "
-        f"included ({stepped} the drift back a few steps later): WeightSyncAudit(on_mismatch='resync'), or "
-        "weightsync_audit.resync(model, optimizer, src='majority') on every rank right after the re-wrap."
-    )
+    def says(ev: Evidence, names: Names) -> str:
+        return template.format(names=brief_names(names), engine=ev.engine)
 
-
-def ddp_unsynced_hint(
-    unsynced: Sequence[str], *, drifted: bool = False, state: Sequence[str] = (), fix: str | None = None
-) -> str:
-    """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer.
-
-    ``drifted``: the replicas already differ, so the fix must also resync them, optimizer state included;
-    ``state``: the optimizer state keys those parameters have (``exp_avg``...), named in that advice.
-    ``fix``: the fix to offer instead of the re-wrap (a Trainer whose loop keeps its own wrapper), whole.
-
-    >>> "Adam" in ddp_unsynced_hint(["fc.weight"], drifted=True)  # no optimizer named that is not known
-    False
-    """
-    return (
-        f"{brief_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
-        "gradients: they became trainable after DDP wrapped the model (DDP builds its gradient reducer "
-        "once, over the parameters that required grad then; BackboneFinetuning's unfreeze is one way), so "
-        "each rank steps them with its own local gradient. "
-        + (fix if fix is not None else _FIX + (_resync_too(state) if drifted else ""))
-    )
-
-
-def ddp_frozen_hint(left: Sequence[str], *, fix: str | None = None) -> str:
-    """Parameters frozen after the wrap: DDP's reducer still waits for their gradients."""
-    return (
-        f"{brief_names(left)} were frozen after DistributedDataParallel wrapped the model; its reducer still "
-        "expects their gradients, so the bucket holding them is never all-reduced (without "
-        "find_unused_parameters=True the next forward fails with 'Expected to have finished reduction "
-        f"in the prior iteration'). {_FIX if fix is None else fix}"
-    )
+    return says
 
 
 def _never(ev: Evidence, names: Names) -> bool:
@@ -176,8 +136,8 @@ _PROVEN = (
     Rule(
         "trainable on some ranks only",
         needs=_frozen_on_some_ranks,
-        says=lambda ev, names: (
-            f"{brief_names(names)} trainable on some ranks and frozen on others (requires_grad differs): "
+        says=worded(
+            "{names} trainable on some ranks and frozen on others (requires_grad differs): "
             "freeze and unfreeze on every rank alike (the same code path, the same step); under DDP, "
             "re-wrap after a change of the trainable set (weightsync_audit.rewrap_ddp)"
         ),
@@ -210,8 +170,8 @@ _PROVEN = (
     Rule(
         "ignored by DDP",
         needs=_ignored,
-        says=lambda ev, names: (
-            f"{brief_names(names)} are in DistributedDataParallel's parameters_to_ignore "
+        says=worded(
+            "{names} are in DistributedDataParallel's parameters_to_ignore "
             "(module._ddp_params_and_buffers_to_ignore): DDP neither broadcasts them nor all-reduces "
             "their gradients, so each rank trains its own copy. Remove them from the list, or reduce "
             "them yourself, if they should agree."
@@ -242,9 +202,11 @@ _PATTERN = (
     ),
     Rule(
         "replicated shards differ",
-        needs=lambda ev: [m.name for m in ev.by_kind.get("param", []) if m.shard and m.name not in ev.explained],
-        says=lambda ev, names: (
-            f"Shards of {brief_names(list(dict.fromkeys(names)))} differ between ranks that hold the same shard "
+        needs=lambda ev: list(
+            dict.fromkeys(m.name for m in ev.by_kind.get("param", []) if m.shard and m.name not in ev.explained)
+        ),
+        says=worded(
+            "Shards of {names} differ between ranks that hold the same shard "
             "(replicas across the data-parallel / replicate dimension, or the tensor-parallel peers of a "
             "DP-only weight, which nothing keeps equal): likely non-deterministic kernels on some ranks "
             "(pytorch#160169), per-rank initialisation, or a checkpoint loaded on some ranks only."
@@ -253,8 +215,8 @@ _PATTERN = (
     Rule(
         "different structures",
         needs=lambda ev: ev.names("structure"),
-        says=lambda ev, names: (
-            f"The model or optimizer differs in structure between ranks ({brief_names(names)}: "
+        says=worded(
+            "The model or optimizer differs in structure between ranks ({names}: "
             "a tensor missing, or another shape or dtype): likely the ranks built different models "
             "(per-rank configuration), or a checkpoint or optimizer state was loaded on some ranks only."
         ),
@@ -263,8 +225,8 @@ _PATTERN = (
     Rule(
         "buffers under FSDP2",
         needs=_buffers_under_fsdp2,
-        says=lambda ev, names: (
-            f"Buffers {brief_names(names)} differ under FSDP2 (fully_shard), which never synchronises "
+        says=worded(
+            "Buffers {names} differ under FSDP2 (fully_shard), which never synchronises "
             "buffers: each rank keeps the ones its own batches updated (BatchNorm running statistics, "
             "most likely). Reduce them yourself (e.g. all_reduce the running stats before evaluation or "
             "a checkpoint) if they should agree; exclude them if per-rank statistics are intended."
@@ -274,8 +236,8 @@ _PATTERN = (
     Rule(
         "buffers DDP does not sync",
         needs=lambda ev: _buffers_unsynced_by(ev),
-        says=lambda ev, names: (
-            f"Buffers {brief_names(names)} differ and DistributedDataParallel runs with "
+        says=worded(
+            "Buffers {names} differ and DistributedDataParallel runs with "
             "forward_sync_buffers=False (broadcast_buffers=False before torch 2.13), so each rank's own "
             "batches update them (BatchNorm running statistics, most likely). Use forward_sync_buffers=True "
             "or SyncBatchNorm if they should agree; exclude them if per-rank statistics are intended."
@@ -285,8 +247,8 @@ _PATTERN = (
     Rule(
         "buffers updated locally",
         needs=lambda ev: ev.open("buffer"),
-        says=lambda ev, names: (
-            f"Buffers {brief_names(names)} differ: likely statistics updated from each rank's local data "
+        says=worded(
+            "Buffers {names} differ: likely statistics updated from each rank's local data "
             "(BatchNorm running stats without buffer sync, i.e. forward_sync_buffers / broadcast_buffers, "
             "or SyncBatchNorm; an EMA or target network updated locally), or a buffer set differently per rank."
         ),
@@ -362,17 +324,23 @@ def _looks_averaged(name: str) -> bool:
     return any(p in _EMA_MARKS or p.startswith(("ema_", "ewm_")) or p.endswith("_ema") for p in parts)
 
 
+#: Why gradients that differ at the step were likely not all-reduced, each with what rules it out.
+_GRADS_NOT_REDUCED = (
+    ("no DistributedDataParallel wrapper", _wrapped),
+    ("no_sync() without a final synced backward", _never),
+    ("a manual reduction that skips them", _never),
+)
+#: Why a differing parameter's gradients were likely not all-reduced, each with what rules it out.
+_PARAMS_NOT_REDUCED = (
+    ("trainable set changed after the DDP wrap", _reduced),
+    ("no_sync() misuse", _never),
+    ("a custom loop without DDP", _wrapped),
+)
+
+
 def _say_grads(ev: Evidence, names: Names) -> str:
-    causes = _open(
-        ev,
-        names,
-        [
-            ("no DistributedDataParallel wrapper", _wrapped),
-            ("no_sync() without a final synced backward", _never),
-            ("a manual reduction that skips them", _never),
-        ],
-    )
-    return f"Gradients differ ({brief_names(names)}) at the optimizer step: likely they are not all-reduced ({_either(causes)})."
+    causes = _either(_open(ev, names, _GRADS_NOT_REDUCED))
+    return f"Gradients differ ({brief_names(names)}) at the optimizer step: likely they are not all-reduced ({causes})."
 
 
 def _say_state_agrees(ev: Evidence, names: Names) -> str:
@@ -386,17 +354,9 @@ def _say_state_agrees(ev: Evidence, names: Names) -> str:
 
 
 def _say_params(ev: Evidence, names: Names) -> str:
-    unreduced = _open(
-        ev,
-        names,
-        [
-            ("trainable set changed after the DDP wrap", _reduced),
-            ("no_sync() misuse", _never),
-            ("a custom loop without DDP", _wrapped),
-        ],
-    )
+    unreduced = ", ".join(_open(ev, names, _PARAMS_NOT_REDUCED))
     return (
-        f"Parameters {brief_names(names)} differ: likely their gradients are not all-reduced ({', '.join(unreduced)}), "
+        f"Parameters {brief_names(names)} differ: likely their gradients are not all-reduced ({unreduced}), "
         "they were loaded or initialised on some ranks only, or non-deterministic updates (EMA from local data)."
     )
 
@@ -406,8 +366,8 @@ _REST = (
     Rule(
         "an averaged copy updated locally",
         needs=lambda ev: [n for n in ev.open("param") if _looks_averaged(n)],
-        says=lambda ev, names: (
-            f"{brief_names(names)} differ and look like an averaged copy of the weights (EMA, SWA or a "
+        says=worded(
+            "{names} differ and look like an averaged copy of the weights (EMA, SWA or a "
             "target network): likely each rank updates it from its own values (local batches, or before "
             "the gradients are all-reduced), and DDP never syncs it. Update it after optimizer.step() from "
             "the synced parameters, keep it on one rank only, or exclude it if per-rank copies are intended."
@@ -416,16 +376,16 @@ _REST = (
     Rule(
         "frozen parameters edited",
         needs=lambda ev: [n for n in ev.open("param") if ev.requires_grad(n) is False],
-        says=lambda ev, names: (
-            f"{brief_names(names)} differ but do not require grad, so no optimizer step moved them: likely "
+        says=worded(
+            "{names} differ but do not require grad, so no optimizer step moved them: likely "
             "they were loaded, initialised or edited on some ranks only after DDP's broadcast at wrap time."
         ),
     ),
     Rule(
         "parameters parted while gradients agree",
         needs=lambda ev: ev.open("param") if ev.grads_checked else [],
-        says=lambda ev, names: (
-            f"Gradients agree but parameters differ ({brief_names(names)}): likely the parameters were already "
+        says=worded(
+            "Gradients agree but parameters differ ({names}): likely the parameters were already "
             "different before this step (loaded or initialised on some ranks only) or the optimizer "
             "step differs (its state or learning rate)."
         ),
@@ -446,4 +406,4 @@ _REST = (
 )
 
 RULES: tuple[Rule, ...] = (*_PROVEN, *_PATTERN, *_OPTIMIZER, *_REST)
-"""Every cause, most specific first: the order in which :func:`~weightsync_audit.ddp.hints.explain` asks."""
+"""Every cause, most specific first: the order in which :func:`~weightsync_audit.engine.explain.hints.explain` asks."""
