@@ -175,6 +175,10 @@ class AuditRun:
         self.transient: dict[str, Any] | None = None
         self.hosts: dict[str, str] | None = None
 
+    def phases(self) -> tuple[AuditResult, PreparedManifest]:
+        """:meth:`run`, and the manifest this rank compared."""
+        return self.run(), self.prepared
+
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
         summary = self.prepare()
