@@ -33,10 +33,11 @@ from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
-from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers, build_manifest
+from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
 from weightsync_audit.engine.inventory.reducer import find_ddp, syncs_buffers
-from weightsync_audit.engine.inventory.replicas import assign_replicas, stage_module
+from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
+from weightsync_audit.engine.repair.state import RESYNC_KINDS, ResyncState, prepare_resync
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
@@ -115,6 +116,7 @@ class Auditor:
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
         self.window: OverlapWindow | None = None
         """The overlapped audits (:meth:`launch`), made at the first one."""
+        self._diverged: tuple[AuditResult, ResyncState] | None = None  # the last audit's, when it diverged
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -155,16 +157,15 @@ class Auditor:
         skip = self._skip_buffers_reason(ddp)
         key = (cfg.include, cfg.exclude, skip, self.comm.global_ranks)
 
-        def build() -> Manifest:
-            manifest = build_manifest(
+        def build() -> Manifest:  # under the replica rules: DeepSpeed, FSDP1, stages...
+            return replica_manifest(
                 module,
                 optimizers,
-                include=cfg.include,
+                cfg.include,
                 exclude=cfg.exclude,
                 skip_buffers_reason=skip,
                 audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
             )
-            return assign_replicas(manifest, module, optimizers, cfg.include)  # DeepSpeed, FSDP1, stages...
 
         return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method)
 
@@ -185,8 +186,8 @@ class Auditor:
             raise RuntimeError("record_step needs Auditor(pinpoint=True)")
         if self.window is not None:  # the ring the pending audit's summary reads: settled before it moves
             self.window.settle("next launch")
-        mod = module if module is not None else self.module
-        opts = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        self._diverged = None  # a step was taken: what the last audit prepared is no longer what is held
+        mod, opts = self._targets(module, optimizer)
         ddp = find_ddp(mod) if mod is not None else None
         digest = self.pinpointer.record_step(step, lambda: self.prepare(mod, opts, ddp=ddp), self.config.method)
         self._stall.check(step, digest, opts)  # a step that changed nothing, with lr > 0: warned
@@ -211,17 +212,37 @@ class Auditor:
         first: the channel is used in order."""
         if self.window is not None:
             self.window.settle("another audit")
-        module = stage_module(module) if module is not None else self.module
-        optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        self._diverged = None
+        module, optimizers = self._targets(module, optimizer)
         ddp = find_ddp(module) if module is not None else None
-        if not full or self.config.slices == 1:
-            return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
         sampled = self.config
-        self.config = dataclasses.replace(sampled, slices=1)
+        if full and sampled.slices != 1:  # every byte this once
+            self.config = dataclasses.replace(sampled, slices=1)
         try:
-            return AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).run()
+            result, prepared = AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).phases()
         finally:
             self.config = sampled
+        diverged = frozenset(m.name for m in result.mismatches if m.kind in RESYNC_KINDS)
+        state = ResyncState(self.comm, module, optimizers, prepared, diverged) if result.mismatches else None
+        self._diverged = (result, state) if state is not None else None
+        return result
+
+    def resync_state(self, result: AuditResult, module: nn.Module | None = None, optimizer: Any = None) -> ResyncState:
+        """What a resync right after ``result`` reads (:func:`~weightsync_audit.engine.repair.resync.resync_planned`).
+
+        This auditor's channel, and when ``result`` is its last audit's, diverged, on the same module and
+        optimizers, with no step taken since, the manifest that audit built under the replica rules (nothing
+        built twice); otherwise a manifest is built when the resync first reads it."""
+        module, optimizers = self._targets(module, optimizer)
+        kept = self._diverged
+        if kept is not None and kept[0] is result and kept[1].module is module and kept[1].optimizers == optimizers:
+            return kept[1]
+        return prepare_resync(module, optimizers, self.comm)
+
+    def _targets(self, module: Any, optimizer: Any) -> tuple[nn.Module | None, list[torch.optim.Optimizer]]:
+        """The module (a pipelining stage's own) and the optimizers a call names, else this auditor's."""
+        module = stage_module(module) if module is not None else self.module
+        return module, as_optimizers(optimizer) if optimizer is not None else self.optimizers
 
     def launch(
         self,
@@ -239,12 +260,13 @@ class Auditor:
         result (:meth:`PendingAudit.result`) covers ``step``; a write to an audited tensor meanwhile,
         outside the optimizer, is named and the step audited again at rest. Call :meth:`close` at the end.
         See :mod:`weightsync_audit.engine.overlap.window` for an example."""
-        module = module if module is not None else self.module
-        optimizers = as_optimizers(optimizer) if optimizer is not None else self.optimizers
+        module, optimizers = self._targets(module, optimizer)
         ddp = find_ddp(module) if module is not None else None
         if self.window is None:
             self.window = OverlapWindow(self)
-        return self.window.launch(module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp)
+        pending = self.window.launch(module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp)
+        self._diverged = None  # the next verdict is the worker's: its manifest stays its own
+        return pending
 
     def close(self) -> None:
         """Settle an overlapped audit still pending and stop its worker thread (a no-op without :meth:`launch`)."""

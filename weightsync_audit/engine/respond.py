@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from weightsync_audit.engine.attribution.blame import blame_source
-from weightsync_audit.engine.repair.resync import resync
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, plan_resync
+from weightsync_audit.engine.repair.resync import resync_planned
+from weightsync_audit.engine.repair.resync_plan import ResyncPlan, ResyncSource, plan_resync
+from weightsync_audit.engine.repair.state import ResyncState
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.errors import ResyncError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import AuditResult
@@ -40,48 +41,48 @@ def respond(
     confirm: Callable[[bool], AuditResult],
     history: AuditHistory,
     pinpointer: Any,
-    timeout_s: float | None,
+    prepare: Callable[[AuditResult, Any, Sequence[Any]], ResyncState],
 ) -> None:
-    """Set ``result.action`` and, under ``resync``, repair and confirm (collective: every rank calls it)."""
+    """Set ``result.action`` and, under ``resync``, repair and confirm (collective: every rank calls it).
+
+    ``prepare(result, model, optimizers)``: what the resync reads, the audit's own prepared state when it is
+    still what is held (:meth:`Auditor.resync_state <weightsync_audit.engine.auditor.Auditor.resync_state>`)."""
     if result.in_sync or result.within_tolerance:
         result.action = "none"  # within the tolerance: kept in the record, not acted on
     elif on_mismatch == "raise":
         result.action = "raised"
-    elif on_mismatch == "resync":
-        _resync(result, model, list(optimizers), resync_src, confirm, history, pinpointer, timeout_s)
-    else:
+    elif on_mismatch != "resync":
         result.action = "warned"
+    elif (plan := _plan(result, resync_src)) is not None:
+        # One broadcast per source rank, from the audit's channel and manifest (nothing prepared twice).
+        resync_planned(prepare(result, model, list(optimizers)), plan)
+        confirmed = confirm(bool(plan.grads))  # gradients compared too when they had diverged
+        _confirmed(result, plan, confirmed, history, pinpointer)
 
 
-def _resync(
-    result: AuditResult,
-    model: Any,
-    optimizers: list[Any],
-    resync_src: ResyncSource,
-    confirm: Callable[[bool], AuditResult],
-    history: AuditHistory,
-    pinpointer: Any,
-    timeout_s: float | None,
-) -> None:
+def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:
+    """Each tensor from a rank holding its reference value (engine/repair/resync_plan.py): the same plan on
+    every rank, from the same record; ``None`` (the result raised, with a note why) when nothing may move."""
     structural = [m.name for m in result.mismatches if m.kind == "structure"]
     if structural:
         result.action = "raised"
         result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
-        return
-    # Each tensor from a rank holding its reference value (engine/repair/resync_plan.py): the same plan on
-    # every rank, from the same record; one broadcast per source rank.
+        return None
     try:
         # On a tie the blame, when it names a rank, decides the source (never the blamed side).
         plan = plan_resync(result.mismatches, blame_source(result, resync_src))  # never a source holding NaN/inf
     except ResyncError as exc:  # no finite copy anywhere: nothing moves
         result.action = "raised"
         result.notes.append(f"resync impossible: {exc}")
-        return
+        return None
     result.notes.extend(plan.notes)
-    for source in plan.ranks():
-        names, grads = plan.sources.get(source, []), plan.grads.get(source, [])
-        resync(model, optimizers or None, src=source, names=names, grads=grads, timeout_s=timeout_s)
-    confirmed = confirm(bool(plan.grads))  # gradients compared too when they had diverged
+    return plan
+
+
+def _confirmed(
+    result: AuditResult, plan: ResyncPlan, confirmed: AuditResult, history: AuditHistory, pinpointer: Any
+) -> None:
+    """The action the confirming audit decides; after a confirmed resync, the history and pinpoint restart."""
     if confirmed.in_sync:
         result.action = "resynced"
         result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")

@@ -1,9 +1,10 @@
 """One audit as its phases: prepare, agree, localize, measure, explain, record.
 
 :class:`AuditRun` is built by :meth:`Auditor.audit <weightsync_audit.engine.auditor.Auditor.audit>` for a
-single call and read top to bottom in :meth:`AuditRun.run`; each phase is one method that reads and writes
-the run's fields (the state that flows between them), so what each phase needs and leaves is visible in
-one place:
+single call and read top to bottom in :meth:`AuditRun.phases`. The run holds the call's inputs only, set
+once; each phase is one method that takes the results of the phases before it and returns its own, a
+small frozen value (:mod:`~weightsync_audit.engine.phases`), so what each phase needs and leaves is its
+signature:
 
 - **prepare**: this rank's manifest (cached while the structure holds), its digests and 72-byte summary;
 - **agree**: the summaries meet at the coordinator, which answers every rank the same verdict;
@@ -20,11 +21,10 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import time
-import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -38,15 +38,20 @@ from weightsync_audit.engine.agreement.consensus import (
     PROTOCOL,
     PROTOCOL_FAILED,
     StructureDiff,
-    SummaryVerdict,
     ValueDiff,
     structure_row,
     tie_detail,
 )
 from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
-from weightsync_audit.engine.agreement.rounds import agree, bucket_sketch, compare_structures, localize_values
+from weightsync_audit.engine.agreement.rounds import (
+    Agreement,
+    agree,
+    bucket_sketch,
+    compare_structures,
+    localize_values,
+)
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
-from weightsync_audit.engine.attribution.settle import attribute_into
+from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
@@ -57,8 +62,9 @@ from weightsync_audit.engine.measure.finite import NonfiniteCount, apply_nonfini
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
+from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.timeline.history import AuditHistory
-from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer, mark_pinpoint
+from weightsync_audit.engine.timeline.pinpoint import Pinpointer, mark_pinpoint
 from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
@@ -98,124 +104,73 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class AuditRun:
-    """One call of :meth:`Auditor.audit`: its inputs, the state its phases hand on, and the phases."""
+    """One call of :meth:`Auditor.audit`: its inputs, set once; each phase takes the frozen results of the
+    phases before it (:mod:`~weightsync_audit.engine.phases`) and returns its own."""
 
-    __slots__ = (
-        "auditor",
-        "blame",
-        "buckets",
-        "by_uid",
-        "candidates",
-        "checked",
-        "comm",
-        "ddp",
-        "digests",
-        "entries",
-        "epoch",
-        "failure",
-        "hints",
-        "hints_shared",
-        "hook",
-        "hosts",
-        "mismatches",
-        "module",
-        "nonfinite",
-        "notes",
-        "optimizers",
-        "peers",
-        "pin",
-        "prepared",
-        "slice_index",
-        "step",
-        "structure_diffs",
-        "t0",
-        "transient",
-        "union",
-        "value_diffs",
-        "verdict",
-    )
+    auditor: Engine
+    module: nn.Module | None
+    optimizers: list[torch.optim.Optimizer]
+    step: int | None = field(kw_only=True)
+    epoch: int | None = field(kw_only=True)
+    hook: str | None = field(kw_only=True)
+    ddp: Any = field(kw_only=True)
+    """The DDP wrapper, looked up once per audit and handed to every phase that reads it."""
+    comm: Comm = field(init=False)
+    slice_index: int = field(init=False)
+    t0: float = field(init=False)
 
-    def __init__(
-        self,
-        auditor: Engine,
-        module: nn.Module | None,
-        optimizers: list[torch.optim.Optimizer],
-        *,
-        step: int | None,
-        epoch: int | None,
-        hook: str | None,
-        ddp: Any,
-    ) -> None:
-        self.t0 = time.perf_counter()
-        self.auditor, self.module, self.optimizers = auditor, module, optimizers
-        self.step, self.epoch, self.hook = step, epoch, hook
-        self.ddp = ddp  # the DDP wrapper, looked up once per audit and handed to every phase that reads it
-        self.comm: Comm = auditor.comm
-        self.slice_index = auditor.slice_for(step)
-        self.failure: BaseException | None = None
-        self.prepared = PreparedManifest.uncached(Manifest())
-        self.digests = np.zeros(0, np.int64)
-        self.verdict: SummaryVerdict | None = None
-        self.candidates: tuple[int, ...] | None = None
-        self.buckets = np.zeros(0, np.int64)
-        self.entries: list[Entry] = []
-        self.by_uid: dict[int, Entry] = {}
-        self.value_diffs: list[ValueDiff] = []
-        self.structure_diffs: list[StructureDiff] = []
-        self.union: dict[str, int] | None = None
-        self.peers: Any = None
-        self.mismatches: list[Mismatch] = []
-        self.checked: dict[str, int] = {}
-        self.notes: list[str] = []
-        self.hints: list[str] = []
-        self.hints_shared = False
-        self.pin: Pinpoint | None = None
-        self.nonfinite: NonfiniteCount | None = None
-        self.transient: dict[str, Any] | None = None
-        self.hosts: dict[str, str] | None = None
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "t0", time.perf_counter())
+        object.__setattr__(self, "comm", self.auditor.comm)
+        object.__setattr__(self, "slice_index", self.auditor.slice_for(self.step))
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
-        summary = self.prepare()
-        self.agree(summary)
-        self.localize()
-        self.measure()
-        if self.auditor.config.check_finite:
-            self.count_nonfinite()
-        self.explain()
-        return self.record()
+        return self.phases()[0]
+
+    def phases(self) -> tuple[AuditResult, PreparedManifest]:
+        """:meth:`run`'s result, and the manifest this rank compared (what a resync right after it reads)."""
+        prepared = self.prepare()
+        agreement = self.agree(prepared)
+        found = self.localize(prepared, agreement)
+        measured = self.measure(prepared, found)
+        # With check_finite: the audited tensors holding NaN/inf (collective; the same on every rank).
+        nonfinite = count_everywhere(self.comm, prepared.manifest) if self.auditor.config.check_finite else None
+        explained = self.explain(prepared, agreement, found, measured)
+        return self.record(explained, nonfinite), prepared.manifest
 
     # -- prepare -------------------------------------------------------------------------------
 
-    def prepare(self) -> np.ndarray:
+    def prepare(self) -> Prepared:
         """This rank's digests and its fixed-size summary for the coordinator.
 
         A rank that cannot prepare its audit (a meta tensor, say) still takes part in the exchange,
         flagged, so that every rank raises together instead of the others waiting for it.
         """
         cfg = self.auditor.config
-        structure = overall = 0
+        failure: BaseException | None = None
         try:
             with _gc_paused():
-                prepared = self.auditor.prepare(self.module, self.optimizers, ddp=self.ddp)
-                self.digests = prepared.digests(slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)
-                self.prepared = prepared
-                structure = prepared.structure
-                overall = overall_digest(self.digests, structure)
+                manifest = self.auditor.prepare(self.module, self.optimizers, ddp=self.ddp)
+                digests = manifest.digests(slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)
+                structure, overall = manifest.structure, overall_digest(digests, manifest.structure)
         except Exception as exc:  # noqa: BLE001 - re-raised in agree, after telling the other ranks
-            self.failure = exc
-            self.prepared, self.digests = PreparedManifest.uncached(Manifest()), np.zeros(0, np.int64)
+            failure = exc
+            manifest, digests = PreparedManifest.uncached(Manifest()), np.zeros(0, np.int64)
             structure = overall = 0
-        sketch, self.buckets = bucket_sketch(self.digests)
+        else:
+            failure = self.raced(manifest)
+        sketch, buckets = bucket_sketch(digests)
         pinpointer = self.auditor.pinpointer
         position = f"hook={self.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
-        return np.array(
+        summary = np.array(
             [
-                PROTOCOL if self.failure is None else PROTOCOL_FAILED,
+                PROTOCOL if failure is None else PROTOCOL_FAILED,
                 -1 if self.step is None else int(self.step),
                 -1 if self.epoch is None else int(self.epoch),
-                self.prepared.size,
+                manifest.size,
                 structure,
                 overall,
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
@@ -225,41 +180,53 @@ class AuditRun:
             ],
             dtype=np.int64,
         )
+        return Prepared(manifest, digests, buckets, summary, failure)
+
+    def raced(self, manifest: PreparedManifest) -> BaseException | None:
+        """A write seen to the tensors while they were digested (an overlapped audit's), else ``None``."""
+        return None
 
     # -- agree ---------------------------------------------------------------------------------
 
-    def agree(self, summary: np.ndarray) -> None:
+    def agree(self, prepared: Prepared) -> Agreement:
         """The summaries meet; a failed or out-of-step rank makes every rank raise together."""
-        agreed = agree(self.comm, summary)
-        if agreed.failed:
-            raise_failed(self.comm, self.failure)
-        self.verdict, self.candidates = agreed.verdict, agreed.candidates
-        if self.verdict.status == "out_of_step":
+        agreement = agree(self.comm, prepared.summary)
+        if agreement.failed:
+            self.fail(prepared.failure)
+        if agreement.status == "out_of_step":
             position = {"step": self.step, "epoch": self.epoch, "hook": self.hook}
             position.update(config=self.auditor.config.fingerprint(), slice=self.slice_index)
-            raise_out_of_step(self.comm, self.verdict.differing_fields, position)
+            raise_out_of_step(self.comm, agreement.differing_fields, position)
+        return agreement
+
+    def fail(self, failure: BaseException | None) -> None:
+        """Some rank could not prepare its audit: every rank raises, after one round telling why."""
+        raise_failed(self.comm, failure)
 
     # -- localize ------------------------------------------------------------------------------
 
-    def localize(self) -> None:
+    def localize(self, prepared: Prepared, agreement: Agreement) -> Localized:
         """Off the healthy path: which tensors differ, on which ranks (and DTensors within peer sets)."""
-        status = self.verdict.status if self.verdict is not None else "in_sync"
-        prepared, comm = self.prepared, self.comm
+        status, manifest, comm = agreement.status, prepared.manifest, self.comm
         # The entries themselves are needed only off the healthy path (or for DTensors, never cached).
         diverged = status in ("values", "structure")
-        self.entries = prepared.manifest.entries if diverged or prepared.sharded else []
-        if status != "structure" and prepared.sharded:
+        entries = manifest.manifest.entries if diverged or manifest.sharded else []
+        value_diffs: list[ValueDiff] = []
+        structure_diffs: list[StructureDiff] = []
+        union, peers = None, None
+        if status != "structure" and manifest.sharded:
             # Equal structures hold the same DTensors everywhere: every rank takes this step. Shards
             # differ by design, so the overall digests say nothing; compare within each peer set.
-            self.value_diffs, self.peers = compare_sharded(comm, self.entries, self.digests)
+            value_diffs, peers = compare_sharded(comm, entries, prepared.digests)
         elif status == "values":
-            uids = [e.uid for e in self.entries]
-            self.value_diffs = localize_values(comm, uids, self.digests, self.candidates, self.buckets)
+            uids = [e.uid for e in entries]
+            value_diffs = localize_values(comm, uids, prepared.digests, agreement.candidates, prepared.buckets)
         elif status == "structure":
             g = comm.global_ranks
-            rows = [structure_row(e, d, g) for e, d in zip(self.entries, self.digests.tolist())]
-            self.structure_diffs, self.value_diffs, self.union = compare_structures(comm, rows)
-        self.mismatches = [self._structure_mismatch(d) for d in self.structure_diffs]
+            rows = [structure_row(e, d, g) for e, d in zip(entries, prepared.digests.tolist())]
+            structure_diffs, value_diffs, union = compare_structures(comm, rows)
+        structural = [self._structure_mismatch(d) for d in structure_diffs]
+        return Localized(entries, value_diffs, structure_diffs, structural, union, peers)
 
     def _structure_mismatch(self, d: StructureDiff) -> Mismatch:
         return Mismatch(
@@ -275,45 +242,45 @@ class AuditRun:
 
     # -- measure -------------------------------------------------------------------------------
 
-    def measure(self) -> None:
+    def measure(self, prepared: Prepared, found: Localized) -> Measured:
         """Value mismatches with their gaps against the reference copy; ranks made global; tolerance."""
-        comm = self.comm
+        comm, cfg, structural = self.comm, self.auditor.config, found.structural
         # Only on divergence: the lookup costs per tensor.
-        self.by_uid = {e.uid: e for e in self.entries} if self.value_diffs else {}
+        by_uid = {e.uid: e for e in found.entries} if found.value_diffs else {}
         value_mismatches = []
-        for d, shard in zip(self.value_diffs, shard_names(comm, self.value_diffs, self.by_uid)):
-            e = self.by_uid[d.uid]
+        for d, shard in zip(found.value_diffs, shard_names(comm, found.value_diffs, by_uid)):
+            e = by_uid[d.uid]
             tie = tie_detail(d.tie, comm.global_ranks)
             value_mismatches.append(
                 Mismatch(
                     e.name, e.kind, list(d.ranks), list(d.reference_ranks), list(e.shape), e.dtype, None, tie, shard
                 )
             )
-        held = [(m, d.uid) for m, d in zip(self.mismatches, self.structure_diffs) if d.detail.startswith(HOLDERS_VALUE)]
+        held = [(m, d.uid) for m, d in zip(structural, found.structure_diffs) if d.detail.startswith(HOLDERS_VALUE)]
         if held:  # a pipeline stage's own value, differing within its group: measured among its holders
-            measure_held_gaps(comm, self.auditor.config, [m for m, _ in held], [u for _, u in held], self.entries)
-        settled = None
+            measure_held_gaps(comm, cfg, [m for m, _ in held], [u for _, u in held], found.entries)
+        tally = shared = None
         if value_mismatches:
-            self._tally()  # the hints ride the gaps' last round, so what they say is known before it
-            entries = [self.by_uid[d.uid] for d in self.value_diffs]
-            cfg, n = self.auditor.config, len(entries)  # the odd ranks read the diverged tensors again
-            again = reread_row(comm.rank, self.value_diffs, self.entries, self.digests,
+            tally = self.tally(prepared, found)  # the hints ride the gaps' last round: what they say is known
+            entries = [by_uid[d.uid] for d in found.value_diffs]
+            n = len(entries)  # the odd ranks read the diverged tensors again
+            again = reread_row(comm.rank, found.value_diffs, found.entries, prepared.digests,
                                slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
 
             def finish(measured: list[Mismatch], extra: np.ndarray) -> bytes:  # on the coordinator
                 try:
                     self._apply_extra(measured, extra, n)
-                    return self._hint_payload(self._settle(copy.deepcopy(self.mismatches) + measured))
+                    settled = self._settle(copy.deepcopy(structural) + measured)
+                    return self._hint_payload(settled, tally, found.entries)
                 except Exception:  # noqa: BLE001 - every rank then asks for the hints in a round of their own
                     return b""
 
             # NaN/inf counts and second reads ride the gap layouts' round: one round, not three.
             extra = np.concatenate([nonfinite_row(entries), again])
-            shared, settled = measure_gaps(comm, cfg, value_mismatches, entries, extra, finish)
-            self._apply_extra(value_mismatches, shared, n)
-        self.mismatches = self._settle(self.mismatches + value_mismatches)
-        if settled is not None:
-            self._take_hints(settled)
+            gathered, settled = measure_gaps(comm, cfg, value_mismatches, entries, extra, finish)
+            self._apply_extra(value_mismatches, gathered, n)
+            shared = SharedHints.unpack(settled) if settled is not None else None
+        return Measured(self._settle(structural + value_mismatches), tally, shared)
 
     def _apply_extra(self, mismatches: list[Mismatch], shared: np.ndarray, n: int) -> None:
         apply_nonfinite(self.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
@@ -330,74 +297,68 @@ class AuditRun:
         apply_tolerance(mismatches, self.auditor.config.tolerance)
         return mismatches
 
-    def count_nonfinite(self) -> None:
-        """With ``check_finite``: the audited tensors holding NaN/inf (collective; the same on every rank)."""
-        self.nonfinite = count_everywhere(self.comm, self.prepared)
-
     # -- explain -------------------------------------------------------------------------------
 
-    def explain(self) -> None:
+    def explain(self, prepared: Prepared, agreement: Agreement, found: Localized, measured: Measured) -> Explained:
         """The pinpointed step, what was compared, notes, and (on a divergence) the shared hints."""
-        cfg, comm, pinpointer = self.auditor.config, self.comm, self.auditor.pinpointer
+        cfg, comm, pinpointer, mismatches = self.auditor.config, self.comm, self.auditor.pinpointer, measured.mismatches
+        transient, pin, lead = None, None, []
         # Pinpoint is collective on a divergence (on shared data), so every rank settles it here.
         if pinpointer is not None:
-            if not self.mismatches and self.verdict is not None and "ring" in self.verdict.differing_fields:
-                names = [e.name for e in self.prepared.manifest.entries]
-                self.transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
-                self.notes.append(transient_note(self.transient))
-                self.transient.pop("why", None)  # said in the note; the field keeps its three keys
-            names = [m.name for m in self.mismatches]
-            self.pin = pinpointer.settle(comm, bool(names), self.step, cfg.slices == 1, self._tolerated(), names)
-        self._tally()
-        if self.mismatches:
-            if not self.hints_shared:
-                self._share_hints()
-            self.hints += unstable_hints(self.mismatches, self.hosts)
-        self.blame = attribute_into(self)  # whom to blame, its hint, where the blamed run (None: in sync)
-
-    def _tally(self) -> None:
-        """What was compared, and the notes (once per audit)."""
-        if self.checked:
-            return
-        cfg = self.auditor.config
-        counts = self.prepared.counts()
-        self.checked, unpaired = compared_counts(self.entries, self.peers) if self.peers is not None else (counts, 0)
-        if self.union is not None:  # not this rank's own count: the same on every rank
-            self.checked = {k: v for k, v in self.union.items() if not k.startswith("unreplicated:")}
-            unpaired = {k.split(":", 1)[1]: v for k, v in self.union.items() if k.startswith("unreplicated:")}
-        self.notes = (
-            self.notes
-            + list(self.prepared.notes)
-            + sharded_notes(self.checked, unpaired, counts["param"], "params" in cfg.include)
+            if not mismatches and "ring" in agreement.differing_fields:
+                names = [e.name for e in prepared.manifest.manifest.entries]
+                transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
+                lead.append(transient_note(transient))
+                transient.pop("why", None)  # said in the note; the field keeps its three keys
+            names = [m.name for m in mismatches]
+            tolerated = _tolerated(prepared.manifest, found.value_diffs, mismatches)
+            pin = pinpointer.settle(comm, bool(names), self.step, cfg.slices == 1, tolerated, names)
+        tally = measured.tally if measured.tally is not None else self.tally(prepared, found, lead)
+        shared = measured.shared
+        if mismatches and shared is None:  # the first rank's, to every rank
+            mine = self._hint_payload(mismatches, tally, found.entries) if comm.rank == 0 else None
+            shared = SharedHints.unpack(comm.share_bytes(0, mine, "the hints"))
+        hints, notes, hosts = (
+            (shared.hints, shared.notes, shared.hosts) if shared is not None else ([], tally.notes, None)
         )
+        if mismatches:
+            hints = hints + unstable_hints(mismatches, hosts)
+        # Whom to blame, its hint, where the blamed run (None: in sync).
+        watch = getattr(self.auditor, "attribution", None)
+        blame, hosts, hints = attribute_audit(
+            watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
+            full=cfg.slices == 1, hosts=hosts, hints=hints,
+        )  # fmt: skip
+        return Explained(mismatches, tally.checked, notes, hints, hosts, pin, transient, blame)
 
-    def _tolerated(self) -> list[int] | None:
-        """Manifest positions of the diverged tensors when every one is within the tolerance, else None."""
-        if not self.mismatches or not all(m.within_tolerance for m in self.mismatches):
-            return None
-        position = {e.uid: i for i, e in enumerate(self.prepared.manifest.entries)}
-        return [position[d.uid] for d in self.value_diffs if d.uid in position]
+    def tally(self, prepared: Prepared, found: Localized, lead: Sequence[str] = ()) -> Tally:
+        """What was compared, and the notes (``lead`` first): taken once per audit."""
+        cfg = self.auditor.config
+        counts = prepared.manifest.counts()
+        checked, unpaired = compared_counts(found.entries, found.peers) if found.peers is not None else (counts, 0)
+        if found.union is not None:  # not this rank's own count: the same on every rank
+            checked = {k: v for k, v in found.union.items() if not k.startswith("unreplicated:")}
+            unpaired = {k.split(":", 1)[1]: v for k, v in found.union.items() if k.startswith("unreplicated:")}
+        notes = [
+            *lead,
+            *prepared.manifest.notes,
+            *sharded_notes(checked, unpaired, counts["param"], "params" in cfg.include),
+        ]
+        return Tally(checked, notes)
 
-    def _share_hints(self) -> None:
-        """Hints read a wrapper and notes a manifest: the first rank's are everyone's, so the record is the
-        same on every rank (one small message, on divergence only, when the gaps' last round could not
-        carry them)."""
-        mine = self._hint_payload(self.mismatches) if self.comm.rank == 0 else None
-        self._take_hints(self.comm.share_bytes(0, mine, "the hints"))
-
-    def _hint_payload(self, mismatches: list[Mismatch]) -> bytes:
+    def _hint_payload(self, mismatches: list[Mismatch], tally: Tally, entries: list[Entry]) -> bytes:
         """On the first rank: the hints, notes and where the odd ranks run. Nothing here may raise on that
         rank alone, or the others would wait for it."""
         hints: list[str] = []
-        notes = list(self.notes)
+        notes = list(tally.notes)
         try:
             evidence = Evidence(
                 mismatches,
                 ddp=self.ddp,
                 grads_checked="grads" in self.auditor.config.include,
-                params_compared=self.checked["param"] > 0,
+                params_compared=tally.checked["param"] > 0,
                 module=self.module,
-                state_names=[e.name for e in self.entries if e.kind == "optimizer" and e.shard is None],
+                state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
                 engine=reducing_engine(self.module, self.optimizers),
                 **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
             )
@@ -405,45 +366,48 @@ class AuditRun:
         except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
             notes.append(f"no hint: {type(exc).__name__}: {exc}")
         odd = sorted({r for m in mismatches for r in m.ranks})
-        raw = json.dumps([hints, notes, self.comm.known_hosts(odd)]).encode()  # where the odd ranks run
-        packed = b"z" + zlib.compress(raw, 6)  # the hints' words repeat: on the wire to every rank, it pays
-        return packed if len(packed) < len(raw) else raw
-
-    def _take_hints(self, payload: bytes) -> None:
-        self.hints_shared = True
-        self.hints, self.notes, hosts = json.loads(zlib.decompress(payload[1:]) if payload[:1] == b"z" else payload)
-        self.hosts = hosts or None
+        return SharedHints(hints, notes, self.comm.known_hosts(odd)).pack()  # where the odd ranks run
 
     # -- record --------------------------------------------------------------------------------
 
-    def record(self) -> AuditResult:
+    def record(self, explained: Explained, nonfinite: NonfiniteCount | None) -> AuditResult:
         """The result, the same on every rank, entered in the auditor's history."""
-        cfg, history = self.auditor.config, self.auditor.history
-        in_sync = not self.mismatches
+        cfg, history, step = self.auditor.config, self.auditor.history, self.step
+        in_sync = not explained.mismatches
         full = cfg.slices == 1
         result = AuditResult(
             in_sync=in_sync,
-            step=self.step,
+            step=step,
             epoch=self.epoch,
             world_size=self.comm.world_size,
-            mismatches=self.mismatches,
-            hints=self.hints,
-            checked=self.checked,
+            mismatches=explained.mismatches,
+            hints=explained.hints,
+            checked=explained.checked,
             hook=self.hook,
             action="none",
-            last_in_sync_step=self.step if in_sync else history.last_in_sync_step,
-            last_full_sync_step=self.step if in_sync and full else history.last_full_sync_step,
-            notes=self.notes,
+            last_in_sync_step=step if in_sync else history.last_in_sync_step,
+            last_full_sync_step=step if in_sync and full else history.last_full_sync_step,
+            notes=explained.notes,
             coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
-            transient=self.transient,
-            hosts=self.hosts,
-            blame=self.blame,
+            transient=explained.transient,
+            hosts=explained.hosts,
+            blame=explained.blame,
         )
-        if self.nonfinite is not None:
-            result.nonfinite_count = self.nonfinite.count
-            result.notes.extend(self.nonfinite.notes(in_sync))
-        mark_pinpoint(result, self.pin)
+        if nonfinite is not None:
+            result.nonfinite_count = nonfinite.count
+            result.notes.extend(nonfinite.notes(in_sync))
+        mark_pinpoint(result, explained.pin)
         history.record(result)
         result.duration_ms = (time.perf_counter() - self.t0) * 1e3
         return result
+
+
+def _tolerated(
+    manifest: PreparedManifest, value_diffs: list[ValueDiff], mismatches: list[Mismatch]
+) -> list[int] | None:
+    """Manifest positions of the diverged tensors when every one is within the tolerance, else None."""
+    if not mismatches or not all(m.within_tolerance for m in mismatches):
+        return None
+    position = {e.uid: i for i, e in enumerate(manifest.manifest.entries)}
+    return [position[d.uid] for d in value_diffs if d.uid in position]

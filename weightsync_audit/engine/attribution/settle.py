@@ -18,7 +18,7 @@ from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_b
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
-__all__ = ["attribute", "attribute_into", "settle_watch"]
+__all__ = ["attribute", "attribute_audit", "settle_watch"]
 
 
 def attribute(
@@ -52,23 +52,31 @@ def settle_watch(watch: StepWatch | None, *, in_sync: bool, full: bool) -> None:
             watch.in_sync()
 
 
-def attribute_into(run: Any) -> dict[str, Any] | None:
-    """An :class:`~weightsync_audit.engine.run.AuditRun`'s blame (None when in sync: the watch is emptied);
-    with a watch, its hint first and the blamed ranks' hosts in the run."""
-    watch = getattr(run.auditor, "attribution", None)
-    full = run.auditor.config.slices == 1
-    if not run.mismatches:
+def attribute_audit(
+    watch: StepWatch | None,
+    comm: Comm,
+    mismatches: Sequence[Any],
+    *,
+    prepared: PreparedManifest,
+    digests: np.ndarray,
+    full: bool,
+    hosts: dict[str, str] | None,
+    hints: list[str],
+) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
+    """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
+    with a watch, the blame's hint first and the blamed ranks' hosts added (collective as :func:`attribute`)."""
+    if not mismatches:
         settle_watch(watch, in_sync=True, full=full)
-        return None
+        return None, hosts, hints
     if watch is not None and watch.found is not None:  # the same divergence, attributed already (every rank)
         blame, where = watch.found
     else:
-        blame, where = attribute(run.comm, watch, run.mismatches, prepared=run.prepared, digests=run.digests, full=full)
+        blame, where = attribute(comm, watch, mismatches, prepared=prepared, digests=digests, full=full)
     if watch is not None:  # decided once; its records reported (a resync after it is no change at rest)
         watch.found = blame, where
         watch.records.clear()
     if where:
-        run.hosts = {**(run.hosts or {}), **where}
+        hosts = {**(hosts or {}), **where}
     if watch is not None and blame["detail"]:  # without a watch the vote is said already
-        run.hints.insert(0, blame_hint(blame, run.hosts))
-    return dict(blame)
+        hints = [blame_hint(blame, hosts), *hints]
+    return dict(blame), hosts, hints

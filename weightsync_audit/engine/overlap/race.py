@@ -21,17 +21,14 @@ worker).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from weightsync_audit.compat import tensor_version
-from weightsync_audit.engine.agreement.consensus import PROTOCOL_FAILED
-from weightsync_audit.engine.agreement.failures import raise_out_of_step
-from weightsync_audit.engine.agreement.rounds import agree
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
-from weightsync_audit.engine.run import AuditRun, Engine
+from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.errors import AuditPreparationError, AuditRaceError
 from weightsync_audit.text import brief_names
 
@@ -91,44 +88,27 @@ def _nbytes(t: Any) -> int:
     return t.nbytes if isinstance(t, torch.Tensor) else -1
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class OverlapRun(AuditRun):
     """An :class:`AuditRun` that checks the :class:`RaceGuard` after digesting and shares a race on every rank."""
 
-    __slots__ = ("guard",)
+    guard: RaceGuard = field(kw_only=True)
 
-    def __init__(self, engine: Engine, module: Any, optimizers: list[Any], *, guard: RaceGuard, **kw: Any) -> None:
-        super().__init__(engine, module, optimizers, **kw)
-        self.guard = guard
+    def raced(self, manifest: PreparedManifest) -> BaseException | None:
+        """The tensors written since launch, as this rank's failure (its summary flagged failed)."""
+        moved = self.guard.moved()
+        return AuditRaceError(self.guard.describe(moved, manifest, self.step)) if moved else None
 
-    def prepare(self) -> np.ndarray:
-        summary = super().prepare()
-        if self.failure is None:
-            moved = self.guard.moved()
-            if moved:
-                self.failure = AuditRaceError(self.guard.describe(moved, self.prepared, self.step))
-                summary[0] = PROTOCOL_FAILED
-        return summary
-
-    def agree(self, summary: np.ndarray) -> None:
-        agreed = agree(self.comm, summary)
-        if agreed.failed:
-            self._raise_failed()
-        self.verdict, self.candidates = agreed.verdict, agreed.candidates
-        if self.verdict.status == "out_of_step":
-            position = {"step": self.step, "epoch": self.epoch, "hook": self.hook}
-            position.update(config=self.auditor.config.fingerprint(), slice=self.slice_index)
-            raise_out_of_step(self.comm, self.verdict.differing_fields, position)
-
-    def _raise_failed(self) -> None:
+    def fail(self, failure: BaseException | None) -> None:
         """Every rank's reason, shared; a race on every failed rank is one :class:`AuditRaceError` everywhere."""
-        mine = "" if self.failure is None else f"{type(self.failure).__name__}: {self.failure}"
+        mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
         parts = self.comm.exchange_bytes(mine.encode(), "the failure report")
         failed = {self.comm.global_ranks[r]: b.decode("utf-8", "replace") for r, b in enumerate(parts) if b}
         if failed and all(m.startswith(RACE + ":") for m in failed.values()):
             text = "; ".join(f"rank {r}: {m[len(RACE) + 2 :]}" for r, m in failed.items())
             raise AuditRaceError(f"weightsync audit: {text}", failed)
-        if self.failure is not None:
-            raise self.failure
+        if failure is not None:
+            raise failure
         text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
         raise AuditPreparationError(
             f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed

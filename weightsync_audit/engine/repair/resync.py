@@ -24,15 +24,22 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.hashing.digest import structure_digest
 from weightsync_audit.engine.hashing.hostbytes import host_bytes
-from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers, build_manifest
-from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups, stage_module
+from weightsync_audit.engine.inventory.manifest import Entry, build_manifest
+from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups, replica_manifest
 from weightsync_audit.engine.inventory.replicas.keys import HOLDERS, is_holders, unreplicated_label_of
 from weightsync_audit.engine.repair.held_resync import resync_held
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src, is_derived, plan_resync
+from weightsync_audit.engine.repair.resync_plan import (
+    ResyncPlan,
+    ResyncSource,
+    check_resync_src,
+    is_derived,
+    plan_resync,
+)
 from weightsync_audit.engine.repair.resync_transfer import move_copies, move_tensors
 from weightsync_audit.engine.repair.shard_resync import plan_held_copies, resync_shards
+from weightsync_audit.engine.repair.state import ResyncState, prepare_resync
 
-__all__ = ["resync", "state_device"]
+__all__ = ["resync", "resync_from", "resync_planned", "state_device"]
 
 
 def _decode_value(entry: Entry, blob: bytes) -> Any:
@@ -87,24 +94,44 @@ def resync(
         _resync_by_majority(module, optimizer, group=group, names=names, timeout_s=timeout_s)
         return
     comm = Comm(group, timeout_s)
-    if not 0 <= src < comm.world_size:
-        raise ValueError(f"src={src}: must be a rank of the group (0..{comm.world_size - 1})")
-    if not comm.distributed:
-        return
-    optimizers, module = as_optimizers(optimizer), stage_module(module)  # a PipelineStage: its stage module
+    if _moves(comm, src):
+        resync_from(prepare_resync(module, optimizer, comm), src, names=names, grads=grads)
+
+
+def resync_planned(state: ResyncState, plan: ResyncPlan) -> None:
+    """Carry out ``plan`` (the same on every rank) from ``state``: each source rank's tensors and gradients,
+    the sources in ascending order. The plan names global ranks, as the record does."""
+    position = {g: i for i, g in enumerate(state.comm.global_ranks)}
+    for source in plan.ranks():
+        tensors, grads = plan.sources.get(source, []), plan.grads.get(source, [])
+        state = resync_from(state, position[source], names=tensors, grads=grads)
+
+
+def resync_from(
+    state: ResyncState, src: int, *, names: Sequence[str] | None = None, grads: bool | Sequence[str] = False
+) -> ResyncState:
+    """:func:`resync` from the rank ``src`` of ``state``'s channel, reading ``state`` (collective).
+
+    Returns the state for a next resync: ``state`` itself, or one that builds its manifests anew when this
+    one created or deleted optimizer state (the structures differed: the same on every rank)."""
+    comm = state.comm
+    if not _moves(comm, src):
+        return state
     wanted = set(names) if names is not None else None
-    if _declared_resync(comm, module, optimizers, wanted, grads, src):  # pipeline stages, expert groups
-        return
-    entries, held = _split(picked := _entries(module, optimizers, wanted))
-    grad_entries = _grad_entries(comm, module, grads, wanted)
+    if declares_groups(state.module):  # pipeline stages, expert groups: copied within each group
+        resync_held(comm, state.entries(wanted) + _held_grads(state.module, state.optimizers, grads, wanted), src)
+        return state
+    entries, held = _split(picked := state.entries(wanted))
+    grad_entries = _grad_entries(comm, state.module, grads, wanted)
 
     # Agree on what is held before moving anything: the same structure everywhere is the fast path.
     structure = structure_digest(entries, devices=False)
     table = comm.exchange(np.array([structure, len(entries), len(held)], dtype=np.int64), "the resync")
     # Tensors some ranks hold by design: planned (or refused, on every rank alike) before anything moves.
     held_copies = plan_held_copies(comm, held, src, is_derived) if table[:, 2].any() else []
-    if not (table[:, :2] == table[0, :2]).all():
-        entries = _reconcile(comm, src, entries, optimizers, module, picked)
+    reconciled = not (table[:, :2] == table[0, :2]).all()
+    if reconciled:
+        entries = _reconcile(comm, src, entries, state.optimizers, state.module, picked)
         entries = [e for e in entries if wanted is None or e.name in wanted]
         again = comm.exchange(
             np.array([structure_digest(entries, devices=False), len(entries)], dtype=np.int64), "the resync"
@@ -114,7 +141,20 @@ def resync(
                 "cannot resync: the optimizers differ in structure between ranks (param groups or parameters "
                 "not in the same order); rebuild the optimizer the same way on every rank"
             )
+    _move(comm, src, entries, grad_entries, held_copies)
+    return state.rebuilt() if reconciled else state
 
+
+def _moves(comm: Comm, src: int) -> bool:
+    """Whether a resync from ``src`` over ``comm`` moves anything (no process group: nothing); a ``src``
+    outside the group is refused."""
+    if not 0 <= src < comm.world_size:
+        raise ValueError(f"src={src}: must be a rank of the group (0..{comm.world_size - 1})")
+    return comm.distributed
+
+
+def _move(comm: Comm, src: int, entries: list[Entry], grad_entries: list[Entry], held_copies: list[Any]) -> None:
+    """The copies, once the structures agree: tensors in place, Python values replaced in their dict."""
     # Tensors are overwritten in place; Python values (learning rates, integer steps) replaced in their dict.
     value_entries = [e for e in entries if e.container is not None and not isinstance(e.container[e.key], torch.Tensor)]
     tensor_entries = [
@@ -169,31 +209,6 @@ def _grad_entries(
             f"ranks, or has another shape or dtype): {', '.join(sorted(e.name for e in entries)[:5])}"
         )
     return entries
-
-
-def _entries(module: nn.Module | None, optimizers: list[torch.optim.Optimizer], wanted: set[str] | None) -> list[Entry]:
-    """This rank's entries (or those ``wanted``) under each engine's replica rules: a tensor is copied only
-    within its holders, never broadcast over ranks that hold other shards (FSDP1, ZeRO, declared groups)."""
-    manifest = build_manifest(module, optimizers, include=("params", "buffers", "optimizer"))
-    assign_replicas(manifest, module, optimizers)
-    return [e for e in manifest.entries if wanted is None or e.name in wanted]
-
-
-def _declared_resync(
-    comm: Comm,
-    module: nn.Module | None,
-    optimizers: list[torch.optim.Optimizer],
-    wanted: set[str] | None,
-    grads: bool | Sequence[str],
-    src: int,
-) -> bool:
-    """Pipeline stages and expert groups (declared, or a ``PipelineStage`` handed over): each tensor copied
-    within its group only (:mod:`.held_resync`); the path follows the module's declaration, the same on
-    every rank. ``False``: no such layout, nothing done."""
-    if not declares_groups(module):
-        return False
-    resync_held(comm, _entries(module, optimizers, wanted) + _held_grads(module, optimizers, grads, wanted), src)
-    return True
 
 
 def _held_grads(
@@ -273,11 +288,7 @@ def _reconcile(
     if refused:
         raise ValueError("cannot resync (nothing was changed): " + "; ".join(refused[:3]))
     if comm.rank != src:
-        entries = _split(
-            assign_replicas(
-                build_manifest(module, optimizers, include=("params", "buffers", "optimizer")), module, optimizers
-            ).entries
-        )[0]
+        entries = _split(replica_manifest(module, optimizers).entries)[0]
     # Installed Python values are already the source's; tensors (created empty) and the rest are
     # broadcast by the (now equal) structure.
     installed = {name for name, spec in src_state.items() if "v" in spec}
@@ -354,7 +365,8 @@ def state_device(param: torch.Tensor, group: dict[str, Any], key: str, dim: int)
 def _resync_by_majority(
     module: nn.Module | None, optimizer: Any, *, group: Any, names: Sequence[str] | None, timeout_s: float | None
 ) -> None:
-    """Audit, then resync each diverged tensor from a rank holding its reference value."""
+    """Audit, then resync each diverged tensor from a rank holding its reference value, reading what that
+    audit prepared (its channel, its manifest)."""
     auditor = Auditor(module, optimizer, group=group, timeout_s=timeout_s)
     result = auditor.audit()
     structural = [m.name for m in result.mismatches if m.kind == "structure"]
@@ -362,8 +374,4 @@ def _resync_by_majority(
         raise ValueError(f"cannot resync by majority: the structure differs ({', '.join(structural[:5])})")
     wanted = set(names) if names is not None else None
     chosen = [m for m in result.mismatches if wanted is None or m.name in wanted]
-    position = {g: i for i, g in enumerate(auditor.comm.global_ranks)}
-    plan = plan_resync(chosen, "majority")
-    for source in plan.ranks():
-        tensors, grads = plan.sources.get(source, []), plan.grads.get(source, [])
-        resync(module, optimizer, src=position[source], group=group, names=tensors, timeout_s=timeout_s, grads=grads)
+    resync_planned(auditor.resync_state(result), plan_resync(chosen, "majority"))

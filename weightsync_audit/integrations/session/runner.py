@@ -285,7 +285,7 @@ class AuditRunner:
             confirm=confirm,
             history=self.history,
             pinpointer=self.auditor.pinpointer if self.auditor is not None else None,
-            timeout_s=self.timeout_s,
+            prepare=auditor.resync_state,  # the audit's channel and manifest, not prepared again
         )
         if result.action == "resynced":  # a rank that diverges again after this is a persistent fault
             self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})

@@ -20,12 +20,12 @@ on every rank, so every rank builds the same structure and takes the same path.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from weightsync_audit.engine.inventory.manifest import Manifest, unwrap_module
+from weightsync_audit.engine.inventory.manifest import Manifest, build_manifest, unwrap_module
 from weightsync_audit.engine.inventory.replicas.declared import declare_replicas, declared_rules, stage_module
 from weightsync_audit.engine.inventory.replicas.deepspeed import deepspeed_rules
 from weightsync_audit.engine.inventory.replicas.fsdp1 import fsdp1_rules
@@ -42,6 +42,7 @@ __all__ = [
     "remember_wrapper",
     "unreplicated_kinds",
     "reducing_engine",
+    "replica_manifest",
     "stage_module",
 ]
 
@@ -93,6 +94,19 @@ def assign_replicas(
     if not rules.empty:
         apply_rules(manifest, unwrap_module(module) if module is not None else None, optimizers, rules)
     return manifest
+
+
+def replica_manifest(
+    module: nn.Module | None,
+    optimizers: Sequence[torch.optim.Optimizer],
+    include: Sequence[str] = ("params", "buffers", "optimizer"),
+    **settings: Any,
+) -> Manifest:
+    """The manifest of ``include`` with every entry's replica rule: what an audit compares and a resync copies.
+
+    ``settings``: the rest of :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`'s (exclude,
+    skipped buffers), which leave entries out and change none of those kept."""
+    return assign_replicas(build_manifest(module, optimizers, include=include, **settings), module, optimizers, include)
 
 
 def unreplicated_kinds(entries: Sequence[object]) -> Counter[str]:

@@ -1,0 +1,129 @@
+"""A resync right after an audit reads what that audit prepared (its channel, its manifest under the replica
+rules) instead of building them again, with the same result, bit for bit, as the standalone ``resync``; and the
+phases of an audit hand each other frozen results."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from ranks import run_ranks
+from torch import nn
+
+from weightsync_audit import Auditor, resync
+from weightsync_audit.engine import phases
+from weightsync_audit.engine.repair import state as state_module
+from weightsync_audit.engine.repair.resync import resync_planned
+from weightsync_audit.engine.repair.resync_plan import plan_resync
+from weightsync_audit.engine.run import AuditRun
+
+
+def _pair(rank: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    if rank == 1:  # a parameter and its optimizer state drift on one rank
+        with torch.no_grad():
+            model[0].weight[0, 0] += 1.0
+        opt.state[model[2].bias]["exp_avg"][0] += 0.5
+    return model, opt
+
+
+def _bytes(model: nn.Module, opt: torch.optim.Optimizer) -> list[Any]:
+    out: list[Any] = [t.detach().clone() for t in model.state_dict().values()]
+    for state in opt.state.values():
+        out += [v.detach().clone() if isinstance(v, torch.Tensor) else v for _, v in sorted(state.items())]
+    return out
+
+
+def _after_an_audit(rank: int, world: int) -> dict[str, Any]:
+    model, opt = _pair(rank)
+    twin, twin_opt = copy.deepcopy((model, opt))  # the same replica, to resync the standalone way
+    auditor = Auditor(model, opt, timeout_s=30, exclude=("1.*",))  # buffers left out of the audit
+    result = auditor.audit(step=1)
+    state = auditor.resync_state(result)
+    builds: list[int] = []
+    real = state_module.replica_manifest
+    state_module.replica_manifest = lambda *a, **k: builds.append(1) or real(*a, **k)  # type: ignore[assignment]
+    try:
+        plan = plan_resync(result.mismatches, 0)
+        resync_planned(state, plan)  # the audit's channel and manifest
+        reads_audit = len(builds)
+        fresh = auditor.resync_state(result, model, opt)  # the same result, asked again: still the audit's
+        other = auditor.resync_state(copy.copy(result))  # another record: built when read
+        other.entries({"1.running_mean"})
+        builds_for_other = len(builds) - reads_audit
+    finally:
+        state_module.replica_manifest = real  # type: ignore[assignment]
+    names = sorted(m.name for m in result.mismatches)
+    resync(twin, twin_opt, src=0, names=names, timeout_s=30)  # the standalone path, on the twin
+    same = all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(_bytes(model, opt), _bytes(twin, twin_opt))
+    )
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, [t.tolist() if isinstance(t, torch.Tensor) else t for t in _bytes(model, opt)])
+    return {
+        "names": names,
+        "same_comm": state.comm is auditor.comm,
+        "audited": state.audited is not None and state.diverged == frozenset(names),
+        "builds_reading_the_audit": reads_audit,
+        "kept": fresh is state,
+        "other_audited": other.audited is None,
+        "builds_for_other": builds_for_other,
+        "same_as_standalone": same,
+        "replicas_equal": gathered[0] == gathered[1],
+        "in_sync_after": auditor.audit(step=2).in_sync,
+    }
+
+
+def test_a_resync_after_an_audit_reads_its_state_and_matches_the_standalone_resync_bit_for_bit() -> None:
+    for r in run_ranks(_after_an_audit, 2, timeout=90):
+        assert r["names"] == ["0.weight", "2.bias.exp_avg"], r
+        assert r["same_comm"] and r["audited"] and r["kept"], r
+        assert r["builds_reading_the_audit"] == 0, r  # nothing built twice
+        assert r["other_audited"] and r["builds_for_other"] == 1, r  # another record: its own manifest
+        assert r["same_as_standalone"] and r["replicas_equal"] and r["in_sync_after"], r
+
+
+def test_an_audit_in_sync_keeps_nothing_and_the_state_names_its_channel_and_model() -> None:
+    model = nn.Linear(2, 2)
+    auditor = Auditor(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    result = auditor.audit(step=0)
+    assert result.in_sync and auditor.resync_state(result).audited is None  # in sync: nothing kept
+    state = auditor.resync_state(result)
+    assert (
+        state.comm is auditor.comm
+        and state.module is model
+        and [e.name for e in state.entries(None)][:2]
+        == [
+            "weight",
+            "bias",
+        ]
+    )
+
+
+@pytest.mark.parametrize("cls", [phases.Prepared, phases.Localized, phases.Tally, phases.SharedHints,
+                                 phases.Measured, phases.Explained, AuditRun])  # fmt: skip
+def test_every_phase_result_and_the_run_itself_is_frozen(cls: type) -> None:
+    params = getattr(cls, "__dataclass_params__", None)
+    assert params is not None and params.frozen, cls
+    assert "__slots__" in vars(cls) and cls.__dictoffset__ == 0, cls  # no instance dict: nothing added later
+
+
+def test_the_run_holds_its_inputs_only() -> None:
+    assert [f.name for f in dataclasses.fields(AuditRun)] == [
+        "auditor", "module", "optimizers", "step", "epoch", "hook", "ddp", "comm", "slice_index", "t0",
+    ]  # fmt: skip
+    model = nn.Linear(2, 2)
+    run = AuditRun(Auditor(model), model, [], step=0, epoch=None, hook=None, ddp=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.step = 1  # type: ignore[misc]
+    result, manifest = run.phases()
+    assert result.in_sync and manifest.size == 2
