@@ -13,6 +13,9 @@ __all__ = [
     "AuditPreparationError",
     "UnauditableTensorError",
     "ReportFormatError",
+    "ReportReadError",
+    "CheckpointError",
+    "UnsafeCheckpointError",
     "WeightSyncWarning",
     "TrainableSetMismatchError",
     "ResyncError",
@@ -104,6 +107,18 @@ class ReportFormatError(WeightSyncAuditError, ValueError):
 
     def _init_args(self) -> tuple[Any, ...]:
         return (str(self), self.line, self.torn)
+
+
+class ReportReadError(WeightSyncAuditError, ValueError):
+    """A report cannot be read at all (no such file, a folder, binary data); the message is one line."""
+
+
+class CheckpointError(WeightSyncAuditError, ValueError):
+    """A checkpoint (or its sidecar) could not be read; the message says which file and why."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file that needs code to load; it was refused and nothing in it was executed."""
 
 
 class WeightSyncWarning(UserWarning):

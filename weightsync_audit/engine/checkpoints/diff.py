@@ -27,14 +27,15 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from weightsync_audit.cli.checkpoint_load import CheckpointError, UnsafeCheckpointError, load_checkpoint
+from weightsync_audit.engine.checkpoints.load import load_checkpoint
 from weightsync_audit.engine.measure.gaps import max_abs_diff
+from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -115,15 +116,8 @@ class EntryDiff:
     numel: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "status": self.status,
-            "a": self.a,
-            "b": self.b,
-            "max_abs_diff": self.max_abs_diff,
-            "changed": self.changed,
-            "numel": self.numel,
-        }
+        """Every field, by name (the ``--json`` row)."""
+        return asdict(self)
 
 
 @dataclass(slots=True)
