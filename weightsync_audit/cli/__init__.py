@@ -19,7 +19,16 @@ import os
 import sys
 from typing import Sequence
 
-from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK, PROG, CliError, Parser, dedent
+from weightsync_audit.cli.command import (
+    EXIT_DIFFERENT,
+    EXIT_ERROR,
+    EXIT_OK,
+    PROG,
+    CliError,
+    Parser,
+    add_command,
+    dedent,
+)
 from weightsync_audit.errors import CheckpointError, ReportReadError
 
 __all__ = ["main", "build_parser", "EXIT_OK", "EXIT_DIFFERENT", "EXIT_ERROR"]
@@ -70,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").add_parser(sub)
+        add_command(sub, importlib.import_module(f"{__name__}.{name}"))
     return parser
 
 

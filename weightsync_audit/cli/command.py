@@ -1,9 +1,10 @@
 """What every ``weightsync-audit`` command shares: its parser class, its one-line error, the way it registers.
 
-A command is a module of this folder with ``add_parser(sub)`` (its sub-command, options and help) and
-``run(args) -> int`` (the exit status); :func:`add_command` ties the two together, so the dispatcher
-(``cli/__init__.py``) only builds the top parser and calls ``args.run(args)``. A command module imports
-no torch at import time: ``check --help`` and ``show`` start without it.
+A command is a module of this folder that owns its parser and its run function: ``SUMMARY``,
+``DESCRIPTION`` and ``EXAMPLES`` (its help), ``add_arguments(parser)`` (its options) and ``run(args) -> int``
+(the exit status). :func:`add_command` registers one, so the dispatcher (``cli/__init__.py``) only builds
+the top parser and calls ``args.run(args)``. A command module imports no torch at import time:
+``check --help`` and ``show`` start without it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
-from typing import Any, Callable, NoReturn
+from types import ModuleType
+from typing import Any, NoReturn
 
 from weightsync_audit.reporting.summary import EXIT_DIFFERENT, EXIT_ERROR, EXIT_OK
 
@@ -27,11 +29,10 @@ __all__ = [
     "add_json",
     "add_report",
     "dedent",
+    "one_line",
 ]
 
 PROG = "weightsync-audit"
-
-Run = Callable[[argparse.Namespace], int]
 
 
 class CliError(Exception):
@@ -52,17 +53,24 @@ def dedent(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
 
-def add_command(sub: Any, name: str, run: Run, *, summary: str, description: str, examples: str) -> Parser:
-    """Register the sub-command ``name``: its one-line ``summary`` (in the top ``--help``), ``description``
-    and ``examples`` (in its own ``--help``); ``run`` is called with the parsed arguments."""
+def one_line(text: str) -> str:
+    """A paragraph written wrapped in the source, as one line (argparse prints a description as given)."""
+    return " ".join(text.split())
+
+
+def add_command(sub: Any, command: ModuleType) -> Parser:
+    """Register the command module ``command`` (``cli/check.py``, ...) as the sub-command of its name: its
+    ``SUMMARY`` (a line in the top ``--help``), ``DESCRIPTION`` and ``EXAMPLES`` (its own ``--help``), its
+    ``add_arguments(parser)``; the parsed arguments go to its ``run(args)``."""
     parser: Parser = sub.add_parser(
-        name,
-        help=summary,
+        command.__name__.rpartition(".")[2],
+        help=command.SUMMARY,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=description,
-        epilog=dedent(examples),
+        description=one_line(command.DESCRIPTION),
+        epilog=dedent(command.EXAMPLES),
     )
-    parser.set_defaults(run=run)
+    command.add_arguments(parser)
+    parser.set_defaults(run=command.run)
     return parser
 
 

@@ -21,31 +21,32 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.rule import Rule
 from rich.text import Text
 
-from weightsync_audit.cli.command import CliError, add_command
+from weightsync_audit.cli.command import CliError
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.reporting.summary import ReportSummary, diverged_ranks, fmt_step
 
-__all__ = ["add_parser", "run", "run_demo"]
+__all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "run", "run_demo"]
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``demo`` on the command line's subparsers."""
-    p = add_command(
-        sub,
-        "demo",
-        run,
-        summary="run Lightning #20340 on CPU ranks: the divergence found and explained, then fixed",
-        description="Train the bug report's model twice with DDP on CPU ranks: as reported (the replicas part at "
-        "epoch 3, when BackboneFinetuning unfreezes the backbone) and with DDPRewrapOnTrainableChange (in sync "
-        "throughout). Every step is audited; the reports are written as JSONL. Exit 0 when the audit tells the "
-        "two runs apart as expected, 1 when it does not, 2 on an error.",
-        examples="""
-            example:
-              weightsync-audit demo --ranks 2 --epochs 5 --report ./demo-reports
-              weightsync-audit show ./demo-reports/without-fix.jsonl
-            """,
-    )
+SUMMARY = "run Lightning #20340 on CPU ranks: the divergence found and explained, then fixed"
+
+DESCRIPTION = """
+    Train the bug report's model twice with DDP on CPU ranks: as reported (the replicas part at epoch 3, when
+    BackboneFinetuning unfreezes the backbone) and with DDPRewrapOnTrainableChange (in sync throughout). Every step
+    is audited; the reports are written as JSONL. Exit 0 when the audit tells the two runs apart as expected, 1 when
+    it does not, 2 on an error.
+"""
+
+EXAMPLES = """
+    example:
+      weightsync-audit demo --ranks 2 --epochs 5 --report ./demo-reports
+      weightsync-audit show ./demo-reports/without-fix.jsonl
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``demo``'s arguments."""
     p.add_argument("--ranks", type=int, default=2, help="number of CPU ranks (default: 2)")
     p.add_argument(
         "--epochs", type=int, default=5, help="epochs per run; the backbone unfreezes at epoch 3 (default: 5)"

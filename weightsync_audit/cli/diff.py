@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Sequence
+from typing import Sequence
 
 from rich import box
 from rich.console import Console
@@ -12,34 +12,35 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, CliError, add_command, add_json
+from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, CliError, add_json
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.reporting.summary import fmt_gap
 
-__all__ = ["add_parser", "cmd_diff", "run", "sidecar_diff"]
+__all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "cmd_diff", "run", "sidecar_diff"]
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``diff`` on the command line's subparsers."""
-    p = add_command(
-        sub,
-        "diff",
-        run,
-        summary="compare two checkpoints tensor by tensor; exit 0 identical, 1 different, 2 error",
-        description="Compare checkpoints tensor by tensor: Lightning .ckpt files, torch.save'd state dicts, or "
-        "folders of per-rank files. Reports missing, extra, shape and dtype changes, and values with their max "
-        "|diff|. Files are loaded with torch.load(weights_only=True): one that needs code to load is refused "
-        "(exit 2), never executed; a file that is no checkpoint at all (a report, a text) is named as such "
-        "(exit 2). With one folder, every file in it is compared with the first. With --atol, tensors that "
-        "differ within it are 'EQUAL within atol' (exit 0), told apart from IDENTICAL (equal bits).",
-        examples="""
-            examples:
-              weightsync-audit diff epoch=3.ckpt epoch=3-rerun.ckpt
-              weightsync-audit diff ckpts/rank0.pt ckpts/rank1.pt --atol 1e-6
-              weightsync-audit diff ckpts/                  # every rank's file against the first
-              weightsync-audit diff a.ckpt b.ckpt --exclude 'loops.*' --exclude 'callbacks.*'
-            """,
-    )
+SUMMARY = "compare two checkpoints tensor by tensor; exit 0 identical, 1 different, 2 error"
+
+DESCRIPTION = """
+    Compare checkpoints tensor by tensor: Lightning .ckpt files, torch.save'd state dicts, or folders of per-rank
+    files. Reports missing, extra, shape and dtype changes, and values with their max |diff|. Files are loaded with
+    torch.load(weights_only=True): one that needs code to load is refused (exit 2), never executed; a file that is
+    no checkpoint at all (a report, a text) is named as such (exit 2). With one folder, every file in it is compared
+    with the first. With --atol, tensors that differ within it are 'EQUAL within atol' (exit 0), told apart from
+    IDENTICAL (equal bits).
+"""
+
+EXAMPLES = """
+    examples:
+      weightsync-audit diff epoch=3.ckpt epoch=3-rerun.ckpt
+      weightsync-audit diff ckpts/rank0.pt ckpts/rank1.pt --atol 1e-6
+      weightsync-audit diff ckpts/                  # every rank's file against the first
+      weightsync-audit diff a.ckpt b.ckpt --exclude 'loops.*' --exclude 'callbacks.*'
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``diff``'s arguments."""
     p.add_argument("a", metavar="A", help="checkpoint file or folder")
     p.add_argument(
         "b", metavar="B", nargs="?", help="checkpoint file or folder (omit to compare the files of folder A)"

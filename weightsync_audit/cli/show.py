@@ -3,35 +3,35 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from rich.console import Console
 
-from weightsync_audit.cli.command import CliError, add_allow_torn, add_command, add_report
+from weightsync_audit.cli.command import CliError, add_allow_torn, add_report
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.reporting.summary import ReportSummary
 from weightsync_audit.reporting.terminal import show_summary
 
-__all__ = ["add_parser", "cmd_show", "run"]
+__all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "cmd_show", "run"]
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``show`` on the command line's subparsers."""
-    p = add_command(
-        sub,
-        "show",
-        run,
-        summary="timeline and per-layer table of a report; --plot draws it",
-        description="Lay out a JSONL audit report in the terminal: a timeline of in-sync and diverged stretches "
-        "and a table of the layers that diverged, with their ranks and gaps. --plot draws tensors (or layers) "
-        "against steps, coloured by in sync / diverged and by max |diff| (needs matplotlib: "
-        "pip install matplotlib). Exit 0 when shown, 2 when the file is unreadable or holds an invalid line.",
-        examples="""
-            example:
-              weightsync-audit show audit.jsonl
-              weightsync-audit show audit.jsonl --plot run.png --by layer
-            """,
-    )
+SUMMARY = "timeline and per-layer table of a report; --plot draws it"
+
+DESCRIPTION = """
+    Lay out a JSONL audit report in the terminal: a timeline of in-sync and diverged stretches and a table of the
+    layers that diverged, with their ranks and gaps. --plot draws tensors (or layers) against steps, coloured by in
+    sync / diverged and by max |diff| (needs matplotlib: pip install matplotlib). Exit 0 when shown, 2 when the file
+    is unreadable or holds an invalid line.
+"""
+
+EXAMPLES = """
+    example:
+      weightsync-audit show audit.jsonl
+      weightsync-audit show audit.jsonl --plot run.png --by layer
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``show``'s arguments."""
     add_report(p)
     p.add_argument("--plot", metavar="FILE.png", help="also draw the run to this image (.png, .svg, .pdf)")
     p.add_argument("--by", choices=("tensor", "layer"), default="tensor", help="plot rows (default: tensor)")

@@ -10,30 +10,33 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
-from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, add_command, add_json
+from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, add_json
 
-__all__ = ["add_parser", "cmd_verify", "run"]
+__all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "cmd_verify", "run"]
 
 
-def add_parser(sub: Any) -> None:
-    """Register ``verify`` on the command line's subparsers."""
-    p = add_command(
-        sub,
-        "verify",
-        run,
-        summary="check a checkpoint against its sidecar; exit 0 verified and unchanged, 1 not, 2 unreadable",
-        description="Check a checkpoint (a file, a Hugging Face checkpoint folder, or a torch.distributed.checkpoint "
-        "folder) against the sidecar weightsync wrote when it was saved: exit 0 when the replicas agreed at that "
-        "step and every tensor (every shard) still has its digest, 1 when it has no sidecar, was saved while the "
-        "replicas differed, or changed since (naming the tensors or shards and their ranks), 2 when unreadable.",
-        examples="example:\n  weightsync-audit verify checkpoints/epoch=3-step=400.ckpt\n",
-    )
+SUMMARY = "check a checkpoint against its sidecar; exit 0 verified and unchanged, 1 not, 2 unreadable"
+
+DESCRIPTION = """
+    Check a checkpoint (a file, a Hugging Face checkpoint folder, or a torch.distributed.checkpoint folder) against
+    the sidecar weightsync wrote when it was saved: exit 0 when the replicas agreed at that step and every tensor
+    (every shard) still has its digest, 1 when it has no sidecar, was saved while the replicas differed, or changed
+    since (naming the tensors or shards and their ranks), 2 when unreadable.
+"""
+
+EXAMPLES = """
+    example:
+      weightsync-audit verify checkpoints/epoch=3-step=400.ckpt
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``verify``'s arguments."""
     p.add_argument("path", metavar="PATH", help="checkpoint file or folder")
     add_json(p, "the outcome")
 
