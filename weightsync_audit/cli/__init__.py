@@ -7,7 +7,8 @@ Exit codes (the contract): ``check`` 0 in sync, 1 diverged, 2 unreadable (0 for 
 resync and in sync at the end with ``--accept-repaired``); ``show`` 0 / 2; ``diff`` 0 identical or
 equal within ``--atol``, 1 different, 2 error; every error is one line on stderr, never a traceback.
 
->>> main(["--version"])
+>>> main(["--version"])  # doctest: +ELLIPSIS
+weightsync-audit ...
 0
 """
 
