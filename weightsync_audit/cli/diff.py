@@ -156,17 +156,12 @@ def cmd_diff(
 
 def sidecar_diff(a: str, b: str, console: Console, as_json: bool = False) -> int | None:
     """``diff`` by the sidecars when both sides have one (no file is loaded); ``None`` when either has none."""
-    from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar
+    from weightsync_audit.engine.checkpoints.diff import diff_sidecars
 
-    try:
-        sa, sb = read_sidecar(a), read_sidecar(b)
-    except SidecarError:
+    compared = diff_sidecars(a, b)
+    if compared is None:
         return None
-    if sa is None or sb is None or "shards" in sa or "shards" in sb:
-        return None
-    ta, tb = sa["tensors"], sb["tensors"]
-    rows = [(n, "missing") for n in sorted(set(ta) - set(tb))] + [(n, "extra") for n in sorted(set(tb) - set(ta))]
-    rows += [(n, "values") for n in sorted(set(ta) & set(tb)) if ta[n] != tb[n]]
+    rows, count = compared
     code = EXIT_DIFFERENT if rows else EXIT_OK
     if as_json:
         console.file.write(
@@ -176,7 +171,7 @@ def sidecar_diff(a: str, b: str, console: Console, as_json: bool = False) -> int
     title = f"{a}  vs  {b} (by their sidecars; --full loads the files)"
     if not rows:
         console.print(
-            Text(f"IDENTICAL: {title}: all {len(ta)} tensors have equal digests", style="bold green"), soft_wrap=True
+            Text(f"IDENTICAL: {title}: all {count} tensors have equal digests", style="bold green"), soft_wrap=True
         )
     else:
         console.print(Text(f"DIFFERENT: {title}: {len(rows)} tensor(s)", style="bold red"), soft_wrap=True)
