@@ -175,7 +175,7 @@ def test_verify_exits_0_on_a_verified_checkpoint_1_when_changed_or_unverified_2_
 
 
 def test_verify_names_a_changed_shard_of_a_distributed_checkpoint_with_its_owner(tmp_path: Path) -> None:
-    from weightsync_audit.cli._verify import verify_checkpoint
+    from weightsync_audit.engine.checkpoints.offline import verify_checkpoint
 
     folder = tmp_path / "dcp"
     run_ranks(_dcp, 2, str(folder), False)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.ranks import free_port, run_ranks
 from weightsync_audit import Auditor, LoopAudit
 from weightsync_audit.cli import main
-from weightsync_audit.cli._verify import verify_checkpoint
+from weightsync_audit.engine.checkpoints.offline import verify_checkpoint
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 
 # -- item 6: a sampled audit and the sidecar ------------------------------------------------------------

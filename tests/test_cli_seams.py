@@ -186,3 +186,32 @@ def test_the_plot_colour_scale_keeps_a_decade_and_labels_whole_decades(tmp_path:
     labels = re.findall(r"<!-- \$\\mathdefault\{(.*?)\}\$ -->", svg)
     assert "10^{-4}" in labels, labels
     assert not [t for t in labels if "times" in t], labels  # no 9.9965e-5 style labels, on either panel
+
+
+def test_every_command_module_owns_its_parser_and_its_run_and_the_dispatcher_registers_each() -> None:
+    import importlib
+    import pkgutil
+
+    import weightsync_audit.cli as cli
+    from weightsync_audit.cli.command import one_line
+
+    modules = {m.name for m in pkgutil.iter_modules(cli.__path__)} - {"command"}
+    assert set(cli.COMMANDS) == modules, "a module of cli/ is a command, or command.py's shared part"
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert list(sub) == list(cli.COMMANDS)
+    for name in cli.COMMANDS:
+        module = importlib.import_module(f"weightsync_audit.cli.{name}")
+        assert sub[name].get_default("run") is module.run, name
+        assert sub[name].description == one_line(module.DESCRIPTION) and "\n" not in sub[name].description
+
+
+def test_the_library_code_lives_outside_cli_and_print_report_stays_public() -> None:
+    import weightsync_audit as wa
+    from weightsync_audit import errors
+    from weightsync_audit.engine.checkpoints import diff, load, offline
+    from weightsync_audit.reporting import summary, terminal
+
+    assert wa.print_report is terminal.print_report
+    assert diff.CheckpointError is load.CheckpointError is errors.CheckpointError
+    assert issubclass(errors.UnsafeCheckpointError, errors.CheckpointError)
+    assert callable(offline.verify_checkpoint) and callable(summary.ReportSummary.read)

@@ -148,8 +148,9 @@ def test_check_and_show_name_the_pinpointed_step_and_a_report_within_tolerance_p
     from rich.console import Console
 
     from weightsync_audit import Mismatch
-    from weightsync_audit.cli._reports import cmd_check, cmd_show
+    from weightsync_audit.cli.show import cmd_show
     from weightsync_audit.reporting.jsonl import ReportWriter
+    from weightsync_audit.reporting.terminal import check_report
 
     drift = Mismatch("fc.weight", "param", [1], [0], [4], "float32", 2e-7, rel_diff=2e-7, within_tolerance=True)
     jump = Mismatch("fc.bias", "param", [1], [0], [4], "float32", 1e-2, rel_diff=3e-2, within_tolerance=False)
@@ -175,7 +176,7 @@ def test_check_and_show_name_the_pinpointed_step_and_a_report_within_tolerance_p
             for r in recs:
                 w.write(r)
         console = Console(record=True, width=200)
-        code = cmd_check(str(path), console=console)
+        code = check_report(str(path), console=console)
         plot = tmp_path / f"{name}.png"
         assert cmd_show(str(path), plot=str(plot), console=console) == 0 and plot.stat().st_size > 0
         out[name] = (code, console.export_text())

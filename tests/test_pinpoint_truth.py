@@ -155,8 +155,8 @@ def _healed(rank: int, world: int, heal: str) -> list[dict[str, Any]]:
 
 
 def test_a_divergence_that_appeared_and_healed_between_audits_is_reported_as_transient(tmp_path: Any) -> None:
-    from weightsync_audit.cli._reports import cmd_check
     from weightsync_audit.reporting.jsonl import ReportWriter
+    from weightsync_audit.reporting.terminal import check_report
 
     for heal in ("restored", "nan_everywhere"):
         results = run_ranks(_healed, 2, heal)
@@ -173,7 +173,7 @@ def test_a_divergence_that_appeared_and_healed_between_audits_is_reported_as_tra
         from rich.console import Console
 
         console = Console(record=True, width=200)
-        assert cmd_check(str(path), console=console) == 1  # counted as a divergence
+        assert check_report(str(path), console=console) == 1  # counted as a divergence
         assert "transient: the replicas differed at steps 6 .. 7 (0.weight)" in console.export_text()
 
 
@@ -219,8 +219,8 @@ def _reported_then_healed(rank: int, world: int) -> list[dict[str, Any]]:
 def test_a_divergence_an_audit_reported_is_never_reported_again_as_transient(tmp_path: Any) -> None:
     from rich.console import Console
 
-    from weightsync_audit.cli._reports import cmd_check
     from weightsync_audit.reporting.jsonl import ReportWriter
+    from weightsync_audit.reporting.terminal import check_report
 
     results = run_ranks(_reported_then_healed, 2)
     assert results[0] == results[1]
@@ -234,7 +234,7 @@ def test_a_divergence_an_audit_reported_is_never_reported_again_as_transient(tmp
         for r in results[0]:
             w.write(AuditResult.from_dict(r))
     console = Console(record=True, width=200)
-    assert cmd_check(str(path), console=console) == 1
+    assert check_report(str(path), console=console) == 1
     assert "DIVERGED: 2 of 4 audit(s)" in console.export_text()
 
 
@@ -244,8 +244,8 @@ def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_
     from rich.console import Console
 
     from weightsync_audit import Mismatch
-    from weightsync_audit.cli._reports import cmd_check
     from weightsync_audit.reporting.jsonl import ReportWriter
+    from weightsync_audit.reporting.terminal import check_report
 
     # As an engine before the fix wrote it: diverged at 16, then "transient 16 .. 16" at the in-sync 20.
     repeat = {"first_diverged_step": 16, "last_diverged_step": 16, "names": ["3.weight"]}
@@ -260,7 +260,7 @@ def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_
         for r in records:
             w.write(r)
     console = Console(record=True, width=200)
-    assert cmd_check(str(path), console=console) == 1
+    assert check_report(str(path), console=console) == 1
     assert "DIVERGED: 2 of 3 audit(s)" in console.export_text()  # 16 and the new one at 24, not 20
 
 

@@ -16,7 +16,6 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from weightsync_audit.cli._reports import print_report
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
     from weightsync_audit.engine.attribution.attach import attach_watch
     from weightsync_audit.engine.attribution.config import AttributionConfig
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
     from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
     from weightsync_audit.reporting.render import render
+    from weightsync_audit.reporting.terminal import print_report
 
 from weightsync_audit.version import __version__ as __version__
 
@@ -75,7 +75,7 @@ _LAZY = {
     "ReportContents": "weightsync_audit.reporting.jsonl",
     "read_report": "weightsync_audit.reporting.jsonl",
     "render": "weightsync_audit.reporting.render",
-    "print_report": "weightsync_audit.cli._reports",
+    "print_report": "weightsync_audit.reporting.terminal",
     "LoopAudit": "weightsync_audit.integrations.loop",
     "ResumeSources": "weightsync_audit.engine.checkpoints.resume_state",
     "PendingAudit": "weightsync_audit.engine.overlap",

@@ -14,6 +14,9 @@ __all__ = [
     "AuditPreparationError",
     "UnauditableTensorError",
     "ReportFormatError",
+    "ReportReadError",
+    "CheckpointError",
+    "UnsafeCheckpointError",
     "WeightSyncWarning",
     "TrainableSetMismatchError",
     "ResyncError",
@@ -99,6 +102,18 @@ class ReportFormatError(WeightSyncAuditError, ValueError):
         self.line = line
         self.torn = torn
         super().__init__(message)
+
+
+class ReportReadError(WeightSyncAuditError, ValueError):
+    """A report cannot be read at all (no such file, a folder, binary data); the message is one line."""
+
+
+class CheckpointError(WeightSyncAuditError, ValueError):
+    """A checkpoint (or its sidecar) could not be read; the message says which file and why."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A file that needs code to load; it was refused and nothing in it was executed."""
 
 
 class WeightSyncWarning(UserWarning):

@@ -16,6 +16,7 @@ divergence, whatever status the launcher itself gives (torchrun exits 1 when a w
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -24,10 +25,36 @@ import uuid
 from pathlib import Path
 from typing import Any, Sequence
 
-from weightsync_audit.cli._summary import CliError
+from weightsync_audit.cli.command import CliError
 from weightsync_audit.integrations.evict import EVICT_FILE_ENV, LAUNCH_ID_ENV, SEGMENT_DIR_ENV, read_evict
 
-__all__ = ["cmd_launch"]
+__all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "cmd_launch", "run"]
+
+
+SUMMARY = "run torchrun (or any launcher) and exit with the run's exit_code after a divergence"
+
+DESCRIPTION = """
+    Run COMMAND with WEIGHTSYNC_EVICT_FILE set; when the run ended on a divergence (exit_code=17 on every rank) exit
+    with that status even though torchrun exits 1, and leave the evict file naming the hosts to leave out
+    (docs/restarts.md).
+"""
+
+EXAMPLES = """
+    example:
+      weightsync-audit launch --evict-file evict.json -- torchrun --nproc_per_node=8 --max-restarts=1 train.py
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``launch``'s arguments."""
+    p.add_argument("--evict-file", default=None, help="the JSON evict file (default ./weightsync-evict.json)")
+    p.add_argument("--segment-health-dir", default=None, help="NVRx ft_launcher's --ft-segment-health-check-dir")
+    p.add_argument("launched", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the launcher and its arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the launcher; its exit status, or the run's ``exit_code`` after a divergence."""
+    return cmd_launch(args.launched, evict_file=args.evict_file, segment_health_dir=args.segment_health_dir)
 
 
 def _said(doc: dict[str, Any]) -> str:

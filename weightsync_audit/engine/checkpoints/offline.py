@@ -1,9 +1,18 @@
-"""``verify PATH``: a checkpoint against its sidecar, on one machine; and the sidecar side of ``diff``.
+"""What ``weightsync-audit verify`` checks of a checkpoint on one machine, with no rank running.
 
-Exit 0: the sidecar says every replica agreed when it was saved (``verified``) and every tensor (every
-shard file, for a ``torch.distributed.checkpoint`` folder) still has the digest it had then. Exit 1: no
-sidecar (unverified), saved while the replicas differed, or changed since (the tensors or shards are
-named). Exit 2: the checkpoint or its sidecar cannot be read.
+:func:`verify_checkpoint`: the sidecar says every replica agreed when it was saved (``verified``) and every
+tensor (every shard file, for a ``torch.distributed.checkpoint`` folder) still has the digest it had then;
+else it names the tensors or shards (and their ranks) that changed or are missing.
+
+:func:`verify_resume`, from the sidecar's ``resume``: what the checkpoint will give each rank:
+
+- what is meant to be equal on every replica (lr schedulers, the grad scaler) was equal when saved;
+- a Hugging Face folder's ``rng_state_{rank}.pth`` files still hold each rank's *own* saved RNG state
+  (``rank 1's rng_state_1.pth holds rank 0's RNG state``: the file a resume of rank 1 would load);
+- its ``trainer_state.json`` resumes at the step the sidecar saved, and its ``scheduler.pt`` is there.
+
+>>> verify_resume(Path("."), {})["status"]
+'unchecked'
 """
 
 from __future__ import annotations
@@ -13,14 +22,9 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from rich.console import Console
-from rich.markup import escape
-from rich.text import Text
-
-from weightsync_audit.cli._summary import EXIT_DIFFERENT, EXIT_OK, CliError
-from weightsync_audit.cli.checkpoint_diff import CHECKPOINT_SUFFIXES, CheckpointError, load_checkpoint
-from weightsync_audit.cli.checkpoint_load import UnsafeCheckpointError
-from weightsync_audit.cli.verify_resume import verify_resume
+from weightsync_audit.engine.checkpoints.diff import CHECKPOINT_SUFFIXES
+from weightsync_audit.engine.checkpoints.load import load_checkpoint
+from weightsync_audit.engine.checkpoints.resume_state import compare, is_error, rng_file_state, saved_differences
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
@@ -28,8 +32,67 @@ from weightsync_audit.engine.checkpoints.sidecar import (
     sidecar_path,
     tensor_digests,
 )
+from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
-__all__ = ["cmd_verify", "sidecar_diff", "verify_checkpoint"]
+__all__ = ["verify_checkpoint", "verify_resume"]
+
+
+def _rng_files(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]]:
+    names = {r: f"rng_state_{r}.pth" if len(saved) > 1 else "rng_state.pth" for r in saved}
+    present = {r: folder / n for r, n in names.items() if (folder / n).is_file()}
+    if not present:
+        return []
+    missing = sorted(int(r) for r in names if r not in present)
+    out: list[dict[str, Any]] = []
+    if missing:
+        out.append({
+            "component": "rng", "kind": "not_restored", "ranks": missing, "from_ranks": [],
+            "detail": f"rank(s) {', '.join(map(str, missing))} have no RNG file ({names[str(missing[0])]}): "
+            "the Trainer will not restore their RNG state",
+        })  # fmt: skip
+    now = {r: rng_file_state(str(p)) for r, p in present.items()}
+    mine = {r: saved[r] for r in present}
+    for f in compare(mine, now):
+        f["detail"] = f["detail"].replace("resumed with", "would resume with") + " (its rng_state file)"
+        out.append(f)
+    return out
+
+
+def _trainer_step(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]]:
+    state = folder / "trainer_state.json"
+    if not state.is_file():
+        return []
+    try:
+        step = json.loads(state.read_text()).get("global_step")
+    except (OSError, ValueError):
+        return []
+    was = {r: (e.get("data.position", {}).get("value") or {}).get("step") for r, e in saved.items()}
+    odd = sorted(int(r) for r, s in was.items() if s is not None and s != step)
+    if not odd:
+        return []
+    return [{
+        "component": "data.position", "kind": "not_restored", "ranks": odd, "from_ranks": [],
+        "detail": f"trainer_state.json resumes at step {step}, the ranks saved step {was[str(odd[0])]}",
+    }]  # fmt: skip
+
+
+def verify_resume(path: Path, sidecar: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"status": exact|differs|unchecked, "findings", "why"?}`` for the checkpoint at ``path``."""
+    resume = sidecar.get("resume") if isinstance(sidecar, Mapping) else None
+    saved = resume.get("ranks") if isinstance(resume, Mapping) else None
+    if not isinstance(saved, dict) or not saved:
+        return {"status": "unchecked", "findings": [], "why": "the sidecar holds no resume state"}
+    findings = saved_differences(saved)
+    if path.is_dir():
+        findings += _rng_files(path, saved) + _trainer_step(path, saved)
+        hf = (path / "trainer_state.json").is_file()
+        if hf and any("lr_scheduler" in e for e in saved.values()) and not (path / "scheduler.pt").is_file():
+            findings.append({
+                "component": "lr_scheduler", "kind": "not_restored", "ranks": sorted(map(int, saved)),
+                "from_ranks": [], "detail": "scheduler.pt is missing: the lr scheduler would restart at step 0",
+            })  # fmt: skip
+    return {"status": "differs" if any(is_error(f) for f in findings) else "exact", "findings": findings}
+
 
 _SKIPPED = ("training_args.bin", "rng_state")
 """Files of a checkpoint folder that hold no tensors the sidecar records (Hugging Face's own)."""
@@ -92,15 +155,15 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """The outcome of checking ``path`` against its sidecar: ``status`` (``verified``, ``unverified``,
     ``diverged``, ``changed``), ``changed`` (names, or shard files with their ``rank``), ``missing``.
 
-    Raises :class:`CliError` when the checkpoint or its sidecar cannot be read.
+    Raises :class:`CheckpointError` when the checkpoint or its sidecar cannot be read.
     """
     p = Path(path)
     if not p.exists():
-        raise CliError(f"{p}: no such file or folder")
+        raise CheckpointError(f"{p}: no such file or folder")
     try:
         sidecar = read_sidecar(p)
     except SidecarError as exc:
-        raise CliError(str(exc)) from None
+        raise CheckpointError(str(exc)) from None
     out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
     out["skipped"] = []
     if sidecar is None:
@@ -116,10 +179,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                 out["changed"].append(f"{f} (rank {s['rank']})")
     else:
         saved = sidecar["tensors"]
-        try:
-            now = _folder_digests(p, sorted(saved), out) if p.is_dir() else tensor_digests(load_checkpoint(p))
-        except CheckpointError as exc:
-            raise CliError(str(exc)) from None
+        now = _folder_digests(p, sorted(saved), out) if p.is_dir() else tensor_digests(load_checkpoint(p))
         tied = sidecar.get("tied") or {}
         partitioned = bool(sidecar.get("partitioned"))
         for n, e in sorted(saved.items()):
@@ -144,75 +204,5 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         status = "verified" if verdict == "verified" else "diverged"
     if verdict == "diverged":
         out["diverged"] = sidecar.get("diverged", [])
-    out["resume"] = verify_resume(p, sidecar)  # each rank's own RNG, position, schedulers (cli/verify_resume.py)
+    out["resume"] = verify_resume(p, sidecar)  # each rank's own RNG, position, schedulers (below)
     return {**out, "status": status}
-
-
-def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = None) -> int:
-    """``weightsync-audit verify PATH``: 0 verified and unchanged, 1 not, 2 unreadable."""
-    outcome = verify_checkpoint(path)
-    resume = outcome.get("resume") or {"status": "unchecked", "findings": []}
-    code = EXIT_OK if outcome["status"] == "verified" and resume["status"] != "differs" else EXIT_DIFFERENT
-    console = console or Console(soft_wrap=True)
-    if as_json:
-        console.file.write(json.dumps(outcome, indent=2) + "\n")
-        return code
-    where = f"{path} (step {outcome.get('step')})"
-    status = outcome["status"]
-    for f in resume["findings"]:  # one line per thing a resume would not give back, naming the ranks
-        style = "bold red" if f.get("severity", "error") != "note" else "yellow"
-        console.print(Text(f"RESUME: {path}: {f['detail']}", style=style))
-    if status == "verified" and resume["status"] == "differs":
-        console.print(Text(f"NOT VERIFIED: {where}: the weights agree; the resume state above does not"))
-    elif status == "verified":
-        console.print(Text(f"VERIFIED: {where}: every replica agreed when it was saved; unchanged since", "bold green"))
-        if outcome.get("not_compared"):
-            part = outcome["not_compared"]
-            console.print(
-                f"  {len(part)} partitioned tensor(s) not compared ({escape(', '.join(part[:5]))}"
-                f"{', ...' if len(part) > 5 else ''}): the engine saved them as each rank's partition, in its "
-                "optimizer files (a placeholder in the model file)"
-            )
-    elif status == "unverified":
-        console.print(Text(f"UNVERIFIED: {path}: {outcome['why']}", style="bold yellow"))
-    else:
-        said = []
-        if outcome["changed"]:
-            said.append(f"changed since saved: {', '.join(outcome['changed'][:10])}")
-        if outcome["missing"]:
-            said.append(f"missing: {', '.join(outcome['missing'][:10])}")
-            if outcome.get("skipped"):
-                said.append(f"not read (they need code to load): {', '.join(outcome['skipped'][:5])}")
-        if outcome.get("diverged") is not None:
-            said.append(f"saved while the replicas differed ({', '.join(outcome['diverged'][:5]) or 'see its record'})")
-        console.print(Text(f"NOT VERIFIED: {where}: " + "; ".join(said), style="bold red"))
-    return code
-
-
-def sidecar_diff(a: str, b: str, console: Console, as_json: bool = False) -> int | None:
-    """``diff`` by the sidecars when both sides have one (no file is loaded); ``None`` when either has none."""
-    try:
-        sa, sb = read_sidecar(a), read_sidecar(b)
-    except SidecarError:
-        return None
-    if sa is None or sb is None or "shards" in sa or "shards" in sb:
-        return None
-    ta, tb = sa["tensors"], sb["tensors"]
-    rows = [(n, "missing") for n in sorted(set(ta) - set(tb))] + [(n, "extra") for n in sorted(set(tb) - set(ta))]
-    rows += [(n, "values") for n in sorted(set(ta) & set(tb)) if ta[n] != tb[n]]
-    code = EXIT_DIFFERENT if rows else EXIT_OK
-    if as_json:
-        console.file.write(
-            json.dumps({"by": "sidecars", "entries": [{"name": n, "status": s} for n, s in rows]}) + "\n"
-        )
-        return code
-    title = f"{a}  vs  {b} (by their sidecars; --full loads the files)"
-    if not rows:
-        console.print(
-            Text(f"IDENTICAL: {title}: all {len(ta)} tensors have equal digests", style="bold green"), soft_wrap=True
-        )
-    else:
-        console.print(Text(f"DIFFERENT: {title}: {len(rows)} tensor(s)", style="bold red"), soft_wrap=True)
-        for n, s in rows[:50]:
-            console.print(f"  {escape(n)}  {s}", soft_wrap=True)
-    return code

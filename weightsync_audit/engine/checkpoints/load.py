@@ -1,5 +1,6 @@
-"""Loading one checkpoint file for ``diff``: ``torch.load(weights_only=True)``, never a file's code, and a
-plain one-line refusal for a file that is no checkpoint at all (a report, a text, an image).
+"""Loading one checkpoint file (for ``diff`` and ``verify``): ``torch.load(weights_only=True)``, never a
+file's code, and a plain one-line refusal for a file that is no checkpoint at all (a report, a text, an
+image).
 """
 
 from __future__ import annotations
@@ -13,15 +14,9 @@ from typing import Any
 
 import torch
 
+from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
+
 __all__ = ["CheckpointError", "UnsafeCheckpointError", "load_checkpoint"]
-
-
-class CheckpointError(ValueError):
-    """A checkpoint could not be read (the message says which file and why)."""
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A file that needs code to load; it was refused and nothing in it was executed."""
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> Any:

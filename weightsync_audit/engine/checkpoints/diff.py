@@ -27,14 +27,16 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from weightsync_audit.cli.checkpoint_load import CheckpointError, UnsafeCheckpointError, load_checkpoint
+from weightsync_audit.engine.checkpoints.load import load_checkpoint
+from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar
 from weightsync_audit.engine.measure.gaps import max_abs_diff
+from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -47,6 +49,7 @@ __all__ = [
     "flatten",
     "diff_flat",
     "diff_checkpoints",
+    "diff_sidecars",
 ]
 
 CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar")
@@ -115,15 +118,8 @@ class EntryDiff:
     numel: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "status": self.status,
-            "a": self.a,
-            "b": self.b,
-            "max_abs_diff": self.max_abs_diff,
-            "changed": self.changed,
-            "numel": self.numel,
-        }
+        """Every field, by name (the ``--json`` row)."""
+        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -375,3 +371,19 @@ def diff_checkpoints(
     if pb.is_dir():
         return DiffResult([_diff_files(pa, f, atol, exclude) for f in _files_in(pb)])
     return DiffResult([_diff_files(pa, pb, atol, exclude)])
+
+
+def diff_sidecars(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> tuple[list[tuple[str, str]], int] | None:
+    """Compare A and B by the sidecars saved beside them, loading neither: ``(name, missing|extra|values)``
+    rows and how many tensors A's sidecar records; ``None`` when either has no readable sidecar, or records
+    shard files (a ``torch.distributed.checkpoint`` folder) rather than tensors."""
+    try:
+        sa, sb = read_sidecar(a), read_sidecar(b)
+    except SidecarError:
+        return None
+    if sa is None or sb is None or "shards" in sa or "shards" in sb:
+        return None
+    ta, tb = sa["tensors"], sb["tensors"]
+    rows = [(n, "missing") for n in sorted(set(ta) - set(tb))] + [(n, "extra") for n in sorted(set(tb) - set(ta))]
+    rows += [(n, "values") for n in sorted(set(ta) & set(tb)) if ta[n] != tb[n]]
+    return rows, len(ta)

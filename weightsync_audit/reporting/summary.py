@@ -1,4 +1,9 @@
-"""What a report says, in one object: the summary behind ``check``, ``show`` and the demo."""
+"""What a report says, in one object: the summary behind ``check``, ``show``, :func:`print_report` and the demo.
+
+>>> summary = ReportSummary("audit.jsonl", [(1, AuditResult(in_sync=True, step=3))], [])
+>>> summary.status, summary.exit_code, summary.headline()
+('in_sync', 0, 'audit.jsonl: 1 audit(s), step 3, 1 rank(s)')
+"""
 
 from __future__ import annotations
 
@@ -6,16 +11,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from weightsync_audit.errors import ReportFormatError
+from weightsync_audit.errors import ReportFormatError, ReportReadError
 from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 from weightsync_audit.text import fmt_shard, layer_of
 
 EXIT_OK, EXIT_DIFFERENT, EXIT_ERROR = 0, 1, 2
-
-
-class CliError(Exception):
-    """A one-line error for the user; the command exits with status 2."""
+"""The verdict as an exit status: in sync (or repaired, when accepted), diverged, unreadable."""
 
 
 @dataclass(slots=True)
@@ -71,20 +73,20 @@ class ReportSummary:
     def read(
         cls, path: str | os.PathLike[str], allow_torn: bool = False, accept_repaired: bool = False
     ) -> ReportSummary:
-        """Read and summarise ``path``; :class:`CliError` when the file cannot be read at all."""
+        """Read and summarise ``path``; :class:`ReportReadError` when the file cannot be read at all."""
         p = os.fspath(path)
         if os.path.isdir(p):
-            raise CliError(f"{p} is a folder; give the report file (a .jsonl written by report_path=...)")
+            raise ReportReadError(f"{p} is a folder; give the report file (a .jsonl written by report_path=...)")
         try:
             contents = read_report(p)
         except FileNotFoundError:
-            raise CliError(f"{p}: no such file") from None
+            raise ReportReadError(f"{p}: no such file") from None
         except OSError as exc:
-            raise CliError(f"{p}: cannot be read ({exc.strerror or exc})") from None
+            raise ReportReadError(f"{p}: cannot be read ({exc.strerror or exc})") from None
         if not contents.records and contents.errors:
             kind = _not_a_report(p)
             if kind is not None:
-                raise CliError(
+                raise ReportReadError(
                     f"{p}: not an audit report ({kind}); a report is the JSONL text written by report_path=..."
                 )
         return cls(p, contents.records, contents.errors, allow_torn, accept_repaired)

@@ -1,4 +1,5 @@
-"""``check`` and ``show``: a report, summarised for CI or laid out for a person."""
+"""A report in the terminal: summarised for CI (``check``), laid out for a person (``show``,
+:func:`print_report`)."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.cli._summary import (
+from weightsync_audit.errors import ReportReadError
+from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.render import log_console
+from weightsync_audit.reporting.summary import (
     EXIT_ERROR,
-    CliError,
+    EXIT_OK,
     ReportSummary,
     diverged_ranks,
     fmt_gap,
     fmt_step,
     pinpoint_line,
 )
-from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.render import log_console
 from weightsync_audit.text import COMPARED_NOTES, blame_line, brief_names, fmt_ranks, fmt_shard, without_tie
 
 #: Rows of a printed table (timeline stretches, layers); the rest are counted below it.
@@ -100,7 +102,7 @@ def _divergence_lines(r: AuditResult, line: int) -> list[Text]:
     return out
 
 
-def cmd_check(
+def check_report(
     path: str,
     *,
     as_json: bool = False,
@@ -108,7 +110,9 @@ def cmd_check(
     accept_repaired: bool = False,
     console: Console | None = None,
 ) -> int:
-    """Summarise a report; 0 all in sync (or repaired, with ``accept_repaired``), 1 any divergence, 2 unreadable."""
+    """Summarise a report as ``weightsync-audit check`` does; returns its exit code: 0 all in sync (or
+    repaired, with ``accept_repaired``), 1 any divergence, 2 invalid or empty. :class:`ReportReadError` when
+    the file cannot be read at all."""
     summary = ReportSummary.read(path, allow_torn, accept_repaired)
     console = console or log_console()
     if as_json:
@@ -305,17 +309,8 @@ def _layer_table(summary: ReportSummary) -> Table | None:
     return table
 
 
-def cmd_show(
-    path: str,
-    *,
-    plot: str | None = None,
-    by: str = "tensor",
-    allow_torn: bool = False,
-    console: Console | None = None,
-) -> int:
-    """Lay a report out in the terminal (and optionally draw it); 0 shown, 2 unreadable or invalid."""
-    summary = ReportSummary.read(path, allow_torn)
-    console = console or log_console()
+def show_summary(summary: ReportSummary, console: Console) -> int:
+    """Lay a read report out as ``weightsync-audit show`` does; 0 shown, 2 invalid or empty."""
     console.print(Text(summary.headline(), style="bold"))
     if summary.records:
         console.print(_strip(summary, max(10, min(80, console.width - 30))))
@@ -345,19 +340,7 @@ def cmd_show(
     else:
         console.print(Text("no audit records", style="bold red"))
     _errors(console, summary)
-    if plot is not None and summary.records:
-        from weightsync_audit.reporting.plot import PlotUnavailableError, plot_report
-
-        try:
-            out = plot_report(summary.results, plot, by=by)
-        except PlotUnavailableError as exc:
-            raise CliError(str(exc)) from None
-        except (OSError, ValueError) as exc:
-            raise CliError(f"cannot write the plot to {plot}: {exc}") from None
-        console.print(f"plot written to {out}")
-    if summary.status in ("invalid", "empty"):
-        return EXIT_ERROR
-    return 0
+    return EXIT_ERROR if summary.status in ("invalid", "empty") else EXIT_OK
 
 
 def print_report(path: str, *, file: IO[str] | None = None, allow_torn: bool = False) -> int:
@@ -374,7 +357,8 @@ def print_report(path: str, *, file: IO[str] | None = None, allow_torn: bool = F
     0
     """
     try:
-        return cmd_show(path, allow_torn=allow_torn, console=log_console(file))
-    except CliError as exc:
+        summary = ReportSummary.read(path, allow_torn)
+    except ReportReadError as exc:
         log_console(file).print(Text(f"error: {exc}", style="bold red"))
         return EXIT_ERROR
+    return show_summary(summary, log_console(file))

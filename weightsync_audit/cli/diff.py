@@ -1,0 +1,180 @@
+"""``diff A [B]``: two checkpoints tensor by tensor (``engine/checkpoints/diff.py``), or by their sidecars."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Sequence
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
+
+from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, CliError, add_json
+from weightsync_audit.reporting.render import log_console
+from weightsync_audit.reporting.summary import fmt_gap
+
+__all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "cmd_diff", "run", "sidecar_diff"]
+
+
+SUMMARY = "compare two checkpoints tensor by tensor; exit 0 identical, 1 different, 2 error"
+
+DESCRIPTION = """
+    Compare checkpoints tensor by tensor: Lightning .ckpt files, torch.save'd state dicts, or folders of per-rank
+    files. Reports missing, extra, shape and dtype changes, and values with their max |diff|. Files are loaded with
+    torch.load(weights_only=True): one that needs code to load is refused (exit 2), never executed; a file that is
+    no checkpoint at all (a report, a text) is named as such (exit 2). With one folder, every file in it is compared
+    with the first. With --atol, tensors that differ within it are 'EQUAL within atol' (exit 0), told apart from
+    IDENTICAL (equal bits).
+"""
+
+EXAMPLES = """
+    examples:
+      weightsync-audit diff epoch=3.ckpt epoch=3-rerun.ckpt
+      weightsync-audit diff ckpts/rank0.pt ckpts/rank1.pt --atol 1e-6
+      weightsync-audit diff ckpts/                  # every rank's file against the first
+      weightsync-audit diff a.ckpt b.ckpt --exclude 'loops.*' --exclude 'callbacks.*'
+"""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``diff``'s arguments."""
+    p.add_argument("a", metavar="A", help="checkpoint file or folder")
+    p.add_argument(
+        "b", metavar="B", nargs="?", help="checkpoint file or folder (omit to compare the files of folder A)"
+    )
+    p.add_argument(
+        "--atol", type=float, default=None, help="values within this max |diff| count as equal (default: exact bits)"
+    )
+    p.add_argument(
+        "--exclude", action="append", default=[], metavar="GLOB", help="leave out names matching GLOB (repeatable)"
+    )
+    p.add_argument("--limit", type=int, default=50, help="rows shown per file pair (default: 50)")
+    add_json(p, "the comparison")
+    p.add_argument("--full", action="store_true", help="load the files even when both sides have a sidecar")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compare the checkpoints: by their sidecars when both have one (unless ``--full``, ``--atol`` or
+    ``--exclude`` ask for the tensors), else tensor by tensor."""
+    if args.atol is not None and not args.atol >= 0:
+        raise CliError(f"--atol {args.atol}: must be a number >= 0")
+    return cmd_diff(
+        args.a,
+        args.b,
+        atol=args.atol,
+        exclude=args.exclude,
+        limit=max(0, args.limit),
+        as_json=args.json,
+        sidecars=not args.full and args.atol is None and not args.exclude,
+    )
+
+
+_STYLE = {"missing": "red", "extra": "blue", "shape": "magenta", "dtype": "magenta", "values": "yellow"}
+
+
+def cmd_diff(
+    a: str,
+    b: str | None,
+    *,
+    atol: float | None = None,
+    exclude: Sequence[str] = (),
+    limit: int = 50,
+    as_json: bool = False,
+    console: Console | None = None,
+    sidecars: bool = False,
+) -> int:
+    """Compare checkpoints; 0 identical, 1 different, 2 unreadable or refused. With ``sidecars``, two
+    checkpoints that both have a weightsync sidecar are compared by their digests, without loading them."""
+    from weightsync_audit.engine.checkpoints.diff import diff_checkpoints
+
+    if sidecars and b is not None:
+        code = sidecar_diff(a, b, console or Console(soft_wrap=True), as_json)
+        if code is not None:
+            return code
+    result = diff_checkpoints(a, b, atol=atol, exclude=exclude)
+    console = console or log_console()
+    code = EXIT_OK if result.identical else EXIT_DIFFERENT
+    if as_json:
+        console.file.write(json.dumps(result.to_dict(), indent=2) + "\n")
+        return code
+    for pair in result.pairs:
+        title = f"{pair.a or '(none)'}  vs  {pair.b or '(none)'}"
+        if pair.a is None or pair.b is None:
+            console.print(Text(f"{title}: {pair.note}", style="bold red"))
+            continue
+        if pair.note:
+            console.print(Text(pair.note, style="dim"))
+        if pair.exact:
+            console.print(Text(f"IDENTICAL: {title}: all {pair.compared} entries equal", style="bold green"))
+            continue
+        if pair.identical:
+            worst = max(e.max_abs_diff or 0.0 for e in pair.within_atol)
+            console.print(
+                Text(
+                    f"EQUAL within atol {atol:g}: {title}: {len(pair.within_atol)} of {pair.compared} entries differ, "
+                    f"all within atol (largest max |diff| {fmt_gap(worst)}); the others have equal bits",
+                    style="bold green",
+                )
+            )
+            continue
+        counts: dict[str, int] = {}
+        for e in pair.entries:
+            counts[e.status] = counts.get(e.status, 0) + 1
+        said = ", ".join(f"{n} {s}" for s, n in counts.items())
+        console.print(
+            Text(f"DIFFERENT: {title}: {said}; {pair.same} of {pair.compared} shared entries equal", style="bold red")
+        )
+        table = Table(header_style="bold", box=box.SIMPLE_HEAD)
+        widest = max(len(e.name) for e in pair.entries[:limit]) if pair.entries[:limit] else 4
+        for col, kw in (
+            ("name", {"style": "cyan", "overflow": "fold", "min_width": min(40, widest)}),
+            ("what", {}),
+            ("A", {}),
+            ("B", {}),
+            ("max |diff|", {"justify": "right"}),
+            ("changed", {"justify": "right"}),
+        ):
+            table.add_column(col, **kw)
+        for e in pair.entries[:limit]:
+            changed = "-" if e.changed is None else f"{e.changed}/{e.numel}"
+            table.add_row(
+                escape(e.name),
+                Text(e.status, style=_STYLE[e.status]),
+                escape(e.a or "-"),
+                escape(e.b or "-"),
+                fmt_gap(e.max_abs_diff),
+                changed,
+            )
+        console.print(table)
+        if len(pair.entries) > limit:
+            console.print(Text(f"... and {len(pair.entries) - limit} more (--limit N, or --json for all)", style="dim"))
+    return code
+
+
+def sidecar_diff(a: str, b: str, console: Console, as_json: bool = False) -> int | None:
+    """``diff`` by the sidecars when both sides have one (no file is loaded); ``None`` when either has none."""
+    from weightsync_audit.engine.checkpoints.diff import diff_sidecars
+
+    compared = diff_sidecars(a, b)
+    if compared is None:
+        return None
+    rows, count = compared
+    code = EXIT_DIFFERENT if rows else EXIT_OK
+    if as_json:
+        console.file.write(
+            json.dumps({"by": "sidecars", "entries": [{"name": n, "status": s} for n, s in rows]}) + "\n"
+        )
+        return code
+    title = f"{a}  vs  {b} (by their sidecars; --full loads the files)"
+    if not rows:
+        console.print(
+            Text(f"IDENTICAL: {title}: all {count} tensors have equal digests", style="bold green"), soft_wrap=True
+        )
+    else:
+        console.print(Text(f"DIFFERENT: {title}: {len(rows)} tensor(s)", style="bold red"), soft_wrap=True)
+        for n, s in rows[:50]:
+            console.print(f"  {escape(n)}  {s}", soft_wrap=True)
+    return code
