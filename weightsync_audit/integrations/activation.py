@@ -40,7 +40,7 @@ _LISTS = ("hooks", "include", "exclude")
 
 
 def _option_names() -> list[str]:
-    return [p for p in inspect.signature(WeightSyncAuditMixin.__init__).parameters if p != "self"]
+    return [p for p in inspect.signature(WeightSyncAuditMixin.__init__).parameters if p not in ("self", "options")]
 
 
 def _convert(key: str, text: str) -> Any:

@@ -17,6 +17,7 @@ from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
@@ -24,6 +25,7 @@ from weightsync_audit.reporting.sinks import RecordSink
 __all__ = ["LoopAudit"]
 
 
+@with_option_properties(skip=("checkpoints",))
 class LoopAudit:
     """Audit a plain training loop the way the callbacks audit a Trainer. Collective: every rank calls
     :meth:`step` (or :meth:`audit`) at the same points.
@@ -51,6 +53,9 @@ class LoopAudit:
             a worker thread while the next forward and backward run, and the verdict for step s is acted on
             (report, ``raise``, ``resync``) before the next ``optimizer.step()`` writes anything, or at
             :meth:`settle` / :meth:`close` (docs/performance.md).
+        options: the options above (but ``every_n_steps`` and ``check_batches``) as one
+            :class:`~weightsync_audit.AuditOptions` (then none of them may be given flat); each also reads as
+            an attribute (``audit.on_mismatch``). ``checkpoints`` does not apply: call :meth:`checkpoint_saved`.
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -70,48 +75,33 @@ class LoopAudit:
         optimizer: Any = None,
         *,
         every_n_steps: Optional[int] = None,
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
         on_mismatch: OnMismatch = "warn",
         resync_src: ResyncSource = 0,
         report_path: Optional[str] = None,
-        verbose: bool = True,
-        include: Sequence[str] = ("params", "buffers", "optimizer"),
-        exclude: Sequence[str] = (),
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
+        verbose: bool = True,
         tolerance: Optional[float] = None,
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
-        check_batches: bool = False,
         attribution: Any = False,
         overlap: bool = False,
+        check_batches: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
         self.module = module
         self.optimizers = as_optimizers(optimizer)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
-        self.runner = AuditRunner(
-            include=include,
-            exclude=exclude,
-            on_mismatch=on_mismatch,
-            resync_src=resync_src,
-            report_path=report_path,
-            timeout_s=timeout_s,
-            coverage=coverage,
-            verbose=verbose,
-            tolerance=tolerance,
-            pinpoint=pinpoint,
-            pinpoint_ring=pinpoint_ring,
-            pinpoint_coverage=pinpoint_coverage,
-            every_n=every_n_steps,
-            exit_code=exit_code,
-            sinks=sinks,
-            overlap=overlap,
-        )
-        watch_run(self.runner, module, self.optimizers, attribution)  # validated now, set when the run opens
+        self.options = AuditOptions.given(locals(), options)
+        """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
+        self.runner = AuditRunner(self.options, every_n=every_n_steps)
         self.is_main = True
         self._opened = False
         self.duplicates = DuplicateBatches() if check_batches else None

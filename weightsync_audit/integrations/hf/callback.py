@@ -44,6 +44,7 @@ from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
 from weightsync_audit.integrations.resume_sources import hf_resume
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.runner import (
     AuditRunner,
     audit_metrics,
@@ -143,6 +144,7 @@ def epoch_of(state: Any) -> int:
     return max(0, math.ceil(state.epoch or 0) - 1)
 
 
+@with_option_properties()
 class WeightSyncAuditCallback(TrainerCallback):
     """Audit that every rank holds the same weights while a ``transformers.Trainer`` trains.
 
@@ -181,6 +183,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             ``blame`` (docs/report-schema.md). Off by default.
         overlap: the audit after an optimizer step runs on a worker thread while the next step's forward and
             backward run; its verdict is acted on before the next ``optimizer.step()`` (docs/performance.md).
+        options: all of the above but the cadence as one :class:`~weightsync_audit.AuditOptions` (then none
+            of them may be given flat); each also reads as an attribute (``callback.on_mismatch``).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -211,30 +215,14 @@ class WeightSyncAuditCallback(TrainerCallback):
         sinks: Sequence[RecordSink] = (),
         attribution: Any = False,
         overlap: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
-        self.runner = AuditRunner(
-            include=include,
-            exclude=exclude,
-            on_mismatch=on_mismatch,
-            resync_src=resync_src,
-            report_path=report_path,
-            timeout_s=timeout_s,
-            coverage=coverage,
-            verbose=verbose,
-            tolerance=tolerance,
-            pinpoint=pinpoint,
-            pinpoint_ring=pinpoint_ring,
-            pinpoint_coverage=pinpoint_coverage,
-            every_n=every_n_steps,
-            exit_code=exit_code,
-            sinks=sinks,
-            overlap=overlap,
-        )
-        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
-        self.checkpoints = bool(checkpoints)
+        self.options = AuditOptions.given(locals(), options)
+        """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
+        self.runner = AuditRunner(self.options, every_n=every_n_steps)
         self.history = self.runner.history
         self.last_result: AuditResult | None = None
         """The latest audit's result (the same on every rank)."""
@@ -265,7 +253,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         """
         from weightsync_audit.integrations.activation import callbacks_from_env
 
-        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "unknown")]
+        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "options", "unknown")]
         return callbacks_from_env(cls, names, rename={"every_n_train_steps": "every_n_steps"})
 
     def _step_aside(self, state: Any) -> bool:

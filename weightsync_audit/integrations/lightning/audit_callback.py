@@ -22,6 +22,7 @@ from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import dropped_message
 from weightsync_audit.integrations.resume_sources import lightning_resume
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
@@ -64,6 +65,7 @@ def sharded_strategy_reason(strategy: Any) -> str | None:
     return None
 
 
+@with_option_properties()
 class WeightSyncAuditMixin:
     """Audit that every rank holds the same weights during ``fit``; report, raise or resync.
 
@@ -107,6 +109,8 @@ class WeightSyncAuditMixin:
             and backward run; its verdict (report, ``raise``, ``resync``) is acted on before the next
             optimizer update, and the record's ``overlap.covers_step`` says which step it covers
             (docs/performance.md).
+        options: all of the above but the cadence and ``hooks`` as one :class:`~weightsync_audit.AuditOptions`
+            (then none of them may be given flat); each also reads as an attribute (``callback.include``).
 
     Example::
 
@@ -135,6 +139,7 @@ class WeightSyncAuditMixin:
         sinks: Sequence[RecordSink] = (),
         attribution: Any = False,
         overlap: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -145,40 +150,14 @@ class WeightSyncAuditMixin:
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
         if unknown:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
-        # The options every callback shares are validated (errors name the argument) and run by the runner.
-        self.runner = AuditRunner(
-            include=include,
-            exclude=exclude,
-            on_mismatch=on_mismatch,
-            resync_src=resync_src,
-            report_path=report_path,
-            timeout_s=timeout_s,
-            coverage=coverage,
-            verbose=verbose,
-            tolerance=tolerance,
-            pinpoint=pinpoint,
-            pinpoint_ring=pinpoint_ring,
-            pinpoint_coverage=pinpoint_coverage,
-            every_n=every_n_train_steps,
-            exit_code=exit_code,
-            sinks=sinks,
-            overlap=overlap,
-        )
-        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
-        self.checkpoints = bool(checkpoints)
+        # The options every callback shares, validated (errors name the argument) and taken whole by the runner.
+        self.options = AuditOptions.given(locals(), options)
+        self.runner = AuditRunner(self.options, every_n=every_n_train_steps)
         self._saving: Any = None
         self.config = self.runner.config
+        self.slices = self.config.slices
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
-        self.include = self.config.include
-        self.exclude = self.config.exclude
-        self.slices = self.config.slices
-        self.on_mismatch = on_mismatch
-        self.resync_src = resync_src
-        self.report_path = self.runner.report_path
-        self.timeout_s = timeout_s
-        self.coverage = coverage
-        self.verbose = verbose
         self.history = self.runner.history
         self._opened = False
         self._disabled: str | None = None
