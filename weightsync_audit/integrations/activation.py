@@ -119,10 +119,7 @@ def callbacks_from_env(
 
 
 def _callbacks(cls: type) -> list[Any]:
-    found = callbacks_from_env(cls)
-    for callback in found:
-        callback.from_env = True
-    return found
+    return callbacks_from_env(cls)  # each keeps env_options: from_env reads them
 
 
 def pytorch_lightning_callbacks() -> list[Any]:
