@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from weightsync_audit.engine.attribution.attach import mark_step, watch_run
+from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
+from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
-from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 
@@ -101,38 +102,35 @@ class LoopAudit:
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.options = AuditOptions.given(locals(), options)
         """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
-        self.runner = AuditRunner(self.options, every_n=every_n_steps)
+        self.session = TrainerSession(self.options, every_n_steps)
+        """The lifecycle the callbacks share: opened at the first call, the cadence, the per-step records."""
+        self.runner = self.session.runner
         self.is_main = True
-        self._opened = False
         self.duplicates = DuplicateBatches() if check_batches else None
         """With ``check_batches``: at each audited step, ranks that trained on identical batches (a note)."""
 
     def _open(self) -> None:
-        if self._opened:
+        if self.session.opened:
             return
         import torch.distributed as dist
 
         joined = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if joined else 1
         self.is_main = dist.get_rank() == 0 if joined else True
-        self.runner.open(world_size=world, is_main=self.is_main)
+        self.session.open(world_size=world, is_main=self.is_main)
         watch_run(self.runner, self.module, self.optimizers)
-        self._opened = True
 
     def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
         ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
         self._open()
-        mark_step(self.runner, step)
-        self.runner.record_step(self.module, self.optimizers, step)
-        if self.every_n_steps is None or step % self.every_n_steps:
+        if not self.session.after_step(self.module, self.optimizers, step, once=False):
             return None
+        kw: dict[str, Any] = dict(step=step, epoch=epoch, hook="step", is_main=self.is_main)
         if self.runner.overlap is not None:
-            return self.runner.run(
-                self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=self.is_main, after_step=True
-            )
+            return self.session.audit(self.module, self.optimizers, after_step=True, **kw)
         if self.duplicates is None or self.runner.auditor is None:
-            return self.audit(step, epoch, hook="step")
+            return self.session.audit(self.module, self.optimizers, **kw)
         auditor, check, is_main = self.runner.auditor, self.duplicates, self.is_main
 
         def audit(module: Any, optimizer: Any, **kw: Any) -> AuditResult:
@@ -142,9 +140,7 @@ class LoopAudit:
                 result.notes.append(describe(found["groups"], step))
             return result
 
-        return self.runner.run(
-            self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=is_main, audit=audit
-        )
+        return self.session.audit(self.module, self.optimizers, audit=audit, **kw)
 
     def settle(self) -> AuditResult | None:
         """With ``overlap=True``: wait for the pending audit and act on it now; the last verdict acted on."""
@@ -155,7 +151,7 @@ class LoopAudit:
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
         self._open()
-        return self.runner.run(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
+        return self.session.audit(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
 
     def checkpoint_saved(
         self, path: Any, step: int, epoch: int | None = None, *, state: Any = None,
@@ -165,11 +161,7 @@ class LoopAudit:
         module's ``state_dict``): audit at this step and write its sidecar, ``verified`` only when every
         replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does. ``resume``: what a
         resume must give each rank back (RNG, data position, lr schedulers, grad scaler), into the sidecar."""
-        self._open()
-        return self.runner.checkpoint(
-            "saved", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_saved", is_main=self.is_main, resume=resume,
-        )  # fmt: skip
+        return self._checkpoint(Checkpoint("saved", path, state, resume), step, epoch)
 
     def checkpoint_loaded(
         self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None,
@@ -179,11 +171,14 @@ class LoopAudit:
         holds with the sidecar (a tensor loaded differently is a mismatch naming its ranks; no sidecar:
         ``unverified``). Acts on a divergence as :meth:`audit` does. ``resume``: check that every rank got
         back its own saved resume state (``checkpoint.resume`` in the record)."""
+        return self._checkpoint(Checkpoint("loaded", path, state, resume), step, epoch)
+
+    def _checkpoint(self, checkpoint: Checkpoint, step: int | None, epoch: int | None) -> AuditResult | None:
         self._open()
-        return self.runner.checkpoint(
-            "loaded", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_loaded", is_main=self.is_main, resume=resume,
-        )  # fmt: skip
+        hook = f"checkpoint_{checkpoint.event}"
+        return self.session.audit(
+            self.module, self.optimizers, checkpoint=checkpoint, step=step, epoch=epoch, hook=hook, is_main=self.is_main
+        )
 
     @property
     def history(self) -> Any:
@@ -192,16 +187,15 @@ class LoopAudit:
 
     def summary(self) -> str:
         """One line over the run, as the callbacks print at the end."""
-        return self.runner.summary()
+        return self.session.summary()
 
     def close(self) -> None:
         """Settle a pending overlapped audit (acting on it), close the report; with ``verbose``, print the
         run's summary on rank 0."""
-        if self._opened:
+        if self.session.opened:
             self.settle()
-        if self._opened and self.is_main and self.runner.verbose:
-            self.runner.print(self.summary())
-        self.runner.close()
+            self.session.print_summary(self.is_main)
+        self.session.close(ended=False)
 
     def __enter__(self) -> LoopAudit:
         return self

@@ -107,12 +107,9 @@ class TrainerSession:
             warnings.warn(dropped_message(callback, name), WeightSyncWarning, stacklevel=user_stacklevel())
         return True
 
-    def start(self, step: int, model: Any = None, *, fresh_watch: bool = False) -> None:
-        """Training starts at ``step`` (not audited again by the cadence); with ``model``, the trainable set
-        the DDP reducer covers is remembered (``fresh_watch``: its warning may be given again)."""
+    def start(self, step: int) -> None:
+        """Training starts at ``step``: the cadence does not audit it again."""
         self.last_step_audited = step
-        if model is not None:
-            self.watch(model, fresh=fresh_watch)
 
     def watch(self, model: Any, *, fresh: bool = False) -> None:
         """Remember what DDP's reducer covers now, right after the wrap (local)."""
@@ -143,7 +140,7 @@ class TrainerSession:
     def after_step(self, model: Any, optimizers: Sequence[Any], step: int, *, once: bool = True) -> bool:
         """After each optimizer step: the weights it left, recorded (pinpoint, attribution; local); whether the
         cadence audits this step (``once``: not a step already audited, as gradient accumulation repeats it)."""
-        if self.active:
+        if self.active and model is not None:
             watch_run(self.runner, model, optimizers)  # attribution's watch, set once
             mark_step(self.runner, step)
             self.runner.record_step(model, optimizers, step)
