@@ -88,11 +88,12 @@ def test_a_tensor_whose_bytes_change_between_two_reads_is_unstable_and_a_plain_d
 
 
 def _diverges_twice(rank: int, world: int) -> list[dict]:
+    from weightsync_audit import AuditOptions
     from weightsync_audit.integrations.session.runner import AuditRunner
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
-    runner = AuditRunner(on_mismatch="resync", verbose=False)
+    runner = AuditRunner(AuditOptions(on_mismatch="resync", verbose=False))
     runner.open(world_size=world, is_main=rank == 0)
     out = []
     for step in (1, 2):

@@ -8,6 +8,7 @@ models built locally (a 2-layer GPT-2 of width 32), no hub downloads, no reporti
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,16 +164,71 @@ def test_hf_callback_checks_its_arguments_at_construction_naming_them(kwargs: di
     assert named in str(info.value)
 
 
-def test_hf_callback_is_a_trainer_callback_with_the_lightning_callbacks_options() -> None:
-    import inspect
-
+def test_hf_callback_is_a_trainer_callback() -> None:
     from transformers import TrainerCallback
 
-    from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
     from weightsync_audit.transformers import WeightSyncAuditCallback
 
     assert issubclass(WeightSyncAuditCallback, TrainerCallback)
-    hf = list(inspect.signature(WeightSyncAuditCallback.__init__).parameters)
-    pl = list(inspect.signature(WeightSyncAuditMixin.__init__).parameters)
-    assert hf[1] == "every_n_steps" and pl[1] == "every_n_train_steps"
-    assert [p for p in pl if p not in ("self", "every_n_train_steps", "hooks")] == hf[2:]
+
+
+def _flat_options(init: Any, own: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """An adapter's flat keyword arguments after its own (``own``), with their defaults, in order."""
+    import inspect
+
+    params = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    names = [p.name for p in params]
+    assert names[-1] == "options" and names[: len(own)] == list(own), names
+    return [(p.name, p.default) for p in params[len(own) : -1]]
+
+
+def test_every_adapters_flat_options_are_the_one_audit_options_definition() -> None:
+    import dataclasses
+
+    from weightsync_audit import AuditOptions, LoopAudit
+    from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    # Names, defaults and order of the flat signatures, checked against AuditOptions' fields.
+    fields = [(f.name, f.default) for f in dataclasses.fields(AuditOptions)]
+    assert _flat_options(WeightSyncAuditMixin.__init__, ("self", "every_n_train_steps", "hooks")) == fields
+    assert _flat_options(WeightSyncAuditCallback.__init__, ("self", "every_n_steps")) == fields
+    # LoopAudit has no Trainer to save checkpoints (it has checkpoint_saved), and compares batches.
+    loop = [f for f in fields if f[0] != "checkpoints"] + [("check_batches", False)]
+    assert _flat_options(LoopAudit.__init__, ("self", "module", "optimizer", "every_n_steps")) == loop
+
+
+def test_an_adapter_takes_its_options_whole_or_flat_never_both(tmp_path: Path) -> None:
+    import dataclasses
+
+    import torch
+
+    from weightsync_audit import AuditOptions, LoopAudit
+    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.transformers import WeightSyncAuditCallback
+
+    options = AuditOptions(include=["params"], on_mismatch="raise", report_path=tmp_path / "a.jsonl", exit_code=17)
+    assert options.include == ("params",) and options.report_path == str(tmp_path / "a.jsonl")
+    for cb in (
+        WeightSyncAudit(options=options),
+        WeightSyncAuditCallback(options=options),
+        LoopAudit(torch.nn.Linear(2, 2), options=options),
+    ):
+        assert cb.options is options and cb.runner.options is options
+        assert (cb.include, cb.on_mismatch, cb.exit_code, cb.runner.report_path) == (
+            ("params",),
+            "raise",
+            17,
+            str(tmp_path / "a.jsonl"),
+        )
+    assert WeightSyncAudit(on_mismatch="raise").options == AuditOptions(on_mismatch="raise")
+    with pytest.raises(TypeError, match="options= and verbose= both given"):
+        WeightSyncAuditCallback(verbose=False, options=options)
+    with pytest.raises(TypeError, match="options="):
+        WeightSyncAudit(options={"on_mismatch": "raise"})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="exit_code=17 acts on a divergence under on_mismatch='raise'"):
+        AuditOptions(exit_code=17)
+    with pytest.raises(TypeError, match="overlap=1"):
+        AuditOptions(overlap=1)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.verbose = False  # type: ignore[misc]

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from ranks import run_ranks
 from torch import nn
 
-from weightsync_audit import Auditor, AuditResult
+from weightsync_audit import AuditOptions, Auditor, AuditResult
 from weightsync_audit.integrations.session.runner import AuditRunner
 
 
@@ -102,7 +102,7 @@ def _resync_then_diverge(rank: int, world: int) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    runner = AuditRunner(on_mismatch="resync", pinpoint=True, verbose=False, every_n=5)
+    runner = AuditRunner(AuditOptions(on_mismatch="resync", pinpoint=True, verbose=False), every_n=5)
     runner.open(world_size=world, is_main=rank == 0)
     torch.manual_seed(3)
     out = []

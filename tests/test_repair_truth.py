@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ranks import run_ranks
 from torch import nn
 
-from weightsync_audit import Auditor, AuditResult, ResyncError, WeightDivergenceError, audit, resync
+from weightsync_audit import AuditOptions, Auditor, AuditResult, ResyncError, WeightDivergenceError, audit, resync
 from weightsync_audit.engine.repair.resync_plan import plan_resync
 from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.record import Mismatch
@@ -37,7 +37,7 @@ def _gathered(t: torch.Tensor, world: int) -> list[list[float]]:
 def _grads_resynced(rank: int, world: int) -> dict[str, Any]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    runner = AuditRunner(include=("params", "grads"), on_mismatch="resync", resync_src=0, verbose=False)
+    runner = AuditRunner(AuditOptions(include=("params", "grads"), on_mismatch="resync", resync_src=0, verbose=False))
     runner.open(world_size=world, is_main=rank == 0)
     torch.manual_seed(rank)  # a different batch per rank and no DDP: the gradients differ
     model(torch.randn(5, 4)).pow(2).mean().backward()
@@ -86,7 +86,7 @@ def _nan_on_rank0(rank: int, world: int, mode: str) -> dict[str, Any]:
         resync(model, opt, src="majority")
         out["notes"] = []
     else:
-        runner = AuditRunner(on_mismatch="resync", resync_src=0, verbose=False)
+        runner = AuditRunner(AuditOptions(on_mismatch="resync", resync_src=0, verbose=False))
         runner.open(world_size=world, is_main=rank == 0)
         try:
             result = runner.run(model, [opt], step=3, epoch=0, hook="on_train_batch_end", is_main=rank == 0)

@@ -85,9 +85,10 @@ def _minority_source(rank: int, world: int, mode: str) -> dict[str, Any]:
             model[2].bias += 1.0
     healthy = model[2].bias.detach().clone() if rank == 1 else None
     if mode == "callback":  # the callbacks' runner, as WeightSyncAudit(on_mismatch="resync") drives it
+        from weightsync_audit import AuditOptions
         from weightsync_audit.integrations.session.runner import AuditRunner
 
-        runner = AuditRunner(on_mismatch="resync", resync_src=0, verbose=False)
+        runner = AuditRunner(AuditOptions(on_mismatch="resync", resync_src=0, verbose=False))
         runner.open(world_size=world, is_main=rank == 0)
         result = runner.run(model, [opt], step=3, epoch=0, hook="on_train_batch_end", is_main=rank == 0)
         runner.close()

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     )
     from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
     from weightsync_audit.integrations.loop import LoopAudit
+    from weightsync_audit.integrations.session.options import AuditOptions
     from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
     from weightsync_audit.reporting.render import render
@@ -77,6 +78,7 @@ _LAZY = {
     "render": "weightsync_audit.reporting.render",
     "print_report": "weightsync_audit.reporting.terminal",
     "LoopAudit": "weightsync_audit.integrations.loop",
+    "AuditOptions": "weightsync_audit.integrations.session.options",
     "ResumeSources": "weightsync_audit.engine.checkpoints.resume_state",
     "PendingAudit": "weightsync_audit.engine.overlap",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
@@ -90,6 +92,7 @@ __all__ = [
     "AttributionConfig",
     "AuditConfig",
     "AuditHistory",
+    "AuditOptions",
     "AuditOutOfStepError",
     "AuditPreparationError",
     "AuditRaceError",

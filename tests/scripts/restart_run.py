@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from weightsync_audit import ResumeSources
+from weightsync_audit import AuditOptions, ResumeSources
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 from weightsync_audit.integrations.session.runner import EXIT_DIVERGED, AuditRunner
 
@@ -71,7 +71,9 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     torch.manual_seed(100 + rank)  # each rank its own stream (as dropout would draw)
-    runner = AuditRunner(on_mismatch="raise", exit_code=EXIT_DIVERGED, report_path=str(out / "audit.jsonl"))
+    runner = AuditRunner(
+        AuditOptions(on_mismatch="raise", exit_code=EXIT_DIVERGED, report_path=str(out / "audit.jsonl"))
+    )
     runner.open(world_size=dist.get_world_size(), is_main=rank == 0)
     start, resumed = 0, None
     dist.barrier()

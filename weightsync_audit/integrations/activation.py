@@ -40,7 +40,7 @@ _LISTS = ("hooks", "include", "exclude")
 
 
 def _option_names() -> list[str]:
-    return [p for p in inspect.signature(WeightSyncAuditMixin.__init__).parameters if p != "self"]
+    return [p for p in inspect.signature(WeightSyncAuditMixin.__init__).parameters if p not in ("self", "options")]
 
 
 def _convert(key: str, text: str) -> Any:
@@ -119,10 +119,7 @@ def callbacks_from_env(
 
 
 def _callbacks(cls: type) -> list[Any]:
-    found = callbacks_from_env(cls)
-    for callback in found:
-        callback.from_env = True
-    return found
+    return callbacks_from_env(cls)  # each keeps env_options: from_env reads them
 
 
 def pytorch_lightning_callbacks() -> list[Any]:

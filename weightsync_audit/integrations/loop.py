@@ -11,19 +11,22 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from weightsync_audit.engine.attribution.attach import mark_step, watch_run
+from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["LoopAudit"]
 
 
+@with_option_properties(skip=("checkpoints",))
 class LoopAudit:
     """Audit a plain training loop the way the callbacks audit a Trainer. Collective: every rank calls
     :meth:`step` (or :meth:`audit`) at the same points.
@@ -51,6 +54,9 @@ class LoopAudit:
             a worker thread while the next forward and backward run, and the verdict for step s is acted on
             (report, ``raise``, ``resync``) before the next ``optimizer.step()`` writes anything, or at
             :meth:`settle` / :meth:`close` (docs/performance.md).
+        options: the options above (but ``every_n_steps`` and ``check_batches``) as one
+            :class:`~weightsync_audit.AuditOptions` (then none of them may be given flat); each also reads as
+            an attribute (``audit.on_mismatch``). ``checkpoints`` does not apply: call :meth:`checkpoint_saved`.
         The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
 
     >>> import torch
@@ -70,79 +76,61 @@ class LoopAudit:
         optimizer: Any = None,
         *,
         every_n_steps: Optional[int] = None,
+        include: Sequence[str] = ("params", "buffers", "optimizer"),
+        exclude: Sequence[str] = (),
         on_mismatch: OnMismatch = "warn",
         resync_src: ResyncSource = 0,
         report_path: Optional[str] = None,
-        verbose: bool = True,
-        include: Sequence[str] = ("params", "buffers", "optimizer"),
-        exclude: Sequence[str] = (),
         timeout_s: Optional[float] = 600.0,
         coverage: float | str = 1,
+        verbose: bool = True,
         tolerance: Optional[float] = None,
         pinpoint: bool = False,
         pinpoint_ring: Optional[int] = None,
         pinpoint_coverage: float | str = 1,
         exit_code: Optional[int] = None,
         sinks: Sequence[RecordSink] = (),
-        check_batches: bool = False,
         attribution: Any = False,
         overlap: bool = False,
+        check_batches: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
         self.module = module
         self.optimizers = as_optimizers(optimizer)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
-        self.runner = AuditRunner(
-            include=include,
-            exclude=exclude,
-            on_mismatch=on_mismatch,
-            resync_src=resync_src,
-            report_path=report_path,
-            timeout_s=timeout_s,
-            coverage=coverage,
-            verbose=verbose,
-            tolerance=tolerance,
-            pinpoint=pinpoint,
-            pinpoint_ring=pinpoint_ring,
-            pinpoint_coverage=pinpoint_coverage,
-            every_n=every_n_steps,
-            exit_code=exit_code,
-            sinks=sinks,
-            overlap=overlap,
-        )
-        watch_run(self.runner, module, self.optimizers, attribution)  # validated now, set when the run opens
+        self.options = AuditOptions.given(locals(), options)
+        """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
+        self.session = TrainerSession(self.options, every_n_steps)
+        """The lifecycle the callbacks share: opened at the first call, the cadence, the per-step records."""
+        self.runner = self.session.runner
         self.is_main = True
-        self._opened = False
         self.duplicates = DuplicateBatches() if check_batches else None
         """With ``check_batches``: at each audited step, ranks that trained on identical batches (a note)."""
 
     def _open(self) -> None:
-        if self._opened:
+        if self.session.opened:
             return
         import torch.distributed as dist
 
         joined = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if joined else 1
         self.is_main = dist.get_rank() == 0 if joined else True
-        self.runner.open(world_size=world, is_main=self.is_main)
+        self.session.open(world_size=world, is_main=self.is_main)
         watch_run(self.runner, self.module, self.optimizers)
-        self._opened = True
 
     def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
         ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
         self._open()
-        mark_step(self.runner, step)
-        self.runner.record_step(self.module, self.optimizers, step)
-        if self.every_n_steps is None or step % self.every_n_steps:
+        if not self.session.after_step(self.module, self.optimizers, step, once=False):
             return None
+        kw: dict[str, Any] = dict(step=step, epoch=epoch, hook="step", is_main=self.is_main)
         if self.runner.overlap is not None:
-            return self.runner.run(
-                self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=self.is_main, after_step=True
-            )
+            return self.session.audit(self.module, self.optimizers, after_step=True, **kw)
         if self.duplicates is None or self.runner.auditor is None:
-            return self.audit(step, epoch, hook="step")
+            return self.session.audit(self.module, self.optimizers, **kw)
         auditor, check, is_main = self.runner.auditor, self.duplicates, self.is_main
 
         def audit(module: Any, optimizer: Any, **kw: Any) -> AuditResult:
@@ -152,9 +140,7 @@ class LoopAudit:
                 result.notes.append(describe(found["groups"], step))
             return result
 
-        return self.runner.run(
-            self.module, self.optimizers, step=step, epoch=epoch, hook="step", is_main=is_main, audit=audit
-        )
+        return self.session.audit(self.module, self.optimizers, audit=audit, **kw)
 
     def settle(self) -> AuditResult | None:
         """With ``overlap=True``: wait for the pending audit and act on it now; the last verdict acted on."""
@@ -165,7 +151,7 @@ class LoopAudit:
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
         self._open()
-        return self.runner.run(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
+        return self.session.audit(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
 
     def checkpoint_saved(
         self, path: Any, step: int, epoch: int | None = None, *, state: Any = None,
@@ -175,11 +161,7 @@ class LoopAudit:
         module's ``state_dict``): audit at this step and write its sidecar, ``verified`` only when every
         replica agreed (docs/restarts.md). Acts on a divergence as :meth:`audit` does. ``resume``: what a
         resume must give each rank back (RNG, data position, lr schedulers, grad scaler), into the sidecar."""
-        self._open()
-        return self.runner.checkpoint(
-            "saved", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_saved", is_main=self.is_main, resume=resume,
-        )  # fmt: skip
+        return self._checkpoint(Checkpoint("saved", path, state, resume), step, epoch)
 
     def checkpoint_loaded(
         self, path: Any, step: int | None = None, epoch: int | None = None, *, state: Any = None,
@@ -189,11 +171,14 @@ class LoopAudit:
         holds with the sidecar (a tensor loaded differently is a mismatch naming its ranks; no sidecar:
         ``unverified``). Acts on a divergence as :meth:`audit` does. ``resume``: check that every rank got
         back its own saved resume state (``checkpoint.resume`` in the record)."""
+        return self._checkpoint(Checkpoint("loaded", path, state, resume), step, epoch)
+
+    def _checkpoint(self, checkpoint: Checkpoint, step: int | None, epoch: int | None) -> AuditResult | None:
         self._open()
-        return self.runner.checkpoint(
-            "loaded", path, self.module, self.optimizers, state=state, step=step, epoch=epoch,
-            hook="checkpoint_loaded", is_main=self.is_main, resume=resume,
-        )  # fmt: skip
+        hook = f"checkpoint_{checkpoint.event}"
+        return self.session.audit(
+            self.module, self.optimizers, checkpoint=checkpoint, step=step, epoch=epoch, hook=hook, is_main=self.is_main
+        )
 
     @property
     def history(self) -> Any:
@@ -202,16 +187,15 @@ class LoopAudit:
 
     def summary(self) -> str:
         """One line over the run, as the callbacks print at the end."""
-        return self.runner.summary()
+        return self.session.summary()
 
     def close(self) -> None:
         """Settle a pending overlapped audit (acting on it), close the report; with ``verbose``, print the
         run's summary on rank 0."""
-        if self._opened:
+        if self.session.opened:
             self.settle()
-        if self._opened and self.is_main and self.runner.verbose:
-            self.runner.print(self.summary())
-        self.runner.close()
+            self.session.print_summary(self.is_main)
+        self.session.close(ended=False)
 
     def __enter__(self) -> LoopAudit:
         return self

@@ -6,7 +6,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from weightsync_audit.engine.attribution.config import check_attribution
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.inventory.reducer import find_ddp
@@ -53,12 +52,9 @@ def attach_watch(
     return watch
 
 
-def watch_run(runner: Any, model: Any, optimizers: Sequence[Any], attribution: Any = None) -> None:
-    """For a callback's :class:`~weightsync_audit.integrations.session.runner.AuditRunner`: before it opens, set
-    ``attribution`` in its config (validated); once open, set the watch on its main auditor (once, local)."""
-    if attribution is not None:
-        runner.config.attribution = check_attribution(attribution)
-        return
+def watch_run(runner: Any, model: Any, optimizers: Sequence[Any]) -> None:
+    """For an open :class:`~weightsync_audit.integrations.session.runner.AuditRunner` whose options ask for
+    ``attribution``: set the watch on its main auditor (once, local)."""
     auditor = runner.auditor
     if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
         auditor.attribution = attach_watch(auditor, model, optimizers)

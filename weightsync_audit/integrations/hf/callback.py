@@ -27,29 +27,21 @@ import inspect
 import math
 import os
 import sys
-import warnings
 import weakref
 from typing import Any, Optional, Sequence
 
 from transformers import TrainerCallback
 from typing_extensions import override
 
-from weightsync_audit.ddp.watch import TrainableSetWatch
-from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
 from weightsync_audit.integrations.resume_sources import hf_resume
-from weightsync_audit.integrations.session.runner import (
-    AuditRunner,
-    audit_metrics,
-    check_every_n,
-    reject_unknown_options,
-)
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.runner import audit_metrics, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 
@@ -143,6 +135,7 @@ def epoch_of(state: Any) -> int:
     return max(0, math.ceil(state.epoch or 0) - 1)
 
 
+@with_option_properties()
 class WeightSyncAuditCallback(TrainerCallback):
     """Audit that every rank holds the same weights while a ``transformers.Trainer`` trains.
 
@@ -181,6 +174,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             ``blame`` (docs/report-schema.md). Off by default.
         overlap: the audit after an optimizer step runs on a worker thread while the next step's forward and
             backward run; its verdict is acted on before the next ``optimizer.step()`` (docs/performance.md).
+        options: all of the above but the cadence as one :class:`~weightsync_audit.AuditOptions` (then none
+            of them may be given flat); each also reads as an attribute (``callback.on_mismatch``).
 
     The latest audit's ``weightsync/in_sync``, ``weightsync/diverged_tensors`` and ``weightsync/audit_ms``
     go into the next entry of the Trainer's logs (``state.log_history``).
@@ -211,40 +206,21 @@ class WeightSyncAuditCallback(TrainerCallback):
         sinks: Sequence[RecordSink] = (),
         attribution: Any = False,
         overlap: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
-        self.runner = AuditRunner(
-            include=include,
-            exclude=exclude,
-            on_mismatch=on_mismatch,
-            resync_src=resync_src,
-            report_path=report_path,
-            timeout_s=timeout_s,
-            coverage=coverage,
-            verbose=verbose,
-            tolerance=tolerance,
-            pinpoint=pinpoint,
-            pinpoint_ring=pinpoint_ring,
-            pinpoint_coverage=pinpoint_coverage,
-            every_n=every_n_steps,
-            exit_code=exit_code,
-            sinks=sinks,
-            overlap=overlap,
-        )
-        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
-        self.checkpoints = bool(checkpoints)
+        self.options = AuditOptions.given(locals(), options)
+        """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
+        self.session = TrainerSession(self.options, every_n_steps)
+        self.runner = self.session.runner
         self.history = self.runner.history
         self.last_result: AuditResult | None = None
         """The latest audit's result (the same on every rank)."""
-        self._opened = False
-        self._disabled: str | None = None
-        self._last_step_audited: int | None = None
         self._unlogged: dict[str, float] = {}
         self._trainer: Any = None
         """A weak reference to the Trainer found at ``on_train_begin`` (:func:`find_trainer`)."""
-        self._trainable = TrainableSetWatch()
         self._begun: Any = None
         """The ``TrainerState`` of the last ``on_train_begin`` (each ``train()`` makes a new one)."""
         self.env_options: dict[str, Any] | None = None
@@ -265,24 +241,8 @@ class WeightSyncAuditCallback(TrainerCallback):
         """
         from weightsync_audit.integrations.activation import callbacks_from_env
 
-        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "unknown")]
+        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "options", "unknown")]
         return callbacks_from_env(cls, names, rename={"every_n_train_steps": "every_n_steps"})
-
-    def _step_aside(self, state: Any) -> bool:
-        """From the variable, next to an explicit ``WeightSyncAuditCallback``: do nothing, say what is dropped."""
-        trainer = self._trainer() if self._trainer is not None else None
-        handler = getattr(trainer, "callback_handler", None)
-        own = [
-            c
-            for c in getattr(handler, "callbacks", [])
-            if isinstance(c, WeightSyncAuditCallback) and c is not self and c.env_options is None
-        ]
-        if self.env_options is None or not own:
-            return False
-        self._disabled = f"the Trainer already has a WeightSyncAuditCallback; the one from {ENV_VAR} is not used"
-        if state.is_world_process_zero:
-            warnings.warn(dropped_message(self, type(own[0]).__name__), WeightSyncWarning, stacklevel=user_stacklevel())
-        return True
 
     def audited(self, model: Any) -> Any:
         """What the audit reads: the Trainer's DDP wrapper over ``model`` when there is one (the names stay
@@ -305,64 +265,53 @@ class WeightSyncAuditCallback(TrainerCallback):
         lead_the_log(self)  # again: a callback added with trainer.add_callback missed on_init_end
         trainer = find_trainer()
         self._trainer = weakref.ref(trainer) if trainer is not None else None
-        self._disabled = sharded_reason(args)
-        if self._step_aside(state):
+        # The one WEIGHTSYNC_AUDIT added next to an explicit callback steps aside, naming the options dropped.
+        callbacks = getattr(getattr(trainer, "callback_handler", None), "callbacks", [])
+        is_main = state.is_world_process_zero
+        if self.session.step_aside(self, callbacks, WeightSyncAuditCallback, is_main=is_main):
             return
-        if self._disabled:
-            if state.is_world_process_zero:
-                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
-            return
-        self.runner.open(
+        opened = self.session.open(
             world_size=args.world_size,
-            is_main=state.is_world_process_zero,
+            is_main=is_main,
+            disabled=sharded_reason(args),
             ddp_broadcast_buffers=buffer_policy(args),
             grads_with_optimizer=True,
         )
-        self._opened = True
-        self._trainable = TrainableSetWatch()
-        self._trainable.snapshot(self.audited(model))
-        self._last_step_audited = state.global_step
+        if not opened:
+            return
+        self.session.watch(self.audited(model), fresh=True)  # each train() warns anew
+        self.session.start(state.global_step)
         resumed = None
         if self.checkpoints and state.global_step > 0:  # resumed: the checkpoint of this step was loaded
             given = args.resume_from_checkpoint
             resumed = given if isinstance(given, str) and os.path.isdir(given) else checkpoint_dir(args, state)
         sched = kwargs.get("lr_scheduler")
-        checkpoint = ("loaded", resumed, hf_resume("loaded", resumed, args, state, sched)) if resumed else None
-        self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step, checkpoint=checkpoint)
+        loaded = (
+            Checkpoint("loaded", resumed, resume=hf_resume("loaded", resumed, args, state, sched)) if resumed else None
+        )
+        self._run(state, model, kwargs.get("optimizer"), "on_train_begin", state.global_step, checkpoint=loaded)
 
     @override
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self.checkpoints and self._opened:
+        if self.checkpoints and self.session.opened:
             path = checkpoint_dir(args, state)
-            checkpoint = ("saved", path, hf_resume("saved", path, args, state, kwargs.get("lr_scheduler")))
-            self._run(state, model, kwargs.get("optimizer"), "on_save", state.global_step, checkpoint=checkpoint)
+            saved = Checkpoint("saved", path, resume=hf_resume("saved", path, args, state, kwargs.get("lr_scheduler")))
+            self._run(state, model, kwargs.get("optimizer"), "on_save", state.global_step, checkpoint=saved)
 
     @override
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if self._opened and model is not None:
-            # After backward, before the step: a trainable set that left DDP's reducer behind is warned
-            # about before any weight moves (on the main process; every rank checks its own wrapper).
-            if self._trainable.check(self.audited(model), state.global_step, warn=state.is_world_process_zero):
-                self.runner.voice.note_said(self._trainable.said, f"the warning at step {state.global_step}")
-        if self.runner.grad_auditor is None or not self._opened:
-            return
-        upcoming = state.global_step + 1
-        if self.every_n_steps is not None and upcoming % self.every_n_steps == 0:
-            self._run(state, model, kwargs.get("optimizer"), "on_pre_optimizer_step", upcoming, grads=True)
+        # After backward, before the step: a trainable set that left DDP's reducer behind is warned about
+        # before any weight moves (on the main process; every rank checks its own wrapper).
+        step = state.global_step
+        if self.session.before_step(self.audited(model), step, is_main=state.is_world_process_zero):
+            self._run(state, model, kwargs.get("optimizer"), "on_pre_optimizer_step", step + 1, grads=True)
 
     @override
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        step = state.global_step
-        if self._opened and model is not None:
-            # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
-            optimizer = kwargs.get("optimizer")
-            watch_run(self.runner, self.audited(model), [optimizer] if optimizer is not None else [])  # once
-            mark_step(self.runner, step)
-            self.runner.record_step(self.audited(model), [optimizer] if optimizer is not None else [], step)
-        if self.every_n_steps is None or step == self._last_step_audited or step % self.every_n_steps:
-            return
-        self._last_step_audited = step
-        self._run(state, model, kwargs.get("optimizer"), "on_step_end", step)
+        optimizer = kwargs.get("optimizer")
+        optimizers = [optimizer] if optimizer is not None else []
+        if self.session.after_step(self.audited(model), optimizers, state.global_step):
+            self._run(state, model, optimizer, "on_step_end", state.global_step)
 
     @override
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
@@ -377,36 +326,39 @@ class WeightSyncAuditCallback(TrainerCallback):
 
     @override
     def on_train_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if not self._opened:
-            if self._disabled and state.is_world_process_zero and self.runner.verbose:
-                self.runner.print(self.summary())
+        is_main = state.is_world_process_zero
+        if not self.session.opened:
+            if self.session.disabled:
+                self.session.print_summary(is_main)
             return
         try:
-            if state.global_step != self._last_step_audited:
-                self._last_step_audited = state.global_step
+            if self.session.pending_final(state.global_step):
                 self._run(state, model, kwargs.get("optimizer"), "on_train_end", state.global_step)
-            if state.is_world_process_zero and self.runner.verbose:
-                self.runner.print(self.summary())
+            self.session.print_summary(is_main)
         finally:
-            self.runner.close()
-            self._opened = False
+            self.session.close()
 
     # -- the audit -----------------------------------------------------------------------------
 
     def _run(
-        self, state: Any, model: Any, optimizer: Any, hook: str, step: int, grads: bool = False, checkpoint: Any = None
+        self,
+        state: Any,
+        model: Any,
+        optimizer: Any,
+        hook: str,
+        step: int,
+        grads: bool = False,
+        checkpoint: Checkpoint | None = None,
     ) -> AuditResult | None:
         if model is None:
             raise ValueError(f"weightsync audit: the Trainer passed no model to {hook}")
-        model = self.audited(model)
         optimizers = [optimizer] if optimizer is not None else []
         kw: dict[str, Any] = dict(step=step, epoch=epoch_of(state), hook=hook, is_main=state.is_world_process_zero)
-        if checkpoint is not None:
-            result = self.runner.checkpoint(checkpoint[0], checkpoint[1], model, optimizers, resume=checkpoint[2], **kw)
-        else:
-            result = self.runner.run(model, optimizers, grads=grads, after_step=hook == "on_step_end", **kw)
-            if result is None and self.runner.overlap is not None:  # overlap=True: the last verdict acted on
-                result = self.runner.overlap.last
+        if checkpoint is None:
+            kw.update(grads=grads, after_step=hook == "on_step_end")
+        result = self.session.audit(self.audited(model), optimizers, checkpoint=checkpoint, **kw)
+        if result is None and checkpoint is None and self.runner.overlap is not None:
+            result = self.runner.overlap.last  # overlap=True: the last verdict acted on
         if result is not None:
             self.last_result = result
             self._unlogged = audit_metrics(result)
@@ -414,4 +366,4 @@ class WeightSyncAuditCallback(TrainerCallback):
 
     def summary(self) -> str:
         """One line over the run so far: audits, the first divergence, resyncs."""
-        return self.runner.summary(self._disabled)
+        return self.session.summary()

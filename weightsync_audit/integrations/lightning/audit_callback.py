@@ -9,20 +9,19 @@ the report, prints, and logs.
 
 from __future__ import annotations
 
-import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from typing_extensions import override
 
-from weightsync_audit.ddp.watch import TrainableSetWatch
-from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.env_options import dropped_message
+from weightsync_audit.integrations.lightning.hook_routes import route_hooks
 from weightsync_audit.integrations.resume_sources import lightning_resume
-from weightsync_audit.integrations.session.runner import AuditRunner, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
 
@@ -64,6 +63,7 @@ def sharded_strategy_reason(strategy: Any) -> str | None:
     return None
 
 
+@with_option_properties()
 class WeightSyncAuditMixin:
     """Audit that every rank holds the same weights during ``fit``; report, raise or resync.
 
@@ -107,6 +107,8 @@ class WeightSyncAuditMixin:
             and backward run; its verdict (report, ``raise``, ``resync``) is acted on before the next
             optimizer update, and the record's ``overlap.covers_step`` says which step it covers
             (docs/performance.md).
+        options: all of the above but the cadence and ``hooks`` as one :class:`~weightsync_audit.AuditOptions`
+            (then none of them may be given flat); each also reads as an attribute (``callback.include``).
 
     Example::
 
@@ -135,6 +137,7 @@ class WeightSyncAuditMixin:
         sinks: Sequence[RecordSink] = (),
         attribution: Any = False,
         overlap: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
@@ -145,47 +148,23 @@ class WeightSyncAuditMixin:
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
         if unknown:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
-        # The options every callback shares are validated (errors name the argument) and run by the runner.
-        self.runner = AuditRunner(
-            include=include,
-            exclude=exclude,
-            on_mismatch=on_mismatch,
-            resync_src=resync_src,
-            report_path=report_path,
-            timeout_s=timeout_s,
-            coverage=coverage,
-            verbose=verbose,
-            tolerance=tolerance,
-            pinpoint=pinpoint,
-            pinpoint_ring=pinpoint_ring,
-            pinpoint_coverage=pinpoint_coverage,
-            every_n=every_n_train_steps,
-            exit_code=exit_code,
-            sinks=sinks,
-            overlap=overlap,
-        )
-        watch_run(self.runner, None, [], attribution)  # validated now, set on the first step
-        self.checkpoints = bool(checkpoints)
+        # The options every callback shares, validated (errors name the argument), taken whole by the session.
+        self.options = AuditOptions.given(locals(), options)
+        self.session = TrainerSession(self.options, every_n_train_steps)
+        self.runner = self.session.runner
         self._saving: Any = None
         self.config = self.runner.config
+        self.slices = self.config.slices
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
-        self.include = self.config.include
-        self.exclude = self.config.exclude
-        self.slices = self.config.slices
-        self.on_mismatch = on_mismatch
-        self.resync_src = resync_src
-        self.report_path = self.runner.report_path
-        self.timeout_s = timeout_s
-        self.coverage = coverage
-        self.verbose = verbose
         self.history = self.runner.history
-        self._opened = False
-        self._disabled: str | None = None
-        self._last_step_audited: int | None = None
-        self._trainable = TrainableSetWatch()
-        self.from_env = False
-        """Set when the callback was added by the WEIGHTSYNC_AUDIT variable (zero-code activation)."""
+        self.env_options: dict[str, Any] | None = None
+        """The options of the ``WEIGHTSYNC_AUDIT`` variable when it added this callback (zero-code activation)."""
+
+    @property
+    def from_env(self) -> bool:
+        """Whether the callback was added by the WEIGHTSYNC_AUDIT variable (zero-code activation)."""
+        return added_by_env(self)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -193,25 +172,12 @@ class WeightSyncAuditMixin:
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._disabled = sharded_strategy_reason(trainer.strategy)
-        if self.from_env and any(
-            isinstance(c, WeightSyncAuditMixin) and c is not self and not c.from_env for c in trainer.callbacks
-        ):
-            # The Trainer already has its own WeightSyncAudit: the one WEIGHTSYNC_AUDIT added steps aside
-            # rather than auditing (and reporting) everything twice, and says which of its options are dropped.
-            self._disabled = "the Trainer already has a WeightSyncAudit; the one from WEIGHTSYNC_AUDIT is not used"
-            if trainer.is_global_zero:
-                warnings.warn(
-                    dropped_message(self, type(self).__name__), WeightSyncWarning, stacklevel=user_stacklevel()
-                )
+        # The one WEIGHTSYNC_AUDIT added next to the Trainer's own steps aside, naming the options dropped.
+        if self.session.step_aside(self, trainer.callbacks, WeightSyncAuditMixin, is_main=trainer.is_global_zero):
             return
-        if self._disabled:
-            if trainer.is_global_zero:
-                warnings.warn(self._disabled, WeightSyncWarning, stacklevel=user_stacklevel())
-            return
-        self.runner.open(world_size=trainer.world_size, is_main=trainer.is_global_zero)
-        self._opened = True
-        if self.checkpoints and "save_checkpoint" not in vars(trainer):
+        reason = sharded_strategy_reason(trainer.strategy)
+        opened = self.session.open(world_size=trainer.world_size, is_main=trainer.is_global_zero, disabled=reason)
+        if opened and self.checkpoints and "save_checkpoint" not in vars(trainer):
             self._wrap_save(trainer)
 
     def _wrap_save(self, trainer: Any) -> None:
@@ -222,8 +188,7 @@ class WeightSyncAuditMixin:
             self._saving = None
             original(filepath, *args, **kwargs)
             saved, self._saving = self._saving, None
-            if self._opened and not self._disabled:
-                self._run(trainer, "on_save_checkpoint", checkpoint=("saved", filepath, saved))
+            self._run(trainer, "on_save_checkpoint", checkpoint=Checkpoint("saved", filepath, saved))
 
         trainer.save_checkpoint = save_checkpoint
 
@@ -240,74 +205,43 @@ class WeightSyncAuditMixin:
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if "save_checkpoint" in vars(trainer):
             del trainer.save_checkpoint  # the Trainer's own method again
-        self.runner.close()
+        self.session.close(ended=False)
 
     # -- triggers ------------------------------------------------------------------------------
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._trainable.snapshot(trainer.strategy.model)
+        self.session.watch(trainer.strategy.model)
         self._maybe_hook(trainer, "on_fit_start")
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step_audited = trainer.global_step
+        self.session.start(trainer.global_step)
         if self.checkpoints and trainer.ckpt_path and not getattr(trainer, "sanity_checking", False):
             # Restored from a checkpoint: every rank against its sidecar, before the first step.
-            self._run(trainer, "on_train_start", checkpoint=("loaded", trainer.ckpt_path, None))
+            self._run(trainer, "on_train_start", checkpoint=Checkpoint("loaded", trainer.ckpt_path))
             return
         self._maybe_hook(trainer, "on_train_start")
-
-    @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._maybe_hook(trainer, "on_train_epoch_start")
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = trainer.global_step
-        if self._opened and not self._disabled:
-            # After the optimizer step, before this step's audit: the weights this step left (pinpoint).
-            watch_run(self.runner, trainer.strategy.model, list(trainer.optimizers))  # attribution, once
-            mark_step(self.runner, step)
-            self.runner.record_step(trainer.strategy.model, list(trainer.optimizers), step)
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
-        if self.every_n_train_steps is None or step == self._last_step_audited:
-            return
-        if step % self.every_n_train_steps == 0:
-            self._last_step_audited = step
+        if self.session.after_step(trainer.strategy.model, list(trainer.optimizers), trainer.global_step):
             self._run(trainer, "on_train_batch_end", after_step=True)  # overlap=True: launched here
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
-        if not self._disabled:
-            if self._trainable.check(trainer.strategy.model, trainer.global_step, warn=trainer.is_global_zero):
-                self.runner.voice.note_said(self._trainable.said, f"the warning at step {trainer.global_step}")
-        if self.runner.grad_auditor is None or self._disabled:
-            return
-        upcoming = trainer.global_step + 1
-        on_cadence = self.every_n_train_steps is not None and upcoming % self.every_n_train_steps == 0
-        if on_cadence or "on_before_optimizer_step" in self.hooks:
-            self._run(trainer, "on_before_optimizer_step", grads=True, step=upcoming)
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._maybe_hook(trainer, "on_train_epoch_end")
-
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._maybe_hook(trainer, "on_validation_start")
-
-    @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._maybe_hook(trainer, "on_validation_end")
+        step, also = trainer.global_step, "on_before_optimizer_step" in self.hooks
+        if self.session.before_step(trainer.strategy.model, step, is_main=trainer.is_global_zero, hook=also):
+            self._run(trainer, "on_before_optimizer_step", grads=True, step=step + 1)
 
     @override
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        if self.checkpoints and self._opened:
+        if self.checkpoints and self.session.opened:
             self._saving = checkpoint  # digested once written (the audit runs after the save)
             return
         self._maybe_hook(trainer, "on_save_checkpoint")
@@ -319,14 +253,11 @@ class WeightSyncAuditMixin:
         # After the module's own on_load_checkpoint: the RNG as the resume restored it (local, no message).
         self._rng_at_load = rng_now()
 
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._maybe_hook(trainer, "on_train_end")
-
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._maybe_hook(trainer, "on_fit_end")
-        if trainer.is_global_zero and self.verbose and self._opened:
-            self.runner.print(self.summary())
+        if self.session.opened:
+            self.session.print_summary(trainer.is_global_zero)
 
     def _maybe_hook(self, trainer: Any, hook: str) -> None:
         if getattr(trainer, "sanity_checking", False):
@@ -342,36 +273,33 @@ class WeightSyncAuditMixin:
         hook: str,
         grads: bool = False,
         step: int | None = None,
-        checkpoint: Any = None,
+        checkpoint: Checkpoint | None = None,
         after_step: bool = False,
     ) -> AuditResult | None:
-        if not self._opened or self._disabled:
-            return None
         loggers = list(trainer.loggers) if trainer.is_global_zero else []
 
         def log_metrics(metrics: dict[str, float]) -> None:
             for logger in loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-        kw: dict[str, Any] = dict(
-            step=trainer.global_step if step is None else step,
-            epoch=trainer.current_epoch,
-            hook=hook,
-            is_main=trainer.is_global_zero,
-            log_metrics=log_metrics,
+        step = trainer.global_step if step is None else step
+        kw: dict[str, Any] = dict(epoch=trainer.current_epoch, hook=hook, is_main=trainer.is_global_zero)
+        if checkpoint is not None and self.session.active:
+            rng = self.__dict__.pop("_rng_at_load", None) if checkpoint.event == "loaded" else None
+            checkpoint = replace(checkpoint, resume=lightning_resume(trainer, rng))
+            optimizers = trainer.optimizers
+        else:
+            optimizers = [] if grads else list(trainer.optimizers)
+            kw.update(grads=grads, after_step=after_step)
+        return self.session.audit(
+            trainer.strategy.model, optimizers, checkpoint=checkpoint, step=step, log_metrics=log_metrics, **kw
         )
-        if checkpoint is not None:
-            event, path, state = checkpoint
-            rng = self.__dict__.pop("_rng_at_load", None) if event == "loaded" else None
-            model, resume = trainer.strategy.model, lightning_resume(trainer, rng)
-            return self.runner.checkpoint(event, path, model, trainer.optimizers, state=state, resume=resume, **kw)
-        optimizers = [] if grads else list(trainer.optimizers)
-        return self.runner.run(trainer.strategy.model, optimizers, grads=grads, after_step=after_step, **kw)
-
-    # -- reporting and checkpoints -------------------------------------------------------------
 
     def summary(self) -> str:
-        return self.runner.summary(self._disabled)
+        """One line over the run so far: audits, the first divergence, resyncs (or why it was not audited)."""
+        return self.session.summary()
+
+    # -- reporting and checkpoints -------------------------------------------------------------
 
     @property
     @override
@@ -406,3 +334,10 @@ class WeightSyncAuditMixin:
         # Old or partial checkpoints keep the defaults for what they lack.
         self.history.load_state_dict(state_dict.get("history", {}))
         self.runner.last_reported = tuple(state_dict.get("last_reported", ()))
+
+
+route_hooks(
+    WeightSyncAuditMixin,
+    ("on_train_epoch_start", "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_train_end"),
+    to="_maybe_hook",
+)

@@ -45,6 +45,7 @@ from weightsync_audit.ddp.inspect import (
 )
 from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, agree_trainable, reduce_grads_by_hand, rewrap_ddp
 from weightsync_audit.engine.inventory.reducer import find_ddp
+from weightsync_audit.integrations.lightning.hook_routes import route_hooks
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl
@@ -125,16 +126,6 @@ class DDPRewrapMixin:
         self._check(trainer, "on_fit_start")
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check(trainer, "on_train_epoch_start")
-
-    @override
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._check(trainer, "on_train_batch_start")
-
-    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check(trainer, "on_after_backward", mid_step=True)
 
@@ -199,3 +190,6 @@ class DDPRewrapMixin:
         self._ddp_ref = weakref.ref(new)
         self._flags = covered_flags(new)  # recorded by rewrap_ddp at construction
         lightning_reset_static_graph(strategy)  # its one-time static-graph flush is per wrapper
+
+
+route_hooks(DDPRewrapMixin, ("on_train_epoch_start", "on_train_batch_start"), to="_check")

@@ -46,18 +46,18 @@ class OverlapDriver:
         model: Any,
         optimizers: Sequence[Any],
         *,
-        step: int,
-        epoch: int | None,
-        hook: str,
         is_main: bool,
         log_metrics: Callable[[dict[str, float]], None] | None,
+        **at: Any,
     ) -> None:
+        """Launch the audit of ``model`` at ``at`` (the ``step``, ``epoch`` and ``hook`` the runner's ``run``
+        was given); its verdict is acted on when it settles."""
         auditor = self.runner.auditor
         assert auditor is not None
         if auditor.window is None:
             auditor.window = OverlapWindow(auditor)
         auditor.window.on_settled = self._act
-        auditor.launch(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+        auditor.launch(model, list(optimizers) or None, **at)
         self._acting = (model, list(optimizers), is_main, log_metrics)  # set after: launch settles the last one
 
     def settle(self, where: str) -> AuditResult | None:

@@ -25,12 +25,9 @@ from weightsync_audit.engine.checkpoints.resume_check import capture as capture_
 from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
-from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.measure.stability import persistent_hints
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
-from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, leave_together
 from weightsync_audit.integrations.session.arguments import (
@@ -40,11 +37,12 @@ from weightsync_audit.integrations.session.arguments import (
     check_exit_code,
     reject_unknown_options,
 )
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.overlap import OverlapDriver
 from weightsync_audit.integrations.session.worker_history import HistoryHandoff, summary_outside_workers
-from weightsync_audit.reporting.jsonl import ReportWriter, check_report_path
+from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSink, RecordSinks
+from weightsync_audit.reporting.sinks import RecordSinks
 
 __all__ = [
     "CADENCE_NAMES",
@@ -68,13 +66,15 @@ def audit_metrics(result: AuditResult) -> dict[str, float]:
     }
 
 
+@with_option_properties(skip=("sinks", "overlap"), settable=True)
 class AuditRunner:
     """Run audits for a callback and act on them: ``warn``, ``raise`` (on every rank) or ``resync``.
 
-    The arguments are the callbacks' own, validated here so that every callback's errors name them alike.
+    It takes the adapter's :class:`AuditOptions` whole (each field also reads as an attribute:
+    ``runner.on_mismatch``) and the adapter's cadence ``every_n``, which sizes the pinpoint ring.
 
     >>> import torch
-    >>> runner = AuditRunner(on_mismatch="raise")
+    >>> runner = AuditRunner(AuditOptions(on_mismatch="raise"))
     >>> runner.open(world_size=1, is_main=True)
     >>> model = torch.nn.Linear(2, 2)
     >>> runner.run(model, [], step=0, epoch=0, hook="example", is_main=True).in_sync
@@ -82,51 +82,14 @@ class AuditRunner:
     >>> runner.close()
     """
 
-    def __init__(
-        self,
-        *,
-        include: Sequence[str] = ("params", "buffers", "optimizer"),
-        exclude: Sequence[str] = (),
-        on_mismatch: OnMismatch = "warn",
-        resync_src: ResyncSource = 0,
-        report_path: Optional[str] = None,
-        timeout_s: Optional[float] = 600.0,
-        coverage: float | str = 1,
-        verbose: bool = True,
-        tolerance: Optional[float] = None,
-        pinpoint: bool = False,
-        pinpoint_ring: Optional[int] = None,
-        pinpoint_coverage: float | str = 1,
-        every_n: Optional[int] = None,
-        exit_code: Optional[int] = None,
-        sinks: Sequence[RecordSink] = (),
-        overlap: bool = False,
-    ) -> None:
-        # One AuditConfig, validated here (errors name the argument), passed whole to the auditors.
-        self.config = AuditConfig(
-            include=tuple(include) if not isinstance(include, str) else include,  # type: ignore[arg-type]
-            exclude=exclude if isinstance(exclude, str) else tuple(exclude),  # type: ignore[arg-type]
-            timeout_s=timeout_s,
-            slices=parse_coverage(coverage),
-            tolerance=tolerance,
-            pinpoint=bool(pinpoint),
-            # By default the ring holds two audit intervals of steps (and at least DEFAULT_RING).
-            pinpoint_ring=max(DEFAULT_RING, 2 * (every_n or 0) + 16) if pinpoint_ring is None else pinpoint_ring,
-            pinpoint_slices=parse_coverage(pinpoint_coverage),
-        )
-        self.on_mismatch = check_on_mismatch(on_mismatch)
-        self.exit_code = check_exit_code(exit_code, self.on_mismatch)
-        """With ``on_mismatch="raise"``: every rank ends its process with this status after the record is
-        written (docs/restarts.md), so ``torchrun --max-restarts`` or a scheduler restarts the run."""
-        resync_src = check_resync_src(resync_src)
-        if report_path is not None:
-            check_report_path(report_path, "report_path")
-        self.include, self.exclude, self.slices = self.config.include, self.config.exclude, self.config.slices
-        self.sinks = RecordSinks(sinks)  # the main process hands them each record (weightsync_audit.metrics)
-        self.resync_src = resync_src
-        self.report_path = None if report_path is None else str(report_path)
-        self.timeout_s, self.coverage = timeout_s, coverage
-        self.verbose = verbose
+    def __init__(self, options: AuditOptions | None = None, *, every_n: Optional[int] = None) -> None:
+        self.options = AuditOptions() if options is None else options
+        """The adapter's options, whole (validated when they were built; errors name the argument)."""
+        # One AuditConfig, passed whole to the auditors; the adapter's cadence sizes the pinpoint ring.
+        self.config = self.options.audit_config(every_n)
+        self.slices = self.config.slices
+        # The main process hands the sinks each record (weightsync_audit.metrics).
+        self.sinks = RecordSinks(self.options.sinks)
         self.history = AuditHistory()
         self.console: Any = None
         """A ``rich.console.Console`` for reports on the main process (stderr when ``None``)."""
@@ -148,7 +111,7 @@ class AuditRunner:
         self.last_step_recorded: int | None = None
         self.resynced_ranks: dict[int, int] = {}
         """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
-        self.overlap = OverlapDriver.of(self, overlap)
+        self.overlap = OverlapDriver.of(self, self.options.overlap)
         """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
     # -- set-up and teardown -------------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""One audit's life inside a trainer, whatever the framework: :class:`TrainerSession`.
+
+The Lightning callback, the Hugging Face callback and :class:`~weightsync_audit.LoopAudit` each translate
+their framework's events into calls on one: open once (or stay disabled, with a reason said once), step
+aside when the ``WEIGHTSYNC_AUDIT`` variable added a second callback next to the user's, keep pinpoint's
+and attribution's per-step records, audit on the cadence (once per optimizer step), watch the trainable
+set before each step, and audit at the checkpoints the trainer saves and loads (their sidecars). The
+session takes every decision that leads to a collective from data equal on every rank (the step, the
+options); the main process only warns and prints. It imports no framework.
+
+>>> import torch
+>>> from weightsync_audit import AuditOptions
+>>> session = TrainerSession(AuditOptions(verbose=False), every_n=2)
+>>> session.open(world_size=1, is_main=True)
+True
+>>> model = torch.nn.Linear(2, 2)
+>>> [session.after_step(model, [], step) for step in (1, 2, 2, 3, 4)]
+[False, True, False, False, True]
+>>> session.audit(model, [], step=2, epoch=0, hook="example", is_main=True).in_sync
+True
+>>> session.close()
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Optional, Sequence
+
+from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
+from weightsync_audit.integrations.session.options import AuditOptions
+from weightsync_audit.integrations.session.runner import AuditRunner
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["Checkpoint", "TrainerSession", "added_by_env"]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint the trainer just saved or loaded, to audit against its sidecar."""
+
+    event: Literal["saved", "loaded"]
+    path: Any
+    state: Any = None
+    """What was saved (default: the module's ``state_dict``), digested into the sidecar."""
+    resume: ResumeSources | None = None
+    """What a resume must give each rank back (RNG, data position, schedulers), checked or recorded."""
+
+
+def added_by_env(callback: Any) -> bool:
+    """Whether ``callback`` was added by the ``WEIGHTSYNC_AUDIT`` variable (it keeps the options it read)."""
+    return getattr(callback, "env_options", None) is not None
+
+
+class TrainerSession:
+    """The framework-free lifecycle of an audit callback; the adapters only translate hooks into calls."""
+
+    def __init__(self, options: AuditOptions, every_n: Optional[int]) -> None:
+        self.runner = AuditRunner(options, every_n=every_n)
+        """Audits, acts and reports (it holds the options whole)."""
+        self.every_n = every_n
+        self.opened = False
+        self.disabled: str | None = None
+        """Why this run is not audited (a sharded strategy, a duplicate from the variable), or ``None``."""
+        self.last_step_audited: int | None = None
+        self.trainable = TrainableSetWatch()
+
+    @property
+    def options(self) -> AuditOptions:
+        """The options the session runs with."""
+        return self.runner.options
+
+    @property
+    def active(self) -> bool:
+        """Open and not disabled: the hooks audit."""
+        return self.opened and not self.disabled
+
+    # -- set-up and teardown -------------------------------------------------------------------
+
+    def open(self, *, world_size: int, is_main: bool, disabled: str | None = None, **open_kw: Any) -> bool:
+        """Open the runner (collective: every rank calls it), unless ``disabled`` says why not (warned on the
+        main process) or :meth:`step_aside` already disabled the session. Whether it opened."""
+        if self.disabled is None:
+            self.disabled = disabled
+            if disabled and is_main:
+                warnings.warn(disabled, WeightSyncWarning, stacklevel=user_stacklevel())
+        if self.disabled:
+            return False
+        self.runner.open(world_size=world_size, is_main=is_main, **open_kw)
+        self.opened = True
+        return True
+
+    def step_aside(self, callback: Any, callbacks: Iterable[Any], kind: type, *, is_main: bool) -> bool:
+        """When ``callback`` came from ``WEIGHTSYNC_AUDIT`` and ``callbacks`` hold an explicit one of ``kind``:
+        disable this session (rather than audit and report everything twice), warn naming the options dropped."""
+        self.disabled = None
+        own = [c for c in callbacks if isinstance(c, kind) and c is not callback and not added_by_env(c)]
+        if not added_by_env(callback) or not own:
+            return False
+        name = type(own[0]).__name__
+        self.disabled = f"the Trainer already has a {name}; the one from {ENV_VAR} is not used"
+        if is_main:
+            warnings.warn(dropped_message(callback, name), WeightSyncWarning, stacklevel=user_stacklevel())
+        return True
+
+    def start(self, step: int) -> None:
+        """Training starts at ``step``: the cadence does not audit it again."""
+        self.last_step_audited = step
+
+    def watch(self, model: Any, *, fresh: bool = False) -> None:
+        """Remember what DDP's reducer covers now, right after the wrap (local)."""
+        if fresh:
+            self.trainable = TrainableSetWatch()
+        self.trainable.snapshot(model)
+
+    def close(self, *, ended: bool = True) -> None:
+        """Close the report (idempotent). ``ended``: no hook audits until the next :meth:`open` (the Hugging
+        Face Trainer's next ``train()``); ``False`` keeps the auditors for hooks that follow (Lightning's
+        ``validate`` after ``fit``)."""
+        self.runner.close()
+        self.opened = self.opened and not ended
+
+    # -- the steps -----------------------------------------------------------------------------
+
+    def before_step(self, model: Any, step: int, *, is_main: bool, hook: bool = False) -> bool:
+        """After backward, before the optimizer step: warn (once, main process) if the trainable set left DDP's
+        reducer behind; whether the gradients are to be audited now (the cadence's step, or ``hook``)."""
+        if not self.active:
+            return False
+        if self.trainable.check(model, step, warn=is_main):
+            self.runner.voice.note_said(self.trainable.said, f"the warning at step {step}")
+        upcoming = step + 1
+        on_cadence = self.every_n is not None and upcoming % self.every_n == 0
+        return self.runner.grad_auditor is not None and (on_cadence or hook)
+
+    def after_step(self, model: Any, optimizers: Sequence[Any], step: int, *, once: bool = True) -> bool:
+        """After each optimizer step: the weights it left, recorded (pinpoint, attribution; local); whether the
+        cadence audits this step (``once``: not a step already audited, as gradient accumulation repeats it)."""
+        if self.active and model is not None:
+            watch_run(self.runner, model, optimizers)  # attribution's watch, set once
+            mark_step(self.runner, step)
+            self.runner.record_step(model, optimizers, step)
+        if self.every_n is None or step % self.every_n or (once and step == self.last_step_audited):
+            return False
+        self.last_step_audited = step
+        return True
+
+    def pending_final(self, step: int) -> bool:
+        """At the end of training: whether ``step`` still needs an audit (the last one was not of it)."""
+        if not self.active or step == self.last_step_audited:
+            return False
+        self.last_step_audited = step
+        return True
+
+    # -- the audit -----------------------------------------------------------------------------
+
+    def audit(
+        self, model: Any, optimizers: Sequence[Any], *, checkpoint: Checkpoint | None = None, **kw: Any
+    ) -> AuditResult | None:
+        """Audit now (the runner's :meth:`~AuditRunner.run`, or its :meth:`~AuditRunner.checkpoint` for a
+        ``checkpoint``) and act on it; ``None`` when the session is not active or the audit failed under warn."""
+        if not self.active:
+            return None
+        if checkpoint is not None:
+            c = checkpoint
+            return self.runner.checkpoint(c.event, c.path, model, optimizers, state=c.state, resume=c.resume, **kw)
+        return self.runner.run(model, optimizers, **kw)
+
+    def summary(self) -> str:
+        """One line over the run so far (or why it was not audited)."""
+        return self.runner.summary(self.disabled)
+
+    def print_summary(self, is_main: bool) -> None:
+        """Print :meth:`summary` on the main process with ``verbose``."""
+        if is_main and self.options.verbose:
+            self.runner.print(self.summary())
