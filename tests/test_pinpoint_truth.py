@@ -5,7 +5,7 @@ that appeared and healed between two audits is reported (``transient``) instead 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -152,25 +152,35 @@ def test_after_a_resync_the_rings_restart_and_the_next_divergence_gets_its_exact
     assert (at10["pinpoint"], at10["first_diverged_step"], at10["last_in_sync_step"]) == ("exact", 8, 7)
 
 
-def _healed(rank: int, world: int, heal: str) -> list[dict[str, Any]]:
-    """Rank 1 flips a weight at step 6 and it heals at step 8 (a low bit rounded away, or every rank's
-    weight turned into the same NaN); audits every 10 steps."""
+def _walk_lr0(world: int, steps: int, act: Callable[[int, nn.Sequential, torch.Tensor], None]) -> list[dict[str, Any]]:
+    """``steps`` steps at lr 0 of the 8-wide pinpointed model, ``act(step, model, first weight as it began)``
+    under ``no_grad`` after each, every step recorded, an audit every 10 steps."""
     model, opt, auditor = _pinpointed(8, 0.0)
-    out = []
+    out: list[dict[str, Any]] = []
     saved = model[0].weight.detach().clone()
-    for step in range(1, 21):
+    for step in range(1, steps + 1):
         _train_step(model, opt, world)
         with torch.no_grad():
-            if step == 6 and rank == 1:
-                model[0].weight[2, 3] += 1e-3
-            if step == 8:
-                if heal == "restored":
-                    model[0].weight.copy_(saved)
-                else:
-                    model[0].weight[2, 3] = float("nan")
+            act(step, model, saved)
         auditor.record_step(step)
         _audit_every(10, auditor, step, out)
     return out
+
+
+def _healed(rank: int, world: int, heal: str) -> list[dict[str, Any]]:
+    """Rank 1 flips a weight at step 6 and it heals at step 8 (a low bit rounded away, or every rank's
+    weight turned into the same NaN); audits every 10 steps."""
+
+    def act(step: int, model: nn.Sequential, saved: torch.Tensor) -> None:
+        if step == 6 and rank == 1:
+            model[0].weight[2, 3] += 1e-3
+        if step == 8:
+            if heal == "restored":
+                model[0].weight.copy_(saved)
+            else:
+                model[0].weight[2, 3] = float("nan")
+
+    return _walk_lr0(world, 20, act)
 
 
 @pytest.mark.parametrize(
@@ -207,19 +217,14 @@ def test_a_transient_field_round_trips_and_is_refused_where_it_cannot_hold() -> 
 def _reported_then_healed(rank: int, world: int) -> list[dict[str, Any]]:
     """Rank 1 nudges a weight at step 6 (reported by the audit at 10), restored at 12; a new nudge at 24
     heals at 26; audits every 10 steps."""
-    model, opt, auditor = _pinpointed(8, 0.0)
-    out = []
-    saved = model[0].weight.detach().clone()
-    for step in range(1, 41):
-        _train_step(model, opt, world)
-        with torch.no_grad():
-            if step in (6, 24) and rank == 1:
-                model[0].weight[2, 3] += 1e-3
-            if step in (12, 26):
-                model[0].weight.copy_(saved)
-        auditor.record_step(step)
-        _audit_every(10, auditor, step, out)
-    return out
+
+    def act(step: int, model: nn.Sequential, saved: torch.Tensor) -> None:
+        if step in (6, 24) and rank == 1:
+            model[0].weight[2, 3] += 1e-3
+        if step in (12, 26):
+            model[0].weight.copy_(saved)
+
+    return _walk_lr0(world, 40, act)
 
 
 def test_a_divergence_an_audit_reported_is_never_reported_again_as_transient(tmp_path: Any) -> None:

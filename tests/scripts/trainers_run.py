@@ -242,10 +242,13 @@ def four_steps(
     backward: Callable[[torch.Tensor], None],
     rank: int,
     plant: Callable[[], None],
-    audit_at: Callable[[int], Any],
+    audit_at: Callable[[int], Any] | None = None,
 ) -> dict[str, Any]:
     """Four steps of ``model`` on this rank's batches, ``plant()`` on ``rank`` 1 after step 2's update, and each
-    step's ``audit_at(step)`` result; ``backward`` and ``rank`` are the loop framework's own."""
+    step's ``audit_at(step)`` result (by default ``audit(model, optimizer, ...)``); ``backward`` and ``rank`` are
+    the loop framework's own."""
+    from weightsync_audit import audit
+
     results = []
     for step in range(4):
         backward(model(batch(step)).pow(2).mean())
@@ -254,15 +257,14 @@ def four_steps(
         if step == 2 and rank == 1:
             with torch.no_grad():
                 plant()
-        results.append(audit_at(step).to_dict())
+        result = audit(model, optimizer, step=step, timeout_s=60) if audit_at is None else audit_at(step)
+        results.append(result.to_dict())
     return {"results": results, "wrapper": type(model).__name__}
 
 
 @scenario
 def fabric_loop() -> dict[str, Any]:
     from lightning.fabric import Fabric
-
-    from weightsync_audit import audit
 
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     fabric = Fabric(accelerator="cpu", devices=per_node, num_nodes=dist.get_world_size() // per_node, strategy="ddp")
@@ -273,17 +275,12 @@ def fabric_loop() -> dict[str, Any]:
     def plant() -> None:
         model.head.bias[0] += 1e-3
 
-    return four_steps(
-        model, optimizer, fabric.backward, fabric.global_rank, plant,
-        lambda step: audit(model, optimizer, step=step, timeout_s=60),
-    )  # fmt: skip
+    return four_steps(model, optimizer, fabric.backward, fabric.global_rank, plant)
 
 
 @scenario
 def accelerate_loop() -> dict[str, Any]:
     from accelerate import Accelerator
-
-    from weightsync_audit import audit
 
     accelerator = Accelerator(cpu=True)
     net = Net()
@@ -292,10 +289,7 @@ def accelerate_loop() -> dict[str, Any]:
     def plant() -> None:
         net.backbone.bias[0] += 1e-3
 
-    return four_steps(
-        model, optimizer, accelerator.backward, accelerator.process_index, plant,
-        lambda step: audit(model, optimizer, step=step, timeout_s=60),
-    )  # fmt: skip
+    return four_steps(model, optimizer, accelerator.backward, accelerator.process_index, plant)
 
 
 @scenario
