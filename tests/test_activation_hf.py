@@ -16,38 +16,17 @@ import pytest
 pytest.importorskip("transformers")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
-import torch
-from torch import nn
+from hf_setup import tiny_trainer
 
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.activation import ENV_VAR
 from weightsync_audit.transformers import WeightSyncAuditCallback
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
-
-
 def _train(tmp_path: Path, callbacks: list[Any]) -> Any:
-    from transformers import Trainer, TrainingArguments
-
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=4,
-        per_device_train_batch_size=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        logging_steps=1,
+    trainer = tiny_trainer(
+        tmp_path / "out", callbacks, rows=8, max_steps=4, per_device_train_batch_size=2, logging_steps=1
     )
-    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
-    trainer = Trainer(model=_Net(), args=args, train_dataset=data, callbacks=callbacks)
     trainer.train()
     return trainer
 

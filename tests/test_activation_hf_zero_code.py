@@ -18,6 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from torchrun import OFFLINE
 
 from weightsync_audit.integrations.hf_activation import PTH_NAME, is_on
 
@@ -36,7 +37,7 @@ def _env(tmp_path: Path, value: str | None, *first: Path) -> dict[str, str]:
         (boot / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
     env = {k: v for k, v in os.environ.items() if k != "WEIGHTSYNC_AUDIT"}
     env["PYTHONPATH"] = os.pathsep.join([*map(str, first), str(boot), str(ROOT), env.get("PYTHONPATH", "")])
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true", "OMP_NUM_THREADS": "1"})
+    env.update(OFFLINE, OMP_NUM_THREADS="1")
     if value is not None:
         env["WEIGHTSYNC_AUDIT"] = value
     return env
@@ -131,24 +132,11 @@ def test_set_with_no_audit_code_two_gloo_ranks_under_torchrun_write_one_report(t
 
 
 def _trainer(tmp_path: Path, callbacks: list[Any]) -> Any:
-    """A single-process Trainer over the script's tiny model, two steps of batch 2."""
+    """A single-process Trainer over the script's tiny model (``hf_setup.TinyNet``), two steps over four rows."""
     pytest.importorskip("transformers")
-    import torch
-    from transformers import Trainer, TrainingArguments
+    from hf_setup import tiny_trainer
 
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {"loss": torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
-
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], max_steps=2, disable_tqdm=True, save_strategy="no"
-    )
-    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(4)]
-    return Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
+    return tiny_trainer(tmp_path / "out", callbacks, rows=4, max_steps=2)
 
 
 def test_the_hook_adds_no_second_callback_to_a_trainer_given_from_env_and_fails_on_a_bad_option(

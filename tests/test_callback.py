@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytorch_lightning as pl
@@ -54,6 +55,15 @@ def _nudge_head(trainer: pl.Trainer, module: pl.LightningModule) -> None:
     module.net[-1].weight[0, 0] += 1e-3
 
 
+def _fit_planted(tmp_path: Path, plants: list[Perturb], max_epochs: int, **options: Any) -> list[dict[str, Any]]:
+    """``SmallModel`` fit with ``plants`` ahead of an every-step ``WeightSyncAudit(**options)`` reporting to
+    ``tmp_path / "audit.jsonl"``; the report's records."""
+    report = tmp_path / "audit.jsonl"
+    audit = WeightSyncAudit(every_n_train_steps=1, report_path=str(report), **options)
+    fit(tmp_path, SmallModel(), [*plants, audit], max_epochs=max_epochs)
+    return records(report)
+
+
 def test_raise_ends_every_rank_with_weight_divergence_error_through_the_ddp_subprocess_launcher(tmp_path: Path) -> None:
     script = Path(__file__).parent / "scripts" / "raise_on_divergence.py"
     t0 = time.monotonic()
@@ -72,19 +82,10 @@ def test_raise_ends_every_rank_with_weight_divergence_error_through_the_ddp_subp
 
 
 def test_raise_under_ddp_fork_stops_the_run_with_weight_divergence_error(tmp_path: Path) -> None:
-    report = tmp_path / "audit.jsonl"
     with pytest.raises(Exception, match="WeightDivergenceError") as info:
-        fit(
-            tmp_path,
-            SmallModel(),
-            [
-                Perturb(1, 3, _nudge_head),
-                WeightSyncAudit(every_n_train_steps=1, on_mismatch="raise", report_path=str(report)),
-            ],
-            max_epochs=3,
-        )
+        _fit_planted(tmp_path, [Perturb(1, 3, _nudge_head)], 3, on_mismatch="raise")
     assert "net.2.weight" in str(info.value)
-    last = records(report)[-1]
+    last = records(tmp_path / "audit.jsonl")[-1]
     assert (last["step"], last["action"]) == (3, "raised")
 
 
@@ -95,17 +96,7 @@ def _nudge_head_and_momentum(trainer: pl.Trainer, module: pl.LightningModule) ->
 
 
 def test_resync_recovers_from_a_divergence_planted_on_one_rank_optimizer_state_included(tmp_path: Path) -> None:
-    report = tmp_path / "audit.jsonl"
-    fit(
-        tmp_path,
-        SmallModel(),
-        [
-            Perturb(1, 5, _nudge_head_and_momentum),
-            WeightSyncAudit(every_n_train_steps=1, on_mismatch="resync", report_path=str(report)),
-        ],
-        max_epochs=2,
-    )
-    recs = records(report)
+    recs = _fit_planted(tmp_path, [Perturb(1, 5, _nudge_head_and_momentum)], 2, on_mismatch="resync")
     bad = [r for r in recs if not r["in_sync"]]
     assert len(bad) == 1 and bad[0]["step"] == 5 and bad[0]["action"] == "resynced"
     assert sorted((m["name"], m["kind"]) for m in bad[0]["mismatches"]) == [
@@ -355,19 +346,8 @@ def _nudge_first_layer(trainer: pl.Trainer, module: pl.LightningModule) -> None:
 def test_warn_prints_the_report_when_a_divergence_appears_or_changes_not_every_step(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    report = tmp_path / "audit.jsonl"
-    fit(
-        tmp_path,
-        SmallModel(),
-        [
-            Perturb(1, 3, _nudge_head),
-            Perturb(1, 6, _nudge_first_layer),
-            WeightSyncAudit(every_n_train_steps=1, hooks=(), report_path=str(report)),
-        ],
-        max_epochs=1,
-    )
+    recs = _fit_planted(tmp_path, [Perturb(1, 3, _nudge_head), Perturb(1, 6, _nudge_first_layer)], 1, hooks=())
     err = capfd.readouterr().err
-    recs = records(report)
     assert sum(not r["in_sync"] for r in recs) == 6  # steps 3..8 all diverged, each recorded
     assert all(r["action"] == "warned" for r in recs if not r["in_sync"])
     assert err.count("DIVERGED") == 2, err  # printed at step 3 and when the set grew at step 6

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from megatron_state import model_parallel
 from ranks import RankFailed, run_ranks
 from torch import nn
 
@@ -79,21 +80,14 @@ def _every_layout(rank: int, world: int) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen, planted = [], []
     for layout in LAYOUTS:
-        tp, pp, cp, ep = layout
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=cp,
-            expert_model_parallel_size=ep,
-        )
         try:
-            seen.append((layout, "world", *_timed_audit(model, opt)))
-            for name, group in _groups().items():
-                seen.append((layout, name, *_timed_audit(model, opt, group)))
-            seen.append((layout, "world again", *_timed_audit(model, opt)))
-            planted.append((layout, *_planted(rank, model)))
+            with model_parallel(*layout):
+                seen.append((layout, "world", *_timed_audit(model, opt)))
+                for name, group in _groups().items():
+                    seen.append((layout, name, *_timed_audit(model, opt, group)))
+                seen.append((layout, "world again", *_timed_audit(model, opt)))
+                planted.append((layout, *_planted(rank, model)))
         finally:
-            ps.destroy_model_parallel()
             # As a new job would: the next layout's audits open their groups after Megatron's.
             forget_groups()
     return {"seen": seen, "planted": planted}

@@ -5,6 +5,9 @@ A cause the wrapper proves is stated as fact; a cause guessed from the pattern s
 
 from __future__ import annotations
 
+from typing import Callable
+
+import pytest
 import torch
 import torch._dynamo  # DDP imports it lazily at construction: once here, not in every forked rank
 from ranks import run_ranks
@@ -116,13 +119,6 @@ def _lr_differs(rank: int, world: int) -> dict:
     return audit(DDP(model), opt).to_dict()
 
 
-def test_learning_rate_differing_while_params_agree_is_a_likely_scheduler_hint() -> None:
-    rec = run_ranks(_lr_differs, 2)[0]
-    assert [m["name"] for m in rec["mismatches"]] == ["param_groups.0.lr"]
-    [hint] = rec["hints"]
-    assert "learning rate differs (param_groups.0.lr) while the parameters still agree: likely" in hint
-
-
 def _optimizer_state_differs(rank: int, world: int) -> dict:
     model = make_model()
     ddp = DDP(model)
@@ -131,13 +127,6 @@ def _optimizer_state_differs(rank: int, world: int) -> dict:
     if rank == 1:
         opt.state[model[2].weight]["exp_avg"].zero_()  # reset on one rank only
     return audit(ddp, opt).to_dict()
-
-
-def test_optimizer_state_differing_while_params_agree_is_a_likely_hint() -> None:
-    rec = run_ranks(_optimizer_state_differs, 2)[0]
-    assert [m["name"] for m in rec["mismatches"]] == ["2.weight.exp_avg"]
-    [hint] = rec["hints"]
-    assert "Optimizer state differs (2.weight.exp_avg) while the parameters still agree: likely" in hint
 
 
 def _params_differ_grads_agree(rank: int, world: int) -> dict:
@@ -151,11 +140,34 @@ def _params_differ_grads_agree(rank: int, world: int) -> dict:
     return audit(ddp, include=("params", "grads")).to_dict()
 
 
-def test_params_differing_while_grads_agree_is_a_likely_hint() -> None:
-    rec = run_ranks(_params_differ_grads_agree, 2)[0]
-    assert [(m["name"], m["kind"]) for m in rec["mismatches"]] == [("2.bias", "param")]
+@pytest.mark.parametrize(
+    ("worker", "mismatched", "said"),
+    [
+        (
+            _lr_differs,
+            [("param_groups.0.lr", "optimizer")],
+            "learning rate differs (param_groups.0.lr) while the parameters still agree: likely",
+        ),
+        (
+            _optimizer_state_differs,
+            [("2.weight.exp_avg", "optimizer")],
+            "Optimizer state differs (2.weight.exp_avg) while the parameters still agree: likely",
+        ),
+        (_params_differ_grads_agree, [("2.bias", "param")], "Gradients agree but parameters differ (2.bias): likely"),
+    ],
+    ids=[
+        "learning rate differs while params agree: a scheduler",
+        "optimizer state differs while params agree",
+        "params differ while grads agree",
+    ],
+)
+def test_one_kind_differing_while_another_agrees_gets_its_likely_hint(
+    worker: Callable[[int, int], dict], mismatched: list[tuple[str, str]], said: str
+) -> None:
+    rec = run_ranks(worker, 2)[0]
+    assert [(m["name"], m["kind"]) for m in rec["mismatches"]] == mismatched
     [hint] = rec["hints"]
-    assert "Gradients agree but parameters differ (2.bias): likely" in hint
+    assert said in hint
 
 
 def _frozen_param_edited(rank: int, world: int) -> dict:

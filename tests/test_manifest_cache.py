@@ -46,6 +46,22 @@ def adam_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
         p.grad = None
 
 
+def stepped() -> tuple[Net, torch.optim.Adam]:
+    """A fresh ``Net`` and its Adam after one step (the optimizer state exists)."""
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    adam_step(model, opt)
+    return model, opt
+
+
+def kept(model: Net, opt: torch.optim.Optimizer) -> Auditor:
+    """An ``Auditor`` of ``model`` after two audits: the second keeps the manifest cached."""
+    auditor = Auditor(model, opt)
+    auditor.audit()
+    auditor.audit()
+    return auditor
+
+
 class Oracle:
     """Runs the cache as the auditor does and compares every answer with a fresh build."""
 
@@ -248,9 +264,7 @@ def test_an_unchanged_structure_is_vouched_for_by_version_tags(monkeypatch: pyte
     monkeypatch.setattr(manifest_cache, "_optimizer_fingerprint", lambda opt: compared.append(1) or fingerprint(opt))
     for tags in (manifest_cache._VERSION, None):
         monkeypatch.setattr(manifest_cache, "_VERSION", tags)
-        model = Net()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        adam_step(model, opt)
+        model, opt = stepped()
         opt.state[model.a.bias]["count"] = 7
         oracle = Oracle(model, opt)
         oracle.check()
@@ -272,9 +286,7 @@ def test_an_unchanged_structure_is_vouched_for_by_version_tags(monkeypatch: pyte
 
 
 def test_a_manifest_prepared_for_the_device_method_digests_in_place_only_where_nothing_moved() -> None:
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    adam_step(model, opt)
+    model, opt = stepped()
     cache = ManifestCache()
     for _ in range(3):
         prepared = cache.prepare(model, [opt], key=(), build=lambda: build_manifest(model, [opt]), method="device")
@@ -293,9 +305,7 @@ def test_a_manifest_prepared_for_the_device_method_digests_in_place_only_where_n
     ids=["exclude", "params only", "optimizer only"],
 )
 def test_a_partial_manifest_is_cached_exactly(build_kw: dict) -> None:
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    adam_step(model, opt)
+    model, opt = stepped()
     oracle = Oracle(model, opt, **build_kw)
     for change in (_step_value, _flip_bit, _half):
         oracle.check()
@@ -350,9 +360,7 @@ def test_a_change_in_any_chunk_is_seen(where: str, how: str) -> None:
 def test_an_ordered_dict_container_is_never_cached_so_a_reorder_is_seen() -> None:
     # OrderedDict.move_to_end reorders without changing the dict's version tag or dict.values' order:
     # a structure holding one is rebuilt at every audit, and one swapped in later ends the caching.
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    adam_step(model, opt)
+    model, opt = stepped()
     model.b[0]._parameters = collections.OrderedDict(model.b[0]._parameters)
     oracle = Oracle(model, opt)
     for _ in range(3):
@@ -371,12 +379,8 @@ def test_an_ordered_dict_container_is_never_cached_so_a_reorder_is_seen() -> Non
 
 
 def test_values_are_re_read_without_a_rebuild() -> None:
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    adam_step(model, opt)
-    auditor = Auditor(model, opt)
-    auditor.audit()
-    auditor.audit()
+    model, opt = stepped()
+    auditor = kept(model, opt)
     builds = auditor._manifests.builds
     for lr in (0.1, 0.2):
         opt.param_groups[0]["lr"] = lr
@@ -388,12 +392,8 @@ def test_values_are_re_read_without_a_rebuild() -> None:
 
 
 def test_the_cache_keeps_no_replaced_tensor_alive() -> None:
-    model = Net()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    adam_step(model, opt)
-    auditor = Auditor(model, opt)
-    auditor.audit()
-    auditor.audit()
+    model, opt = stepped()
+    auditor = kept(model, opt)  # noqa: F841 - alive to the end: its cache is what must hold no old tensor
     old_state = weakref.ref(opt.state[model.a.weight]["exp_avg"])
     old_weight = model.a.weight.data
     old_storage = weakref.ref(old_weight)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from megatron_state import model_parallel
 from ranks import run_ranks
 from torch import nn
 
@@ -64,13 +65,7 @@ def _plant(model: nn.Module, what: str) -> None:
 def _audit_layouts(rank: int, world: int) -> list[dict[str, Any]]:
     out = []
     for tp, pp, cp, ep in LAYOUTS:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=cp,
-            expert_model_parallel_size=ep,
-        )
-        try:
+        with model_parallel(tp, pp, cp, ep):
             model = _laid_out_model()
             layout = megatron_layout()
             assert layout is not None
@@ -93,8 +88,6 @@ def _audit_layouts(rank: int, world: int) -> list[dict[str, Any]]:
             result = audit(model, include=("grads",), timeout_s=10)
             row["main_grad"] = sorted((m.name, m.kind, tuple(m.ranks)) for m in result.mismatches)
             out.append(row)
-        finally:
-            ps.destroy_model_parallel()
     return out
 
 
@@ -134,8 +127,7 @@ def _real_gpt_tp2(rank: int, world: int) -> dict[str, Any]:
     from gpu_megatron import build_gpt
     from megatron.core.utils import check_param_hashes_across_dp_replicas
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=2)
-    try:
+    with model_parallel(2, 1, 1, 1):
         torch.manual_seed(0)
         model = build_gpt()
         healthy = audit(model, timeout_s=10)
@@ -168,8 +160,6 @@ def _real_gpt_tp2(rank: int, world: int) -> dict[str, Any]:
             "megatron_says_same": megatron_says_same,
             "wrapped": [(m.name, m.ranks) for m in wrapped.mismatches],
         }
-    finally:
-        ps.destroy_model_parallel()
 
 
 def test_a_real_megatron_gpt_audits_in_sync_and_a_tensor_parallel_duplicate_drift_megatron_misses_is_named() -> None:

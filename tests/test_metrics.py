@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from hf_setup import tiny_trainer
 from ranks import run_ranks
 
 pytest.importorskip("prometheus_client")
@@ -310,27 +311,12 @@ def test_the_lightning_and_hf_callbacks_hand_every_record_to_their_sinks(tmp_pat
 
     pytest.importorskip("transformers")
     os.environ.setdefault("WANDB_DISABLED", "true")
-    from transformers import Trainer, TrainingArguments
-
     from weightsync_audit.transformers import WeightSyncAuditCallback
-
-    class Net(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = torch.nn.Linear(4, 1)
-
-        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-            return {"loss": torch.nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
 
     hf_sink = PrometheusSink()
     hf_report = tmp_path / "hf.jsonl"
     callback = WeightSyncAuditCallback(every_n_steps=2, report_path=str(hf_report), verbose=False, sinks=[hf_sink])
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=4, per_device_train_batch_size=2,
-        save_strategy="no", report_to=[], disable_tqdm=True,
-    )  # fmt: skip
-    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
-    Trainer(model=Net(), args=args, train_dataset=data, callbacks=[callback]).train()
+    tiny_trainer(tmp_path / "out", [callback], rows=8, max_steps=4, per_device_train_batch_size=2).train()
     hf_records = read_report(hf_report).records
     assert hf_sink.registry.get_sample_value("weightsync_audits_total") == len(hf_records) >= 2
     assert hf_sink.registry.get_sample_value("weightsync_in_sync") == 1.0

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from hf_setup import tiny_trainer
 from torch import nn
 
 from weightsync_audit import LoopAudit
@@ -49,18 +49,8 @@ def test_loop_audit_keeps_every_n_steps_and_answers_a_typo() -> None:
         LoopAudit(model, zzz=1)
 
 
-class _Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": nn.functional.mse_loss(self.fc(x).squeeze(-1), labels)}
-
-
 def test_hf_metrics_reach_a_logging_integration_listed_before_the_callback(tmp_path: Path) -> None:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
     from weightsync_audit.transformers import WeightSyncAuditCallback
 
@@ -74,20 +64,11 @@ def test_hf_metrics_reach_a_logging_integration_listed_before_the_callback(tmp_p
             self.seen.append(dict(logs or {}))
 
     reporter = Reporter()
-    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(16)]
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        max_steps=4,
-        per_device_train_batch_size=4,
-        logging_steps=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-    )
     audit = WeightSyncAuditCallback(every_n_steps=2, verbose=False)
-    trainer = Trainer(model=_Net(), args=args, train_dataset=data, callbacks=[reporter, audit])
+    trainer = tiny_trainer(
+        tmp_path, [reporter, audit], rows=16, model_seed=0, max_steps=4, per_device_train_batch_size=4,
+        logging_steps=2, seed=0,
+    )  # fmt: skip
     trainer.train()
     logged = [s for s in reporter.seen if "loss" in s]
     assert logged and all(s.get("weightsync/in_sync") == 1.0 for s in logged), reporter.seen

@@ -47,22 +47,22 @@ def test_resync_stays_the_function_after_its_submodule_is_imported() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_core_imports_no_lightning() -> None:
+def _the_core_imports_none_of(*packages: str) -> None:
+    """In a fresh interpreter, ``import weightsync_audit`` and one ``audit(None)`` load none of ``packages``."""
     code = (
         "import sys, weightsync_audit; weightsync_audit.audit(None);"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('pytorch_lightning', 'lightning', 'lightning_fabric')];"
+        f"bad = [m for m in sys.modules if m.split('.')[0] in {packages!r}];"
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_core_imports_no_lightning() -> None:
+    _the_core_imports_none_of("pytorch_lightning", "lightning", "lightning_fabric")
 
 
 def test_the_core_imports_no_transformers_and_only_the_hf_adapter_names_it() -> None:
-    code = (
-        "import sys, weightsync_audit; weightsync_audit.audit(None);"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate')];"
-        "assert not bad, bad"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    _the_core_imports_none_of("transformers", "accelerate")
     # pytorch_lightning itself imports transformers when it is installed, so the Lightning adapter is
     # checked by what it imports, as is every other module of the package.
     import ast

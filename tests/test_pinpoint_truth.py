@@ -5,8 +5,9 @@ that appeared and healed between two audits is reported (``transient``) instead 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 from ranks import run_ranks
@@ -18,6 +19,42 @@ from weightsync_audit.integrations.session.runner import AuditRunner
 
 def _record(result: AuditResult) -> dict[str, Any]:
     return {k: v for k, v in result.to_dict().items() if k not in ("time", "duration_ms")}
+
+
+def _pinpointed(width: int, lr: float, **auditor_kw: Any) -> tuple[nn.Sequential, torch.optim.SGD, Auditor]:
+    """Two seeded layers (8 -> ``width`` -> 2), their SGD at ``lr`` and a pinpointing ``Auditor`` of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, width), nn.Linear(width, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    return model, opt, Auditor(model, opt, pinpoint=True, **auditor_kw)
+
+
+def _audit_every(every: int, auditor: Auditor, step: int, out: list[dict[str, Any]]) -> None:
+    """At every ``every``-th step, the audit's record appended to ``out``."""
+    if step % every == 0:
+        out.append(_record(auditor.audit(step=step)))
+
+
+def _agreed(fn: Any, *args: Any) -> list[dict[str, Any]]:
+    """``fn`` on 2 gloo ranks; both ranks' records are the same: rank 0's."""
+    results = run_ranks(fn, 2, *args)
+    assert results[0] == results[1]
+    return results[0]
+
+
+def _check_says(tmp_path: Any, name: str, records: list[dict[str, Any]]) -> tuple[int, str]:
+    """``weightsync-audit check`` of a report holding ``records``: its exit code and what it printed."""
+    from rich.console import Console
+
+    from weightsync_audit.reporting.jsonl import ReportWriter
+    from weightsync_audit.reporting.terminal import check_report
+
+    path = tmp_path / name
+    with ReportWriter(path) as w:
+        for r in records:
+            w.write(AuditResult.from_dict(r))
+    console = Console(record=True, width=200)
+    return check_report(str(path), console=console), console.export_text()
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, world: int, *, skip: bool = False) -> None:
@@ -34,10 +71,7 @@ def _train_step(model: nn.Module, opt: torch.optim.Optimizer, world: int, *, ski
 
 def _skipped(rank: int, world: int) -> list[dict[str, Any]]:
     """Rank 1 skips optimizer step 5 (a NaN-guard, say) and so never records it; audits every 10 steps."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    auditor = Auditor(model, opt, pinpoint=True)
+    model, opt, auditor = _pinpointed(8, 0.05)
     torch.manual_seed(7)  # the same batches everywhere: the replicas part only by the skipped step
     out = []
     for step in range(1, 21):
@@ -45,15 +79,12 @@ def _skipped(rank: int, world: int) -> list[dict[str, Any]]:
         _train_step(model, opt, world, skip=skipped)
         if not skipped:
             auditor.record_step(step)
-        if step % 10 == 0:
-            out.append(_record(auditor.audit(step=step)))
+        _audit_every(10, auditor, step, out)
     return out
 
 
 def test_a_rank_that_skipped_an_optimizer_step_is_named_and_that_step_is_the_first_diverged() -> None:
-    results = run_ranks(_skipped, 2)
-    assert results[0] == results[1]
-    first = results[0][0]
+    first = _agreed(_skipped)[0]
     assert first["in_sync"] is False
     assert (first["pinpoint"], first["first_diverged_step"], first["last_in_sync_step"]) == ("exact", 5, 4)
     assert any("rank(s) [1] recorded no step 5" in n for n in first["notes"]), first["notes"]
@@ -61,10 +92,7 @@ def test_a_rank_that_skipped_an_optimizer_step_is_named_and_that_step_is_the_fir
 
 def _drift_then_bug(rank: int, world: int) -> list[dict[str, Any]]:
     """Harmless drift on rank 1 from step 3 (every element of a weight, one ulp-ish), a real bug at 12."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: nothing but the planted changes moves
-    auditor = Auditor(model, opt, pinpoint=True, tolerance=1e-5)
+    model, opt, auditor = _pinpointed(64, 0.0, tolerance=1e-5)  # lr 0: nothing but the planted changes moves
     out = []
     for step in range(1, 21):
         _train_step(model, opt, world)
@@ -75,15 +103,12 @@ def _drift_then_bug(rank: int, world: int) -> list[dict[str, Any]]:
                 if step == 12:
                     model[1].weight[0, 0] += 1e-2
         auditor.record_step(step)
-        if step % 5 == 0:
-            out.append(_record(auditor.audit(step=step)))
+        _audit_every(5, auditor, step, out)
     return out
 
 
 def test_drift_within_tolerance_never_freezes_the_answer_a_later_bug_is_dated_in_a_note() -> None:
-    results = run_ranks(_drift_then_bug, 2)
-    assert results[0] == results[1]
-    at5, at10, at15, at20 = results[0]
+    at5, at10, at15, at20 = _agreed(_drift_then_bug)
     assert at5["within_tolerance"] is True and (at5["pinpoint"], at5["first_diverged_step"]) == ("exact", 3)
     assert at10["within_tolerance"] is True
     assert at15["within_tolerance"] is False
@@ -121,65 +146,60 @@ def _resync_then_diverge(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def test_after_a_resync_the_rings_restart_and_the_next_divergence_gets_its_exact_step() -> None:
-    results = run_ranks(_resync_then_diverge, 2)
-    assert results[0] == results[1]
-    at5, at10 = results[0]
+    at5, at10 = _agreed(_resync_then_diverge)
     assert at5["action"] == "resynced" and (at5["pinpoint"], at5["first_diverged_step"]) == ("exact", 4)
     assert at10["action"] == "resynced"
     assert (at10["pinpoint"], at10["first_diverged_step"], at10["last_in_sync_step"]) == ("exact", 8, 7)
 
 
-def _healed(rank: int, world: int, heal: str) -> list[dict[str, Any]]:
-    """Rank 1 flips a weight at step 6 and it heals at step 8 (a low bit rounded away, or every rank's
-    weight turned into the same NaN); audits every 10 steps."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    auditor = Auditor(model, opt, pinpoint=True)
-    out = []
+def _walk_lr0(world: int, steps: int, act: Callable[[int, nn.Sequential, torch.Tensor], None]) -> list[dict[str, Any]]:
+    """``steps`` steps at lr 0 of the 8-wide pinpointed model, ``act(step, model, first weight as it began)``
+    under ``no_grad`` after each, every step recorded, an audit every 10 steps."""
+    model, opt, auditor = _pinpointed(8, 0.0)
+    out: list[dict[str, Any]] = []
     saved = model[0].weight.detach().clone()
-    for step in range(1, 21):
+    for step in range(1, steps + 1):
         _train_step(model, opt, world)
         with torch.no_grad():
-            if step == 6 and rank == 1:
-                model[0].weight[2, 3] += 1e-3
-            if step == 8:
-                if heal == "restored":
-                    model[0].weight.copy_(saved)
-                else:
-                    model[0].weight[2, 3] = float("nan")
+            act(step, model, saved)
         auditor.record_step(step)
-        if step % 10 == 0:
-            out.append(_record(auditor.audit(step=step)))
+        _audit_every(10, auditor, step, out)
     return out
 
 
-def test_a_divergence_that_appeared_and_healed_between_audits_is_reported_as_transient(tmp_path: Any) -> None:
-    from weightsync_audit.reporting.jsonl import ReportWriter
-    from weightsync_audit.reporting.terminal import check_report
+def _healed(rank: int, world: int, heal: str) -> list[dict[str, Any]]:
+    """Rank 1 flips a weight at step 6 and it heals at step 8 (a low bit rounded away, or every rank's
+    weight turned into the same NaN); audits every 10 steps."""
 
-    for heal in ("restored", "nan_everywhere"):
-        results = run_ranks(_healed, 2, heal)
-        assert results[0] == results[1]
-        at10, at20 = results[0]
-        assert at10["in_sync"] is True and at10["mismatches"] == []
-        assert at10["transient"] == {"first_diverged_step": 6, "last_diverged_step": 7, "names": ["0.weight"]}
-        assert any("transient divergence" in n for n in at10["notes"])
-        assert at20["in_sync"] is True and "transient" not in at20  # the next interval was clean
-        path = tmp_path / f"{heal}.jsonl"
-        with ReportWriter(path) as w:
-            for r in (at10, at20):
-                w.write(AuditResult.from_dict(r))
-        from rich.console import Console
+    def act(step: int, model: nn.Sequential, saved: torch.Tensor) -> None:
+        if step == 6 and rank == 1:
+            model[0].weight[2, 3] += 1e-3
+        if step == 8:
+            if heal == "restored":
+                model[0].weight.copy_(saved)
+            else:
+                model[0].weight[2, 3] = float("nan")
 
-        console = Console(record=True, width=200)
-        assert check_report(str(path), console=console) == 1  # counted as a divergence
-        assert "transient: the replicas differed at steps 6 .. 7 (0.weight)" in console.export_text()
+    return _walk_lr0(world, 20, act)
+
+
+@pytest.mark.parametrize(
+    "heal", ["restored", "nan_everywhere"], ids=["healed by a restore", "healed by NaN everywhere"]
+)
+def test_a_divergence_that_appeared_and_healed_between_audits_is_reported_as_transient(
+    tmp_path: Any, heal: str
+) -> None:
+    at10, at20 = _agreed(_healed, heal)
+    assert at10["in_sync"] is True and at10["mismatches"] == []
+    assert at10["transient"] == {"first_diverged_step": 6, "last_diverged_step": 7, "names": ["0.weight"]}
+    assert any("transient divergence" in n for n in at10["notes"])
+    assert at20["in_sync"] is True and "transient" not in at20  # the next interval was clean
+    code, said = _check_says(tmp_path, f"{heal}.jsonl", [at10, at20])
+    assert code == 1  # counted as a divergence
+    assert "transient: the replicas differed at steps 6 .. 7 (0.weight)" in said
 
 
 def test_a_transient_field_round_trips_and_is_refused_where_it_cannot_hold() -> None:
-    import pytest
-
     from weightsync_audit import Mismatch
     from weightsync_audit.errors import ReportFormatError
 
@@ -197,45 +217,26 @@ def test_a_transient_field_round_trips_and_is_refused_where_it_cannot_hold() -> 
 def _reported_then_healed(rank: int, world: int) -> list[dict[str, Any]]:
     """Rank 1 nudges a weight at step 6 (reported by the audit at 10), restored at 12; a new nudge at 24
     heals at 26; audits every 10 steps."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    auditor = Auditor(model, opt, pinpoint=True)
-    out = []
-    saved = model[0].weight.detach().clone()
-    for step in range(1, 41):
-        _train_step(model, opt, world)
-        with torch.no_grad():
-            if step in (6, 24) and rank == 1:
-                model[0].weight[2, 3] += 1e-3
-            if step in (12, 26):
-                model[0].weight.copy_(saved)
-        auditor.record_step(step)
-        if step % 10 == 0:
-            out.append(_record(auditor.audit(step=step)))
-    return out
+
+    def act(step: int, model: nn.Sequential, saved: torch.Tensor) -> None:
+        if step in (6, 24) and rank == 1:
+            model[0].weight[2, 3] += 1e-3
+        if step in (12, 26):
+            model[0].weight.copy_(saved)
+
+    return _walk_lr0(world, 40, act)
 
 
 def test_a_divergence_an_audit_reported_is_never_reported_again_as_transient(tmp_path: Any) -> None:
-    from rich.console import Console
-
-    from weightsync_audit.reporting.jsonl import ReportWriter
-    from weightsync_audit.reporting.terminal import check_report
-
-    results = run_ranks(_reported_then_healed, 2)
-    assert results[0] == results[1]
-    at10, at20, at30, at40 = results[0]
+    records = _agreed(_reported_then_healed)
+    at10, at20, at30, at40 = records
     assert at10["in_sync"] is False and (at10["pinpoint"], at10["first_diverged_step"]) == ("exact", 6)
     assert at20["in_sync"] is True and "transient" not in at20, at20.get("transient")  # healed, reported at 10
     assert at30["transient"] == {"first_diverged_step": 24, "last_diverged_step": 25, "names": ["0.weight"]}
     assert at40["in_sync"] is True and "transient" not in at40
-    path = tmp_path / "r.jsonl"
-    with ReportWriter(path) as w:
-        for r in results[0]:
-            w.write(AuditResult.from_dict(r))
-    console = Console(record=True, width=200)
-    assert check_report(str(path), console=console) == 1
-    assert "DIVERGED: 2 of 4 audit(s)" in console.export_text()
+    code, said = _check_says(tmp_path, "r.jsonl", records)
+    assert code == 1
+    assert "DIVERGED: 2 of 4 audit(s)" in said
 
 
 def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_audit_before_reported(

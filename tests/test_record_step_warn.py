@@ -12,8 +12,10 @@ from typing import Any
 
 import pytest
 import torch
+from hf_setup import training_args
 from lightning_helpers import SmallModel, fit
 from torch import nn
+from torchrun import OFFLINE
 
 from weightsync_audit import WeightSyncWarning
 from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
@@ -52,11 +54,11 @@ class SparseNet(nn.Module):
 def test_hf_callback_on_step_end_with_pinpoint_warns_on_an_unreadable_buffer_and_trains_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "WANDB_DISABLED": "true"}.items():
+    for key, value in OFFLINE.items():
         monkeypatch.setenv(key, value)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from weightsync_audit.transformers import WeightSyncAuditCallback
 
@@ -64,16 +66,7 @@ def test_hf_callback_on_step_end_with_pinpoint_warns_on_an_unreadable_buffer_and
     x = torch.randn(32, 8, generator=g)
     data: list[dict[str, Any]] = [{"x": row, "labels": row.sum()} for row in x]
     callback = WeightSyncAuditCallback(every_n_steps=2, on_mismatch="warn", pinpoint=True, verbose=False)
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        max_steps=6,
-        per_device_train_batch_size=4,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=100,
-        disable_tqdm=True,
-    )
+    args = training_args(tmp_path / "out", max_steps=6, per_device_train_batch_size=4, logging_steps=100)
     trainer = Trainer(model=SparseNet(), args=args, train_dataset=data, callbacks=[callback])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -109,11 +109,10 @@ def test_one_stage_on_every_rank_finds_the_frozen_flag_too() -> None:
     _check(run_ranks(_stage, 4, "span-frozen"))
 
 
-def _experts(rank: int, world: int, case: str) -> dict[str, Any]:
-    """Expert groups {0, 2} (expert 0) and {1, 3} (expert 1); ``missing``: rank 3 holds no expert 1."""
+def _expert_model(rank: int, case: str) -> tuple[torch.nn.ModuleDict, Any]:
+    """Expert groups {0, 2} (expert 0) and {1, 3} (expert 1): the dense layer alike on every rank, each rank
+    its group's expert; ``missing``: rank 3 holds no expert 1. Returns the model and this rank's expert group."""
     import torch.distributed as dist
-
-    from weightsync_audit import audit, declare_replicas
 
     ep = [dist.new_group([c, c + 2]) for c in range(2)]
     coord = rank % 2
@@ -122,9 +121,18 @@ def _experts(rank: int, world: int, case: str) -> dict[str, Any]:
     torch.manual_seed(100 + coord)
     if not (case == "missing" and rank == 3):
         model["experts"][str(coord)] = torch.nn.Linear(4, 4)
+    return model, ep[coord]
+
+
+def _experts(rank: int, world: int, case: str) -> dict[str, Any]:
+    """The expert model audited; ``frozen``: rank 3's expert 1 bias frozen."""
+    from weightsync_audit import audit, declare_replicas
+
+    coord = rank % 2
+    model, group = _expert_model(rank, case)
     if case == "frozen" and rank == 3:
         model["experts"]["1"].bias.requires_grad_(False)
-    declare_replicas(model, experts="experts.*", expert_group=ep[coord])
+    declare_replicas(model, experts="experts.*", expert_group=group)
     rec = audit(model).to_dict()
     held = _held(model)
     experts = {n: s for n, s in held.items() if n.startswith("experts.")}
@@ -235,19 +243,13 @@ def _expert_resync(rank: int, world: int, case: str) -> dict[str, Any]:
 
     from weightsync_audit import declare_replicas, resync
 
-    ep = [dist.new_group([c, c + 2]) for c in range(2)]
-    coord = rank % 2
-    torch.manual_seed(0)
-    model = torch.nn.ModuleDict({"dense": torch.nn.Linear(4, 4), "experts": torch.nn.ModuleDict()})
-    torch.manual_seed(100 + coord)
-    if not (case == "missing" and rank == 3):
-        model["experts"][str(coord)] = torch.nn.Linear(4, 4)
+    model, group = _expert_model(rank, case)
     with torch.no_grad():
         if rank == 3 and case != "missing":
             model["experts"]["1"].weight[0, 0] += 1.0
         if rank == 2:
             model["dense"].bias[0] += 1.0
-    declare_replicas(model, experts="experts.*", expert_group=ep[coord])
+    declare_replicas(model, experts="experts.*", expert_group=group)
     before = _held(model)
     error = None
     try:

@@ -33,14 +33,15 @@ def loss_of(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return (net(x) - 1.0).pow(2).mean()
 
 
-def single_process(steps: int, unfreeze_at: int) -> dict[str, torch.Tensor]:
-    """The reference: one process, the whole global batch, same freeze schedule."""
+def single_process(steps: int, switch_at: int, *, frozen_first: bool = True) -> dict[str, torch.Tensor]:
+    """The reference: one process, the whole global batch, the same schedule: layer 0 frozen until ``switch_at``
+    (``frozen_first``), or trainable until then and frozen from it."""
     model = make_model()
-    model[0].requires_grad_(False)
+    model[0].requires_grad_(not frozen_first)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for i, x in enumerate(global_batches(steps)):
-        if i == unfreeze_at:
-            model[0].requires_grad_(True)
+        if i == switch_at:
+            model[0].requires_grad_(frozen_first)
         opt.zero_grad(set_to_none=True)
         loss_of(model, x).backward()
         opt.step()
@@ -163,18 +164,6 @@ def test_maybe_rewrap_returns_the_same_wrapper_while_the_trainable_set_is_unchan
     assert all(r["same"] for r in run_ranks(_no_change_is_free, 2))
 
 
-def single_process_freeze(steps: int, freeze_at: int) -> dict[str, torch.Tensor]:
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    for i, x in enumerate(global_batches(steps)):
-        if i == freeze_at:
-            model[0].requires_grad_(False)
-        opt.zero_grad(set_to_none=True)
-        loss_of(model, x).backward()
-        opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def _freeze_mid_training(rank: int, world: int, fix: str, bucket_view: bool = False) -> dict:
     model = make_model()
     # find_unused_parameters=False: a frozen parameter stalls its bucket. 1 KiB buckets: one per layer.
@@ -197,7 +186,7 @@ def _freeze_mid_training(rank: int, world: int, fix: str, bucket_view: bool = Fa
 @pytest.mark.parametrize("fix", ["before_forward", "after_backward"])
 def test_freezing_mid_training_with_maybe_rewrap_trains_on_like_one_process(fix: str) -> None:
     out = run_ranks(_freeze_mid_training, 2, fix)
-    reference = single_process_freeze(6, 2)
+    reference = single_process(6, 2, frozen_first=False)
     assert all(r["in_sync"] for r in out)
     for k, v in out[0]["state"].items():
         assert torch.allclose(v, reference[k], atol=1e-6, rtol=0), (k, (v - reference[k]).abs().max())

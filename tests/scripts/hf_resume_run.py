@@ -14,30 +14,15 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch import nn
+from hf_setup import TinyNet, tiny_rows, training_args
 
 from weightsync_audit.transformers import WeightSyncAuditCallback
 
 FAULTS = ("clean", "rng_from_rank0", "ignore_data_skip", "no_scheduler")
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": ((self.lin(x).squeeze(-1) - labels) ** 2).mean()}
-
-
-def data() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    return [{"x": torch.randn(4, generator=g), "labels": torch.randn((), generator=g)} for _ in range(16)]
-
-
 def run(out: Path) -> dict[str, Any]:
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers import Trainer, TrainerCallback
 
     rank = dist.get_rank()
     folder = out / "hf_resume"
@@ -48,14 +33,12 @@ def run(out: Path) -> dict[str, Any]:
             torch.manual_seed(100 + rank), np.random.seed(100 + rank), random.seed(100 + rank)
 
     def trainer(output_dir: Path, report: Path, first: list[Any], **over: Any) -> Any:
-        kwargs: dict[str, Any] = dict(
-            output_dir=str(output_dir), use_cpu=True, ddp_backend="gloo", per_device_train_batch_size=2,
-            learning_rate=1e-2, lr_scheduler_type="constant", save_strategy="steps", save_steps=2, report_to=[],
-            disable_tqdm=True, seed=0, ddp_timeout=120,
+        args = training_args(
+            output_dir, gloo=True, per_device_train_batch_size=2, learning_rate=1e-2, lr_scheduler_type="constant",
+            save_strategy="steps", save_steps=2, seed=0, **over,
         )  # fmt: skip
-        kwargs.update(over)
         cb = WeightSyncAuditCallback(every_n_steps=None, report_path=str(report), verbose=False)
-        return Trainer(model=Net(), args=TrainingArguments(**kwargs), train_dataset=data(), callbacks=[*first, cb])
+        return Trainer(model=TinyNet(seed=0), args=args, train_dataset=tiny_rows(16, seed=1), callbacks=[*first, cb])
 
     trainer(folder, folder / "train.jsonl", [PerRankSeed()], max_steps=2).train()
     saved = folder / "checkpoint-2"

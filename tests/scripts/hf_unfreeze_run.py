@@ -22,13 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_DISABLED", "true")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared Trainer set-up
+from hf_setup import go_offline, training_args
 
-from transformers import Trainer, TrainerCallback, TrainingArguments
+go_offline()
 
-from weightsync_audit.transformers import WeightSyncAuditCallback
+from transformers import Trainer, TrainerCallback  # noqa: E402 - after go_offline()
+
+from weightsync_audit.transformers import WeightSyncAuditCallback  # noqa: E402
 
 OUT = Path(sys.argv[1])
 RANK = int(os.environ["RANK"])
@@ -76,20 +77,10 @@ def run(name: str) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # over every parameter
     path = OUT / f"{name}.jsonl"
     unfreeze = Unfreeze(freeze_at_begin=fix)
-    args = TrainingArguments(
-        output_dir=str(OUT / name),
-        use_cpu=True,
-        ddp_backend="gloo",
-        max_steps=6,
-        per_device_train_batch_size=4,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-        seed=0,
-        ddp_timeout=120,
+    args = training_args(
+        OUT / name, gloo=True, max_steps=6, per_device_train_batch_size=4, logging_steps=1, seed=0,
         ddp_find_unused_parameters=fix,
-    )
+    )  # fmt: skip
     cb = WeightSyncAuditCallback(every_n_steps=1, report_path=str(path), verbose=False)
     trainer = Trainer(
         model=model,

@@ -11,40 +11,22 @@ from __future__ import annotations
 import json
 import os
 import sys
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_DISABLED", "true")
+from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import Trainer, TrainingArguments
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared Trainer set-up
+from hf_setup import go_offline, tiny_trainer
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 1)
-
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"loss": nn.functional.mse_loss(self.layer(x).squeeze(-1), labels)}
+go_offline()
 
 
 def train(out: str, callbacks: list) -> list[str]:
     """Four steps of a tiny model; the names of the Trainer's callbacks."""
-    args = TrainingArguments(
-        output_dir=os.path.join(out, "trainer"),
-        use_cpu=True,
-        ddp_backend="gloo" if "RANK" in os.environ else None,
-        ddp_timeout=120,
-        max_steps=4,
+    trainer = tiny_trainer(
+        os.path.join(out, "trainer"), callbacks, rows=8, gloo="RANK" in os.environ, max_steps=4,
         per_device_train_batch_size=2,
-        save_strategy="no",
-        report_to=[],
-        disable_tqdm=True,
-    )
-    data = [{"x": torch.randn(4), "labels": torch.randn(())} for _ in range(8)]
-    trainer = Trainer(model=Net(), args=args, train_dataset=data, callbacks=callbacks)
+    )  # fmt: skip
     names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
     trainer.train()
     return names

@@ -24,16 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-# No hub, no trackers: set before `transformers` is imported (the test sets them too).
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("WANDB_DISABLED", "true")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared Trainer set-up
+from hf_setup import go_offline, training_args
 
-import hf_resume_run  # beside this script: resume fidelity per rank
-import hf_unfreeze_run  # beside this script: its two runs are scenarios here too
+go_offline()  # no hub, no trackers: before `transformers` is imported (the test sets them too)
 
-from weightsync_audit import WeightDivergenceError
-from weightsync_audit.transformers import WeightSyncAuditCallback
+import hf_resume_run  # noqa: E402 - beside this script: resume fidelity per rank
+import hf_unfreeze_run  # noqa: E402 - beside this script: its two runs are scenarios here too
+
+from weightsync_audit import WeightDivergenceError  # noqa: E402
+from weightsync_audit.transformers import WeightSyncAuditCallback  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -104,24 +104,13 @@ class Clock(At):
 
 
 def train(model: nn.Module, data: list[dict[str, torch.Tensor]], callbacks: list[Any], **overrides: Any) -> Any:
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     kwargs: dict[str, Any] = {
-        "output_dir": str(OUT / "trainer"),
-        "use_cpu": True,
-        "ddp_backend": "gloo",
-        "max_steps": 6,
-        "per_device_train_batch_size": 4,
-        "learning_rate": 1e-2,
-        "logging_steps": 1,
-        "save_strategy": "no",
-        "report_to": [],
-        "disable_tqdm": True,
-        "seed": 0,
-        "ddp_timeout": 120,
-    }
-    kwargs.update(overrides)
-    trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=data, callbacks=callbacks)
+        "output_dir": OUT / "trainer", "max_steps": 6, "per_device_train_batch_size": 4, "learning_rate": 1e-2,
+        "logging_steps": 1, "seed": 0, **overrides,
+    }  # fmt: skip
+    trainer = Trainer(model=model, args=training_args(gloo=True, **kwargs), train_dataset=data, callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -157,16 +146,13 @@ def hf_healthy() -> dict[str, Any]:
 @scenario
 def hf_checkpoint() -> dict[str, Any]:
     """Save at step 3 (a sidecar in checkpoint-3), then resume from it with rank 1 holding another head."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     path, out_dir = OUT / "hf_checkpoint.jsonl", OUT / "hf_ckpt"
     cb = WeightSyncAuditCallback(every_n_steps=None, report_path=str(path))
     train(gpt2(), tokens(), [cb], output_dir=str(out_dir), save_strategy="steps", save_steps=3, max_steps=3)
     saved = records(path)
-    args = TrainingArguments(
-        output_dir=str(out_dir), use_cpu=True, ddp_backend="gloo", max_steps=4, per_device_train_batch_size=4,
-        save_strategy="no", report_to=[], disable_tqdm=True, seed=0, ddp_timeout=120,
-    )  # fmt: skip
+    args = training_args(out_dir, gloo=True, max_steps=4, per_device_train_batch_size=4, seed=0)
     plant = At("on_train_begin", 3, nudge_head)
     cb = WeightSyncAuditCallback(every_n_steps=None, report_path=str(path))
     trainer = Trainer(model=gpt2(), args=args, train_dataset=tokens(), callbacks=[plant, cb])
@@ -250,48 +236,60 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(8, 8, generator=torch.Generator().manual_seed(100 * RANK + step))
 
 
+def four_steps(
+    model: nn.Module,
+    optimizer: Any,
+    backward: Callable[[torch.Tensor], None],
+    rank: int,
+    plant: Callable[[], None],
+    audit_at: Callable[[int], Any] | None = None,
+) -> dict[str, Any]:
+    """Four steps of ``model`` on this rank's batches, ``plant()`` on ``rank`` 1 after step 2's update, and each
+    step's ``audit_at(step)`` result (by default ``audit(model, optimizer, ...)``); ``backward`` and ``rank`` are
+    the loop framework's own."""
+    from weightsync_audit import audit
+
+    results = []
+    for step in range(4):
+        backward(model(batch(step)).pow(2).mean())
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2 and rank == 1:
+            with torch.no_grad():
+                plant()
+        result = audit(model, optimizer, step=step, timeout_s=60) if audit_at is None else audit_at(step)
+        results.append(result.to_dict())
+    return {"results": results, "wrapper": type(model).__name__}
+
+
 @scenario
 def fabric_loop() -> dict[str, Any]:
     from lightning.fabric import Fabric
-
-    from weightsync_audit import audit
 
     per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     fabric = Fabric(accelerator="cpu", devices=per_node, num_nodes=dist.get_world_size() // per_node, strategy="ddp")
     fabric.launch()
     net = Net()
     model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-    results = []
-    for step in range(4):
-        fabric.backward(model(batch(step)).pow(2).mean())
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 2 and fabric.global_rank == 1:
-            with torch.no_grad():
-                model.head.bias[0] += 1e-3
-        results.append(audit(model, optimizer, step=step, timeout_s=60).to_dict())
-    return {"results": results, "wrapper": type(model).__name__}
+
+    def plant() -> None:
+        model.head.bias[0] += 1e-3
+
+    return four_steps(model, optimizer, fabric.backward, fabric.global_rank, plant)
 
 
 @scenario
 def accelerate_loop() -> dict[str, Any]:
     from accelerate import Accelerator
 
-    from weightsync_audit import audit
-
     accelerator = Accelerator(cpu=True)
     net = Net()
     model, optimizer = accelerator.prepare(net, torch.optim.AdamW(net.parameters(), lr=1e-2))
-    results = []
-    for step in range(4):
-        accelerator.backward(model(batch(step)).pow(2).mean())
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 2 and accelerator.process_index == 1:
-            with torch.no_grad():
-                net.backbone.bias[0] += 1e-3
-        results.append(audit(model, optimizer, step=step, timeout_s=60).to_dict())
-    return {"results": results, "wrapper": type(model).__name__}
+
+    def plant() -> None:
+        net.backbone.bias[0] += 1e-3
+
+    return four_steps(model, optimizer, accelerator.backward, accelerator.process_index, plant)
 
 
 @scenario
@@ -303,16 +301,11 @@ def torchrun_loop() -> dict[str, Any]:
     model = DDP(Net())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     auditor = Auditor(model, optimizer, timeout_s=60)
-    results = []
-    for step in range(4):
-        model(batch(step)).pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if step == 2 and RANK == 1:
-            with torch.no_grad():
-                model.module.backbone.weight[0, 0] += 1e-3
-        results.append(auditor.audit(step=step).to_dict())
-    return {"results": results, "wrapper": type(model).__name__}
+
+    def plant() -> None:
+        model.module.backbone.weight[0, 0] += 1e-3
+
+    return four_steps(model, optimizer, torch.Tensor.backward, RANK, plant, lambda step: auditor.audit(step=step))
 
 
 # -- a layer unfrozen under the Trainer's own DDP wrap (hf_unfreeze_run.py; tests/test_hf_unfreeze.py) --------
