@@ -41,6 +41,9 @@ def _samples() -> list[tuple[BaseException, dict[str, Any]]]:
             {"name": "fc.weight", "why": "it is a meta tensor"},
         ),
         (errors.ReportFormatError("bad line", line=3, torn=True), {"line": 3, "torn": True}),
+        (errors.ReportReadError("audit.jsonl: no such file"), {}),
+        (errors.CheckpointError("ckpt.pt: not a checkpoint"), {}),
+        (errors.UnsafeCheckpointError("ckpt.pt needs code to load; refused"), {}),
         (errors.TrainableSetMismatchError("flags", [2]), {"ranks": [2]}),
         (errors.AuditRaceError("written in the window", {1: "0.weight"}), {"raced": {1: "0.weight"}}),
         (
