@@ -2,7 +2,8 @@
 function of what every rank gathered.
 
 A rank holding such a tensor sends its peer key (which hashes its group's global ranks) and, for a group
-the user declared (:func:`~weightsync_audit.declare_replicas`), the group's members as positions in the
+whose members are known (declared by the user with :func:`~weightsync_audit.declare_replicas`, or read from
+the engine: Megatron's ``parallel_state``; an adapter says so with ``among(..., declared=True)``), its members as positions in the
 audit. The ranks with equal keys hold the same replicas; the declared members that are not among them
 (the tensor is missing there, or declared with another group) belong to the group all the same: their
 structure is compared with the holders', as strictly as DDP replicas'. A group of one rank has no replica

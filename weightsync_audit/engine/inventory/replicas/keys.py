@@ -47,8 +47,10 @@ def among(
     label: str, ranks: Sequence[int], coords: dict[str, int], shape: tuple[int, ...], *, declared: bool = False
 ) -> ShardInfo:
     """Compared among global ``ranks`` (this rank's group); ``coords`` name the copy in a mismatch.
-    ``declared``: the user named the group (:func:`~weightsync_audit.declare_replicas`), so every one of
-    ``ranks`` must hold the tensor, alike (a member lacking it is a structure difference)."""
+    ``declared``: the group is known, named by the user (:func:`~weightsync_audit.declare_replicas`) or read
+    from the engine (Megatron's ``parallel_state``), so every one of ``ranks`` must hold the tensor, alike: a
+    member lacking it is a structure difference, as strictly as between DDP replicas. This is how an adapter
+    declares a group it knows (a new integration fills :class:`~.rules.Rules` with such rules)."""
     group = tuple(sorted(int(r) for r in ranks))
     key = (xxhash.xxh3_64_intdigest(f"{label}|{group}".encode()) >> 2) | 2  # never ALL (0) nor NEVER (1)
     return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key, members=group if declared else ())

@@ -16,6 +16,11 @@ optimizer), a reduce-scattered
 ``main_grad``
 ================================  ==================================================================
 
+Each group is as strict as DDP replicas: a member lacking a tensor its group holds (a replica built with
+another ``add_bias_linear``) is a ``structure`` mismatch. A tensor whose group is this rank alone (a
+tensor-parallel shard without data parallelism) is never compared nor counted in ``checked``; the record's
+note counts it (as a :data:`TP_SHARD`, or by its group's label).
+
 With pipeline stages every name gets ``stage<i>.`` first (each stage numbers its layers from 0). The
 adapter is on when the module carries Megatron's attributes or classes, or was declared with
 :func:`declare_megatron`; a plain module audited in a Megatron job stays on the plain path.
@@ -42,12 +47,25 @@ from weightsync_audit.engine.inventory.replicas.keys import alone, among
 from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
 from weightsync_audit.engine.inventory.wrappers import wrapper_of
 
-__all__ = ["GRAD_SHARD", "MAIN_PARAM_SHARD", "MegatronLayout", "declare_megatron", "megatron_layout", "megatron_rules"]
+__all__ = [
+    "GRAD_SHARD",
+    "MAIN_PARAM_SHARD",
+    "TP_SHARD",
+    "MegatronLayout",
+    "declare_megatron",
+    "megatron_layout",
+    "megatron_rules",
+]
 
 _KEEP = (-1,)
 _DECLARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 MAIN_PARAM_SHARD = "Megatron distributed-optimizer main-param shard"
 GRAD_SHARD = "Megatron grad-buffer shard (reduce-scattered main_grad)"
+TP_SHARD = "Megatron tensor-parallel shard"
+"""What a tensor-parallel shard is called in the record's note when its data-parallel group is this rank alone."""
+TP_DUPLICATE = "Megatron tensor-parallel duplicate"
+EXPERT = "Megatron expert"
+DATA_PARALLEL = "Megatron data-parallel"
 
 
 @dataclass(frozen=True)
@@ -155,17 +173,18 @@ def megatron_rules(
     layout = megatron_layout()
     if layout is None:
         return None
-    g = layout.groups
-    dense = among("megatron data-parallel", g["data_parallel_with_cp"], {"tp": layout.tp, "pp": layout.pp}, _KEEP)
-    duplicate = among("megatron tensor-parallel duplicate", g["stage"], {"pp": layout.pp}, _KEEP)
-    expert = among(
-        "megatron expert data-parallel", g["expert_data_parallel"], {"ep": layout.ep, "pp": layout.pp}, _KEEP
-    )
+    g, where = layout.groups, {"tp": layout.tp, "pp": layout.pp}
+    # Megatron's groups are as strict as DDP replicas: every member must hold each tensor its group holds
+    # (declared), so a replica built without some tensors (a config drift) is a structure difference.
+    dense = among(DATA_PARALLEL, g["data_parallel_with_cp"], where, _KEEP, declared=True)
+    shard = among(TP_SHARD, g["data_parallel_with_cp"], where, _KEEP, declared=True)
+    duplicate = among(TP_DUPLICATE, g["stage"], {"pp": layout.pp}, _KEEP, declared=True)
+    expert = among(EXPERT, g["expert_data_parallel"], {"ep": layout.ep, "pp": layout.pp}, _KEEP, declared=True)
 
     def rule_of(p: Any) -> ShardInfo:
         if not getattr(p, "allreduce", True):
             return expert
-        return dense if getattr(p, "tensor_model_parallel", False) else duplicate
+        return shard if getattr(p, "tensor_model_parallel", False) else duplicate
 
     rules.default = dense
     for p in params.values():
