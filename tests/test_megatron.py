@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from megatron_state import model_parallel
+from megatron_state import model_parallel, replicated, shard_identities
 from ranks import run_ranks
 from torch import nn
 
@@ -55,33 +55,6 @@ def _laid_out_model() -> nn.Module:
         p.main_grad.fill_(0.5)
         at += p.numel()
     return model
-
-
-def shard_identities(model: nn.Module) -> dict[str, tuple[Any, ...]]:
-    """Which copy of each parameter this rank holds, from Megatron's own coordinates and marks: a tensor-parallel
-    shard is its (stage, tp rank); an expert its (stage, ep rank, expert-tp rank); anything else (a duplicate)
-    its stage. Names as the audit prints them (``stage<i>.`` under pipeline parallelism)."""
-    pp = ps.get_pipeline_model_parallel_rank()
-    prefix = f"stage{pp}." if ps.get_pipeline_model_parallel_world_size() > 1 else ""
-    out: dict[str, tuple[Any, ...]] = {}
-    for name, p in model.named_parameters():
-        if not getattr(p, "allreduce", True):
-            out[prefix + name] = ("expert", pp, ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
-        elif getattr(p, "tensor_model_parallel", False):
-            out[prefix + name] = ("tp", pp, ps.get_tensor_model_parallel_rank())
-        else:
-            out[prefix + name] = ("duplicate", pp)
-    return out
-
-
-def replicated(per_rank: list[dict[str, tuple[Any, ...]]]) -> int:
-    """How many parameter names have a copy held by two ranks or more (what an audit can compare)."""
-    holders: dict[str, dict[tuple[Any, ...], int]] = {}
-    for ids in per_rank:
-        for name, ident in ids.items():
-            holders.setdefault(name, {}).setdefault(ident, 0)
-            holders[name][ident] += 1
-    return sum(1 for copies in holders.values() if max(copies.values()) > 1)
 
 
 def _plant(model: nn.Module, what: str) -> None:

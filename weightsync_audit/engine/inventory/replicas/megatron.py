@@ -10,7 +10,8 @@ a tensor-parallel shard           ``param.tensor_model_parallel``: compared amon
 a tensor-parallel duplicate       no such attribute (LayerNorm, a row-parallel bias): every rank of its
                                   pipeline stage holds it (tensor x data x context group)
 an expert parameter               ``param.allreduce == False``: its expert-data-parallel group
-buffers, hyper-parameters         the data-parallel group with context parallel
+buffers                           the data-parallel group with context parallel
+hyper-parameters                  every rank of the pipeline stage, as a duplicate
 fp32 main params (distributed     one owner each: counted in the record's note, never compared
 optimizer), a reduce-scattered
 ``main_grad``
@@ -186,7 +187,9 @@ def megatron_rules(
             return expert
         return shard if getattr(p, "tensor_model_parallel", False) else duplicate
 
-    rules.default = dense
+    # Hyper-parameters (and anything else without its own rule) are the same on every rank of the stage, as
+    # its LayerNorms are; buffers belong to a model replica (its data-parallel group).
+    rules.default, rules.buffers = duplicate, dense
     for p in params.values():
         rules.params[id(p)] = rule_of(p)
     wrappers = [wrapper_of(opt) for opt in optimizers]
