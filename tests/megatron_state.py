@@ -66,7 +66,12 @@ def shard_identities(model: Any) -> dict[str, tuple[Any, ...]]:
     out: dict[str, tuple[Any, ...]] = {}
     for name, p in model.named_parameters():
         if not getattr(p, "allreduce", True):
-            out[prefix + name] = ("expert", pp, ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank())
+            out[prefix + name] = (
+                "expert",
+                pp,
+                ps.get_expert_model_parallel_rank(),
+                ps.get_expert_tensor_parallel_rank(),
+            )
         elif getattr(p, "tensor_model_parallel", False):
             out[prefix + name] = ("tp", pp, ps.get_tensor_model_parallel_rank())
         else:

@@ -25,7 +25,7 @@ from ranks import run_ranks
 
 pytest.importorskip("megatron.core.models.gpt")
 
-from weightsync_audit import audit, resync  # noqa: E402
+from weightsync_audit import audit, resync
 
 DRIFTED = 3
 
