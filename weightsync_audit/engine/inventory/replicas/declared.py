@@ -142,11 +142,11 @@ def declared_rules(rules: Rules, *modules: nn.Module | None) -> str | None:
         return None
     what = []
     if found.stage is not None and found.stage_ranks is None and found.stages is not None:
-        rules.default = stage_found(found.stage, found.stages, _KEEP)
+        rules.default, rules.stage = stage_found(found.stage, found.stages, _KEEP), found.stage
         what.append(f"pipeline stage {found.stage}")
     if found.stage is not None and found.stage_ranks is not None:
         rules.default = among("pipeline stage", found.stage_ranks, {"stage": found.stage}, _KEEP, declared=True)
-        rules.prefix = f"stage{found.stage}."
+        rules.prefix, rules.stage = f"stage{found.stage}.", found.stage
         what.append(f"pipeline stage {found.stage}")
     if found.experts is not None and found.expert_ranks is not None:
         info = among("expert", found.expert_ranks, {"experts": found.expert_coord}, _KEEP, declared=True)

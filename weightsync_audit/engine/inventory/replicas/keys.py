@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import xxhash
@@ -32,6 +33,7 @@ __all__ = [
     "among",
     "alone",
     "stage_found",
+    "in_stage",
     "holders_label",
     "unreplicated_label",
     "unreplicated_label_of",
@@ -61,6 +63,25 @@ def stage_found(index: int, stages: int, shape: tuple[int, ...]) -> ShardInfo:
     (found by the audit from the keys: :data:`FOUND`)."""
     key = (xxhash.xxh3_64_intdigest(f"pipeline stage|{index}|{stages}".encode()) >> 2) | 2
     return ShardInfo(f"{HOLDERS}pipeline stage", tuple(shape), {"stage": index}, key, members=FOUND)
+
+
+def in_stage(info: ShardInfo, stage: int) -> ShardInfo:
+    """A DTensor of a declared pipeline stage ``stage``: compared among the ranks of that stage holding the
+    same shard only (the DTensor's own peers, as :func:`~weightsync_audit.engine.inventory.peers.shard_info`
+    finds them, within the stage). A mesh flattened from the world (torchtitan's) has no ``pp`` dimension to
+    tell the stages apart; the declaration does. A shard compared with nothing, or already tied to its stage
+    by its mesh, is left as it is.
+
+    >>> from weightsync_audit.engine.inventory.peers import ShardInfo
+    >>> a, b = (in_stage(ShardInfo("(dp):(Shard(dim=0),)", (4,), {"dp": 0}, 7), s) for s in (0, 1))
+    >>> a.key != b.key, a.coords
+    (True, {'pp': 0, 'dp': 0})
+    """
+    if info.key == NEVER or info.layout.startswith(HOLDERS):
+        return info
+    key = (xxhash.xxh3_64_intdigest(f"pipeline stage|{stage}|{info.key}".encode()) >> 2) | 2
+    layout = f"{HOLDERS}pipeline stage|{info.layout}"
+    return replace(info, layout=layout, coords={"pp": stage, **info.coords}, key=key, members=FOUND)
 
 
 def alone(label: str, shape: tuple[int, ...]) -> ShardInfo:

@@ -18,7 +18,7 @@ from torch import nn
 
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.inventory.peers import ShardInfo
-from weightsync_audit.engine.inventory.replicas.keys import among
+from weightsync_audit.engine.inventory.replicas.keys import among, in_stage
 
 __all__ = ["Rules", "apply_rules", "named_params"]
 
@@ -41,6 +41,9 @@ class Rules:
     """Wrapper prefixes dropped from names (``_fsdp_wrapped_module.``)."""
     prefix: str = ""
     """Put before every name (a pipeline stage's own names collide with the other stages')."""
+    stage: int | None = None
+    """A declared pipeline stage's index: its DTensors are compared within the stage only
+    (:func:`~.keys.in_stage`), whatever mesh they live on."""
 
     @property
     def empty(self) -> bool:
@@ -85,8 +88,10 @@ def apply_rules(
     kept: list[Entry] = []
     for e in manifest.entries:
         kept.append(e)
-        if e.shard is not None:
-            continue  # a DTensor keeps its own peers
+        if e.shard is not None:  # a DTensor keeps its own peers, within its declared stage
+            if rules.stage is not None:
+                e.shard = in_stage(e.shard, rules.stage)
+            continue
         info: ShardInfo | None = rules.default
         p = None
         if e.kind in ("param", "grad"):
