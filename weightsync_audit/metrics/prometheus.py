@@ -12,9 +12,17 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import Any, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server, write_to_textfile
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    start_http_server,
+    write_to_textfile,
+)
 
 from weightsync_audit.metrics.figures import DURATION_BUCKETS, GAUGES, GaugeSpec, gauge_values, record_figures
 from weightsync_audit.reporting.jsonl import check_report_path
@@ -23,53 +31,20 @@ from weightsync_audit.reporting.record import AuditResult
 __all__ = ["PrometheusSink"]
 
 _NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+_GLOBAL = "prometheus_client.REGISTRY"
+"""How a sink on the process's own registry travels: each process joins its own."""
 
 
-class PrometheusSink:
-    """Publish each audit record as Prometheus metrics (``weightsync_in_sync``, ``weightsync_tensors_differing`` ...).
+class _Metrics:
+    """The registry and the metrics of one sink, built where the sink is first used."""
 
-    Args:
-        port: serve ``/metrics`` on this port from the first record on (``0``: a free port, then read
-            :attr:`port`); ``None``: no endpoint (a ``registry`` you serve, or a ``textfile``).
-        addr: the address the endpoint listens on (``0.0.0.0``, as prometheus_client's own, for a
-            Prometheus server on another machine; ``127.0.0.1`` keeps it on this one).
-        textfile: write the metrics to this file after every record (atomically, for node_exporter's
-            textfile collector: a ``.prom`` file in its ``--collector.textfile.directory``).
-        registry: the ``CollectorRegistry`` to register in (default: one of its own, so that two sinks in
-            one process never collide; pass ``prometheus_client.REGISTRY`` to join the process's own).
-        namespace: the metric names' prefix.
-
-    >>> sink = PrometheusSink()
-    >>> sink.write(AuditResult(in_sync=True, step=3, world_size=2))
-    >>> sink.registry.get_sample_value("weightsync_in_sync"), sink.registry.get_sample_value("weightsync_step")
-    (1.0, 3.0)
-    """
-
-    def __init__(
-        self,
-        *,
-        port: int | None = None,
-        addr: str = "0.0.0.0",
-        textfile: str | os.PathLike[str] | None = None,
-        registry: CollectorRegistry | None = None,
-        namespace: str = "weightsync",
-    ) -> None:
-        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
-            raise ValueError(f"port={port!r}: must be an integer from 0 (a free port) to 65535, or None")
-        if not isinstance(namespace, str) or not _NAME.match(namespace):
-            raise ValueError(f"namespace={namespace!r}: must be a Prometheus name ([a-zA-Z_][a-zA-Z0-9_]*)")
-        self.textfile = None if textfile is None else str(check_report_path(textfile, "textfile"))
-        self.registry = CollectorRegistry(auto_describe=True) if registry is None else registry
-        self.addr = addr
-        self.namespace = namespace
-        self.port = port
-        """The endpoint's port (the one bound when ``port=0`` was asked, once it serves)."""
-        self._server: Any = None
-        ns, reg = namespace, self.registry
+    def __init__(self, registry: CollectorRegistry, namespace: str) -> None:
+        self.registry, self.namespace = registry, namespace
+        ns, reg = namespace, registry
         self.nonfinite: Gauge | None = None  # made at the first record that counts (check_finite=True)
         for g in GAUGES:  # in_sync, step, checked, differing, beyond, gap, rel_gap
             if g.attr != "nonfinite":
-                setattr(self, g.attr, self._gauge(g))
+                setattr(self, g.attr, self.gauge(g))
         self.duration = Histogram(
             "audit_duration_seconds",
             "Seconds each audit took on rank 0",
@@ -87,7 +62,6 @@ class PrometheusSink:
             namespace=ns,
             registry=reg,
         )
-
         self.blamed = Gauge(
             "blamed_rank",
             "1 for each rank the last audit's blame holds responsible, with its machine and the evidence",
@@ -96,9 +70,101 @@ class PrometheusSink:
             registry=reg,
         )
 
-    def _gauge(self, g: GaugeSpec) -> Gauge:
+    def gauge(self, g: GaugeSpec) -> Gauge:
         labels = [g.label] if g.label else []
         return Gauge(g.prometheus, g.description, labels, namespace=self.namespace, registry=self.registry)
+
+
+class PrometheusSink:
+    """Publish each audit record as Prometheus metrics (``weightsync_in_sync``, ``weightsync_tensors_differing`` ...).
+
+    Args:
+        port: serve ``/metrics`` on this port from the first record on (``0``: a free port, then read
+            :attr:`port`); ``None``: no endpoint (a ``registry`` you serve, or a ``textfile``).
+        addr: the address the endpoint listens on (``0.0.0.0``, as prometheus_client's own, for a
+            Prometheus server on another machine; ``127.0.0.1`` keeps it on this one).
+        textfile: write the metrics to this file after every record (atomically, for node_exporter's
+            textfile collector: a ``.prom`` file in its ``--collector.textfile.directory``).
+        registry: the ``CollectorRegistry`` to register in (default: one of its own, so that two sinks in
+            one process never collide; pass ``prometheus_client.REGISTRY`` to join the process's own), or a
+            function of no argument that returns one (called where the sink is first used).
+        namespace: the metric names' prefix.
+
+    The registry, its metrics and the endpoint are built where the sink is first used (the process that
+    writes: global rank 0), so the sink pickles: Lightning's ``ddp_spawn`` and Ray send a copy to each
+    worker, which builds its own there (a copy starts with no figures). A registry object of your own lives
+    in your process and cannot travel: pickling such a sink raises ``TypeError`` naming ``registry=``.
+
+    >>> sink = PrometheusSink()
+    >>> sink.write(AuditResult(in_sync=True, step=3, world_size=2))
+    >>> sink.registry.get_sample_value("weightsync_in_sync"), sink.registry.get_sample_value("weightsync_step")
+    (1.0, 3.0)
+    """
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        addr: str = "0.0.0.0",
+        textfile: str | os.PathLike[str] | None = None,
+        registry: CollectorRegistry | Callable[[], CollectorRegistry] | None = None,
+        namespace: str = "weightsync",
+    ) -> None:
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"port={port!r}: must be an integer from 0 (a free port) to 65535, or None")
+        if not isinstance(namespace, str) or not _NAME.match(namespace):
+            raise ValueError(f"namespace={namespace!r}: must be a Prometheus name ([a-zA-Z_][a-zA-Z0-9_]*)")
+        if registry is not None and not isinstance(registry, CollectorRegistry) and not callable(registry):
+            raise ValueError(
+                f"registry={registry!r}: give a prometheus_client CollectorRegistry or a function returning one"
+            )
+        self.textfile = None if textfile is None else str(check_report_path(textfile, "textfile"))
+        self.addr = addr
+        self.namespace = namespace
+        self.port = port
+        """The endpoint's port (the one bound when ``port=0`` was asked, once it serves)."""
+        self._asked = port
+        self._registry = registry
+        self._metrics: _Metrics | None = None
+        self._server: Any = None
+
+    @property
+    def registry(self) -> CollectorRegistry:
+        """The registry the metrics are in (built at its first use)."""
+        return self._state().registry
+
+    def _state(self) -> _Metrics:
+        if self._metrics is None:
+            given = self._registry
+            if given is None:
+                registry = CollectorRegistry(auto_describe=True)
+            elif isinstance(given, CollectorRegistry):
+                registry = given
+            else:
+                registry = given()
+                if not isinstance(registry, CollectorRegistry):
+                    raise TypeError(
+                        f"registry={given!r} returned {registry!r}, not a prometheus_client CollectorRegistry"
+                    )
+            self._metrics = _Metrics(registry, self.namespace)
+        return self._metrics
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy in another process is built from: the options, never the registry's live state."""
+        given = self._registry
+        if isinstance(given, CollectorRegistry) and given is not REGISTRY:
+            raise TypeError(
+                f"PrometheusSink(registry={given!r}) cannot be sent to another process (Lightning's ddp_spawn, "
+                "Ray): the registry lives in this one. Give port= or textfile=, registry=prometheus_client.REGISTRY "
+                "(each process's own), or a function that builds the registry"
+            )
+        registry = _GLOBAL if given is REGISTRY else given
+        options = {"addr": self.addr, "textfile": self.textfile, "namespace": self.namespace}
+        return {"port": self._asked, "registry": registry, **options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        registry = REGISTRY if state["registry"] == _GLOBAL else state["registry"]
+        self.__init__(**{**state, "registry": registry})  # type: ignore[misc]
 
     def serve(self) -> int:
         """Start the ``/metrics`` endpoint now (it starts with the first record otherwise); returns the port."""
@@ -119,29 +185,29 @@ class PrometheusSink:
 
     def write(self, record: AuditResult) -> None:
         """Set the metrics from ``record`` (and rewrite the textfile); called on the main process."""
-        f = record_figures(record)
+        f, m = record_figures(record), self._state()
         for attr, value, labels in gauge_values(f):
-            if getattr(self, attr) is None:  # nonfinite, at the first record that counts
-                setattr(self, attr, self._gauge(next(g for g in GAUGES if g.attr == attr)))
-            gauge = getattr(self, attr)
+            if getattr(m, attr) is None:  # nonfinite, at the first record that counts
+                setattr(m, attr, m.gauge(next(g for g in GAUGES if g.attr == attr)))
+            gauge = getattr(m, attr)
             (gauge.labels(**labels) if labels else gauge).set(value)
-        self.duration.observe(f.audit_seconds)
-        self.audits.inc()
+        m.duration.observe(f.audit_seconds)
+        m.audits.inc()
         if not f.in_sync:
-            self.diverged.inc()
+            m.diverged.inc()
         if f.action == "resynced":
-            self.resyncs.inc()
-        self.rank.clear()
+            m.resyncs.inc()
+        m.rank.clear()
         for place in f.ranks:
-            self.rank.labels(rank=str(place.rank), host=place.host, device=place.device).set(1)
-        self.blamed.clear()
+            m.rank.labels(rank=str(place.rank), host=place.host, device=place.device).set(1)
+        m.blamed.clear()
         for place in f.blamed:
             suspect = str(f.hardware_suspect).lower()
-            self.blamed.labels(str(place.rank), place.host, place.device, f.evidence, suspect).set(1)
+            m.blamed.labels(str(place.rank), place.host, place.device, f.evidence, suspect).set(1)
         if self.port is not None:
             self.serve()
         if self.textfile is not None:
-            write_to_textfile(self.textfile, self.registry)
+            write_to_textfile(self.textfile, m.registry)
 
     def close(self) -> None:
         """Stop the endpoint (the metrics stay in the registry)."""
