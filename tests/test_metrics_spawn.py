@@ -15,13 +15,13 @@ import pytest
 
 pytest.importorskip("prometheus_client")
 pytest.importorskip("opentelemetry.sdk")
-import pytorch_lightning as pl  # noqa: E402
-from lightning_helpers import SmallModel, fit, rank_end, records  # noqa: E402
-from prometheus_client import CollectorRegistry  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+import pytorch_lightning as pl
+from lightning_helpers import SmallModel, fit, rank_end, records
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
-from weightsync_audit import AuditResult, WeightSyncAudit  # noqa: E402
-from weightsync_audit.metrics import OpenTelemetrySink, PrometheusSink  # noqa: E402
+from weightsync_audit import AuditResult, WeightSyncAudit
+from weightsync_audit.metrics import OpenTelemetrySink, PrometheusSink
 
 READERS: list[Any] = []
 """The in-memory readers of the providers built in this process (in a worker: its own)."""
@@ -61,7 +61,9 @@ class DumpOtel(pl.Callback):
 
 
 def _samples(path: Path) -> dict[str, float]:
-    return {s.name: s.value for f in text_string_to_metric_families(path.read_text()) for s in f.samples if not s.labels}
+    return {
+        s.name: s.value for f in text_string_to_metric_families(path.read_text()) for s in f.samples if not s.labels
+    }
 
 
 def test_prometheus_and_opentelemetry_sinks_travel_to_ddp_spawn_workers_and_rank_0_exports(tmp_path: Path) -> None:
