@@ -19,12 +19,21 @@ from typing import Any
 from weightsync_audit.engine.inventory.replicas.megatron import (
     GRAD_SHARD,
     MAIN_PARAM_SHARD,
+    TP_SHARD,
     MegatronLayout,
     declare_megatron,
     megatron_layout,
 )
 
-__all__ = ["GRAD_SHARD", "MAIN_PARAM_SHARD", "MegatronLayout", "declare_megatron", "megatron_groups", "megatron_layout"]
+__all__ = [
+    "GRAD_SHARD",
+    "MAIN_PARAM_SHARD",
+    "TP_SHARD",
+    "MegatronLayout",
+    "declare_megatron",
+    "megatron_groups",
+    "megatron_layout",
+]
 
 
 def megatron_groups() -> dict[str, Any]:
