@@ -37,22 +37,19 @@ def _gather(obj: Any) -> list[Any]:
 
 
 def _held(model: torch.nn.Module) -> dict[str, Any]:
-    ids = shard_identities(model)
-    prefix = next(iter(ids))[: -len(next(iter(dict(model.named_parameters()))))]
-    return {n: (ids[prefix + n], p.detach().clone()) for n, p in model.named_parameters()} | {"prefix": prefix}
+    """Each parameter (named as the audit names it) with the copy it is and its bytes."""
+    ids = shard_identities(model)  # in named_parameters() order
+    return {name: (ident, p.detach().clone()) for (name, ident), p in zip(ids.items(), model.parameters())}
 
 
 def _apart(every: list[dict[str, Any]]) -> list[tuple[str, int]]:
     """(name, rank) for each copy of a parameter whose bytes differ from another holder of the same copy."""
     out = []
     for r, held in enumerate(every):
-        for name, value in held.items():
-            if name == "prefix":
-                continue
-            ident, t = value
+        for name, (ident, t) in held.items():
             peers = [q for q, other in enumerate(every) if q != r and other.get(name, (None,))[0] == ident]
             if any(not torch.equal(t, every[q][name][1]) for q in peers):
-                out.append((held["prefix"] + name, r))
+                out.append((name, r))
     return sorted(out)
 
 
