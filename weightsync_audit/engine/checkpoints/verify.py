@@ -36,6 +36,7 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
+from weightsync_audit.engine.checkpoints.files import identify_files
 from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
@@ -174,12 +175,28 @@ def checkpoint_saved(
         sidecar["shards"] = {f: s for p in parts for f, s in p["shards"].items()}
     status = sidecar["verdict"]
     if comm.rank == 0:
+        try:  # after the audit's rounds: every rank has written its files
+            _identify(path, sidecar)
+        except OSError as exc:  # a file gone while read: the sidecar says nothing of the files
+            warnings.warn(f"weightsync: could not read the files of {path}: {exc}", WeightSyncWarning, stacklevel=2)
         try:
             write_sidecar(path, sidecar)
         except OSError as exc:  # a sidecar that cannot be written never ends the run
             warnings.warn(f"weightsync: could not write {sidecar_path(path)}: {exc}", WeightSyncWarning, stacklevel=2)
     result.checkpoint = {"path": str(path), "event": "saved", "status": status, "saved_step": step}
     return result
+
+
+def _identify(path: Any, sidecar: dict[str, Any]) -> None:
+    """Put into ``sidecar`` the size and digest of every file of the checkpoint (``files``): the DCP shards as
+    their ranks digested them, every other file read here. Nothing when the checkpoint is not there yet (a
+    sidecar written before its file: *unidentified*, as one of an earlier version)."""
+    if not os.path.exists(path):
+        return
+    shards = sidecar.get("shards") or {}
+    files = identify_files(path, skip=shards)
+    files.update({f: {"bytes": s["bytes"], "digest": s["digest"]} for f, s in shards.items()})
+    sidecar["files"] = dict(sorted(files.items()))
 
 
 def _held_differences(expected: dict[str, Any], held: dict[str, Any], prefix: str | None) -> list[str]:
