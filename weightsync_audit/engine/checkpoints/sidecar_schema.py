@@ -42,7 +42,8 @@ class _Check:
         self.where = where
 
     def fail(self, field: str, must: str, v: Any) -> SidecarError:
-        return SidecarError(f"{self.where}: field {field!r} must be {must}, not {_kind(v)}")
+        got = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _kind(v)
+        return SidecarError(f"{self.where}: field {field!r} must be {must}, not {got}")
 
     def int_(self, v: Any, field: str, *, none: bool = False, low: int = 0) -> None:
         if v is None and none:
