@@ -9,7 +9,6 @@ the truth is the test's own (the bytes read back, ``torch.equal``, ``dcp.load``)
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import random
 import shutil
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.payload import Payload
 from tests.ranks import run_ranks
 from weightsync_audit import Auditor, LoopAudit, ResumeSources
 from weightsync_audit.cli import main
@@ -28,16 +28,6 @@ from weightsync_audit.engine.checkpoints.load import load_checkpoint
 from weightsync_audit.engine.checkpoints.resume_state import rng_file_state
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar, sidecar_path
 from weightsync_audit.errors import UnsafeCheckpointError, WeightSyncWarning
-
-
-class Payload:
-    """Unpickling this creates ``marker``: proof that code from the file ran."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self) -> Any:
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
