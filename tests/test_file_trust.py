@@ -9,6 +9,7 @@ the truth is the test's own (the bytes read back, ``torch.equal``, ``dcp.load``)
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import random
 import shutil
@@ -301,6 +302,34 @@ def test_a_file_that_grew_or_vanished_is_named_with_its_size(
     size = (folder / "training_args.bin").stat().st_size
     assert code == 1 and f"training_args.bin ({size - 4} bytes when saved, {size} now)" in text
     assert "file(s) missing: trainer_state.json" in text
+
+
+def _folder_save(rank: int, world: int, folder: str) -> None:
+    """Every rank writes its own RNG file and rank 0 the model and the trainer state, then the sidecar."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    torch.manual_seed(10 + rank), np.random.seed(10 + rank), random.seed(10 + rank)
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    torch.save(state, os.path.join(folder, f"rng_state_{rank}.pth"))
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(folder, "model.pt"))
+        Path(folder, "trainer_state.json").write_text('{"global_step": 2}')
+    Auditor(model).checkpoint_saved(folder, 2)
+
+
+def test_every_file_of_a_folder_saved_on_4_ranks_is_identified_by_its_bytes(tmp_path: Path) -> None:
+    import xxhash
+
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    run_ranks(_folder_save, 4, str(folder))
+    truth = {
+        f.name: {"bytes": f.stat().st_size, "digest": xxhash.xxh3_64(f.read_bytes()).hexdigest()}
+        for f in folder.iterdir()
+        if f.name != "weightsync.json"
+    }
+    assert len(truth) == 6 and read_sidecar(folder)["files"] == truth  # type: ignore[index]
+    assert main(["verify", str(folder)]) == 0
 
 
 # -- item 4: a malformed sidecar is refused, naming the field -----------------------------------------------------

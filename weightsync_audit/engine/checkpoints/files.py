@@ -10,10 +10,10 @@ reads its bytes once (xxh3 streams at memory speed) and never interprets them.
 >>> import os, tempfile
 >>> d = tempfile.mkdtemp()
 >>> _ = open(os.path.join(d, "m.pt"), "wb").write(b"bytes")
->>> identify_files(os.path.join(d, "m.pt"))["m.pt"]["bytes"]
-5
->>> file_changes(os.path.join(d, "m.pt"), identify_files(os.path.join(d, "m.pt")))
-([], [])
+>>> path = os.path.join(d, "m.pt")
+>>> files = complete_files(path, list_files(path), {})
+>>> files["m.pt"]["bytes"], file_changes(path, files)
+(5, ([], []))
 """
 
 from __future__ import annotations
@@ -21,18 +21,20 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Mapping
 
 import xxhash
 
 __all__ = [
     "SIDECAR_NAME",
     "checkpoint_files",
+    "complete_files",
     "dcp_shards",
+    "digest_share",
     "file_changes",
     "file_digest",
-    "identify_files",
     "is_dcp_folder",
+    "list_files",
 ]
 
 SIDECAR_NAME = "weightsync.json"
@@ -95,14 +97,56 @@ def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, Path]:
     return {f.relative_to(p).as_posix(): f for f in found}
 
 
-def identify_files(path: str | os.PathLike[str], skip: Collection[str] = ()) -> dict[str, dict[str, Any]]:
-    """Name -> ``{"bytes", "digest"}`` of every file of the checkpoint at ``path`` (:func:`checkpoint_files`),
-    those named in ``skip`` (identified elsewhere: another rank's DCP shards) aside."""
-    return {
-        name: {"bytes": f.stat().st_size, "digest": file_digest(f)}
-        for name, f in checkpoint_files(path).items()
-        if name not in skip
-    }
+def list_files(path: str | os.PathLike[str], *, shards: bool = True) -> dict[str, list[int]] | None:
+    """Name -> ``[size, mtime_ns]`` of every file of the checkpoint at ``path`` (``shards=False``: a DCP
+    folder's shard files aside, which the ranks that wrote them digest); ``None`` when there is no checkpoint
+    there (yet)."""
+    if not os.path.exists(path):
+        return None
+    out = {}
+    for name, f in checkpoint_files(path).items():
+        if shards or not DCP_FILE.fullmatch(name):
+            st = f.stat()
+            out[name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _located(path: str | os.PathLike[str], name: str) -> Path:
+    p = Path(path)
+    return p / name if p.is_dir() else p
+
+
+def digest_share(
+    path: str | os.PathLike[str], listed: Mapping[str, Any], rank: int, world: int
+) -> dict[str, dict[str, Any]]:
+    """This rank's share of :func:`list_files`'s files (every ``world``-th from ``rank``), digested: each file
+    it sees with the size and modification time listed (the same file, on a shared file system). A file it
+    sees otherwise (another machine's local disk) or not at all is left out, for :func:`complete_files`."""
+    out = {}
+    for i, (name, (size, mtime)) in enumerate(sorted(listed.items())):
+        if i % world != rank:
+            continue
+        f = _located(path, name)
+        try:
+            st = f.stat()
+            if (st.st_size, st.st_mtime_ns) == (size, mtime):
+                out[name] = {"bytes": size, "digest": file_digest(f)}
+        except OSError:
+            continue
+    return out
+
+
+def complete_files(
+    path: str | os.PathLike[str], listed: Mapping[str, Any], found: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The sidecar's ``files``: ``found`` (what the ranks digested, DCP shards included) completed with every
+    listed file no rank digested, read here (on the rank that listed them)."""
+    files = dict(found)
+    for name in listed:
+        if name not in files:
+            f = _located(path, name)
+            files[name] = {"bytes": f.stat().st_size, "digest": file_digest(f)}
+    return dict(sorted(files.items()))
 
 
 def _said(name: str, saved: Mapping[str, Any], size: int) -> str:
