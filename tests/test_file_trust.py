@@ -283,9 +283,7 @@ def test_a_comparison_by_sidecars_fails_when_a_file_no_longer_matches_its_sideca
     assert code == 0 and "does not identify the checkpoint's files" in text
 
 
-def test_a_file_that_grew_or_vanished_is_named_with_its_size(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_file_that_grew_vanished_or_appeared_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = tmp_path / "checkpoint-2"
     folder.mkdir()
     model = torch.nn.Linear(3, 2)
@@ -298,10 +296,12 @@ def test_a_file_that_grew_or_vanished_is_named_with_its_size(
     with open(folder / "training_args.bin", "ab") as f:
         f.write(b"more")
     (folder / "trainer_state.json").unlink()
+    torch.save({"weight": torch.zeros(2, 3)}, folder / "pytorch_model.bin")  # a file a resume may load instead
     code, text = _cli(capsys, "verify", str(folder))
     size = (folder / "training_args.bin").stat().st_size
     assert code == 1 and f"training_args.bin ({size - 4} bytes when saved, {size} now)" in text
     assert "file(s) missing: trainer_state.json" in text
+    assert "file(s) added since saved (a resume may read them): pytorch_model.bin" in text
 
 
 def _folder_save(rank: int, world: int, folder: str) -> None:

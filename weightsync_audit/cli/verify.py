@@ -84,6 +84,8 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
             said.append(f"file(s) changed since saved: {', '.join(outcome['changed_files'][:10])}")
         if outcome.get("missing_files"):
             said.append(f"file(s) missing: {', '.join(outcome['missing_files'][:10])}")
+        if outcome.get("added_files"):
+            said.append(f"file(s) added since saved (a resume may read them): {', '.join(outcome['added_files'][:10])}")
         if outcome["changed"]:
             said.append(f"changed since saved: {', '.join(outcome['changed'][:10])}")
         if outcome["missing"]:

@@ -13,7 +13,7 @@ reads its bytes once (xxh3 streams at memory speed) and never interprets them.
 >>> path = os.path.join(d, "m.pt")
 >>> files = complete_files(path, list_files(path), {})
 >>> files["m.pt"]["bytes"], file_changes(path, files)
-(5, ([], []))
+(5, FileChanges(changed=[], missing=[], added=[]))
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping, NamedTuple
 
 import xxhash
 
@@ -29,6 +29,7 @@ __all__ = [
     "SIDECAR_NAME",
     "checkpoint_files",
     "complete_files",
+    "FileChanges",
     "dcp_shards",
     "digest_share",
     "file_changes",
@@ -155,22 +156,34 @@ def _said(name: str, saved: Mapping[str, Any], size: int) -> str:
     return f"{name} (same size, other bytes)"
 
 
-def file_changes(path: str | os.PathLike[str], recorded: Mapping[str, Any]) -> tuple[list[str], list[str]]:
-    """The files of ``recorded`` (a sidecar's ``files``) that no longer match (each with how) and those that are
-    gone, for the checkpoint at ``path``. A single-file checkpoint is matched whatever its name now (a copy
-    renamed along with its sidecar is the same file)."""
+class FileChanges(NamedTuple):
+    """How the files of a checkpoint differ from those its sidecar identifies (each list in name order)."""
+
+    changed: list[str]
+    """Files whose bytes differ, each with how (``m.pt (1200 bytes when saved, 1300 now)``)."""
+    missing: list[str]
+    """Files that are gone."""
+    added: list[str]
+    """Files of a checkpoint folder that were not there when it was saved (a resume may read them)."""
+
+
+def file_changes(path: str | os.PathLike[str], recorded: Mapping[str, Any], skip: Collection[str] = ()) -> FileChanges:
+    """The files of ``recorded`` (a sidecar's ``files``) that no longer match, those that are gone, and those a
+    folder holds now that it did not then, for the checkpoint at ``path``; ``skip``: recorded files checked
+    elsewhere (DCP shards, against ``shards``). A single-file checkpoint is matched whatever its name now (a
+    copy renamed along with its sidecar is the same file)."""
     p = Path(path)
-    if p.is_file() and len(recorded) == 1:
-        here = {next(iter(recorded)): p}
-    else:
-        here = {name: p / name for name in recorded}
+    single = p.is_file() and len(recorded) == 1
     changed, missing = [], []
     for name, saved in sorted(recorded.items()):
-        f = here[name]
+        if name in skip:
+            continue
+        f = p if single else p / name
         if not f.is_file():
             missing.append(name)
             continue
         size = f.stat().st_size
         if size != saved["bytes"] or file_digest(f) != saved["digest"]:
             changed.append(_said(name, saved, size))
-    return changed, missing
+    added = sorted(set(checkpoint_files(p)) - set(recorded)) if p.is_dir() else []
+    return FileChanges(changed, missing, added)

@@ -168,17 +168,18 @@ def _check_files(p: Path, sidecar: Mapping[str, Any], out: dict[str, Any]) -> se
             out["missing_files"].append(".metadata")
         return None
     out["files"] = "identified"
-    changed, missing = file_changes(p, {f: e for f, e in files.items() if f not in shards})
-    out["changed_files"] += changed
-    out["missing_files"] += missing
-    gone = {c.split(" (", 1)[0] for c in changed} | set(missing)
+    now = file_changes(p, files, skip=shards)
+    out["changed_files"] += now.changed
+    out["missing_files"] += now.missing
+    out["added_files"] += now.added
+    gone = {c.split(" (", 1)[0] for c in now.changed} | set(now.missing)
     return {f for f in files if f not in gone}
 
 
 def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     """The outcome of checking ``path`` against its sidecar: ``status`` (``verified``, ``unverified``,
     ``diverged``, ``changed``), ``changed`` (names, or shard files with their ``rank``), ``missing``,
-    ``changed_files`` and ``missing_files`` (the files no longer as saved: ``files``), ``files``
+    ``changed_files``, ``missing_files`` and ``added_files`` (the files no longer as saved: ``files``), ``files``
     (``identified``, or ``unidentified`` for a sidecar of an earlier version that names none).
 
     Raises :class:`CheckpointError` when the checkpoint or its sidecar cannot be read, or a file of it would
@@ -189,7 +190,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{p}: no such file or folder")
     sidecar = read_sidecar(p)
     out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
-    out.update(changed_files=[], missing_files=[], skipped=[])
+    out.update(changed_files=[], missing_files=[], added_files=[], skipped=[])
     if sidecar is None:
         return {**out, "status": "unverified", "why": f"no sidecar ({sidecar_path(p).name})"}
     out.update(step=sidecar.get("step"), world_size=sidecar.get("world_size"), saved=sidecar["verdict"])
@@ -215,7 +216,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             elif (held["digest"], held["shape"], held["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
                 out["changed"].append(n)
     verdict = sidecar["verdict"]
-    if any(out[k] for k in ("changed", "missing", "changed_files", "missing_files")):
+    if any(out[k] for k in ("changed", "missing", "changed_files", "missing_files", "added_files")):
         status = "changed"
     elif verdict == "sampled":  # agreed on a slice only: nothing says the other bytes did
         status = "unverified"

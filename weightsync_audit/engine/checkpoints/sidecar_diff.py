@@ -71,8 +71,9 @@ def diff_sidecars(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> Sidec
         sides[label] = (path, sidecar)
     out = SidecarDiff()
     for label, (path, sidecar) in sides.items():
-        changed, missing = file_changes(path, sidecar["files"])
-        out.stale += [f"{label}: {c}" for c in changed] + [f"{label}: {m} is gone" for m in missing]
+        now = file_changes(path, sidecar["files"])
+        out.stale += [f"{label}: {c}" for c in now.changed] + [f"{label}: {m} is gone" for m in now.missing]
+        out.stale += [f"{label}: {m} was added" for m in now.added]
     ta, tb = sides["A"][1]["tensors"], sides["B"][1]["tensors"]
     out.rows = [(n, "missing") for n in sorted(set(ta) - set(tb))] + [(n, "extra") for n in sorted(set(tb) - set(ta))]
     out.rows += [(n, "values") for n in sorted(set(ta) & set(tb)) if ta[n] != tb[n]]
