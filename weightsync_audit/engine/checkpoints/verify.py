@@ -4,9 +4,10 @@ Both are collective (every rank of the audit calls them at the same point) and r
 :class:`~weightsync_audit.AuditResult` on every rank, with a ``checkpoint`` entry in its record:
 
 - :func:`checkpoint_saved` audits the replicas at the save step; the group's first rank writes the
-  sidecar (:mod:`~weightsync_audit.engine.checkpoints.sidecar`) with the verdict and the digest of every tensor
-  saved. A ``torch.distributed.checkpoint`` folder gets, in addition, each shard file's digest with the
-  rank that wrote it, and every rank's local tensors.
+  sidecar (:mod:`~weightsync_audit.engine.checkpoints.sidecar`) with the verdict, the digest of every tensor
+  saved and the size and digest of every file of the checkpoint (``files``; every rank digests its share,
+  :mod:`~weightsync_audit.engine.checkpoints.files`). A ``torch.distributed.checkpoint`` folder gets, in
+  addition, each shard file's digest with the rank that wrote it, and every rank's local tensors.
 - :func:`checkpoint_loaded` audits the replicas and compares, on every rank, what the rank now holds with
   what the sidecar says was saved: a tensor that differs is a mismatch naming the ranks that hold
   something else (``reference_ranks`` are the ranks that hold what was saved). A checkpoint without a
