@@ -164,7 +164,8 @@ def test_verify_exits_0_on_a_verified_checkpoint_1_when_changed_or_unverified_2_
     torch.save(state, path)
     assert main(["verify", str(path)]) == 1
     assert "changed since saved: state_dict.bias" in capsys.readouterr().out
-    assert main(["diff", str(path), str(copy)]) == 0  # the sidecars agree: the change is verify's to find
+    assert main(["diff", str(path), str(copy)]) == 1  # the sidecars agree, but m.pt is no longer the file saved
+    assert "A: m.pt (same size, other bytes)" in capsys.readouterr().out
     assert main(["diff", "--full", str(path), str(copy)]) == 1
     capsys.readouterr()
     sidecar_path(path).unlink()

@@ -3,6 +3,7 @@ of the shared trainers_run launch): each resume's record against the fault plant
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,3 +57,32 @@ def test_verify_reports_the_per_rank_resume_checks_of_the_trainer_folders(hf: di
     assert codes == {"clean": 0, "rng_from_rank0": 1, "no_scheduler": 1}
     assert "rank 1 would resume with rank 0's RNG state (torch, numpy, Python random)" in said
     assert "scheduler.pt is missing: the lr scheduler would restart at step 0" in said
+
+
+def test_the_trainers_rng_files_are_read_weights_only_and_a_payload_in_one_is_refused(
+    hf: dict[str, Any], tmp_path: Path, capsys: Any
+) -> None:
+    """Issue 42, item 1, on the files the Trainer wrote on 2 ranks: read with the numpy allow-list (PyTorch's own
+    list refuses them), each holding what its rank saved; a payload in one is refused, never run."""
+    import pickle
+    import shutil
+
+    import torch
+
+    from tests.payload import Payload
+    from weightsync_audit.cli import main
+    from weightsync_audit.engine.checkpoints.resume_state import rng_file_state
+
+    clean = Path(hf["clean"]["folder"])
+    saved = hf["sidecar_resume"]["ranks"]
+    for r in ("0", "1"):
+        with pytest.raises(pickle.UnpicklingError):
+            torch.load(clean / f"rng_state_{r}.pth", weights_only=True)
+        now = rng_file_state(str(clean / f"rng_state_{r}.pth"))
+        assert {c: e["digest"] for c, e in now.items()} == {c: saved[r][c]["digest"] for c in now}
+    copy = tmp_path / "checkpoint-2"
+    shutil.copytree(clean, copy)
+    marker = tmp_path / "PWNED"
+    torch.save({"cpu": torch.get_rng_state(), "python": Payload(marker)}, copy / "rng_state_1.pth")
+    assert main(["verify", str(copy)]) == 2
+    assert "rng_state_1.pth: refused" in capsys.readouterr().err and not marker.exists()

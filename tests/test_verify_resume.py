@@ -21,12 +21,13 @@ def _folder(tmp_path: Path, scheduler_steps: tuple[int, int] = (2, 2)) -> Path:
     folder.mkdir()
     model = torch.nn.Linear(3, 2)
     torch.save(model.state_dict(), folder / "model.pt")
-    Auditor(model).checkpoint_saved(folder, 2, state=model.state_dict())
-    ranks = {}
-    for r, steps in enumerate(scheduler_steps):
+    for r in range(len(scheduler_steps)):  # every file of the checkpoint before its sidecar, as a save writes them
         torch.manual_seed(10 + r), np.random.seed(10 + r), random.seed(10 + r)
         state = {"cpu": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
         torch.save(state, folder / f"rng_state_{r}.pth")
+    Auditor(model).checkpoint_saved(folder, 2, state=model.state_dict())
+    ranks = {}
+    for r, steps in enumerate(scheduler_steps):
         ranks[str(r)] = rng_file_state(str(folder / f"rng_state_{r}.pth"))
         ranks[str(r)]["lr_scheduler"] = {"digest": digest_state({"last_epoch": steps}), "value": {"step": steps}}
     sidecar = read_sidecar(folder)

@@ -44,9 +44,12 @@ EXIT_CODES = dedent(
     """
     exit codes:
       check  0 every audit in sync (or within the run's tolerance; or, with --accept-repaired, every
-               divergence repaired by resync and in sync at the end), 1 a divergence, 2 unreadable/invalid/empty
+               divergence repaired by resync, none back after its repair, and in sync at the end),
+               1 a divergence, 2 unreadable/invalid/empty
       show   0 shown, 2 unreadable or invalid
-      diff   0 identical (or equal within --atol), 1 different, 2 unreadable, refused or not a checkpoint
+      diff   0 identical (or equal within --atol), 1 different (or, by sidecars, a file no longer the one
+               its sidecar identifies), 2 unreadable, refused or not a checkpoint
+      verify 0 verified and unchanged, 1 unverified, diverged or changed, 2 unreadable, malformed or refused
       demo   0 the audit told the two runs apart as expected, 1 it did not
     every error is one line on stderr (set WEIGHTSYNC_AUDIT_DEBUG=1 for a traceback)
     """

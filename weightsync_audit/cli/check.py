@@ -17,7 +17,8 @@ DESCRIPTION = """
     (step, epoch, tensors, ranks, hint). Exit 0 when every record is in sync, 1 when any is not, 2 when the file
     cannot be read, holds no records, or a line is not a valid record. A run with on_mismatch='resync' whose every
     divergence was repaired and that ended in sync exits 1 too, unless --accept-repaired is given (then 0, status
-    'repaired').
+    'repaired'); a cause that came back after its repair (a rank or tensor diverging again after a resync) is not
+    repaired: exit 1 even with --accept-repaired.
 """
 
 EXAMPLES = """
@@ -37,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--accept-repaired",
         action="store_true",
-        help="exit 0 when every divergence was repaired by resync and the run ended in sync",
+        help="exit 0 when every divergence was repaired by resync, none came back after its repair, and the run "
+        "ended in sync",
     )
 
 

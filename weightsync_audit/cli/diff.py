@@ -155,25 +155,42 @@ def cmd_diff(
 
 
 def sidecar_diff(a: str, b: str, console: Console, as_json: bool = False) -> int | None:
-    """``diff`` by the sidecars when both sides have one (no file is loaded); ``None`` when either has none."""
-    from weightsync_audit.engine.checkpoints.diff import diff_sidecars
+    """``diff`` by the sidecars when both sides have one (no file is loaded; each file's bytes are checked
+    against its sidecar's size and digest); ``None`` when the files must be compared instead (either has no
+    sidecar, or one that cannot identify its files: said in a note)."""
+    from weightsync_audit.engine.checkpoints.sidecar_diff import diff_sidecars
 
     compared = diff_sidecars(a, b)
     if compared is None:
         return None
-    rows, count = compared
-    code = EXIT_DIFFERENT if rows else EXIT_OK
+    if compared.why_not is not None:
+        if not as_json:
+            console.print(Text(f"note: not compared by sidecars: {compared.why_not}; comparing the files", "dim"))
+        return None
+    rows = compared.rows
+    code = EXIT_OK if compared.identical else EXIT_DIFFERENT
     if as_json:
-        console.file.write(
-            json.dumps({"by": "sidecars", "entries": [{"name": n, "status": s} for n, s in rows]}) + "\n"
-        )
+        entries = [{"name": n, "status": s} for n, s in rows]
+        console.file.write(json.dumps({"by": "sidecars", "entries": entries, "stale": compared.stale}) + "\n")
         return code
     title = f"{a}  vs  {b} (by their sidecars; --full loads the files)"
-    if not rows:
+    if compared.stale:
         console.print(
-            Text(f"IDENTICAL: {title}: all {count} tensors have equal digests", style="bold green"), soft_wrap=True
+            Text(
+                f"STALE SIDECAR: {title}: {len(compared.stale)} file(s) no longer match what their sidecar identifies, "
+                "so the sidecars say nothing of what they hold now; compare the files with --full",
+                style="bold red",
+            ),
+            soft_wrap=True,
         )
-    else:
+        for line in compared.stale[:50]:
+            console.print(f"  {escape(line)}", soft_wrap=True)
+    elif not rows:
+        console.print(
+            Text(f"IDENTICAL: {title}: all {compared.count} tensors have equal digests", style="bold green"),
+            soft_wrap=True,
+        )
+    if rows:
         console.print(Text(f"DIFFERENT: {title}: {len(rows)} tensor(s)", style="bold red"), soft_wrap=True)
         for n, s in rows[:50]:
             console.print(f"  {escape(n)}  {s}", soft_wrap=True)

@@ -1,9 +1,11 @@
 """``verify PATH``: a checkpoint against its sidecar, on one machine (``engine/checkpoints/offline.py``).
 
-Exit 0: the sidecar says every replica agreed when it was saved (``verified``) and every tensor (every
-shard file, for a ``torch.distributed.checkpoint`` folder) still has the digest it had then. Exit 1: no
-sidecar (unverified), saved while the replicas differed, or changed since (the tensors or shards are
-named). Exit 2: the checkpoint or its sidecar cannot be read.
+Exit 0: the sidecar says every replica agreed when it was saved (``verified``), every file of the checkpoint
+still has the size and digest it had then and every tensor (every shard file, for a
+``torch.distributed.checkpoint`` folder) the digest it had then. Exit 1: no sidecar (unverified), saved while
+the replicas differed, or changed since (the files, tensors or shards are named). Exit 2: the checkpoint or
+its sidecar cannot be read (a malformed sidecar: the field is named), or a file of it would need code to
+load (refused, never run).
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ __all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "cmd_verify", 
 SUMMARY = "check a checkpoint against its sidecar; exit 0 verified and unchanged, 1 not, 2 unreadable"
 
 DESCRIPTION = """
-    Check a checkpoint (a file, a Hugging Face checkpoint folder, or a torch.distributed.checkpoint folder) against
-    the sidecar weightsync wrote when it was saved: exit 0 when the replicas agreed at that step and every tensor
-    (every shard) still has its digest, 1 when it has no sidecar, was saved while the replicas differed, or changed
-    since (naming the tensors or shards and their ranks), 2 when unreadable.
+    Check a checkpoint (a file, a Hugging Face checkpoint folder, a DeepSpeed or torch.distributed.checkpoint
+    folder) against the sidecar weightsync wrote when it was saved: exit 0 when the replicas agreed at that step and
+    every file (size and digest) and every tensor still is as saved, 1 when it has no sidecar, was saved while the
+    replicas differed, or changed since (naming the files, tensors or shards and their ranks), 2 when unreadable, a
+    sidecar is malformed (naming the field) or a file would need code to load (refused, never run).
 """
 
 EXAMPLES = """
@@ -77,6 +80,12 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
         console.print(Text(f"UNVERIFIED: {path}: {outcome['why']}", style="bold yellow"))
     else:
         said = []
+        if outcome.get("changed_files"):
+            said.append(f"file(s) changed since saved: {', '.join(outcome['changed_files'][:10])}")
+        if outcome.get("missing_files"):
+            said.append(f"file(s) missing: {', '.join(outcome['missing_files'][:10])}")
+        if outcome.get("added_files"):
+            said.append(f"file(s) added since saved (a resume may read them): {', '.join(outcome['added_files'][:10])}")
         if outcome["changed"]:
             said.append(f"changed since saved: {', '.join(outcome['changed'][:10])}")
         if outcome["missing"]:
@@ -86,4 +95,12 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
         if outcome.get("diverged") is not None:
             said.append(f"saved while the replicas differed ({', '.join(outcome['diverged'][:5]) or 'see its record'})")
         console.print(Text(f"NOT VERIFIED: {where}: " + "; ".join(said), style="bold red"))
+    if outcome.get("files") == "unidentified":
+        console.print(
+            Text(
+                f"note: {path}: its sidecar (written by an earlier version) does not identify the checkpoint's files "
+                "(size and digest): their bytes were not checked, only the tensors it records",
+                style="yellow",
+            )
+        )
     return code

@@ -58,6 +58,40 @@ class LayerRow:
     last_gap: float | None = None
 
 
+RECURRED_HINT = "diverged again after a resync"
+"""The words of the engine's hint for a rank that diverged again after a resync repaired it."""
+
+
+@dataclass(slots=True)
+class Recurrence:
+    """A divergence that came back after a resync repaired it (``check`` never accepts it as repaired)."""
+
+    line: int
+    record: AuditResult
+    ranks: list[int]
+    """Ranks that diverged again after a resync repaired them."""
+    names: list[str]
+    """Tensors that diverged again after a resync repaired them."""
+    resynced_step: int | None
+    """The step of the first resync that repaired them."""
+
+    def said(self) -> str:
+        """``step 9: rank 1 (w) diverged again after the resync at step 3 repaired it``."""
+        who = ", ".join(f"rank {r}" for r in self.ranks) or "the same tensors"
+        names = ", ".join(self.names[:3]) + (", ..." if len(self.names) > 3 else "")
+        at = f"at step {self.resynced_step}" if self.resynced_step is not None else "earlier"
+        return f"step {fmt_step(self.record.step)}: {who}{f' ({names})' if names else ''} diverged again after the resync {at} repaired it"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "line": self.line,
+            "step": self.record.step,
+            "ranks": self.ranks,
+            "names": self.names,
+            "resynced_step": self.resynced_step,
+        }
+
+
 @dataclass(slots=True)
 class ReportSummary:
     """Everything ``check`` and ``show`` print about a report."""
@@ -127,14 +161,37 @@ class ReportSummary:
         return next(iter(self.diverged), None)
 
     @property
+    def recurred(self) -> list[Recurrence]:
+        """Divergences that came back after a resync repaired them: an audit naming, beyond the tolerance, a
+        rank or a tensor that an earlier resync of this report repaired, or carrying the engine's hint that a
+        rank diverged again after its resync. A cause that comes back after its repair is not repaired."""
+        ranks: dict[int, int | None] = {}
+        names: dict[str, int | None] = {}
+        out = []
+        for line, r in self.diverged:
+            beyond = r.beyond_tolerance
+            again_ranks = sorted({x for m in beyond for x in m.ranks} & set(ranks))
+            again_names = sorted({m.name for m in beyond} & set(names))
+            said = any(RECURRED_HINT in h for h in r.hints)
+            if again_ranks or again_names or said:
+                first = [ranks[x] for x in again_ranks] + [names[n] for n in again_names]
+                since = min((s for s in first if s is not None), default=None)
+                out.append(Recurrence(line, r, again_ranks, again_names, since))
+            if r.action == "resynced":
+                ranks.update({x: r.step for m in beyond for x in m.ranks if x not in ranks})
+                names.update({m.name: r.step for m in beyond if m.name not in names})
+        return out
+
+    @property
     def repaired(self) -> bool:
-        """Every divergence was repaired by ``resync`` (confirmed by a full audit) and the run ended in sync."""
+        """Every divergence was repaired by ``resync`` (confirmed by a full audit), none came back after its
+        repair (:attr:`recurred`), and the run ended in sync."""
         rs = self.results
         if not self.diverged or not rs:
             return False
         last = rs[-1]
         ended_in_sync = last.in_sync or last.within_tolerance or last.action == "resynced"
-        return ended_in_sync and all(r.action == "resynced" for _, r in self.diverged)
+        return ended_in_sync and all(r.action == "resynced" for _, r in self.diverged) and not self.recurred
 
     @property
     def status(self) -> str:
@@ -232,6 +289,7 @@ class ReportSummary:
             "within_tolerance_audits": len(self.within_tolerance),
             "in_sync_at_end": rs[-1].in_sync if rs else None,
             "repaired": self.repaired,
+            "recurred": [x.to_dict() for x in self.recurred],
             "sampled_audits": sum(r.sampled for r in rs),
             "last_full_sync_step": rs[-1].last_full_sync_step if rs else None,
             "first_divergence": None,

@@ -198,6 +198,16 @@ def _print_diverged(console: Console, summary: ReportSummary) -> None:
         console.print(
             Text("every divergence was repaired by resync and the run ended in sync: pass --accept-repaired to exit 0")
         )
+    recurred = summary.recurred
+    if recurred:
+        accepted = " (--accept-repaired does not accept it)" if summary.accept_repaired else ""
+        console.print(
+            Text(
+                f"NOT REPAIRED: a cause came back after its repair, {len(recurred)} time(s); first at "
+                f"{recurred[0].said()}: a resync does not remove it, so the run is not repaired{accepted}: exit 1",
+                style="bold red",
+            )
+        )
 
 
 #: Timeline characters, distinct without colour: in sync, in sync on a sample only, within the tolerance, diverged.

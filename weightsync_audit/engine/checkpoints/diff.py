@@ -34,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from weightsync_audit.engine.checkpoints.load import load_checkpoint
-from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar
+from weightsync_audit.engine.checkpoints.sidecar_diff import diff_sidecars
 from weightsync_audit.engine.measure.gaps import max_abs_diff
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
@@ -82,7 +82,19 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _as_tensor(obj: Any) -> Any:
+    """A numpy array (an RNG state's, as the loader allows) as a tensor, compared bit by bit like one; any
+    other value as it is."""
+    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+        try:
+            return torch.from_numpy(obj.copy())
+        except TypeError:  # a dtype torch has no counterpart for: compared as a value
+            return obj
+    return obj
+
+
 def _flatten_into(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+    obj = _as_tensor(obj)
     if isinstance(obj, torch.Tensor):
         out[prefix or "(root)"] = obj
     elif isinstance(obj, Mapping):
@@ -371,19 +383,3 @@ def diff_checkpoints(
     if pb.is_dir():
         return DiffResult([_diff_files(pa, f, atol, exclude) for f in _files_in(pb)])
     return DiffResult([_diff_files(pa, pb, atol, exclude)])
-
-
-def diff_sidecars(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> tuple[list[tuple[str, str]], int] | None:
-    """Compare A and B by the sidecars saved beside them, loading neither: ``(name, missing|extra|values)``
-    rows and how many tensors A's sidecar records; ``None`` when either has no readable sidecar, or records
-    shard files (a ``torch.distributed.checkpoint`` folder) rather than tensors."""
-    try:
-        sa, sb = read_sidecar(a), read_sidecar(b)
-    except SidecarError:
-        return None
-    if sa is None or sb is None or "shards" in sa or "shards" in sb:
-        return None
-    ta, tb = sa["tensors"], sb["tensors"]
-    rows = [(n, "missing") for n in sorted(set(ta) - set(tb))] + [(n, "extra") for n in sorted(set(tb) - set(ta))]
-    rows += [(n, "values") for n in sorted(set(ta) & set(tb)) if ta[n] != tb[n]]
-    return rows, len(ta)

@@ -1,8 +1,11 @@
 """What ``weightsync-audit verify`` checks of a checkpoint on one machine, with no rank running.
 
-:func:`verify_checkpoint`: the sidecar says every replica agreed when it was saved (``verified``) and every
-tensor (every shard file, for a ``torch.distributed.checkpoint`` folder) still has the digest it had then;
-else it names the tensors or shards (and their ranks) that changed or are missing.
+:func:`verify_checkpoint`: the sidecar says every replica agreed when it was saved (``verified``), every
+file of the checkpoint still has the size and digest it had then (the sidecar's ``files``: a DCP folder's
+``.metadata`` and shards, every file of a Hugging Face or DeepSpeed folder) and every tensor the digest it
+had then; else it names the files, tensors or shards (and their ranks) that changed or are missing. Every
+file is read through :mod:`~weightsync_audit.engine.checkpoints.load`: one that would need code to load is
+refused, never run.
 
 :func:`verify_resume`, from the sidecar's ``resume``: what the checkpoint will give each rank:
 
@@ -17,21 +20,15 @@ else it names the tensors or shards (and their ranks) that changed or are missin
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Mapping
 
 from weightsync_audit.engine.checkpoints.diff import CHECKPOINT_SUFFIXES
-from weightsync_audit.engine.checkpoints.load import load_checkpoint
+from weightsync_audit.engine.checkpoints.files import checkpoint_files, dcp_shards, file_changes
+from weightsync_audit.engine.checkpoints.load import load_checkpoint, load_tensors, read_json
 from weightsync_audit.engine.checkpoints.resume_state import compare, is_error, rng_file_state, saved_differences
-from weightsync_audit.engine.checkpoints.sidecar import (
-    SidecarError,
-    dcp_shards,
-    read_sidecar,
-    sidecar_path,
-    tensor_digests,
-)
+from weightsync_audit.engine.checkpoints.sidecar import read_sidecar, sidecar_path, tensor_digests
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = ["verify_checkpoint", "verify_resume"]
@@ -63,9 +60,10 @@ def _trainer_step(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]
     if not state.is_file():
         return []
     try:
-        step = json.loads(state.read_text()).get("global_step")
-    except (OSError, ValueError):
+        doc = read_json(state, "trainer state")
+    except CheckpointError:  # unreadable: the resume cannot start either, which verify does not judge here
         return []
+    step = doc.get("global_step") if isinstance(doc, dict) else None
     was = {r: (e.get("data.position", {}).get("value") or {}).get("step") for r, e in saved.items()}
     odd = sorted(int(r) for r, s in was.items() if s is not None and s != step)
     if not odd:
@@ -95,91 +93,116 @@ def verify_resume(path: Path, sidecar: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _SKIPPED = ("training_args.bin", "rng_state")
-"""Files of a checkpoint folder that hold no tensors the sidecar records (Hugging Face's own)."""
+"""Files of a checkpoint folder that hold no tensors the sidecar records (Hugging Face's own): covered by
+``files``, never loaded for tensors (``training_args.bin`` needs code; the RNG files are read by
+:func:`verify_resume`)."""
+
+TENSOR_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".safetensors")
 
 
-def _folder_files(folder: Path) -> list[Path]:
-    """The files of a checkpoint folder that may hold tensors: its own, and those under the tag that its
-    ``latest`` file names (a DeepSpeed ``save_checkpoint`` folder: ``<tag>/mp_rank_00_model_states.pt``)
-    or, without one, under every subfolder."""
-    files = [f for f in sorted(folder.iterdir()) if f.is_file()]
-    subdirs = [d for d in sorted(folder.iterdir()) if d.is_dir()]
-    latest = folder / "latest"
-    if latest.is_file():
-        try:
-            tag = latest.read_text().strip()
-        except (OSError, UnicodeDecodeError):
-            tag = ""
-        if tag and (folder / tag).is_dir():
-            subdirs = [folder / tag]
-    for d in subdirs:
-        files += sorted(f for f in d.rglob("*") if f.is_file())
-    return [f for f in files if not f.name.startswith(_SKIPPED)]
-
-
-def _prefix_in(keys: Mapping[str, Any], wanted: list[str]) -> str:
-    """The prefix under which most of ``wanted`` sit among ``keys`` (``""`` when none do)."""
+def _best_prefix(digests: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
+    """The prefix under which ``wanted`` (a sidecar's names) sit among ``digests`` (a file's): where most of
+    them are found, and among those, where most have the digest saved (a file holding the model twice,
+    ``model.`` and ``ema.``, is read where the saved model is)."""
+    names = list(wanted)
     cands = {""}
-    for n in wanted[:8]:
-        cands |= {k[: len(k) - len(n)] for k in keys if k.endswith(n) and (len(k) == len(n) or k[-len(n) - 1] in "./")}
-    return max(sorted(cands), key=lambda p: sum(p + n in keys for n in wanted))
+    for n in names[:8]:
+        cands |= {
+            k[: len(k) - len(n)] for k in digests if k.endswith(n) and (len(k) == len(n) or k[-len(n) - 1] in "./")
+        }
+
+    def score(p: str) -> tuple[int, int]:
+        held = [n for n in names if p + n in digests]
+        return len(held), sum(digests[p + n]["digest"] == wanted[n]["digest"] for n in held)
+
+    return max(sorted(cands), key=score)
 
 
-def _folder_digests(folder: Path, wanted: list[str], out: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Name (as in the sidecar) -> digest entry of every tensor found in the folder's files, each file's
-    names matched to the sidecar's under the prefix they sit at there (``module.`` in a DeepSpeed model
-    file). A file that would need code to load is skipped and listed in ``out["skipped"]``."""
+def _match(digests: Mapping[str, Any], saved: Mapping[str, Any], found: dict[str, Any]) -> None:
+    """Add to ``found`` (sidecar name -> digest entry) the names of ``saved`` not found yet that ``digests``
+    (one file's tensors) holds, under the prefix they sit at there (``module.`` in a DeepSpeed model file,
+    ``model.`` in ``torch.save({"model": model.state_dict()})``)."""
+    wanted = {n: e for n, e in saved.items() if n not in found}
+    prefix = _best_prefix(digests, wanted)
+    found.update({n: digests[prefix + n] for n in wanted if prefix + n in digests})
+
+
+def _folder_digests(folder: Path, saved: Mapping[str, Any], out: dict[str, Any], as_saved: set[str] | None) -> Any:
+    """Name (as in the sidecar) -> digest entry of every saved tensor found in the folder's files, read in
+    name order until every one is found. A file that would need code to load is refused
+    (:class:`UnsafeCheckpointError`), unless it is one ``as_saved`` names (its bytes are those identified at
+    the save: the engine's own, such as DeepSpeed's optimizer files), then it is listed in ``out["skipped"]``;
+    with a sidecar that identifies no file (``as_saved`` is ``None``), listed likewise, as before."""
     found: dict[str, dict[str, Any]] = {}
-    for f in _folder_files(folder):
-        try:
-            if f.suffix == ".safetensors":
-                from safetensors.torch import load_file
-
-                obj: Any = load_file(str(f))
-            elif f.suffix in CHECKPOINT_SUFFIXES:
-                obj = load_checkpoint(f)
-            else:
-                continue
-        except UnsafeCheckpointError:
-            out["skipped"].append(str(f.relative_to(folder)))
+    for name, f in checkpoint_files(folder).items():
+        if len(found) == len(saved):
+            break
+        if f.name.startswith(_SKIPPED) or f.suffix not in TENSOR_SUFFIXES:
             continue
-        digests = tensor_digests(obj)
-        prefix = _prefix_in(digests, [n for n in wanted if n not in found])
-        for n in wanted:
-            if n not in found and prefix + n in digests:
-                found[n] = digests[prefix + n]
+        try:
+            obj = load_tensors(f)
+        except UnsafeCheckpointError:
+            if as_saved is not None and name not in as_saved:
+                raise
+            out["skipped"].append(name)
+            continue
+        _match(tensor_digests(obj), saved, found)
     return found
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The outcome of checking ``path`` against its sidecar: ``status`` (``verified``, ``unverified``,
-    ``diverged``, ``changed``), ``changed`` (names, or shard files with their ``rank``), ``missing``.
-
-    Raises :class:`CheckpointError` when the checkpoint or its sidecar cannot be read.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or folder")
-    try:
-        sidecar = read_sidecar(p)
-    except SidecarError as exc:
-        raise CheckpointError(str(exc)) from None
-    out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
-    out["skipped"] = []
-    if sidecar is None:
-        return {**out, "status": "unverified", "why": f"no sidecar ({sidecar_path(p).name})"}
-    out.update(step=sidecar.get("step"), world_size=sidecar.get("world_size"), saved=sidecar["verdict"])
-    out["not_compared"] = list(sidecar.get("partitioned") or [])  # saved as each rank's partition only
-    if "shards" in sidecar:
+def _check_files(p: Path, sidecar: Mapping[str, Any], out: dict[str, Any]) -> set[str] | None:
+    """The files of ``p`` against the sidecar's ``files`` (DCP shards against ``shards``, naming their
+    rank) into ``out``; the names of the files still as saved (``None``: the sidecar identifies none)."""
+    shards = sidecar.get("shards") or {}
+    if shards:
         now = dcp_shards(p)
-        for f, s in sorted(sidecar["shards"].items()):
+        for f, s in sorted(shards.items()):
             if f not in now:
                 out["missing"].append(f"{f} (rank {s['rank']})")
             elif now[f]["digest"] != s["digest"]:
                 out["changed"].append(f"{f} (rank {s['rank']})")
-    else:
+    files = sidecar.get("files")
+    if files is None:  # a sidecar of an earlier version: the tensors are checked, the files unidentified
+        out["files"] = "unidentified"
+        if shards and not (p / ".metadata").is_file():  # what dcp.load reads first
+            out["missing_files"].append(".metadata")
+        return None
+    out["files"] = "identified"
+    now = file_changes(p, files, skip=shards)
+    out["changed_files"] += now.changed
+    out["missing_files"] += now.missing
+    out["added_files"] += now.added
+    gone = {c.split(" (", 1)[0] for c in now.changed} | set(now.missing)
+    return {f for f in files if f not in gone}
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The outcome of checking ``path`` against its sidecar: ``status`` (``verified``, ``unverified``,
+    ``diverged``, ``changed``), ``changed`` (names, or shard files with their ``rank``), ``missing``,
+    ``changed_files``, ``missing_files`` and ``added_files`` (the files no longer as saved: ``files``), ``files``
+    (``identified``, or ``unidentified`` for a sidecar of an earlier version that names none).
+
+    Raises :class:`CheckpointError` when the checkpoint or its sidecar cannot be read, or a file of it would
+    need code to load (:class:`UnsafeCheckpointError`, never loaded).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or folder")
+    sidecar = read_sidecar(p)
+    out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
+    out.update(changed_files=[], missing_files=[], added_files=[], skipped=[])
+    if sidecar is None:
+        return {**out, "status": "unverified", "why": f"no sidecar ({sidecar_path(p).name})"}
+    out.update(step=sidecar.get("step"), world_size=sidecar.get("world_size"), saved=sidecar["verdict"])
+    out["not_compared"] = list(sidecar.get("partitioned") or [])  # saved as each rank's partition only
+    as_saved = _check_files(p, sidecar, out)
+    if "shards" not in sidecar:
         saved = sidecar["tensors"]
-        now = _folder_digests(p, sorted(saved), out) if p.is_dir() else tensor_digests(load_checkpoint(p))
+        now: dict[str, Any] = {}
+        if p.is_dir():
+            now = _folder_digests(p, saved, out, as_saved)
+        else:
+            _match(tensor_digests(load_checkpoint(p)), saved, now)
         tied = sidecar.get("tied") or {}
         partitioned = bool(sidecar.get("partitioned"))
         for n, e in sorted(saved.items()):
@@ -193,7 +216,7 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             elif (held["digest"], held["shape"], held["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
                 out["changed"].append(n)
     verdict = sidecar["verdict"]
-    if out["changed"] or out["missing"]:
+    if any(out[k] for k in ("changed", "missing", "changed_files", "missing_files", "added_files")):
         status = "changed"
     elif verdict == "sampled":  # agreed on a slice only: nothing says the other bytes did
         status = "unverified"

@@ -25,13 +25,12 @@ own state), ``differs`` (``findings`` say what did not come back and where) or `
 from __future__ import annotations
 
 import json
-import os
 import warnings
 from typing import Any
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources, compare, is_error, saved_differences
-from weightsync_audit.engine.checkpoints.sidecar import sidecar_path, write_sidecar
+from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
 
@@ -69,10 +68,12 @@ def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
     if comm.rank == 0:
         target = sidecar_path(path)
         try:
-            sidecar = json.loads(target.read_text())
+            sidecar = read_sidecar(path)
+            if sidecar is None:
+                raise SidecarError(f"{target}: no sidecar to add it to")
             sidecar["resume"] = {"ranks": gathered}
             write_sidecar(path, sidecar)
-        except (OSError, ValueError) as exc:  # the run goes on; the resume will say it is unchecked
+        except (OSError, SidecarError) as exc:  # the run goes on; the resume will say it is unchecked
             warnings.warn(
                 f"weightsync: could not add the resume state to {target}: {exc}", WeightSyncWarning, stacklevel=2
             )
@@ -83,12 +84,13 @@ def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
 
 def _read_saved(path: Any) -> Any:
     target = sidecar_path(path)
-    if not os.path.exists(target):
-        return {"why": f"{target.name} is missing"}
     try:
-        resume = json.loads(target.read_text()).get("resume")
-    except (OSError, ValueError, AttributeError) as exc:
-        return {"why": f"{target.name} is unreadable ({exc})"}
+        sidecar = read_sidecar(path)  # validated: a malformed resume entry is named here, on every rank alike
+    except SidecarError as exc:
+        return {"why": str(exc)}
+    if sidecar is None:
+        return {"why": f"{target.name} is missing"}
+    resume = sidecar.get("resume")
     if not isinstance(resume, dict) or not isinstance(resume.get("ranks"), dict):
         return {"why": f"{target.name} holds no resume state (saved without it)"}
     return resume["ranks"]

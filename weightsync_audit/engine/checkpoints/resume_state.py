@@ -37,6 +37,9 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 import xxhash
 
+from weightsync_audit.engine.checkpoints.load import load_checkpoint
+from weightsync_audit.errors import CheckpointError
+
 __all__ = [
     "COMPONENTS",
     "ResumeSources",
@@ -117,14 +120,12 @@ def _plain(value: Any) -> Any:
 
 def rng_file_state(path: str) -> dict[str, Any]:
     """The RNG states a resume will load from ``path`` (the Hugging Face Trainer's ``rng_state_{rank}.pth``:
-    ``python``, ``numpy``, ``cpu``, ``cuda``), as the components they restore."""
-    import numpy as np  # the Trainer's file holds numpy's state: numpy is there when the file is
-
-    with torch.serialization.safe_globals([np.core.multiarray._reconstruct, np.ndarray, np.dtype]):  # type: ignore[attr-defined]
-        try:
-            state = torch.load(path, weights_only=True)
-        except Exception:  # noqa: BLE001 - an older numpy layout: the file is the run's own
-            state = torch.load(path, weights_only=False)
+    ``python``, ``numpy``, ``cpu``, ``cuda``), as the components they restore. Read by the one loader
+    (``weights_only=True`` with numpy's RNG types allowed): a file that needs code is refused
+    (:class:`~weightsync_audit.errors.UnsafeCheckpointError` naming it), never loaded unsafely."""
+    state = load_checkpoint(path)
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"{path}: not an RNG state file (a dict of generator states), but {type(state).__name__}")
     out: dict[str, Any] = {}
     for key, comp in (("cpu", "rng.torch"), ("cuda", "rng.cuda"), ("numpy", "rng.numpy"), ("python", "rng.python")):
         if key in state:

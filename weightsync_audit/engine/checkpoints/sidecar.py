@@ -9,11 +9,14 @@ folder (a Hugging Face ``checkpoint-N``, a ``torch.distributed.checkpoint`` dire
 compared every byte; ``diverged``: they did not, ``diverged`` names the tensors; ``sampled``: they agreed
 on the slice a sampled audit read, which verifies nothing), ``coverage`` (``full``, or the ``k/n`` of a
 sampled audit), ``tensors`` (dotted name in the saved object -> ``digest``
-(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``), ``tied``
-(a name -> the name it shares its tensor with: tied weights, which ``verify`` accepts saved once under
-the other name, and nothing else) and, for a ``torch.distributed.checkpoint`` folder, ``shards`` (file
+(16 hex digits of xxh3-64 over the tensor's exact bytes in logical order), ``dtype``, ``shape``), ``files``
+(every file of the checkpoint -> ``bytes`` and ``digest``, xxh3-64 of its bytes when saved: what identifies
+the files the sidecar describes; absent in sidecars of earlier versions, which are then *unidentified*),
+``tied`` (a name -> the name it shares its tensor with: tied weights, which ``verify`` accepts saved once
+under the other name, and nothing else) and, for a ``torch.distributed.checkpoint`` folder, ``shards`` (file
 -> ``rank`` that wrote it, ``digest`` of the file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that
 rank's local tensors, as ``tensors``, each with its ``offset`` and ``global_shape`` in the global tensor).
+Every read goes through :func:`read_sidecar`, which validates every field (``sidecar_schema``).
 
 >>> import torch
 >>> entry = tensor_digests({"model": {"w": torch.ones(2)}})["model.w"]
@@ -25,17 +28,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
-import xxhash
 
 from weightsync_audit.compat import is_dtensor
+from weightsync_audit.engine.checkpoints.files import SIDECAR_NAME, dcp_shards, file_digest, is_dcp_folder
+from weightsync_audit.engine.checkpoints.load import read_json
+from weightsync_audit.engine.checkpoints.sidecar_schema import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.engine.inventory.manifest import dtype_name
+from weightsync_audit.errors import CheckpointError
 
 __all__ = [
     "SIDECAR_SCHEMA",
@@ -54,14 +59,7 @@ __all__ = [
     "write_sidecar",
 ]
 
-SIDECAR_SCHEMA = "weightsync-checkpoint/1"
-VERDICTS = ("verified", "diverged", "sampled")
-_DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
 _MASK64 = (1 << 64) - 1
-
-
-class SidecarError(ValueError):
-    """A sidecar that cannot be read or is not a ``weightsync-checkpoint/1`` object (the message says why)."""
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -71,7 +69,7 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
     'epoch=3.ckpt.weightsync.json'
     """
     p = Path(path)
-    return p / "weightsync.json" if p.is_dir() else p.with_name(p.name + ".weightsync.json")
+    return p / SIDECAR_NAME if p.is_dir() else p.with_name(p.name + ".weightsync.json")
 
 
 def flat_tensors(obj: Any, prefix: str = "", *, local: bool = True) -> dict[str, torch.Tensor]:
@@ -126,31 +124,6 @@ def tied_names(obj: Any) -> dict[str, str]:
     return out
 
 
-def file_digest(path: str | os.PathLike[str], block: int = 16 << 20) -> str:
-    """xxh3-64 of a file's bytes, as 16 hex digits."""
-    h = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            h.update(chunk)
-    return _hex(h.intdigest())
-
-
-def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
-    """A ``torch.distributed.checkpoint`` folder: a ``.metadata`` file or ``__<rank>_<n>.distcp`` shards."""
-    p = Path(path)
-    return p.is_dir() and ((p / ".metadata").is_file() or any(_DCP_FILE.fullmatch(q.name) for q in p.iterdir()))
-
-
-def dcp_shards(folder: str | os.PathLike[str], rank: int | None = None) -> dict[str, dict[str, Any]]:
-    """File -> ``{"rank", "digest", "bytes"}`` for the shard files of a DCP folder (only ``rank``'s if given)."""
-    out = {}
-    for q in sorted(Path(folder).iterdir()):
-        m = _DCP_FILE.fullmatch(q.name)
-        if m and (rank is None or int(m.group(1)) == rank):
-            out[q.name] = {"rank": int(m.group(1)), "digest": file_digest(q), "bytes": q.stat().st_size}
-    return out
-
-
 def new_sidecar(
     path: str | os.PathLike[str],
     *,
@@ -188,31 +161,17 @@ def write_sidecar(path: str | os.PathLike[str], sidecar: Mapping[str, Any]) -> P
     return target
 
 
-def _check_tensors(v: Any, where: str) -> None:
-    if not isinstance(v, dict):
-        raise SidecarError(f"{where} must be an object of name -> digest")
-    for n, e in v.items():
-        if not (isinstance(e, dict) and isinstance(e.get("digest"), str) and isinstance(e.get("shape"), list)):
-            raise SidecarError(f"{where}[{n!r}] must hold a digest, dtype and shape")
-
-
 def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The sidecar of the checkpoint at ``path``, or ``None`` when it has none; :class:`SidecarError` when
-    it has one that is unreadable or malformed."""
+    """The sidecar of the checkpoint at ``path``, validated, or ``None`` when it has none;
+    :class:`SidecarError` naming the file and the field when it has one that is unreadable or malformed."""
     target = sidecar_path(path)
-    if not target.exists():
+    if not target.exists() and not target.is_symlink():
         return None
     try:
-        data = json.loads(target.read_text())
-    except (OSError, ValueError) as exc:
-        raise SidecarError(f"{target}: unreadable sidecar ({exc})") from None
-    if not isinstance(data, dict) or data.get("schema") != SIDECAR_SCHEMA:
-        raise SidecarError(f"{target}: not a {SIDECAR_SCHEMA} sidecar")
-    if data.get("verdict") not in VERDICTS:
-        raise SidecarError(f"{target}: field 'verdict' must be one of {list(VERDICTS)}")
-    _check_tensors(data.get("tensors"), f"{target}: field 'tensors'")
-    for r, t in (data.get("rank_tensors") or {}).items():
-        _check_tensors(t, f"{target}: field 'rank_tensors'[{r!r}]")
+        data = read_json(target, "sidecar")
+    except CheckpointError as exc:
+        raise SidecarError(str(exc)) from None
+    validate_sidecar(data, str(target))
     return data
 
 

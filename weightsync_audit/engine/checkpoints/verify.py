@@ -4,9 +4,10 @@ Both are collective (every rank of the audit calls them at the same point) and r
 :class:`~weightsync_audit.AuditResult` on every rank, with a ``checkpoint`` entry in its record:
 
 - :func:`checkpoint_saved` audits the replicas at the save step; the group's first rank writes the
-  sidecar (:mod:`~weightsync_audit.engine.checkpoints.sidecar`) with the verdict and the digest of every tensor
-  saved. A ``torch.distributed.checkpoint`` folder gets, in addition, each shard file's digest with the
-  rank that wrote it, and every rank's local tensors.
+  sidecar (:mod:`~weightsync_audit.engine.checkpoints.sidecar`) with the verdict, the digest of every tensor
+  saved and the size and digest of every file of the checkpoint (``files``; every rank digests its share,
+  :mod:`~weightsync_audit.engine.checkpoints.files`). A ``torch.distributed.checkpoint`` folder gets, in
+  addition, each shard file's digest with the rank that wrote it, and every rank's local tensors.
 - :func:`checkpoint_loaded` audits the replicas and compares, on every rank, what the rank now holds with
   what the sidecar says was saved: a tensor that differs is a mismatch naming the ranks that hold
   something else (``reference_ranks`` are the ranks that hold what was saved). A checkpoint without a
@@ -36,6 +37,7 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
+from weightsync_audit.engine.checkpoints.files import complete_files, digest_share, list_files
 from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
@@ -148,7 +150,10 @@ def checkpoint_saved(
         result = auditor.audit(module, optimizer, step=step, epoch=epoch, hook=hook, full=True)
     held_by = module if module is not None else auditor.module
     obj = state if state is not None else _model_state(held_by)
-    dcp = bool(_on_first_rank(comm, lambda: is_dcp_folder(path), "the checkpoint's kind"))
+    # After the audit's rounds every rank has written its files: the first rank lists them, and every rank
+    # digests its share of them (its own DCP shards, and every world_size-th other file) in one exchange.
+    kind = _on_first_rank(comm, lambda: _kind(path), "the checkpoint's files")
+    dcp, listed = bool(kind.get("dcp")), kind.get("files")
     tensors = {} if dcp else (tensor_digests(obj) if comm.rank == 0 else {})
     partitioned = _drop_partitioned(tensors, held_by)
     sidecar = new_sidecar(
@@ -166,20 +171,37 @@ def checkpoint_saved(
         sidecar["tied"] = {n: m for n, m in tied.items() if n in tensors and m in tensors}
     if partitioned:  # each rank saved its own partition in the engine's files: nothing to digest here
         sidecar["partitioned"] = partitioned
+    me = comm.global_ranks[comm.rank]
+    mine: dict[str, Any] = {"rank": me, "files": digest_share(path, listed or {}, comm.rank, comm.world_size)}
     if dcp:  # every rank digests what it wrote: its shard files and its local tensors
-        me = comm.global_ranks[comm.rank]
-        mine = {"rank": me, "tensors": with_boxes(tensor_digests(obj), obj), "shards": dcp_shards(path, me)}
-        parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), "the checkpoint shards")]
+        mine.update(tensors=with_boxes(tensor_digests(obj), obj), shards=dcp_shards(path, me))
+    parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), "the checkpoint's files")]
+    if dcp:
         sidecar["rank_tensors"] = {str(p["rank"]): p["tensors"] for p in parts}
         sidecar["shards"] = {f: s for p in parts for f, s in p["shards"].items()}
     status = sidecar["verdict"]
     if comm.rank == 0:
+        if listed is not None:  # None: no checkpoint there yet, or unlistable: the files stay unidentified
+            found = {f: e for p in parts for f, e in p["files"].items()}
+            found.update(
+                {f: {"bytes": s["bytes"], "digest": s["digest"]} for f, s in sidecar.get("shards", {}).items()}
+            )
+            try:
+                sidecar["files"] = complete_files(path, listed, found)
+            except OSError as exc:  # a file gone while read: the sidecar says nothing of the files
+                warnings.warn(f"weightsync: could not read the files of {path}: {exc}", WeightSyncWarning, stacklevel=2)
         try:
             write_sidecar(path, sidecar)
         except OSError as exc:  # a sidecar that cannot be written never ends the run
             warnings.warn(f"weightsync: could not write {sidecar_path(path)}: {exc}", WeightSyncWarning, stacklevel=2)
     result.checkpoint = {"path": str(path), "event": "saved", "status": status, "saved_step": step}
     return result
+
+
+def _kind(path: Any) -> dict[str, Any]:
+    """Whether ``path`` is a DCP folder, and its files (:func:`list_files`; a DCP folder's shards aside)."""
+    dcp = is_dcp_folder(path)
+    return {"dcp": dcp, "files": list_files(path, shards=not dcp)}
 
 
 def _held_differences(expected: dict[str, Any], held: dict[str, Any], prefix: str | None) -> list[str]:

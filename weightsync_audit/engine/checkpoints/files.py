@@ -1,0 +1,189 @@
+"""The files a checkpoint consists of, and their identity (size and xxh3-64 of their bytes) at save time.
+
+A sidecar's ``files`` names every file a resume reads: the file itself for a single-file checkpoint; for a
+folder, every regular file in it (a Hugging Face ``checkpoint-N``: the weights, ``optimizer.pt``,
+``scheduler.pt``, ``trainer_state.json``, ``rng_state_{rank}.pth``, ``training_args.bin``, ...; a
+``torch.distributed.checkpoint`` folder: ``.metadata`` and every ``__<rank>_<n>.distcp``; a DeepSpeed
+``save_checkpoint`` folder: ``latest`` and the tag it names), the sidecar itself aside. Identifying a file
+reads its bytes once (xxh3 streams at memory speed) and never interprets them.
+
+>>> import os, tempfile
+>>> d = tempfile.mkdtemp()
+>>> _ = open(os.path.join(d, "m.pt"), "wb").write(b"bytes")
+>>> path = os.path.join(d, "m.pt")
+>>> files = complete_files(path, list_files(path), {})
+>>> files["m.pt"]["bytes"], file_changes(path, files)
+(5, FileChanges(changed=[], missing=[], added=[]))
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Collection, Mapping, NamedTuple
+
+import xxhash
+
+__all__ = [
+    "SIDECAR_NAME",
+    "checkpoint_files",
+    "complete_files",
+    "FileChanges",
+    "dcp_shards",
+    "digest_share",
+    "file_changes",
+    "file_digest",
+    "is_dcp_folder",
+    "list_files",
+]
+
+SIDECAR_NAME = "weightsync.json"
+"""The sidecar's name inside a checkpoint folder (never one of the files it describes)."""
+
+DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+
+def file_digest(path: str | os.PathLike[str], block: int = 16 << 20) -> str:
+    """xxh3-64 of a file's bytes, as 16 hex digits."""
+    h = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return f"{h.intdigest():016x}"
+
+
+def is_dcp_folder(path: str | os.PathLike[str]) -> bool:
+    """A ``torch.distributed.checkpoint`` folder: a ``.metadata`` file or ``__<rank>_<n>.distcp`` shards."""
+    p = Path(path)
+    return p.is_dir() and ((p / ".metadata").is_file() or any(DCP_FILE.fullmatch(q.name) for q in p.iterdir()))
+
+
+def dcp_shards(folder: str | os.PathLike[str], rank: int | None = None) -> dict[str, dict[str, Any]]:
+    """File -> ``{"rank", "digest", "bytes"}`` for the shard files of a DCP folder (only ``rank``'s if given)."""
+    out = {}
+    for q in sorted(Path(folder).iterdir()):
+        m = DCP_FILE.fullmatch(q.name)
+        if m and (rank is None or int(m.group(1)) == rank):
+            out[q.name] = {"rank": int(m.group(1)), "digest": file_digest(q), "bytes": q.stat().st_size}
+    return out
+
+
+def _is_sidecar(name: str) -> bool:
+    return name == SIDECAR_NAME or name.startswith(SIDECAR_NAME + ".tmp")
+
+
+def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, Path]:
+    """Relative name (``/``-separated) -> path of every file of the checkpoint at ``path``, in name order: the
+    file itself, or a folder's files, its sidecar aside. A folder with a ``latest`` file naming one of its
+    subfolders (DeepSpeed's tag) is read with that subfolder only; otherwise with all of them."""
+    p = Path(path)
+    if p.is_file():
+        return {p.name: p}
+    if not p.is_dir():
+        return {}
+    top = sorted(p.iterdir())
+    subdirs = [d for d in top if d.is_dir() and not d.is_symlink()]
+    latest = p / "latest"
+    if latest.is_file():
+        try:
+            tag = latest.read_text(errors="replace").strip()
+        except OSError:
+            tag = ""
+        if tag and "/" not in tag and (p / tag).is_dir():
+            subdirs = [p / tag]
+    found = [f for f in top if f.is_file() and not _is_sidecar(f.name)]
+    for d in subdirs:
+        found += sorted(f for f in d.rglob("*") if f.is_file())
+    return {f.relative_to(p).as_posix(): f for f in found}
+
+
+def list_files(path: str | os.PathLike[str], *, shards: bool = True) -> dict[str, list[int]] | None:
+    """Name -> ``[size, mtime_ns]`` of every file of the checkpoint at ``path`` (``shards=False``: a DCP
+    folder's shard files aside, which the ranks that wrote them digest); ``None`` when there is no checkpoint
+    there (yet)."""
+    if not os.path.exists(path):
+        return None
+    out = {}
+    for name, f in checkpoint_files(path).items():
+        if shards or not DCP_FILE.fullmatch(name):
+            st = f.stat()
+            out[name] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def _located(path: str | os.PathLike[str], name: str) -> Path:
+    p = Path(path)
+    return p / name if p.is_dir() else p
+
+
+def digest_share(
+    path: str | os.PathLike[str], listed: Mapping[str, Any], rank: int, world: int
+) -> dict[str, dict[str, Any]]:
+    """This rank's share of :func:`list_files`'s files (every ``world``-th from ``rank``), digested: each file
+    it sees with the size and modification time listed (the same file, on a shared file system). A file it
+    sees otherwise (another machine's local disk) or not at all is left out, for :func:`complete_files`."""
+    out = {}
+    for i, (name, (size, mtime)) in enumerate(sorted(listed.items())):
+        if i % world != rank:
+            continue
+        f = _located(path, name)
+        try:
+            st = f.stat()
+            if (st.st_size, st.st_mtime_ns) == (size, mtime):
+                out[name] = {"bytes": size, "digest": file_digest(f)}
+        except OSError:
+            continue
+    return out
+
+
+def complete_files(
+    path: str | os.PathLike[str], listed: Mapping[str, Any], found: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """The sidecar's ``files``: ``found`` (what the ranks digested, DCP shards included) completed with every
+    listed file no rank digested, read here (on the rank that listed them)."""
+    files = dict(found)
+    for name in listed:
+        if name not in files:
+            f = _located(path, name)
+            files[name] = {"bytes": f.stat().st_size, "digest": file_digest(f)}
+    return dict(sorted(files.items()))
+
+
+def _said(name: str, saved: Mapping[str, Any], size: int) -> str:
+    if size != saved["bytes"]:
+        return f"{name} ({saved['bytes']} bytes when saved, {size} now)"
+    return f"{name} (same size, other bytes)"
+
+
+class FileChanges(NamedTuple):
+    """How the files of a checkpoint differ from those its sidecar identifies (each list in name order)."""
+
+    changed: list[str]
+    """Files whose bytes differ, each with how (``m.pt (1200 bytes when saved, 1300 now)``)."""
+    missing: list[str]
+    """Files that are gone."""
+    added: list[str]
+    """Files of a checkpoint folder that were not there when it was saved (a resume may read them)."""
+
+
+def file_changes(path: str | os.PathLike[str], recorded: Mapping[str, Any], skip: Collection[str] = ()) -> FileChanges:
+    """The files of ``recorded`` (a sidecar's ``files``) that no longer match, those that are gone, and those a
+    folder holds now that it did not then, for the checkpoint at ``path``; ``skip``: recorded files checked
+    elsewhere (DCP shards, against ``shards``). A single-file checkpoint is matched whatever its name now (a
+    copy renamed along with its sidecar is the same file)."""
+    p = Path(path)
+    single = p.is_file() and len(recorded) == 1
+    changed, missing = [], []
+    for name, saved in sorted(recorded.items()):
+        if name in skip:
+            continue
+        f = p if single else p / name
+        if not f.is_file():
+            missing.append(name)
+            continue
+        size = f.stat().st_size
+        if size != saved["bytes"] or file_digest(f) != saved["digest"]:
+            changed.append(_said(name, saved, size))
+    added = sorted(set(checkpoint_files(p)) - set(recorded)) if p.is_dir() else []
+    return FileChanges(changed, missing, added)
