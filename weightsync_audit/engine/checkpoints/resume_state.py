@@ -349,7 +349,7 @@ def _reseeded(label: str, s: Mapping[str, str], n: Mapping[str, str], bad: list[
         return f"the {label} was not restored on {_ranks_text([int(r) for r in bad], world)} (neither what it saved " \
             "nor another rank's)"  # fmt: skip
     where = _ranks_text([int(r) for r in bad], world)
-    verb = "holds" if len(bad) == 1 and world > 1 else "hold"
+    verb = "hold" if where.startswith("ranks ") else "holds"
     return f"every rank re-seeded the {label} instead of restoring it ({where} now {verb} another state than saved)"
 
 
