@@ -3,12 +3,13 @@
 - **Values, not their Python types.** A component whose shown ``value`` is the whole state it digests (a data
   position, a ``DistributedSampler``'s fields) is compared by that value, numbers by what they are worth:
   the epoch ``1.0`` a Trainer saved and the ``1`` it resumes at are one position (:func:`comparison_keys`).
-- **A generator re-seeded on every rank is a note.** An RNG state is *fresh* on a rank when it is a freshly
-  seeded one (no draw since the seed: :func:`just_seeded`) or one that no rank saved. When every rank's is
-  fresh, the run re-seeded at start instead of restoring (a policy, said as a note), whether the ranks now
-  hold different states, one state alike, or the state one rank saved because it had not drawn since its
-  own seed (:func:`reseeded_everywhere`). A state another rank saved *after drawing* is never fresh: a rank
-  that got it resumed with that rank's state.
+- **A generator re-seeded on every rank is a note.** An RNG state is *fresh* on a rank when no rank saved it,
+  or when it is a freshly seeded one (no draw since the seed: :func:`just_seeded`) that the rank saved itself
+  or that starts from the seed its own saved stream started from (known for torch's generator). When every
+  rank's is fresh, the run re-seeded at start instead of restoring (a policy, said as a note), whether the
+  ranks now hold different states, one state alike, or the seed state one rank saved because it had not
+  drawn since (:func:`reseeded_everywhere`). Another rank's saved state, drawn from or from another seed,
+  is never fresh: a rank that got it resumed with that rank's state.
 - **What cannot be checked is named.** A component a rank could not digest (a sampler with no state of its
   own) is a note naming it, and the others are checked (:func:`unchecked_notes`).
 
@@ -129,14 +130,32 @@ def comparison_keys(
     return {r: key(saved[r][component]) for r in ranks}, {r: key(now[r][component]) for r in ranks}
 
 
+def _seed(entry: Mapping[str, Any]) -> Any:
+    value = entry.get("value")
+    return value.get("seed") if isinstance(value, Mapping) else None
+
+
 def reseeded_everywhere(
-    component: str, s: Mapping[str, str], n: Mapping[str, str], now: Mapping[str, Any], ranks: Sequence[str]
+    component: str,
+    saved: Mapping[str, Any],
+    now: Mapping[str, Any],
+    keys: tuple[Mapping[str, str], Mapping[str, str]],
+    ranks: Sequence[str],
 ) -> bool:
-    """Whether every rank's generator ``component`` is fresh now (see the module's rules): a re-seed at start."""
+    """Whether every rank's generator ``component`` is fresh now (see the module's rules): a re-seed at start.
+    ``keys``: what the saved and current entries compare by (:func:`comparison_keys`)."""
     if not component.startswith("rng."):
         return False
-    saved_keys = set(s.values())
-    return all(bool(now[r][component].get("seeded")) or n[r] not in saved_keys for r in ranks)
+    s, n = keys
+    taken = set(s.values())
+
+    def fresh(r: str) -> bool:
+        if n[r] not in taken:
+            return True
+        mine, was = now[r][component], saved[r][component]
+        return bool(mine.get("seeded")) and (n[r] == s[r] or (_seed(mine) is not None and _seed(mine) == _seed(was)))
+
+    return all(fresh(r) for r in ranks)
 
 
 def with_cause(detail: str, component: str, now: Mapping[str, Any], ranks: Sequence[Any]) -> str:

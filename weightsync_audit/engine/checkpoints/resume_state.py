@@ -145,9 +145,10 @@ def rng_file_state(path: str) -> dict[str, Any]:
 
 
 def _rng_entry(component: str, state: Any) -> dict[str, Any]:
-    """A live generator's entry; ``seeded`` when it is freshly seeded (no draw since), which tells a re-seed
-    at start from a state restored from another rank (:mod:`.resume_rules`). Never written to a sidecar."""
-    out = _entry(state)
+    """A live generator's entry; ``seeded`` when it is freshly seeded (no draw since; never written to a
+    sidecar) and, for torch's, the seed its stream started from as the value: together they tell a re-seed at
+    start from a state restored from another rank (:mod:`.resume_rules`)."""
+    out = _entry(state, {"seed": int(torch.initial_seed())} if component == "rng.torch" else None)
     if just_seeded(component, state):
         out["seeded"] = True
     return out
@@ -372,7 +373,7 @@ def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[st
             continue
         # Fresh on every rank (re-seeded at start, not restored) is a policy, said as a note, whatever shape it
         # takes: one state alike on every rank, or the seed state one rank saved before it drew.
-        if reseeded_everywhere(comp, s, n, now, ranks):
+        if reseeded_everywhere(comp, saved, now, (s, n), ranks):
             out.append({
                 "component": comp, "kind": "not_restored", "ranks": [int(r) for r in bad], "from_ranks": [],
                 "detail": _reseeded(label, s, n, bad, world), "severity": "note",
