@@ -31,12 +31,27 @@ def _draw_all() -> None:
     torch.rand(3), np.random.rand(), random.random()
 
 
+def _save_then_reseed_42(audit: LoopAudit, path: Path) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Save at ``path`` with this rank's RNG as it stands, re-seed 42 as a restart would, check the resume: the
+    torch RNG state saved, the one resumed, the record's ``resume`` entry."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.save(audit.module.state_dict(), path)
+    dist.barrier()
+    saved_state = torch.get_rng_state()
+    audit.checkpoint_saved(path, 4, resume=ResumeSources())
+    _seed_all(42)
+    now = torch.get_rng_state()
+    loaded = audit.checkpoint_loaded(path, 4, resume=ResumeSources())
+    return saved_state, now, loaded.checkpoint["resume"] if loaded else None
+
+
 def _reseeded(rank: int, world: int, out: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     folder = Path(out)
     model = torch.nn.Linear(4, 2)
-    torch.save(model.state_dict(), folder / "model.pt")
     audit = LoopAudit(model, verbose=False)
     fresh42 = torch.Generator().manual_seed(42).get_state()
     seen: dict[str, Any] = {}
@@ -44,28 +59,16 @@ def _reseeded(rank: int, world: int, out: str) -> dict[str, Any]:
     # 1. each rank its own stream, saved apart; the restart seeds 42 on every rank
     _seed_all(100 + rank)
     _draw_all()
-    saved_state = torch.get_rng_state()
-    audit.checkpoint_saved(folder / "model.pt", 4, resume=ResumeSources())
-    _seed_all(42)
-    now = torch.get_rng_state()
-    loaded = audit.checkpoint_loaded(folder / "model.pt", 4, resume=ResumeSources())
-    seen["collapsed"] = {
-        "resume": loaded.checkpoint["resume"] if loaded else None,
-        "fresh": torch.equal(now, fresh42) and not torch.equal(now, saved_state),
-    }
+    saved_state, now, resume = _save_then_reseed_42(audit, folder / "model.pt")
+    seen["collapsed"] = {"resume": resume, "fresh": torch.equal(now, fresh42) and not torch.equal(now, saved_state)}
 
     # 2. every rank seeded 42 before; rank 0 drew, rank 1 did not (it saved the seed state); the restart seeds 42
-    torch.save(model.state_dict(), folder / "model2.pt")
     _seed_all(42)
     if rank == 0:
         torch.rand(3)
-    saved_state = torch.get_rng_state()
-    audit.checkpoint_saved(folder / "model2.pt", 4, resume=ResumeSources())
-    _seed_all(42)
-    now = torch.get_rng_state()
-    loaded = audit.checkpoint_loaded(folder / "model2.pt", 4, resume=ResumeSources())
+    saved_state, now, resume = _save_then_reseed_42(audit, folder / "model2.pt")
     seen["from_seed_state"] = {
-        "resume": loaded.checkpoint["resume"] if loaded else None,
+        "resume": resume,
         "fresh": torch.equal(now, fresh42),
         "own": torch.equal(now, saved_state),
     }
@@ -79,7 +82,8 @@ def _reseeded(rank: int, world: int, out: str) -> dict[str, Any]:
     _draw_all()
     list(with_gen)  # its generator moves on
     for name in ("model3.pt", "model4.pt"):
-        torch.save(model.state_dict(), folder / name)
+        if rank == 0:
+            torch.save(model.state_dict(), folder / name)
     torch.save({"cpu": torch.get_rng_state(), "gen": own_gen.get_state()}, folder / f"rng{rank}.pt")
     kept = torch.get_rng_state()
     uninterrupted = (list(sampler), list(with_gen))  # what each would yield next; then back to the save
