@@ -12,7 +12,10 @@ digests the same things again and every rank compares all of them alike (:func:`
   position although they saved different ones``;
 - a state no rank saved (re-created, not restored): ``the lr scheduler restarted at step 0 (saved at
   step 4) on every rank``; an RNG state fresh on *every* rank is a note (``severity: note``: the run
-  re-seeds at start, as Lightning does), one fresh on some ranks only is a finding;
+  re-seeds at start, as Lightning does), whether the ranks now hold one state alike or one rank's seed
+  state, one fresh on some ranks only is a finding (:mod:`.resume_rules` says what *fresh* is);
+- states are compared by value where their entries carry it whole (``1.0`` and ``1`` are one epoch); a
+  component a rank cannot digest is named in a note and the others are checked;
 - what is meant to be equal on every replica (``scope == "equal"``: lr schedulers, the grad scaler) is
   also compared across ranks at the save: ``the lr scheduler differed across ranks when saved``.
 
