@@ -86,3 +86,36 @@ def test_the_trainers_rng_files_are_read_weights_only_and_a_payload_in_one_is_re
     torch.save({"cpu": torch.get_rng_state(), "python": Payload(marker)}, copy / "rng_state_1.pth")
     assert main(["verify", str(copy)]) == 2
     assert "rng_state_1.pth: refused" in capsys.readouterr().err and not marker.exists()
+
+
+@pytest.fixture(scope="module")
+def ranks(trainer_runs: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    got = trainer_runs.get("hf_resume", {})
+    assert sorted(got) == [0, 1] and all("error" not in g for g in got.values()), trainer_runs["log"][-3000:]
+    return got
+
+
+def _draws(seen: list[list[float]]) -> list[float]:
+    return [d for _, d in seen]
+
+
+def test_an_end_of_epoch_checkpoint_resumed_with_ignore_data_skip_is_exact(ranks: dict[int, Any]) -> None:
+    # the truth: every rank trains the uninterrupted run's batches of epoch 1 with its draws (steps 5-8)
+    for r in (0, 1):
+        assert ranks[r]["epoch_ignore_skip"]["seen"] == ranks[r]["epochs_full"][4:]
+    record = ranks[0]["epoch_ignore_skip"]
+    assert record["checkpoint"]["status"] == "matching"
+    assert (record["checkpoint"]["resume"]["status"], _details(record)) == ("exact", [])
+
+
+def test_a_folder_outside_output_dir_is_the_one_checked_and_its_swapped_rng_file_is_named(
+    ranks: dict[int, Any],
+) -> None:
+    full = {r: _draws(ranks[r]["epochs_full"][4:]) for r in (0, 1)}
+    resumed = {r: _draws(ranks[r]["outside_swapped"]["seen"]) for r in (0, 1)}
+    # the truth: rank 1 draws what rank 0 drew uninterrupted, rank 0 its own
+    assert resumed == {0: full[0], 1: full[0]} and full[0] != full[1]
+    record = ranks[0]["outside_swapped"]
+    assert record["checkpoint"]["path"].endswith("end-of-epoch-0") and record["checkpoint"]["status"] == "matching"
+    assert record["checkpoint"]["resume"]["status"] == "differs"
+    assert _details(record) == ["rank 1 resumed with rank 0's RNG state (torch, numpy, Python random)"]

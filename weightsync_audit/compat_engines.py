@@ -36,6 +36,7 @@ __all__ = [
     "fsdp1_replicate_ranks",
     "fsdp1_strategy",
     "pipeline_stage_index",
+    "lightning_next_batch",
 ]
 
 
@@ -234,3 +235,65 @@ def mesh_pipeline_coordinate(mesh: Any, dim: str = "pp") -> int | None:
         return None
     coord = root.get_coordinate()
     return None if coord is None else int(coord[names.index(dim)])
+
+
+# -- Lightning's fit loop ------------------------------------------------------------------------
+
+
+def _stateful_loaders(loop: Any) -> bool:
+    """Whether every training loader can give its place back (``state_dict``/``load_state_dict``, Lightning's
+    ``_Stateful``): Lightning restores only those mid-epoch (``fit_loop._combined_loader``)."""
+    combined = getattr(loop, "_combined_loader", None)
+    loaders = list(getattr(combined, "flattened", None) or [])
+    return bool(loaders) and all(
+        callable(getattr(dl, "state_dict", None)) and callable(getattr(dl, "load_state_dict", None)) for dl in loaders
+    )
+
+
+def lightning_next_batch(trainer: Any, resumed: bool) -> tuple[int, int, str | None] | None:
+    """The next batch a Lightning ``Trainer`` trains, as ``(epoch, batch, cause)``: the epoch it is trained in
+    and its index in that epoch's pass over the data; ``cause`` says why a resume is not where it was saved.
+    ``None`` when the fit loop's counters are not there (another Lightning).
+
+    From the fit loop's progress (``epoch_progress``, ``epoch_loop.batch_progress``), as Lightning saves it
+    and restores it. At a save: after an epoch's last batch, the next epoch's first batch; mid-epoch, the
+    epoch's next batch. Right after a restore (``on_train_start``, ``resumed``), what Lightning will train:
+    a new epoch at its first batch, or, restarted inside an epoch (``restarted_mid_epoch``, or an iteration
+    based run, ``max_steps``, saved at an epoch's end: ``restarted_on_epoch_end``), the epoch Lightning counts
+    on in, at the batch it counts on from when every loader is stateful, else at the data's first batch
+    (Lightning cannot restore a plain ``DataLoader``'s place: it starts its data over).
+    """
+    loop = getattr(trainer, "fit_loop", None)
+    try:
+        epochs = loop.epoch_progress.current  # type: ignore[union-attr]
+        epoch_loop = loop.epoch_loop  # type: ignore[union-attr]
+        batches = epoch_loop.batch_progress
+    except AttributeError:
+        return None
+    if not resumed:
+        if epochs.processed == epochs.started or batches.is_last_batch:  # the epoch's batches are done
+            return epochs.processed + (epochs.processed < epochs.started), 0, None
+        return epochs.processed, batches.current.processed, None
+    inside = bool(getattr(loop, "restarted_mid_epoch", False) or getattr(loop, "restarted_on_epoch_end", False))
+    if not inside:
+        return epochs.processed, 0, None
+    at_end = bool(getattr(epoch_loop, "restarted_on_train_batch_end", False))
+    done = batches.current.completed + int(at_end)
+    if at_end and done >= trainer.num_training_batches:  # saved after the epoch's last batch: the next epoch
+        return epochs.processed, 0, None
+    epoch = int(trainer.current_epoch)
+    if getattr(loop, "restarted_on_epoch_end", False):
+        cause = (
+            f"Lightning resumes an iteration-based run (max_steps) saved at the end of epoch {epoch} inside that "
+            "epoch: it trains one batch more there and counts its epochs on from that, so the batches that follow "
+            "are not the uninterrupted run's"
+        )
+        return epoch, 0, cause
+    if _stateful_loaders(loop):
+        return epoch, done, None
+    cause = (
+        f"Lightning cannot restore a DataLoader without state_dict() mid-epoch: it starts epoch {epoch}'s data over "
+        f"while counting on from batch {done}, so every rank trains that epoch's first {done} batches again "
+        "(resume from an end-of-epoch checkpoint, or give the loader state_dict() and load_state_dict())"
+    )
+    return epoch, 0, cause

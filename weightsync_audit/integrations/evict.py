@@ -37,13 +37,17 @@ from weightsync_audit.reporting.record import AuditResult
 __all__ = [
     "EVICT_FILE_ENV",
     "EVICT_SCHEMA",
+    "EXIT_STATUS_DIR_ENV",
     "LAUNCH_ID_ENV",
+    "hand_off_problems",
+    "read_exit_statuses",
     "SEGMENT_DIR_ENV",
     "evict_targets",
     "hand_off",
     "leave_together",
     "read_evict",
     "segment_health_file",
+    "unwritable",
     "write_evict",
 ]
 
@@ -54,6 +58,10 @@ SEGMENT_DIR_ENV = "WEIGHTSYNC_SEGMENT_HEALTH_DIR"
 """The NVIDIA Resiliency Extension's segment health-check folder (none written when unset)."""
 LAUNCH_ID_ENV = "WEIGHTSYNC_LAUNCH_ID"
 """Set by ``weightsync-audit launch``: the evict file says which launch wrote it."""
+EXIT_STATUS_DIR_ENV = "WEIGHTSYNC_EXIT_STATUS_DIR"
+"""Set by ``weightsync-audit launch`` to a private folder of its own: every rank that ends the run with
+``exit_code`` leaves ``exit.<rank>`` there, so the launcher exits with that code even when the evict file
+could not be written (a full disk, a folder gone)."""
 
 
 def evict_targets(result: AuditResult, *, exiting: bool) -> dict[int, str]:
@@ -96,13 +104,78 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def unwritable(path: str | os.PathLike[str], *, folder: bool = False) -> str | None:
+    """Why a file (or, with ``folder``, a folder to write files in) at ``path`` cannot be written, or
+    ``None``: its nearest existing ancestor must be a folder this process may write in (it creates the
+    rest), and the path itself, when it exists, a file (a folder) it may write. Nothing is created.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile() as f:  # a file where a folder should be
+    ...     unwritable(f"{f.name}/evict.json").endswith("is not a folder")
+    True
+    """
+    p = Path(path).absolute()
+    if p.exists():
+        if folder != p.is_dir():
+            return f"{p} is {'not ' if folder else ''}a folder"
+        return None if os.access(p, os.W_OK | (os.X_OK if folder else 0)) else f"{p} is not writable"
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is not a folder"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"{parent} is not writable"
+
+
+def hand_off_problems(env: Mapping[str, str] | None = None) -> list[str]:
+    """The hand-off paths of the environment (``$WEIGHTSYNC_EVICT_FILE``, ``$WEIGHTSYNC_SEGMENT_HEALTH_DIR``)
+    that cannot be written, each naming its variable; local, checked when a run opens its audits."""
+    environ = os.environ if env is None else env
+    out = []
+    for var, folder in ((EVICT_FILE_ENV, False), (SEGMENT_DIR_ENV, True)):
+        value = environ.get(var)
+        why = unwritable(value, folder=folder) if value else None
+        if why is not None:
+            out.append(f"{var}={value}: {why}")
+    return out
+
+
+def _write_exit_status(result: AuditResult, rank: int, exit_code: int, environ: Mapping[str, str]) -> None:
+    """``exit.<rank>`` in the launcher's own folder: the exit code carried even when the evict file is not."""
+    folder = environ.get(EXIT_STATUS_DIR_ENV)
+    if not folder:
+        return
+    doc = {"exit_code": exit_code, "rank": rank, "step": result.step}
+    doc["attempt"] = int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    try:
+        _write_atomic(Path(folder) / f"exit.{rank}", json.dumps(doc) + "\n")
+    except OSError:
+        pass  # the exit status itself still says it
+
+
+def read_exit_statuses(folder: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The ``exit.<rank>`` records the ranks left in ``folder`` (:data:`EXIT_STATUS_DIR_ENV`), by rank."""
+    out = []
+    for f in sorted(Path(folder).glob("exit.*")):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("exit_code"), int):
+            out.append(doc)
+    return sorted(out, key=lambda d: d.get("rank", 0))
+
+
 def write_evict(
     result: AuditResult, *, rank: int, is_main: bool, exit_code: int | None, env: Mapping[str, str] | None = None
 ) -> list[Path]:
     """Write what the environment asks for (``$WEIGHTSYNC_EVICT_FILE``, ``$WEIGHTSYNC_SEGMENT_HEALTH_DIR``)
     about ``result``; local (no message), never raises. ``rank``: this process's global rank. The paths
-    written on this rank come back."""
+    written on this rank come back. With ``exit_code``, every rank also leaves its status for the launcher
+    (:data:`EXIT_STATUS_DIR_ENV`), whether or not the evict file can be written."""
     environ = os.environ if env is None else env
+    if exit_code is not None:
+        _write_exit_status(result, rank, exit_code, environ)
     targets = evict_targets(result, exiting=exit_code is not None)
     written: list[Path] = []
     evict_file = environ.get(EVICT_FILE_ENV)

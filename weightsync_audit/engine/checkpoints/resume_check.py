@@ -29,7 +29,13 @@ import warnings
 from typing import Any
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.checkpoints.resume_state import ResumeSources, compare, is_error, saved_differences
+from weightsync_audit.engine.checkpoints.resume_state import (
+    ResumeSources,
+    checked_components,
+    compare,
+    is_error,
+    saved_differences,
+)
 from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.record import AuditResult
@@ -71,15 +77,25 @@ def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
             sidecar = read_sidecar(path)
             if sidecar is None:
                 raise SidecarError(f"{target}: no sidecar to add it to")
-            sidecar["resume"] = {"ranks": gathered}
+            sidecar["resume"] = {"ranks": _kept(gathered)}
             write_sidecar(path, sidecar)
         except (OSError, SidecarError) as exc:  # the run goes on; the resume will say it is unchecked
             warnings.warn(
                 f"weightsync: could not add the resume state to {target}: {exc}", WeightSyncWarning, stacklevel=2
             )
     findings = saved_differences(gathered)
-    checked = sorted(set.intersection(*(set(p) for p in gathered.values())))
-    return {"status": "differs" if findings else "recorded", "checked": checked, "findings": findings}
+    status = "differs" if any(is_error(f) for f in findings) else "recorded"
+    return {"status": status, "checked": checked_components(gathered), "findings": findings}
+
+
+def _kept(gathered: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What the sidecar keeps of every rank's entries: ``digest`` and ``value`` of each component digested (a
+    component no rank could digest is said in a note, a generator's ``seeded`` and a ``cause`` only matter
+    at the resume)."""
+    return {
+        r: {c: {k: v for k, v in e.items() if k in ("digest", "value")} for c, e in p.items() if "digest" in e}
+        for r, p in gathered.items()
+    }
 
 
 def _read_saved(path: Any) -> Any:
@@ -109,7 +125,7 @@ def resume_at_load(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
             why = f"saved on ranks {sorted(map(int, saved))}, resumed on ranks {sorted(map(int, now))}"
         if why is None:
             findings = compare(saved, now)
-            checked = sorted(set.intersection(*(set(p) for p in saved.values()), *(set(p) for p in now.values())))
+            checked = checked_components(saved, now)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         why = f"the sidecar's resume state is malformed ({type(exc).__name__}: {exc})"
     if why is not None:

@@ -12,7 +12,10 @@ digests the same things again and every rank compares all of them alike (:func:`
   position although they saved different ones``;
 - a state no rank saved (re-created, not restored): ``the lr scheduler restarted at step 0 (saved at
   step 4) on every rank``; an RNG state fresh on *every* rank is a note (``severity: note``: the run
-  re-seeds at start, as Lightning does), one fresh on some ranks only is a finding;
+  re-seeds at start, as Lightning does), whether the ranks now hold one state alike or one rank's seed
+  state, one fresh on some ranks only is a finding (:mod:`.resume_rules` says what *fresh* is);
+- states are compared by value where their entries carry it whole (``1.0`` and ``1`` are one epoch); a
+  component a rank cannot digest is named in a note and the others are checked;
 - what is meant to be equal on every replica (``scope == "equal"``: lr schedulers, the grad scaler) is
   also compared across ranks at the save: ``the lr scheduler differed across ranks when saved``.
 
@@ -32,17 +35,25 @@ import json
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 import xxhash
 
 from weightsync_audit.engine.checkpoints.load import load_checkpoint
+from weightsync_audit.engine.checkpoints.resume_rules import (
+    comparison_keys,
+    just_seeded,
+    reseeded_everywhere,
+    unchecked_notes,
+    with_cause,
+)
 from weightsync_audit.errors import CheckpointError
 
 __all__ = [
     "COMPONENTS",
     "ResumeSources",
+    "checked_components",
     "compare",
     "digest_state",
     "is_error",
@@ -136,15 +147,43 @@ def rng_file_state(path: str) -> dict[str, Any]:
     return out
 
 
+def _rng_entry(component: str, state: Any) -> dict[str, Any]:
+    """A live generator's entry; ``seeded`` when it is freshly seeded (no draw since; never written to a
+    sidecar) and, for torch's, the seed its stream started from as the value: together they tell a re-seed at
+    start from a state restored from another rank (:mod:`.resume_rules`)."""
+    out = _entry(state, {"seed": int(torch.initial_seed())} if component == "rng.torch" else None)
+    if just_seeded(component, state):
+        out["seeded"] = True
+    return out
+
+
 def rng_now() -> dict[str, dict[str, Any]]:
     """This process's RNG states now: torch CPU; CUDA when initialised; numpy when imported; ``random``."""
-    out = {"rng.torch": _entry(torch.get_rng_state())}
+    out = {"rng.torch": _rng_entry("rng.torch", torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["rng.cuda"] = _entry(torch.cuda.get_rng_state_all())
     if "numpy" in sys.modules:
-        out["rng.numpy"] = _entry(sys.modules["numpy"].random.get_state())
-    out["rng.python"] = _entry(random.getstate())
+        out["rng.numpy"] = _rng_entry("rng.numpy", sys.modules["numpy"].random.get_state())
+    out["rng.python"] = _rng_entry("rng.python", random.getstate())
     return out
+
+
+def _sampler_entry(sampler: Any) -> dict[str, Any]:
+    """A sampler's entry: a ``DistributedSampler``'s fields, a ``state_dict()``, or the state of the generator it
+    draws its order from; a sampler with none of these has no state of its own to check (``why``)."""
+    if hasattr(sampler, "num_replicas") and hasattr(sampler, "rank"):
+        value = {k: getattr(sampler, k, None) for k in ("epoch", "seed", "rank", "num_replicas")}
+        return _entry(value, _plain(value))
+    if callable(getattr(sampler, "state_dict", None)):
+        return _entry(sampler.state_dict())
+    generator = getattr(sampler, "generator", None)
+    if isinstance(generator, torch.Generator):
+        return _entry(generator.get_state())
+    name = type(sampler).__name__
+    return {
+        "why": f"{name} has no state_dict() and no generator of its own (its order comes from the torch RNG, "
+        "checked as such; its place in an epoch is not kept)"
+    }
 
 
 @dataclass(kw_only=True, slots=True)
@@ -177,9 +216,13 @@ class ResumeSources:
     draws from the generator between ``on_load_checkpoint`` and the first hook that can compare)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Further components by name (``"data.position"``-like keys), digested as they are."""
+    causes: Mapping[str, str] = field(default_factory=dict)
+    """Component -> why it may not be what was saved (known to the framework adapter, e.g. Lightning restarting
+    a plain DataLoader mid-epoch), said with a finding about that component."""
 
     def capture(self) -> dict[str, dict[str, Any]]:
-        """Component -> ``{"digest", "value"?}`` on this rank now."""
+        """Component -> ``{"digest", "value"?}`` on this rank now; a component that cannot be digested is
+        ``{"why"}`` (named in a note) and the others are still checked."""
         out: dict[str, dict[str, Any]] = {}
         if self.rng_file is not None:
             out.update(rng_file_state(self.rng_file))
@@ -188,19 +231,11 @@ class ResumeSources:
         elif self.rng:
             out.update(rng_now())
         for i, sched in enumerate(self.lr_schedulers):
-            step = getattr(sched, "last_epoch", None)
-            out["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = _entry(
-                sched.state_dict(), {"step": step} if isinstance(step, int) else None
-            )
+            out["lr_scheduler" if i == 0 else f"lr_scheduler.{i}"] = _guarded(_scheduler_entry, sched)
         if self.grad_scaler is not None:
-            out["grad_scaler"] = _entry(self.grad_scaler.state_dict())
+            out["grad_scaler"] = _guarded(lambda s: _entry(s.state_dict()), self.grad_scaler)
         if self.sampler is not None:
-            s = self.sampler
-            if hasattr(s, "num_replicas") and hasattr(s, "rank"):
-                value = {k: getattr(s, k, None) for k in ("epoch", "seed", "rank", "num_replicas")}
-                out["data.sampler"] = _entry(value, _plain(value))
-            else:
-                out["data.sampler"] = _entry(s.state_dict())
+            out["data.sampler"] = _guarded(_sampler_entry, self.sampler)
         if self.data_position is not None:
             pos = self.data_position
             out["data.position"] = _entry(
@@ -208,7 +243,24 @@ class ResumeSources:
             )
         for name, obj in self.extra.items():
             out[name] = _entry(obj)
+        for name, cause in self.causes.items():
+            if name in out and "digest" in out[name]:
+                out[name]["cause"] = str(cause)
         return out
+
+
+def _scheduler_entry(sched: Any) -> dict[str, Any]:
+    step = getattr(sched, "last_epoch", None)
+    return _entry(sched.state_dict(), {"step": step} if isinstance(step, int) else None)
+
+
+def _guarded(take: Callable[[Any], dict[str, Any]], obj: Any) -> dict[str, Any]:
+    """``take(obj)``, or ``{"why"}`` naming the error: one component that cannot be read is named, not the end
+    of every other component's check."""
+    try:
+        return take(obj)
+    except Exception as exc:  # noqa: BLE001
+        return {"why": f"it could not be read ({type(exc).__name__}: {exc})"}
 
 
 def _label(comp: str) -> tuple[str, Scope]:
@@ -268,11 +320,18 @@ def _merge_rng(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return merged
 
 
+def checked_components(*gathered: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The components that every rank of every one of ``gathered`` (rank -> component -> entry) digested."""
+    sets = [{c for c, e in g[r].items() if isinstance(e, Mapping) and "digest" in e} for g in gathered for r in g]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
 def saved_differences(saved: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Findings at a save: a component meant to be equal on every replica that differed across ranks."""
+    """Findings at a save: a component meant to be equal on every replica that differed across ranks (and a
+    note naming a component some rank could not digest)."""
     ranks = sorted(saved, key=int)
     out = []
-    for comp in sorted(set.intersection(*(set(saved[r]) for r in ranks)) if ranks else set()):
+    for comp in checked_components(saved):
         label, scope = _label(comp)
         digests = {r: saved[r][comp]["digest"] for r in ranks}
         if scope != "equal" or len(set(digests.values())) == 1:
@@ -284,33 +343,53 @@ def saved_differences(saved: Mapping[str, Mapping[str, Any]]) -> list[dict[str, 
             "detail": f"the {label} differed across ranks when saved ({_ranks_text(odd, len(ranks))} held another "
             f"than rank {ranks[0]}); it is meant to be equal on every replica",
         })  # fmt: skip
-    return out
+    return out + unchecked_notes(saved, lambda c: _label(c)[0])
+
+
+def _reseeded(label: str, s: Mapping[str, str], n: Mapping[str, str], bad: list[str], world: int) -> str:
+    """The note's text for a generator re-seeded on every rank (:func:`reseeded_everywhere`)."""
+    taken = set(s.values())
+    if len(bad) == world and not any(n[r] in taken for r in bad) and not (len(taken) > 1 and len(set(n.values())) == 1):
+        return f"the {label} was not restored on {_ranks_text([int(r) for r in bad], world)} (neither what it saved " \
+            "nor another rank's)"  # fmt: skip
+    where = _ranks_text([int(r) for r in bad], world)
+    verb = "hold" if where.startswith("ranks ") else "holds"
+    return f"every rank re-seeded the {label} instead of restoring it ({where} now {verb} another state than saved)"
 
 
 def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Findings at a resume: each rank against its own saved digest (rank -> component -> entry, both).
+    """Findings at a resume: each rank against its own saved state (rank -> component -> entry, both), by value
+    where the entries carry their whole state as one, else by digest (:mod:`.resume_rules`).
 
     Deterministic in its inputs: every rank that compares the same gathered data finds the same."""
     ranks = sorted(saved, key=int)
     if not ranks or sorted(now, key=int) != ranks:
         return []
     world = len(ranks)
-    comps = set.intersection(*(set(saved[r]) for r in ranks), *(set(now[r]) for r in ranks))
     out: list[dict[str, Any]] = []
     order = list(COMPONENTS)
-    for comp in sorted(comps, key=lambda c: (order.index(c) if c in order else len(order), c)):
+    for comp in sorted(checked_components(saved, now), key=lambda c: (order.index(c) if c in order else len(order), c)):
         label, _ = _label(comp)
-        s = {r: saved[r][comp]["digest"] for r in ranks}
-        n = {r: now[r][comp]["digest"] for r in ranks}
+        s, n = comparison_keys(comp, saved, now, ranks)
         bad = [r for r in ranks if n[r] != s[r]]
         if not bad:
+            continue
+        # Fresh on every rank (re-seeded at start, not restored) is a policy, said as a note, whatever shape it
+        # takes: one state alike on every rank, or the seed state one rank saved before it drew.
+        if reseeded_everywhere(comp, saved, now, (s, n), ranks):
+            out.append({
+                "component": comp, "kind": "not_restored", "ranks": [int(r) for r in bad], "from_ranks": [],
+                "detail": _reseeded(label, s, n, bad, world), "severity": "note",
+            })  # fmt: skip
             continue
         if len(set(s.values())) > 1 and len(bad) > 1 and len(set(n.values())) == 1:
             src = [int(r) for r in ranks if s[r] == n[ranks[0]]]
             whose = f" ({_ranks_text(src, world)}'s)" if src else ""
             out.append({
                 "component": comp, "kind": "collapsed", "ranks": [int(r) for r in bad], "from_ranks": src,
-                "detail": f"every rank resumed at the same {label}{whose} although they saved different ones",
+                "detail": with_cause(
+                    f"every rank resumed at the same {label}{whose} although they saved different ones", comp, now, bad
+                ),
             })  # fmt: skip
             continue
         lost = []
@@ -319,7 +398,7 @@ def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[st
             if others:
                 out.append({
                     "component": comp, "kind": "from_rank", "ranks": [int(r)], "from_ranks": [int(others[0])],
-                    "detail": f"rank {r} resumed with rank {others[0]}'s {label}",
+                    "detail": with_cause(f"rank {r} resumed with rank {others[0]}'s {label}", comp, now, [r]),
                 })  # fmt: skip
             else:
                 lost.append(r)
@@ -330,14 +409,11 @@ def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[st
                 detail = f"the {label} restarted at {moved[0]} {moved[2]} (saved at {moved[0]} {moved[1]}) on {where}"
             else:
                 detail = f"the {label} was not restored on {where} (neither what it saved nor another rank's)"
-            # A generator fresh on every rank is a policy (re-seeded at start), said as a note; one restored on
-            # some ranks only, a swap or a collapse is a resume that went wrong.
-            note = comp.startswith("rng.") and len(lost) == world
             out.append({
                 "component": comp, "kind": "not_restored", "ranks": [int(r) for r in lost], "from_ranks": [],
-                "detail": detail, **({"severity": "note"} if note else {}),
+                "detail": with_cause(detail, comp, now, lost),
             })  # fmt: skip
-    return _merge_rng(out)
+    return _merge_rng(out) + unchecked_notes(now, lambda c: _label(c)[0])
 
 
 def is_error(finding: Mapping[str, Any]) -> bool:

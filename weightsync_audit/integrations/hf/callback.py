@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import sys
 import weakref
 from typing import Any, Optional, Sequence
@@ -38,6 +37,7 @@ from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
+from weightsync_audit.integrations.hf.resume import checkpoint_dir, resumed_folder
 from weightsync_audit.integrations.resume_sources import hf_resume
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.runner import audit_metrics, check_every_n, reject_unknown_options
@@ -123,11 +123,6 @@ def trainer_ddp(trainer: Any, model: Any) -> Any | None:
         return None
     setattr(ddp, FIX_ATTR, TRAINER_FIX)
     return ddp
-
-
-def checkpoint_dir(args: Any, state: Any) -> str:
-    """The folder the Trainer saves the checkpoint of this step in: ``<output_dir>/checkpoint-<global_step>``."""
-    return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
 
 
 def epoch_of(state: Any) -> int:
@@ -281,10 +276,8 @@ class WeightSyncAuditCallback(TrainerCallback):
             return
         self.session.watch(self.audited(model), fresh=True)  # each train() warns anew
         self.session.start(state.global_step)
-        resumed = None
-        if self.checkpoints and state.global_step > 0:  # resumed: the checkpoint of this step was loaded
-            given = args.resume_from_checkpoint
-            resumed = given if isinstance(given, str) and os.path.isdir(given) else checkpoint_dir(args, state)
+        # resumed: the folder the Trainer loaded (its train() argument), checked against its sidecar
+        resumed = resumed_folder(trainer, args, state) if self.checkpoints else None
         sched = kwargs.get("lr_scheduler")
         loaded = (
             Checkpoint("loaded", resumed, resume=hf_resume("loaded", resumed, args, state, sched)) if resumed else None

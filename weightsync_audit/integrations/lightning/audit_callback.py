@@ -286,7 +286,8 @@ class WeightSyncAuditMixin:
         kw: dict[str, Any] = dict(epoch=trainer.current_epoch, hook=hook, is_main=trainer.is_global_zero)
         if checkpoint is not None and self.session.active:
             rng = self.__dict__.pop("_rng_at_load", None) if checkpoint.event == "loaded" else None
-            checkpoint = replace(checkpoint, resume=lightning_resume(trainer, rng))
+            resume = lightning_resume(trainer, rng, resumed=checkpoint.event == "loaded")
+            checkpoint = replace(checkpoint, resume=resume)
             optimizers = trainer.optimizers
         else:
             optimizers = [] if grads else list(trainer.optimizers)

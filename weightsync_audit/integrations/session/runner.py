@@ -29,7 +29,7 @@ from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.evict import hand_off, leave_together
+from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
 from weightsync_audit.integrations.session.arguments import (
     CADENCE_NAMES,
     EXIT_DIVERGED,
@@ -131,6 +131,12 @@ class AuditRunner:
         the optimizer (its state and each group's ``lr``), as it stands right before the step.
         """
         self.is_main = is_main
+        for problem in hand_off_problems() if is_main else []:  # local: a warning, never a rank of its own
+            warnings.warn(
+                f"weightsync: {problem}: the evict hand-off cannot be written there",
+                WeightSyncWarning,
+                stacklevel=user_stacklevel(),
+            )
         if self.on_mismatch == "resync" and self.resync_src != "majority" and self.resync_src >= world_size:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
         base = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers)
