@@ -113,7 +113,7 @@ def resync_source(mismatches: Sequence[Mismatch], blame: Mapping[str, Any] | Non
     >>> resync_source([tie], None, 0)[1]
     "resync_src, chosen without evidence: no rank's own record says which side is wrong"
     >>> resync_source([tie], {"ranks": [0], "evidence": "at_rest_change", "hardware_suspect": True}, 0)
-    (1, 'not rank 0, blamed by attribution (at_rest_change)')
+    (1, 'not resync_src: rank 0 blamed by attribution (at_rest_change)')
     """
     if not any(m.tie and m.reference_ranks and m.kind != "structure" and not m.nonfinite for m in mismatches):
         return src, None
@@ -128,4 +128,4 @@ def resync_source(mismatches: Sequence[Mismatch], blame: Mapping[str, Any] | Non
     chosen = next((r for r in involved if r not in blamed), None)
     if chosen is None:
         return src, f"resync_src: every rank involved is blamed by attribution ({who.evidence})"
-    return chosen, f"not {fmt_ranks(list(who.ranks))}, blamed by attribution ({who.evidence})"
+    return chosen, f"not resync_src: {fmt_ranks(list(who.ranks))} blamed by attribution ({who.evidence})"

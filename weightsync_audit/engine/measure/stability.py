@@ -98,7 +98,8 @@ def persistent_hints(
         out.append(
             f"{fmt_ranks(soft)} diverged again after a resync repaired {'it' if len(soft) == 1 else 'them'} at step "
             f"{step}: the cause persists and resync only hides it ({who.why}). Nothing says it is the machine: look "
-            "for code, settings or data that differ on that rank (a learning rate, a seed, a hook) rather than evict it"
+            "for code, settings or data that differ on that rank (a learning rate, a seed, a hook); another machine "
+            "would not fix it"
         )
     elif soft:
         out.append(
