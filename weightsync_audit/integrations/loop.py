@@ -39,7 +39,8 @@ class LoopAudit:
         report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
         verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
         check_batches: at each audited :meth:`step` also compare a digest of every rank's ``batch=``: ranks
-            that trained on identical batches are named in the record's notes (off by default; its cost:
+            that trained on identical batches are named in the record's notes, with or without ``overlap``
+            (the digest is one of the audit's own phases; off by default; its cost:
             benchmarks/bench_duplicate_batches.py, docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
