@@ -16,6 +16,8 @@ from torch import nn
 
 from weightsync_audit import Auditor, resync
 from weightsync_audit.engine import phases
+from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.overlap.race import OverlapRun
 from weightsync_audit.engine.repair import state as state_module
 from weightsync_audit.engine.repair.resync import resync_planned
 from weightsync_audit.engine.repair.resync_plan import plan_resync
@@ -110,7 +112,7 @@ def test_an_audit_in_sync_keeps_nothing_and_the_state_names_its_channel_and_mode
 
 
 @pytest.mark.parametrize("cls", [phases.Prepared, phases.Localized, phases.Tally, phases.SharedHints,
-                                 phases.Measured, phases.Explained, AuditRun])  # fmt: skip
+                                 phases.Measured, phases.Explained, AuditRun, AuditContext])  # fmt: skip
 def test_every_phase_result_and_the_run_itself_is_frozen(cls: type) -> None:
     params = getattr(cls, "__dataclass_params__", None)
     assert params is not None and params.frozen, cls
@@ -118,12 +120,14 @@ def test_every_phase_result_and_the_run_itself_is_frozen(cls: type) -> None:
 
 
 def test_the_run_holds_its_inputs_only() -> None:
-    assert [f.name for f in dataclasses.fields(AuditRun)] == [
-        "auditor", "module", "optimizers", "step", "epoch", "hook", "ddp", "comm", "slice_index", "t0",
-    ]  # fmt: skip
+    # One context, built by one function, is everything a run reads (a synchronous and an overlapped one alike).
+    assert [f.name for f in dataclasses.fields(AuditRun)] == ["context", "t0"]
+    assert [f.name for f in dataclasses.fields(OverlapRun)] == ["context", "t0", "guard"]
     model = nn.Linear(2, 2)
-    run = AuditRun(Auditor(model), model, [], step=0, epoch=None, hook=None, ddp=None)
+    run = AuditRun(Auditor(model).context(model, [], step=0))
     with pytest.raises(dataclasses.FrozenInstanceError):
-        run.step = 1  # type: ignore[misc]
+        run.context = run.context  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        run.context.step = 1  # type: ignore[misc]
     result, manifest = run.phases()
     assert result.in_sync and manifest.size == 2

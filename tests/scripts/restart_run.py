@@ -4,7 +4,7 @@ Every step is audited with ``on_mismatch="raise", exit_code=17``; every 2 steps 
 with its sidecar and every rank's resume state (its own RNG stream, saved in its own file; the lr
 scheduler; the data position). On the first attempt rank 1 is corrupted at step 6: every rank exits 17
 after the record is written (and the evict file, when ``WEIGHTSYNC_EVICT_FILE`` is set, names rank 1's
-host); torchrun restarts the workers, which resume from the last *verified* checkpoint (checked against
+host: with two ranks the vote is a tie, and attribution's per-step records say which rank changed); torchrun restarts the workers, which resume from the last *verified* checkpoint (checked against
 its sidecar before the first step, each rank against its own resume state) and finish in sync.
 
 Usage: python -m torch.distributed.run --nproc_per_node=2 --max-restarts=1 restart_run.py OUT [STEPS]
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync_audit import AuditOptions, ResumeSources
+from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 from weightsync_audit.integrations.session.runner import EXIT_DIVERGED, AuditRunner
 
@@ -72,9 +73,12 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     torch.manual_seed(100 + rank)  # each rank its own stream (as dropout would draw)
     runner = AuditRunner(
-        AuditOptions(on_mismatch="raise", exit_code=EXIT_DIVERGED, report_path=str(out / "audit.jsonl"))
+        AuditOptions(
+            on_mismatch="raise", exit_code=EXIT_DIVERGED, report_path=str(out / "audit.jsonl"), attribution=True
+        )
     )
     runner.open(world_size=dist.get_world_size(), is_main=rank == 0)
+    watch_run(runner, model, [opt])  # attribution: each rank's own step records name the corrupted one
     start, resumed = 0, None
     dist.barrier()
     found = last_verified(out / "ckpt")
@@ -101,6 +105,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         sched.step()
+        mark_step(runner, step)  # the step's record closed (local)
         torch.rand(2)  # this rank's stream moves on
         if attempt == 0 and step == 6 and rank == 1:
             with torch.no_grad():

@@ -32,13 +32,15 @@ from weightsync_audit.compat import self_check
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
+from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
 from weightsync_audit.engine.inventory.reducer import find_ddp, syncs_buffers
 from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.repair.state import RESYNC_KINDS, ResyncState, prepare_resync
-from weightsync_audit.engine.run import AuditRun
+from weightsync_audit.engine.run import AuditRun, gc_paused
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
 from weightsync_audit.engine.timeline.stalled import StallWatch
@@ -113,6 +115,8 @@ class Auditor:
         self.attribution: Any = None
         """The :class:`~weightsync_audit.engine.attribution.watch.StepWatch` whose records a divergent audit
         exchanges to name the corrupted rank (set by the callbacks with ``attribution``); None: the vote."""
+        self.batches = BatchRecords() if config.check_batches else None
+        """With ``check_batches``: this rank's batch digest per audited step (:meth:`record_batch`)."""
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
         self.window: OverlapWindow | None = None
         """The overlapped audits (:meth:`launch`), made at the first one."""
@@ -169,13 +173,13 @@ class Auditor:
 
         return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method)
 
-    def slice_for(self, step: int | None) -> int:
+    def slice_for(self, step: int | None, slices: int | None = None) -> int:
         """The sample slice this audit hashes: by audit count, or by ``step`` in the one-shot API.
 
         Every rank computes it from values that must agree (the audit count, the step), and the slice
         is part of the gathered summary, so ranks that disagree are reported out of step.
         """
-        slices = self.config.slices
+        slices = self.config.slices if slices is None else slices
         if self._rotate_by_step and step is not None:
             return int(step) % slices
         return self.history.audits % slices
@@ -192,7 +196,59 @@ class Auditor:
         digest = self.pinpointer.record_step(step, lambda: self.prepare(mod, opts, ddp=ddp), self.config.method)
         self._stall.check(step, digest, opts)  # a step that changed nothing, with lr > 0: warned
 
+    def record_batch(self, step: int, batch: Any) -> None:
+        """``check_batches=True``: digest this rank's ``batch`` of ``step`` (local); the audit covering ``step``
+        compares it across ranks."""
+        if self.batches is None:
+            raise RuntimeError("record_batch needs AuditConfig(check_batches=True)")
+        self.batches.record(step, batch)
+
+    def repaired(self, step: int | None) -> None:
+        """A repair was confirmed at ``step`` (every rank holds the same values): every per-step record about
+        the divergence it ended is dropped (pinpoint's ring, attribution's records and blame, batch digests),
+        and what is held now is the baseline the next records are taken against. Local, no message."""
+        self._diverged = None
+        if self.pinpointer is not None and step is not None:
+            self.pinpointer.restart(step)  # pinpoint starts afresh: no pre-resync entry stays
+        if self.attribution is not None:
+            self.attribution.repaired()
+        if self.batches is not None:
+            self.batches.clear()
+
     # -- the audit -----------------------------------------------------------------------------
+
+    def context(
+        self,
+        module: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        step: int | None = None,
+        epoch: int | None = None,
+        hook: str | None = None,
+        full: bool = False,
+        batch: str | BatchRecords | None = None,
+    ) -> AuditContext:
+        """Everything one audit reads, built here and only here, for :meth:`audit` and :meth:`launch` alike.
+
+        ``full``: every byte this once, whatever ``coverage`` says. ``batch``: this rank's batch digest (a
+        digest, or the records to take the one of ``step`` from). The manifest is prepared now, on the
+        calling thread; an error preparing it travels in the context, so that every rank raises together."""
+        module, optimizers = self._targets(module, optimizer)
+        ddp = find_ddp(module) if module is not None else None
+        config = dataclasses.replace(self.config, slices=1) if full and self.config.slices != 1 else self.config
+        prepared, failure = None, None
+        try:
+            with gc_paused():
+                prepared = self.prepare(module, optimizers, ddp=ddp)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the run, which raise together
+            failure = exc
+        if isinstance(batch, BatchRecords):
+            batch = batch.take(step)
+        return AuditContext(
+            config, self.comm, self.history, self.pinpointer, self.attribution, module, optimizers, ddp,
+            prepared, failure, step=step, epoch=epoch, hook=hook,
+            slice_index=self.slice_for(step, config.slices), batches=self.batches, batch=batch,
+        )  # fmt: skip
 
     def audit(
         self,
@@ -212,18 +268,16 @@ class Auditor:
         first: the channel is used in order."""
         if self.window is not None:
             self.window.settle("another audit")
+        batch = self.batches  # this step's digest, consumed by the audit that covers it
+        return self.run(self.context(module, optimizer, step=step, epoch=epoch, hook=hook, full=full, batch=batch))
+
+    def run(self, context: AuditContext) -> AuditResult:
+        """:meth:`audit` of a context built by :meth:`context` (collective), on the calling thread."""
         self._diverged = None
-        module, optimizers = self._targets(module, optimizer)
-        ddp = find_ddp(module) if module is not None else None
-        sampled = self.config
-        if full and sampled.slices != 1:  # every byte this once
-            self.config = dataclasses.replace(sampled, slices=1)
-        try:
-            result, prepared = AuditRun(self, module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp).phases()
-        finally:
-            self.config = sampled
+        result, prepared = AuditRun(context).phases()
         diverged = frozenset(m.name for m in result.mismatches if m.kind in RESYNC_KINDS)
-        state = ResyncState(self.comm, module, optimizers, prepared, diverged) if result.mismatches else None
+        comm, module, optimizers = context.comm, context.module, context.optimizers
+        state = ResyncState(comm, module, optimizers, prepared, diverged) if result.mismatches else None
         self._diverged = (result, state) if state is not None else None
         return result
 
@@ -260,11 +314,13 @@ class Auditor:
         result (:meth:`PendingAudit.result`) covers ``step``; a write to an audited tensor meanwhile,
         outside the optimizer, is named and the step audited again at rest. Call :meth:`close` at the end.
         See :mod:`weightsync_audit.engine.overlap.window` for an example."""
-        module, optimizers = self._targets(module, optimizer)
-        ddp = find_ddp(module) if module is not None else None
         if self.window is None:
             self.window = OverlapWindow(self)
-        pending = self.window.launch(module, optimizers, step=step, epoch=epoch, hook=hook, ddp=ddp)
+        self.window.settle("next launch")
+        self.comm.setup()  # opened (collective) on the training thread, with every rank here
+        # The same context a synchronous audit builds, on the training thread: only the scheduling differs.
+        context = self.context(module, optimizer, step=step, epoch=epoch, hook=hook, batch=self.batches)
+        pending = self.window.launch(context)
         self._diverged = None  # the next verdict is the worker's: its manifest stays its own
         return pending
 

@@ -93,6 +93,9 @@ class AuditConfig:
     and one small exchange; cost in docs/performance.md), so replicas that agree on NaN are not a silent
     "in sync". Without it NaN/inf are counted on diverged tensors only."""
 
+    check_batches: bool = False
+    """At each audited step, compare a digest of every rank's batch (recorded with
+    ``Auditor.record_batch``): ranks that trained on identical batches are named in the record's notes."""
     attribution: AttributionConfig | None = None
     """Per-step records that name the corrupted rank and tell the machine from the software
     (:mod:`weightsync_audit.engine.attribution`); None: the vote alone, and a tie names no one."""
@@ -132,6 +135,8 @@ class AuditConfig:
             text += " pinpoint=on"
         if self.check_finite:
             text += " check_finite=on"
+        if self.check_batches:
+            text += " check_batches=on"
         if self.attribution is not None:
             text += self.attribution.fingerprint()
         return text

@@ -1,10 +1,12 @@
 """Duplicate batches: data-parallel ranks that trained on identical batches at a step.
 
-Off by default (``LoopAudit(check_batches=True)`` turns it on). At an audited step every rank digests its
-own batch (xxh3-64 over every tensor's exact bytes, in order, with dtype and shape), and one round of the
-audit channel gathers the 8-byte digests: ranks whose digests are equal trained on the same samples, which
-silently divides the effective data by the number of ranks sharing it (a sampler without ``rank=``, a
-resume that restored rank 0's shard on every rank). The same finding on every rank, from the same data.
+Off by default (``LoopAudit(check_batches=True)`` turns it on, ``AuditConfig.check_batches``). At an
+audited step every rank digests its own batch (xxh3-64 over every tensor's exact bytes, in order, with
+dtype and shape) into its auditor's :class:`BatchRecords`; the audit that covers the step, synchronous or
+overlapped, takes that digest into its context and one round of the audit channel gathers them: ranks
+whose digests are equal trained on the same samples, which silently divides the effective data by the
+number of ranks sharing it (a sampler without ``rank=``, a resume that restored rank 0's shard on every
+rank). The same finding on every rank, from the same data.
 
 >>> import torch
 >>> from weightsync_audit.channel.star import Comm
@@ -26,7 +28,7 @@ from weightsync_audit.engine.checkpoints.sidecar import flat_tensors
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.errors import WeightSyncWarning
 
-__all__ = ["DuplicateBatches", "batch_digest"]
+__all__ = ["BatchRecords", "DuplicateBatches", "batch_digest", "describe", "shared_batches"]
 
 
 def batch_digest(batch: Any) -> str | None:
@@ -42,30 +44,70 @@ def batch_digest(batch: Any) -> str | None:
     return f"{h.intdigest():016x}"
 
 
-class DuplicateBatches:
-    """The check, callable at a step on every rank of a group (collective when it has more than one rank)."""
+class BatchRecords:
+    """This rank's batch digests, one per audited step, owned by its auditor: the audit that covers a step
+    consumes that step's digest (and drops any older one), and a confirmed repair clears them."""
 
     def __init__(self) -> None:
+        self.by_step: dict[int, str | None] = {}
         self.said: set[tuple[tuple[int, ...], ...]] = set()
+        """Groupings already warned about (once each, on the group's first rank)."""
+
+    def record(self, step: int, batch: Any) -> None:
+        """Digest ``batch``, the one trained at ``step`` (local, no message)."""
+        self.by_step[int(step)] = batch_digest(batch)
+
+    def take(self, step: int | None) -> str | None:
+        """The digest recorded for ``step`` (None: none), consumed with every older one."""
+        if step is None:
+            return None
+        digest = self.by_step.pop(int(step), None)
+        for old in [s for s in self.by_step if s < step]:
+            del self.by_step[old]
+        return digest
+
+    def clear(self) -> None:
+        """Forget every digest (a repair made the replicas equal: what came before is no one's evidence)."""
+        self.by_step.clear()
+
+    def warn_new(self, groups: list[list[int]], step: int) -> None:
+        """Warn once per grouping (call it on one rank)."""
+        key = tuple(tuple(g) for g in groups)
+        if key not in self.said:
+            self.said.add(key)
+            warnings.warn(f"weightsync: {describe(groups, step)}", WeightSyncWarning, stacklevel=3)
+
+
+def shared_batches(comm: Comm, digest: str | None) -> list[list[int]]:
+    """The groups of ranks (global, each of two or more) whose batch digests are equal; collective over
+    ``comm`` (one round) when it has more than one rank, the same on every rank."""
+    if comm.world_size < 2:
+        return []
+    digests = [json.loads(p) for p in comm.exchange_bytes(json.dumps(digest).encode(), "the batch digests")]
+    by: dict[str, list[int]] = {}
+    for g, d in zip(comm.global_ranks, digests):
+        if d is not None:
+            by.setdefault(d, []).append(g)
+    return sorted(sorted(rs) for rs in by.values() if len(rs) > 1)
+
+
+class DuplicateBatches:
+    """The check on its own, callable at a step on every rank of a group (collective when it has more than
+    one rank); an audit with ``check_batches`` runs the same exchange as one of its phases."""
+
+    def __init__(self) -> None:
+        self.records = BatchRecords()
 
     def __call__(self, comm: Comm, batch: Any, *, step: int, is_main: bool = False) -> dict[str, Any] | None:
         """``{"step", "groups": [[ranks trained on one batch], ...]}`` when some ranks shared a batch, else
         ``None``. Warns on the main process when a new grouping appears."""
         if comm.world_size < 2:
             return None
-        mine = json.dumps(batch_digest(batch)).encode()
-        digests = [json.loads(p) for p in comm.exchange_bytes(mine, "the batch digests")]
-        by: dict[str, list[int]] = {}
-        for g, d in zip(comm.global_ranks, digests):
-            if d is not None:
-                by.setdefault(d, []).append(g)
-        groups = sorted(sorted(rs) for rs in by.values() if len(rs) > 1)
+        groups = shared_batches(comm, batch_digest(batch))
         if not groups:
             return None
-        key = tuple(tuple(g) for g in groups)
-        if is_main and key not in self.said:
-            self.said.add(key)
-            warnings.warn(f"weightsync: {describe(groups, step)}", WeightSyncWarning, stacklevel=3)
+        if is_main:
+            self.records.warn_new(groups, step)
         return {"step": step, "groups": groups}
 
 

@@ -15,7 +15,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from weightsync_audit.engine.attribution.blame import blame_source
+from weightsync_audit.engine.culprit import resync_source
 from weightsync_audit.engine.repair.resync import resync_planned
 from weightsync_audit.engine.repair.resync_plan import ResyncPlan, ResyncSource, plan_resync
 from weightsync_audit.engine.repair.state import ResyncState
@@ -40,13 +40,16 @@ def respond(
     resync_src: ResyncSource,
     confirm: Callable[[bool], AuditResult],
     history: AuditHistory,
-    pinpointer: Any,
     prepare: Callable[[AuditResult, Any, Sequence[Any]], ResyncState],
-) -> None:
+    repaired: Callable[[int | None], None] | None = None,
+) -> ResyncPlan | None:
     """Set ``result.action`` and, under ``resync``, repair and confirm (collective: every rank calls it).
 
     ``prepare(result, model, optimizers)``: what the resync reads, the audit's own prepared state when it is
-    still what is held (:meth:`Auditor.resync_state <weightsync_audit.engine.auditor.Auditor.resync_state>`)."""
+    still what is held (:meth:`Auditor.resync_state <weightsync_audit.engine.auditor.Auditor.resync_state>`).
+    ``repaired(step)``: called once a repair is confirmed, to drop the per-step evidence about the divergence
+    it ended (:meth:`Auditor.repaired <weightsync_audit.engine.auditor.Auditor.repaired>`). Returns the resync's
+    plan when one ran (its :meth:`~ResyncPlan.receivers` are the ranks it repaired), else ``None``."""
     if result.in_sync or result.within_tolerance:
         result.action = "none"  # within the tolerance: kept in the record, not acted on
     elif on_mismatch == "raise":
@@ -57,7 +60,9 @@ def respond(
         # One broadcast per source rank, from the audit's channel and manifest (nothing prepared twice).
         resync_planned(prepare(result, model, list(optimizers)), plan)
         confirmed = confirm(bool(plan.grads))  # gradients compared too when they had diverged
-        _confirmed(result, plan, confirmed, history, pinpointer)
+        _confirmed(result, plan, confirmed, history, repaired)
+        return plan
+    return None
 
 
 def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:
@@ -68,9 +73,11 @@ def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:
         result.action = "raised"
         result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
         return None
+    # On a tie the blame, when it names a rank, decides the source (never the blamed side); a tie with no
+    # evidence keeps resync_src and says it was chosen without evidence (engine/culprit.py decides both).
+    src, chosen_by = resync_source(result.mismatches, result.blame, resync_src)
     try:
-        # On a tie the blame, when it names a rank, decides the source (never the blamed side).
-        plan = plan_resync(result.mismatches, blame_source(result, resync_src))  # never a source holding NaN/inf
+        plan = plan_resync(result.mismatches, src, tie_chosen_by=chosen_by)  # never a source holding NaN/inf
     except ResyncError as exc:  # no finite copy anywhere: nothing moves
         result.action = "raised"
         result.notes.append(f"resync impossible: {exc}")
@@ -80,17 +87,22 @@ def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:
 
 
 def _confirmed(
-    result: AuditResult, plan: ResyncPlan, confirmed: AuditResult, history: AuditHistory, pinpointer: Any
+    result: AuditResult,
+    plan: ResyncPlan,
+    confirmed: AuditResult,
+    history: AuditHistory,
+    repaired: Callable[[int | None], None] | None,
 ) -> None:
-    """The action the confirming audit decides; after a confirmed resync, the history and pinpoint restart."""
+    """The action the confirming audit decides; after a confirmed resync, the history restarts and every
+    per-step record about the divergence it ended is dropped (pinpoint, attribution, batch digests)."""
     if confirmed.in_sync:
         result.action = "resynced"
         result.notes.append(f"resynced {plan.describe()}; a full audit confirmed the replicas are in sync")
         history.resyncs += 1
         history.last_in_sync_step = result.step
         history.last_full_sync_step = result.step
-        if pinpointer is not None and result.step is not None:
-            pinpointer.restart(result.step)  # pinpoint starts afresh: no pre-resync entry stays
+        if repaired is not None:
+            repaired(result.step)  # evidence about the earlier divergence never decides a later one
     else:
         result.action = "raised"
         result.notes.append(f"resync ({plan.describe()}) did not restore agreement: {confirmed.summary()}")

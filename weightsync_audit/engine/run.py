@@ -1,8 +1,9 @@
 """One audit as its phases: prepare, agree, localize, measure, explain, record.
 
 :class:`AuditRun` is built by :meth:`Auditor.audit <weightsync_audit.engine.auditor.Auditor.audit>` for a
-single call and read top to bottom in :meth:`AuditRun.phases`. The run holds the call's inputs only, set
-once; each phase is one method that takes the results of the phases before it and returns its own, a
+single call (and, as its subclass ``OverlapRun``, by :meth:`Auditor.launch
+<weightsync_audit.engine.auditor.Auditor.launch>`) and read top to bottom in :meth:`AuditRun.phases`. The
+run holds one :class:`~weightsync_audit.engine.context.AuditContext`, everything it reads, set once; each phase is one method that takes the results of the phases before it and returns its own, a
 small frozen value (:mod:`~weightsync_audit.engine.phases`), so what each phase needs and leaves is its
 signature:
 
@@ -25,10 +26,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
-import torch
 import xxhash
 from torch import nn
 
@@ -53,6 +53,8 @@ from weightsync_audit.engine.agreement.rounds import (
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
+from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.duplicate_batches import describe, shared_batches
 from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
@@ -63,32 +65,15 @@ from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_he
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
-from weightsync_audit.engine.timeline.history import AuditHistory
-from weightsync_audit.engine.timeline.pinpoint import Pinpointer, mark_pinpoint
+from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
 from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
-
-class Engine(Protocol):
-    """What a run reads of its :class:`~weightsync_audit.engine.auditor.Auditor` (no import back up)."""
-
-    config: AuditConfig
-    history: AuditHistory
-    pinpointer: Pinpointer | None
-
-    @property
-    def comm(self) -> Comm: ...
-
-    def slice_for(self, step: int | None) -> int: ...
-
-    def prepare(self, module: nn.Module | None, optimizers: list[Any], *, ddp: Any) -> PreparedManifest: ...
-
-
-__all__ = ["AuditRun", "Engine"]
+__all__ = ["AuditRun", "gc_paused"]
 
 
 @contextmanager
-def _gc_paused() -> Iterator[None]:
+def gc_paused() -> Iterator[None]:
     """Hold the cyclic garbage collector while the manifest is built.
 
     A manifest allocates a small object per tensor; on a model of thousands of tensors the collector's
@@ -106,25 +91,52 @@ def _gc_paused() -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class AuditRun:
-    """One call of :meth:`Auditor.audit`: its inputs, set once; each phase takes the frozen results of the
-    phases before it (:mod:`~weightsync_audit.engine.phases`) and returns its own."""
+    """One audit over its :class:`~weightsync_audit.engine.context.AuditContext` (everything it reads, set
+    once); each phase takes the frozen results of the phases before it (:mod:`~weightsync_audit.engine.phases`)
+    and returns its own."""
 
-    auditor: Engine
-    module: nn.Module | None
-    optimizers: list[torch.optim.Optimizer]
-    step: int | None = field(kw_only=True)
-    epoch: int | None = field(kw_only=True)
-    hook: str | None = field(kw_only=True)
-    ddp: Any = field(kw_only=True)
-    """The DDP wrapper, looked up once per audit and handed to every phase that reads it."""
-    comm: Comm = field(init=False)
-    slice_index: int = field(init=False)
+    context: AuditContext
     t0: float = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "t0", time.perf_counter())
-        object.__setattr__(self, "comm", self.auditor.comm)
-        object.__setattr__(self, "slice_index", self.auditor.slice_for(self.step))
+
+    # The context's fields the phases read most, by name.
+    @property
+    def comm(self) -> Comm:
+        return self.context.comm
+
+    @property
+    def config(self) -> AuditConfig:
+        return self.context.config
+
+    @property
+    def module(self) -> nn.Module | None:
+        return self.context.module
+
+    @property
+    def optimizers(self) -> list[Any]:
+        return self.context.optimizers
+
+    @property
+    def ddp(self) -> Any:
+        return self.context.ddp
+
+    @property
+    def step(self) -> int | None:
+        return self.context.step
+
+    @property
+    def epoch(self) -> int | None:
+        return self.context.epoch
+
+    @property
+    def hook(self) -> str | None:
+        return self.context.hook
+
+    @property
+    def slice_index(self) -> int:
+        return self.context.slice_index
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
@@ -134,12 +146,14 @@ class AuditRun:
         """:meth:`run`'s result, and the manifest this rank compared (what a resync right after it reads)."""
         prepared = self.prepare()
         agreement = self.agree(prepared)
+        # With check_batches: ranks that trained on identical batches at this step (one round, every rank).
+        shared = shared_batches(self.comm, self.context.batch) if self.config.check_batches else []
         found = self.localize(prepared, agreement)
         measured = self.measure(prepared, found)
         # With check_finite: the audited tensors holding NaN/inf (collective; the same on every rank).
-        nonfinite = count_everywhere(self.comm, prepared.manifest) if self.auditor.config.check_finite else None
+        nonfinite = count_everywhere(self.comm, prepared.manifest) if self.config.check_finite else None
         explained = self.explain(prepared, agreement, found, measured)
-        return self.record(explained, nonfinite), prepared.manifest
+        return self.record(explained, nonfinite, shared), prepared.manifest
 
     # -- prepare -------------------------------------------------------------------------------
 
@@ -149,11 +163,13 @@ class AuditRun:
         A rank that cannot prepare its audit (a meta tensor, say) still takes part in the exchange,
         flagged, so that every rank raises together instead of the others waiting for it.
         """
-        cfg = self.auditor.config
-        failure: BaseException | None = None
+        cfg, ctx = self.config, self.context
+        failure: BaseException | None = ctx.failure
         try:
-            with _gc_paused():
-                manifest = self.auditor.prepare(self.module, self.optimizers, ddp=self.ddp)
+            if ctx.prepared is None:
+                raise failure or RuntimeError("no manifest was prepared")
+            manifest = ctx.prepared
+            with gc_paused():
                 digests = manifest.digests(slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)
                 structure, overall = manifest.structure, overall_digest(digests, manifest.structure)
         except Exception as exc:  # noqa: BLE001 - re-raised in agree, after telling the other ranks
@@ -163,7 +179,7 @@ class AuditRun:
         else:
             failure = self.raced(manifest)
         sketch, buckets = bucket_sketch(digests)
-        pinpointer = self.auditor.pinpointer
+        pinpointer = ctx.pinpointer
         position = f"hook={self.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
         summary = np.array(
             [
@@ -195,7 +211,7 @@ class AuditRun:
             self.fail(prepared.failure)
         if agreement.status == "out_of_step":
             position = {"step": self.step, "epoch": self.epoch, "hook": self.hook}
-            position.update(config=self.auditor.config.fingerprint(), slice=self.slice_index)
+            position.update(config=self.config.fingerprint(), slice=self.slice_index)
             raise_out_of_step(self.comm, agreement.differing_fields, position)
         return agreement
 
@@ -244,7 +260,7 @@ class AuditRun:
 
     def measure(self, prepared: Prepared, found: Localized) -> Measured:
         """Value mismatches with their gaps against the reference copy; ranks made global; tolerance."""
-        comm, cfg, structural = self.comm, self.auditor.config, found.structural
+        comm, cfg, structural = self.comm, self.config, found.structural
         # Only on divergence: the lookup costs per tensor.
         by_uid = {e.uid: e for e in found.entries} if found.value_diffs else {}
         value_mismatches = []
@@ -294,14 +310,14 @@ class AuditRun:
             for m in mismatches:
                 m.ranks = [g[r] for r in m.ranks]
                 m.reference_ranks = [g[r] for r in m.reference_ranks]
-        apply_tolerance(mismatches, self.auditor.config.tolerance)
+        apply_tolerance(mismatches, self.config.tolerance)
         return mismatches
 
     # -- explain -------------------------------------------------------------------------------
 
     def explain(self, prepared: Prepared, agreement: Agreement, found: Localized, measured: Measured) -> Explained:
         """The pinpointed step, what was compared, notes, and (on a divergence) the shared hints."""
-        cfg, comm, pinpointer, mismatches = self.auditor.config, self.comm, self.auditor.pinpointer, measured.mismatches
+        cfg, comm, pinpointer, mismatches = self.config, self.comm, self.context.pinpointer, measured.mismatches
         transient, pin, lead = None, None, []
         # Pinpoint is collective on a divergence (on shared data), so every rank settles it here.
         if pinpointer is not None:
@@ -323,17 +339,16 @@ class AuditRun:
         )
         if mismatches:
             hints = hints + unstable_hints(mismatches, hosts)
-        # Whom to blame, its hint, where the blamed run (None: in sync).
-        watch = getattr(self.auditor, "attribution", None)
+        # Whom to blame, its hint, where the blamed run (None: in sync); the watch's records consumed.
         blame, hosts, hints = attribute_audit(
-            watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
+            self.context.watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
             full=cfg.slices == 1, hosts=hosts, hints=hints,
         )  # fmt: skip
         return Explained(mismatches, tally.checked, notes, hints, hosts, pin, transient, blame)
 
     def tally(self, prepared: Prepared, found: Localized, lead: Sequence[str] = ()) -> Tally:
         """What was compared, and the notes (``lead`` first): taken once per audit."""
-        cfg = self.auditor.config
+        cfg = self.config
         counts = prepared.manifest.counts()
         checked, unpaired = compared_counts(found.entries, found.peers) if found.peers is not None else (counts, 0)
         if found.union is not None:  # not this rank's own count: the same on every rank
@@ -355,7 +370,7 @@ class AuditRun:
             evidence = Evidence(
                 mismatches,
                 ddp=self.ddp,
-                grads_checked="grads" in self.auditor.config.include,
+                grads_checked="grads" in self.config.include,
                 params_compared=tally.checked["param"] > 0,
                 module=self.module,
                 state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
@@ -370,9 +385,12 @@ class AuditRun:
 
     # -- record --------------------------------------------------------------------------------
 
-    def record(self, explained: Explained, nonfinite: NonfiniteCount | None) -> AuditResult:
-        """The result, the same on every rank, entered in the auditor's history."""
-        cfg, history, step = self.auditor.config, self.auditor.history, self.step
+    def record(
+        self, explained: Explained, nonfinite: NonfiniteCount | None, shared: Sequence[list[int]] = ()
+    ) -> AuditResult:
+        """The result, the same on every rank, entered in the auditor's history; ``shared``: the groups of
+        ranks that trained on identical batches (``check_batches``)."""
+        cfg, history, step = self.config, self.context.history, self.step
         in_sync = not explained.mismatches
         full = cfg.slices == 1
         result = AuditResult(
@@ -397,6 +415,11 @@ class AuditRun:
         if nonfinite is not None:
             result.nonfinite_count = nonfinite.count
             result.notes.extend(nonfinite.notes(in_sync))
+        if shared:
+            result.notes.append(describe(list(shared), -1 if step is None else step))
+            batches = self.context.batches
+            if batches is not None and self.comm.rank == 0:  # warned once per grouping, on the first rank
+                batches.warn_new(list(shared), -1 if step is None else step)
         mark_pinpoint(result, explained.pin)
         history.record(result)
         result.duration_ms = (time.perf_counter() - self.t0) * 1e3

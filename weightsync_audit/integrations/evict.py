@@ -1,12 +1,15 @@
 """The bad machine handed on: where schedulers and restart agents look when a verdict names a host to evict.
 
-When a record names hosts to evict (a rank whose tensors read differently twice with no step between:
-``stability == "unstable"``; or, when the run ends with ``exit_code``, the odd ranks a reference majority
-disagrees with), this module writes, with no new dependency:
+A machine is named only on evidence that it is the wrong one, decided by the one rule that also picks a
+resync's source (:func:`~weightsync_audit.engine.culprit.culprit`): a rank whose tensors read differently
+twice with no step between (``stability == "unstable"``), or, when the run ends with ``exit_code``, the
+ranks attribution's blame names, else the odd ranks of a strict majority. A tie with nothing else names no
+one. This module writes, with no new dependency:
 
 - a plain JSON **evict file** at ``$WEIGHTSYNC_EVICT_FILE`` (schema ``weightsync-evict/1``: ``exit_code``,
   ``step``, ``reason``, ``hosts``: one ``{"rank", "host", "where", "why"}`` per rank named, ``tensors``,
-  ``launch_id``), written by the group's first rank, atomically, that a Slurm or Kubernetes wrapper reads
+  ``launch_id``; with no rank named, ``hosts: []`` and ``unnamed``: why no machine could be named),
+  written by the group's first rank, atomically, that a Slurm or Kubernetes wrapper reads
   (``weightsync-audit launch`` is one: it exits with the run's ``exit_code`` even when torchrun says 1);
 - the NVIDIA Resiliency Extension's **segment health-check file**: with
   ``$WEIGHTSYNC_SEGMENT_HEALTH_DIR`` set (the folder given to ``ft_launcher
@@ -17,11 +20,14 @@ disagrees with), this module writes, with no new dependency:
 - the exit status, by the runner (``exit_code``).
 
 >>> from weightsync_audit.reporting.record import AuditResult, Mismatch
->>> r = AuditResult(in_sync=False, step=6, epoch=0, world_size=2, action="raised",
-...                 mismatches=[Mismatch("w", "param", [1], [0], [2], "float32", None, "")],
-...                 hosts={"1": "node-7 local_rank=1 cpu pid=42"})
+>>> r = AuditResult(in_sync=False, step=6, epoch=0, world_size=3, action="raised",
+...                 mismatches=[Mismatch("w", "param", [2], [0, 1], [2], "float32", None, "")],
+...                 hosts={"2": "node-7 local_rank=2 cpu pid=42"})
 >>> evict_targets(r, exiting=True)
-{1: 'odd rank under exit_code'}
+{2: 'odd rank under exit_code: a strict majority holds the reference value, rank 2 another'}
+>>> tie = Mismatch("w", "param", [1], [0], [2], "float32", None, "tie vote: rank 0 vs rank 1, no majority")
+>>> evict_targets(AuditResult(in_sync=False, step=6, world_size=2, mismatches=[tie]), exiting=True)
+{}
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping
 
+from weightsync_audit.engine.culprit import culprit
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = [
@@ -47,6 +54,7 @@ __all__ = [
     "leave_together",
     "read_evict",
     "segment_health_file",
+    "unnamed_reason",
     "unwritable",
     "write_evict",
 ]
@@ -65,18 +73,23 @@ could not be written (a full disk, a folder gone)."""
 
 
 def evict_targets(result: AuditResult, *, exiting: bool) -> dict[int, str]:
-    """Global rank -> why its host is to be evicted, from the record alone (the same on every rank)."""
+    """Global rank -> why its host is to be evicted, from the record alone (the same on every rank): only on
+    evidence that it is the wrong one (:func:`~weightsync_audit.engine.culprit.culprit`)."""
+    who = culprit(result.mismatches, result.blame)
     out: dict[int, str] = {}
     for m in result.mismatches:
-        if getattr(m, "stability", None) == "unstable":
+        if m.stability == "unstable":
             for r in m.ranks:
                 out[r] = "unstable: its tensors read differently twice with no step between (suspect hardware)"
     if exiting:
-        for m in result.mismatches:
-            if m.reference_ranks and len(m.reference_ranks) >= len(m.ranks):  # a majority holds the reference
-                for r in m.ranks:
-                    out.setdefault(r, "odd rank under exit_code")
+        for r in who.ranks:
+            out.setdefault(r, f"odd rank under exit_code: {who.why}")
     return dict(sorted(out.items()))
+
+
+def unnamed_reason(result: AuditResult) -> str:
+    """Why no machine could be named for eviction (the evict file's ``unnamed``)."""
+    return f"no machine could be named: {culprit(result.mismatches, result.blame).why}"
 
 
 def _host(where: str | None) -> str | None:
@@ -196,6 +209,8 @@ def write_evict(
                 ],
                 "tensors": result.diverged_names[:20],
             }
+            if not targets:
+                doc["unnamed"] = unnamed_reason(result)
             path = Path(evict_file)
             _write_atomic(path, json.dumps(doc) + "\n")
             written.append(path)

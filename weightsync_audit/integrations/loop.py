@@ -14,7 +14,6 @@ from typing import Any, Optional, Sequence
 from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch
-from weightsync_audit.engine.duplicate_batches import DuplicateBatches, describe
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options
@@ -40,7 +39,8 @@ class LoopAudit:
         report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
         verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
         check_batches: at each audited :meth:`step` also compare a digest of every rank's ``batch=``: ranks
-            that trained on identical batches are named in the record's notes (off by default; its cost:
+            that trained on identical batches are named in the record's notes, with or without ``overlap``
+            (the digest is one of the audit's own phases; off by default; its cost:
             benchmarks/bench_duplicate_batches.py, docs/restarts.md).
         exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
             record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
@@ -102,12 +102,12 @@ class LoopAudit:
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.options = AuditOptions.given(locals(), options)
         """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
-        self.session = TrainerSession(self.options, every_n_steps)
+        self.session = TrainerSession(self.options, every_n_steps, check_batches=bool(check_batches))
         """The lifecycle the callbacks share: opened at the first call, the cadence, the per-step records."""
         self.runner = self.session.runner
         self.is_main = True
-        self.duplicates = DuplicateBatches() if check_batches else None
-        """With ``check_batches``: at each audited step, ranks that trained on identical batches (a note)."""
+        self.check_batches = bool(check_batches)
+        """At each audited step, ranks that trained on identical batches (a note), with or without ``overlap``."""
 
     def _open(self) -> None:
         if self.session.opened:
@@ -124,23 +124,19 @@ class LoopAudit:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
         ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
         self._open()
-        if not self.session.after_step(self.module, self.optimizers, step, once=False):
+        if not self.session.after_step(self.module, self.optimizers, step, once=False, batch=batch):
             return None
-        kw: dict[str, Any] = dict(step=step, epoch=epoch, hook="step", is_main=self.is_main)
-        if self.runner.overlap is not None:
-            return self.session.audit(self.module, self.optimizers, after_step=True, **kw)
-        if self.duplicates is None or self.runner.auditor is None:
-            return self.session.audit(self.module, self.optimizers, **kw)
-        auditor, check, is_main = self.runner.auditor, self.duplicates, self.is_main
-
-        def audit(module: Any, optimizer: Any, **kw: Any) -> AuditResult:
-            found = check(auditor.comm, batch, step=step, is_main=is_main)  # one round, before the audit's own
-            result = auditor.audit(module, optimizer, **kw)
-            if found is not None:
-                result.notes.append(describe(found["groups"], step))
-            return result
-
-        return self.session.audit(self.module, self.optimizers, audit=audit, **kw)
+        # With overlap, launched (the verdict acted on at the next safe point); the same audit either way.
+        after_step = self.runner.overlap is not None
+        return self.session.audit(
+            self.module,
+            self.optimizers,
+            step=step,
+            epoch=epoch,
+            hook="step",
+            is_main=self.is_main,
+            after_step=after_step,
+        )
 
     def settle(self) -> AuditResult | None:
         """With ``overlap=True``: wait for the pending audit and act on it now; the last verdict acted on."""

@@ -26,10 +26,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Literal, Sequence, get_args
 
+from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
-__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "blame_source", "decide", "vote_blame"]
+__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "decide", "vote_blame"]
 
 Evidence = Literal[
     "vote", "at_rest_change", "update_not_reproducible", "collective_mismatch", "deterministic_difference", "undecided"
@@ -151,13 +152,14 @@ def _at_step(s: int, prev: int | None, recs: list[dict[str, Any] | None], g: lis
 
 
 def vote_blame(mismatches: Sequence[Any]) -> dict[str, Any]:
-    """From the vote alone: a strict majority names the odd ranks; a tie names no one."""
+    """From the vote alone (:func:`~weightsync_audit.engine.culprit.strict_majority`, the one rule): a strict
+    majority names the odd ranks; a tie names no one."""
     if not mismatches:
         return _blame([], "undecided", False, None, "")
-    if any(m.tie for m in mismatches):
+    odd, why = strict_majority(mismatches)
+    if not odd:
         return _blame([], "undecided", False, None,
-                      "the vote is a tie: no majority, and no rank's own record says which side is wrong")  # fmt: skip
-    odd = sorted({r for m in mismatches for r in m.ranks})
+                      f"the vote names no one ({why}), and no rank's own record says which side is wrong")  # fmt: skip
     return _blame(odd, "vote", False, None, f"{fmt_ranks(odd)} hold the minority value(s)")
 
 
@@ -205,16 +207,3 @@ def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
     if blame["evidence"] == "deterministic_difference":
         return f"a software difference: {detail}. Not the machine: the ranks ran other code or settings"
     return f"by vote: {detail}{where}"
-
-
-def blame_source(result: Any, src: Any) -> Any:
-    """The resync source: ``src``, unless the vote is a tie and the blame names a rank on it, then the lowest
-    rank not blamed (never copy the blamed side over the other)."""
-    blame = getattr(result, "blame", None) or {}
-    blamed = set(blame.get("ranks", []))
-    if not blamed or blame.get("evidence") == "vote" or not any(m.tie for m in result.mismatches):
-        return src
-    involved = sorted({r for m in result.mismatches for r in (*m.ranks, *m.reference_ranks)})
-    if src != "majority" and src in involved and src not in blamed:
-        return src
-    return next((r for r in involved if r not in blamed), src)

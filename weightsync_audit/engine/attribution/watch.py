@@ -249,6 +249,23 @@ class StepWatch:
         """A full audit found every rank in sync: what came before is known good."""
         self.records.clear()
 
+    def repaired(self) -> None:
+        """A repair was confirmed (every rank holds the same values now): the records and the blame were about
+        the divergence it ended, so they go; what is held now is the baseline the next step is checked
+        against (the repair itself is no change at rest), and a step under way keeps no pre-repair digest."""
+        self.records.clear()
+        self.found = None
+        if self.current is not None:
+            for key in ("pre", "rest", "rest_count", "hyper_changed"):
+                self.current.pop(key, None)
+        self.last_hyper = hyper_text(self.optimizers)
+        if self.config.at_rest and self.last_post is not None:
+            try:
+                self.last_post, self.last_structure, self.last_names = self._digests()
+            except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+                self.last_post = None
+                self._failed(exc)
+
     def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
         """The audit's own full digests against this rank's at rest after the last step: what changed since."""
         if self.last_post is None or not self.config.at_rest:

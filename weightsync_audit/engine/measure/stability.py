@@ -10,14 +10,16 @@ from the same gathered table.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from weightsync_audit.engine.agreement.consensus import ValueDiff
+from weightsync_audit.engine.culprit import culprit
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.reporting.record import Mismatch
+from weightsync_audit.text import fmt_ranks
 
 __all__ = ["apply_stability", "persistent_hints", "reread_row", "unstable_hints"]
 
@@ -68,13 +70,41 @@ def unstable_hints(mismatches: Sequence[Mismatch], hosts: dict[str, str] | None)
 
 
 def persistent_hints(
-    mismatches: Sequence[Mismatch], resynced: dict[int, int], hosts: dict[str, str] | None
+    mismatches: Sequence[Mismatch],
+    blame: Mapping[str, Any] | None,
+    resynced: dict[int, int],
+    hosts: dict[str, str] | None,
 ) -> list[str]:
-    """One hint per rank that diverges again after a resync repaired it (``resynced``: rank -> step):
-    a persistent fault on that machine, to evict."""
-    again = sorted({r for m in mismatches if not m.within_tolerance for r in m.ranks if r in resynced})
-    return [
+    """Hints for a divergence that came back after a resync (``resynced``: each rank a resync repaired -> the
+    step). The ranks are named by the one rule (:func:`~weightsync_audit.engine.culprit.culprit`), and a
+    machine only on evidence about it (a hardware-suspect blame, an unstable read): a persistent fault on
+    that machine, to evict; otherwise the cause persists (code, settings or data) and no machine is named."""
+    live = [m for m in mismatches if not m.within_tolerance]
+    who = culprit(live, blame)
+    involved = {r for m in live for r in (*m.ranks, *m.reference_ranks)}
+    again = sorted(set(who.ranks or involved) & set(resynced))
+    if not again:
+        return []
+    where = lambda r: (hosts or {}).get(str(r), "host unknown")  # noqa: E731
+    out = [
         f"rank {r} diverged again after a resync repaired it at step {resynced[r]}: a persistent fault on that "
-        f"machine ({(hosts or {}).get(str(r), 'host unknown')}); evict it and restart from the last verified checkpoint"
+        f"machine ({where(r)}; {who.why}); evict it and restart from the last verified checkpoint"
         for r in again
+        if r in who.machine
     ]
+    soft = [r for r in again if r not in who.machine]
+    step = max(resynced[r] for r in again)
+    if soft and who.ranks:
+        out.append(
+            f"{fmt_ranks(soft)} diverged again after a resync repaired {'it' if len(soft) == 1 else 'them'} at step "
+            f"{step}: the cause persists and resync only hides it ({who.why}). Nothing says it is the machine: look "
+            "for code, settings or data that differ on that rank (a learning rate, a seed, a hook); another machine "
+            "would not fix it"
+        )
+    elif soft:
+        out.append(
+            f"the replicas diverged again after a resync at step {step}: the cause persists and resync only hides "
+            f"it. No rank can be named ({who.why}), so no machine is named to evict; attribution=True records each "
+            "rank's own steps and can tell which side changes"
+        )
+    return out

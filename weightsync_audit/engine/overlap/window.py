@@ -40,22 +40,26 @@ import threading
 import time
 import weakref
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any, Callable, Protocol
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
+from weightsync_audit.engine.context import AuditContext
 from weightsync_audit.engine.overlap.race import OverlapRun, RaceGuard
 from weightsync_audit.engine.overlap.stream import StreamOrder, accelerator_of
-from weightsync_audit.engine.run import Engine
 from weightsync_audit.errors import AuditRaceError
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["OverlapWindow", "PendingAudit"]
 
 
-class _Auditor(Engine, Protocol):
-    def audit(self, module: Any = None, optimizer: Any = None, **kw: Any) -> AuditResult: ...
+class _Auditor(Protocol):
+    """What the window reads of its :class:`~weightsync_audit.engine.auditor.Auditor` (no import back up)."""
+
+    def context(self, module: Any = None, optimizer: Any = None, **kw: Any) -> AuditContext: ...
+
+    def run(self, context: AuditContext) -> AuditResult: ...
 
 
 class PendingAudit:
@@ -111,26 +115,6 @@ class _Worker:
                 pending._done.set()
 
 
-class _Held:
-    """The auditor as its run sees it, with the manifest prepared at launch (or the error preparing it)."""
-
-    def __init__(self, auditor: Engine, prepared: PreparedManifest | BaseException) -> None:
-        self.auditor, self.prepared = auditor, prepared
-        self.config, self.history, self.pinpointer = auditor.config, auditor.history, auditor.pinpointer
-
-    @property
-    def comm(self) -> Any:
-        return self.auditor.comm
-
-    def slice_for(self, step: int | None) -> int:
-        return self.auditor.slice_for(step)
-
-    def prepare(self, module: Any, optimizers: list[Any], *, ddp: Any) -> PreparedManifest:
-        if isinstance(self.prepared, BaseException):
-            raise self.prepared
-        return self.prepared
-
-
 class OverlapWindow:
     """An auditor's overlapped audits: its worker thread, the audit pending, the optimizers' pre-step hook.
 
@@ -144,36 +128,30 @@ class OverlapWindow:
         self.on_settled: Callable[[PendingAudit], None] | None = None
         self._worker: _Worker | None = None
         self._hook: Any = None
-        self._context: tuple[Any, list[Any]] = (None, [])
+        self._context: AuditContext | None = None
 
-    def launch(
-        self, module: Any, optimizers: list[Any], *, step: int | None, epoch: int | None, hook: str | None, ddp: Any
-    ) -> PendingAudit:
-        """Right after an optimizer step, on every rank: prepare here, digest and compare on the worker."""
-        self.settle("next launch")
-        self.auditor.comm.setup()  # opened (collective) on the training thread, with every rank here
-        pending = PendingAudit(self, step, epoch, hook)
-        prepared: PreparedManifest | BaseException
-        guard, order = None, None
-        try:
-            prepared = self.auditor.prepare(module, optimizers, ddp=ddp)
-            guard = RaceGuard(prepared)
-            order = StreamOrder.at_launch(accelerator_of(guard.tensors))
-        except Exception as exc:  # noqa: BLE001 - the run reports it to every rank, which raise together
-            prepared = exc
-        held = _Held(self.auditor, prepared)
+    def launch(self, context: AuditContext) -> PendingAudit:
+        """Right after an optimizer step, on every rank, with nothing pending (the auditor settled it): the
+        audit of ``context`` (built, its manifest prepared, on this thread) digested and compared on the worker."""
+        assert self.pending is None, "settle the pending audit before launching the next"
+        pending = PendingAudit(self, context.step, context.epoch, context.hook)
+        guard, order = _NO_GUARD, None
+        if context.prepared is not None:
+            try:
+                guard = RaceGuard(context.prepared)
+                order = StreamOrder.at_launch(accelerator_of(guard.tensors))
+            except Exception as exc:  # noqa: BLE001 - the run reports it to every rank, which raise together
+                context = replace(context, prepared=None, failure=exc)
+        run = OverlapRun(context, guard=guard)
 
         def job() -> AuditResult:
             with order.on_worker() if order is not None else nullcontext():
-                run = OverlapRun(
-                    held, module, optimizers, guard=guard or _NO_GUARD, step=step, epoch=epoch, hook=hook, ddp=ddp
-                )
                 return run.run()
 
         if self._worker is None:
             self._worker = _Worker()
         self._install_hook()
-        self._context = (module, optimizers)
+        self._context = context
         self.pending = pending
         self._worker.jobs.put((pending, job))
         return pending
@@ -189,13 +167,15 @@ class OverlapWindow:
         pending.waited_ms = (time.perf_counter() - t0) * 1e3
         pending.settled_at = where
         error = pending._error
-        if isinstance(error, AuditRaceError) and error.raced:  # the same decision on every rank
-            module, optimizers = self._context
+        if isinstance(error, AuditRaceError) and error.raced and self._context is not None:  # on every rank
+            raced = self._context
             pending.raced, pending._error = str(error), None
-            try:  # at rest now: nothing writes the tensors until this returns
-                pending._result = self.auditor.audit(
-                    module, optimizers or None, step=pending.step, epoch=pending.epoch, hook=pending.hook
-                )
+            try:  # at rest now: nothing writes the tensors until this returns; the same evidence (its batch)
+                again = self.auditor.context(
+                    raced.module, raced.optimizers or None, step=raced.step, epoch=raced.epoch, hook=raced.hook,
+                    batch=raced.batch,
+                )  # fmt: skip
+                pending._result = self.auditor.run(again)
                 pending._result.notes.append(f"overlap: {error}; audited again at rest before the next step")
             except Exception as exc:  # noqa: BLE001 - raised from result(), as any audit's error
                 pending._error = exc

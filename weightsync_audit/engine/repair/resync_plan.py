@@ -86,6 +86,23 @@ class ResyncPlan:
         """Every source rank, ascending (the order of the broadcasts)."""
         return sorted(set(self.sources) | set(self.grads))
 
+    def receivers(self, mismatches: Sequence[Mismatch]) -> list[int]:
+        """The ranks this plan repaired among ``mismatches`` (those it was made from): for each tensor moved,
+        the ranks that held another value than its source.
+
+        >>> tie = Mismatch("w", "param", [1], [0], detail="tie vote: rank 0 vs rank 1, no majority")
+        >>> ResyncPlan({1: ["w"]}).receivers([tie])
+        [0]
+        """
+        source = {(kind, n): r for kind, plan in (("param", self.sources), ("grad", self.grads))
+                  for r, names in plan.items() for n in names}  # fmt: skip
+        out: set[int] = set()
+        for m in mismatches:
+            s = source.get(("grad" if m.kind == "grad" else "param", m.name))
+            if s is not None:
+                out.update(m.ranks if s in m.reference_ranks else [*m.reference_ranks, *(r for r in m.ranks if r != s)])
+        return sorted(out)
+
 
 def _finite_source(m: Mismatch, source: int) -> int | None:
     """``source``, unless its copy holds NaN/inf: then the first finite copy (reference side first);
@@ -96,8 +113,9 @@ def _finite_source(m: Mismatch, source: int) -> int | None:
     return next((r for r in (*m.reference_ranks, *m.ranks) if r not in bad), None)
 
 
-def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource) -> ResyncPlan:
-    """The source of each mismatch's tensor (structure differences are left out).
+def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource, *, tie_chosen_by: str | None = None) -> ResyncPlan:
+    """The source of each mismatch's tensor (structure differences are left out). ``tie_chosen_by``: what
+    chose ``src`` for a tie, in the note (:func:`~weightsync_audit.engine.culprit.resync_source`'s words).
 
     Raises :class:`~weightsync_audit.ResyncError` naming the tensors of which no copy is finite.
     """
@@ -148,9 +166,9 @@ def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource) -> ResyncPlan
             f"resync_src={src} holds a minority value of {brief_names(names)} ({fmt_ranks(refs)} hold the majority "
             f"value): resynced from rank {source}, a majority holder, instead"
         )
+    default = "resync_src" if src != "majority" else "the side holding the lowest rank"
     for source, names in ties.items():
         plan.notes.append(
-            f"tie vote on {brief_names(names)}: no majority, resynced from rank {source} "
-            f"({'resync_src' if src != 'majority' else 'the side holding the lowest rank'})"
+            f"tie vote on {brief_names(names)}: no majority, resynced from rank {source} ({tie_chosen_by or default})"
         )
     return plan

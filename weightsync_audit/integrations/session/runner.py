@@ -82,11 +82,14 @@ class AuditRunner:
     >>> runner.close()
     """
 
-    def __init__(self, options: AuditOptions | None = None, *, every_n: Optional[int] = None) -> None:
+    def __init__(
+        self, options: AuditOptions | None = None, *, every_n: Optional[int] = None, check_batches: bool = False
+    ) -> None:
         self.options = AuditOptions() if options is None else options
         """The adapter's options, whole (validated when they were built; errors name the argument)."""
-        # One AuditConfig, passed whole to the auditors; the adapter's cadence sizes the pinpoint ring.
-        self.config = self.options.audit_config(every_n)
+        # One AuditConfig, passed whole to the auditors; the adapter's cadence sizes the pinpoint ring;
+        # ``check_batches`` (LoopAudit's): the main auditor's audits compare the batches recorded per step.
+        self.config = replace(self.options.audit_config(every_n), check_batches=bool(check_batches))
         self.slices = self.config.slices
         # The main process hands the sinks each record (weightsync_audit.metrics).
         self.sinks = RecordSinks(self.options.sinks)
@@ -110,7 +113,8 @@ class AuditRunner:
         self.from_workers = False
         self.last_step_recorded: int | None = None
         self.resynced_ranks: dict[int, int] = {}
-        """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
+        """Ranks a resync repaired (those that received a copy), with the step: a divergence that comes back on
+        them is a cause that persists (on the machine only on evidence about it)."""
         self.overlap = OverlapDriver.of(self, self.options.overlap)
         """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
@@ -139,9 +143,10 @@ class AuditRunner:
             )
         if self.on_mismatch == "resync" and self.resync_src != "majority" and self.resync_src >= world_size:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
-        base = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers)
+        main = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers)
+        base = replace(main, check_batches=False)  # the batches are compared by the main auditor's audits
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
-        self.auditor = Auditor(config=replace(base, include=main_include))
+        self.auditor = Auditor(config=replace(main, include=main_include))
         self.auditor.history = self.history
         if "grads" in self.include:
             with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
@@ -234,7 +239,7 @@ class AuditRunner:
             return None
         result.notes[:0], self.failures = self.failures, []
         if not result.in_sync and self.resynced_ranks:
-            result.hints += persistent_hints(result.mismatches, self.resynced_ranks, result.hosts)
+            result.hints += persistent_hints(result.mismatches, result.blame, self.resynced_ranks, result.hosts)
         if grads:
             self._note_grad_result(result)
         plain, with_grads = self.confirm_auditor, self.confirm_grad_auditor
@@ -245,7 +250,7 @@ class AuditRunner:
             confirmer = with_grads if grads_moved and with_grads is not None else plain
             return confirmer.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
 
-        respond(
+        plan = respond(
             result,
             self.on_mismatch,
             model=model,
@@ -253,11 +258,11 @@ class AuditRunner:
             resync_src=self.resync_src,
             confirm=confirm,
             history=self.history,
-            pinpointer=self.auditor.pinpointer if self.auditor is not None else None,
             prepare=auditor.resync_state,  # the audit's channel and manifest, not prepared again
+            repaired=self.auditor.repaired if self.auditor is not None else None,  # its per-step evidence dropped
         )
-        if result.action == "resynced":  # a rank that diverges again after this is a persistent fault
-            self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
+        if result.action == "resynced" and plan is not None:  # a rank that diverges again after this: named
+            self.resynced_ranks.update({r: step for r in plan.receivers(result.mismatches)})
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics)
         if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look

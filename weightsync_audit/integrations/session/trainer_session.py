@@ -59,8 +59,8 @@ def added_by_env(callback: Any) -> bool:
 class TrainerSession:
     """The framework-free lifecycle of an audit callback; the adapters only translate hooks into calls."""
 
-    def __init__(self, options: AuditOptions, every_n: Optional[int]) -> None:
-        self.runner = AuditRunner(options, every_n=every_n)
+    def __init__(self, options: AuditOptions, every_n: Optional[int], *, check_batches: bool = False) -> None:
+        self.runner = AuditRunner(options, every_n=every_n, check_batches=check_batches)
         """Audits, acts and reports (it holds the options whole)."""
         self.every_n = every_n
         self.opened = False
@@ -137,9 +137,12 @@ class TrainerSession:
         on_cadence = self.every_n is not None and upcoming % self.every_n == 0
         return self.runner.grad_auditor is not None and (on_cadence or hook)
 
-    def after_step(self, model: Any, optimizers: Sequence[Any], step: int, *, once: bool = True) -> bool:
+    def after_step(
+        self, model: Any, optimizers: Sequence[Any], step: int, *, once: bool = True, batch: Any = None
+    ) -> bool:
         """After each optimizer step: the weights it left, recorded (pinpoint, attribution; local); whether the
-        cadence audits this step (``once``: not a step already audited, as gradient accumulation repeats it)."""
+        cadence audits this step (``once``: not a step already audited, as gradient accumulation repeats it).
+        ``batch``: with ``check_batches``, this rank's batch, recorded for the audit of this step (local)."""
         if self.active and model is not None:
             watch_run(self.runner, model, optimizers)  # attribution's watch, set once
             mark_step(self.runner, step)
@@ -147,6 +150,9 @@ class TrainerSession:
         if self.every_n is None or step % self.every_n or (once and step == self.last_step_audited):
             return False
         self.last_step_audited = step
+        auditor = self.runner.auditor
+        if self.active and auditor is not None and auditor.batches is not None:
+            auditor.record_batch(step, batch)  # the audit of this step consumes it, however it is scheduled
         return True
 
     def pending_final(self, step: int) -> bool:
