@@ -6,9 +6,18 @@ before (a post-step hook): a tensor that changed in between changed at rest. The
 too (one changed at rest on some rank only is a software difference), and with ``collective`` the
 gradients, once there (after the step's closure, where Lightning runs backward), are compared with what
 the all-reduce gave (:mod:`.collective`). Right after the step the sampled update is replayed
-(:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number. Each step
-leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit exchanges it
-(:mod:`.settle`), and an audit's own digests against the post-step ones say what changed after the step.
+(:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number, once per
+optimizer step: a step marked again with no optimizer step since (gradient accumulation: Lightning's
+``on_train_batch_end`` at every micro-batch, or a loop's ``no_sync`` micro-batches) leaves its record as it
+is. Each step leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit
+exchanges it (:mod:`.settle`), and an audit's own digests against the post-step ones say what changed
+after the step. For what changed at rest, the record keeps how (:mod:`.rest`): a version counter moved (a
+write), how many elements and bits changed.
+
+Nothing here breaks the user's step, and nothing fails in silence: a check that fails is written in the
+step's record (``failed``, read by the blame) and warned about once; an update the replay cannot
+reproduce faithfully (a closure optimizer such as ``LBFGS``) is declined, said in the record and warned
+about once, and the other checks run as usual.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import xxhash
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
 from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.attribution.replay import UpdateReplay
+from weightsync_audit.engine.attribution.rest import rest_evidence, versions
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.errors import WeightSyncWarning
@@ -95,15 +105,22 @@ class StepWatch:
         self.last_post: np.ndarray | None = None
         self.last_structure = 0
         self.last_names: list[str] = []
+        self.last_keep: list[int] = []
+        self.last_versions: np.ndarray | None = None
+        """Every manifest tensor's version counter right after the last step (:func:`.rest.versions`)."""
         self.last_hyper = ""
         self.last_step: int | None = None
         self.steps_taken = 0
         self.reduced = ReducedDigests()
-        self.replay = UpdateReplay(config.recheck) if config.recheck else None
+        self.replay = UpdateReplay(config.recheck, config.recheck_bytes) if config.recheck else None
         if self.replay is not None:
             self.replay.names = names
         self._handles: list[Any] = []
         self._depth: dict[int, int] = {}
+        self._copied: set[int] = set()  # optimizers whose replay copy this step has (a closure runs many times)
+        self._said: set[str] = set()
+        self.audit_evidence: list[dict[str, Any]] = []
+        """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
         self.found: tuple[dict[str, Any], dict[str, str]] | None = None
         """The blame of the divergence under way (every rank alike): later audits repeat it, no message,
         until an audit finds the replicas in sync again."""
@@ -132,12 +149,12 @@ class StepWatch:
             h.remove()
         self._handles = []
 
-    def _digests(self) -> tuple[np.ndarray, int, list[str]]:
+    def _digests(self) -> tuple[PreparedManifest, np.ndarray, list[int], list[str]]:
         prepared = self.prepare()
         entries = prepared.manifest.entries
         keep = at_rest_positions(entries)
         digests = prepared.digests(method=self.method)[keep]
-        return digests, prepared.structure, [entries[i].name for i in keep]
+        return prepared, digests, keep, [entries[i].name for i in keep]
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         # A subclass whose step calls super().step() runs the hooks again inside: only the outer call counts.
@@ -148,7 +165,7 @@ class StepWatch:
             if self.current is None:
                 self.current = self._open_step()
         except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
-            self._failed(exc)
+            self._failed(exc, "at-rest check before the step")
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
         if closure is None:
             self._gradients(opt)
@@ -166,52 +183,84 @@ class StepWatch:
         )
 
     def _gradients(self, opt: torch.optim.Optimizer) -> None:
-        """Once the gradients are there: what the all-reduce gave against them, and the replay's copy."""
+        """Once the gradients are there: what the all-reduce gave against them, and the replay's copy (once per
+        step: a closure optimizer such as LBFGS evaluates its closure several times in one step)."""
         try:
             if self.config.collective and self.current is not None and "grads" not in self.current:
                 self._check_gradients(self.current)
-            if self.replay is not None:
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "collective check")
+        try:
+            if self.replay is not None and id(opt) not in self._copied:
+                self._copied.add(id(opt))
                 self.replay.before(opt, self.steps_taken)
         except Exception as exc:  # noqa: BLE001
-            self._failed(exc)
+            self._failed(exc, "update replay")
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1
         if self._depth[id(opt)] > 0:
             return
-        try:
-            if self.current is None:
-                self.current = {"stepped": True}
-            self.current["stepped"] = True
-            if self.replay is not None:
+        if self.current is None:
+            self.current = {"stepped": True}
+        rec = self.current
+        rec["stepped"] = True
+        if self.replay is not None and id(opt) in self._copied:
+            self._copied.discard(id(opt))
+            try:
                 bad = self.replay.after(opt)
-                self.current["covered"] = self.current.get("covered", 0) + self.replay.covered
-                self.current["recheck"] = self.config.recheck
+                rec["covered"] = rec.get("covered", 0) + self.replay.covered
+                rec["replayable"] = rec.get("replayable", 0) + self.replay.replayable
+                if self.replay.too_large:
+                    rec["too_large"] = rec.get("too_large", 0) + self.replay.too_large
+                if self.replay.declined:
+                    rec["declined"] = self.replay.declined
+                    self._say(f"attribution's update replay is off for it: {self.replay.declined}")
                 if bad:
-                    self.current.setdefault("update", []).extend(bad[:MAX_NAMES])
-            if self.config.at_rest:  # at rest from here: whatever runs before the next step must not write
-                digests, structure, names = self._digests()
-                self.current["post"] = overall_digest(digests, structure)
-                self.last_post, self.last_structure, self.last_names = digests, structure, names
-        except Exception as exc:  # noqa: BLE001
-            self._failed(exc)
+                    rec.setdefault("update", []).extend(bad[:MAX_NAMES])
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc, "update replay")
+        if self.config.at_rest:  # at rest from here: whatever runs before the next step must not write
+            try:
+                prepared, digests, keep, names = self._digests()
+                rec["post"] = overall_digest(digests, prepared.structure)
+                self.last_post, self.last_structure, self.last_names = digests, prepared.structure, names
+                self.last_keep, self.last_versions = keep, versions(prepared)
+            except Exception as exc:  # noqa: BLE001
+                self.last_post = self.last_versions = None
+                self._failed(exc, "at-rest check after the step")
 
-    def _failed(self, exc: Exception) -> None:
+    def _failed(self, exc: Exception, where: str) -> None:
+        """A check that failed: written in the step's record (the blame reads it) and warned about once."""
         if self.current is None:
             self.current = {"stepped": False}
-        self.current["failed"] = f"{type(exc).__name__}: {exc}"[:200]
+        text = f"{type(exc).__name__}: {exc}"[:200]
+        self.current["failed"] = f"{where}: {text}"
+        self._say(
+            f"attribution's {where} failed ({text}); the records of this rank say so, and its blame may be undecided"
+        )
+
+    def _say(self, what: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(f"weightsync audit: {what}", WeightSyncWarning, stacklevel=4)
 
     def _open_step(self) -> dict[str, Any]:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
         rec: dict[str, Any] = {"stepped": False}
+        reference = self.replay.reference if self.replay is not None else {}
         if self.config.at_rest:
-            digests, structure, names = self._digests()
-            rec["pre"] = overall_digest(digests, structure)
-            if self.last_post is not None and structure == self.last_structure and len(digests) == len(self.last_post):
-                moved = np.nonzero(digests != self.last_post)[0].tolist()
+            prepared, digests, keep, names = self._digests()
+            rec["pre"] = overall_digest(digests, prepared.structure)
+            last = self.last_post
+            if last is not None and prepared.structure == self.last_structure and len(digests) == len(last):
+                moved = np.nonzero(digests != last)[0].tolist()
                 if moved:
                     rec["rest"] = [names[i] for i in moved[:MAX_NAMES]]
                     rec["rest_count"] = len(moved)
+                    where = [keep[i] for i in moved[:MAX_NAMES]]
+                    rec["rest_evidence"] = rest_evidence(prepared, where, rec["rest"], self.last_versions, reference)
+        reference.clear()  # the last step's post-step bytes: read, and now to be replaced
         hyper = hyper_text(self.optimizers)
         rec["hyper"] = _word(hyper)
         if self.last_step is not None and hyper != self.last_hyper:
@@ -234,13 +283,18 @@ class StepWatch:
     def mark(self, step: int) -> None:
         """After every optimizer step (where pinpoint records): the record of the step closed under ``step``
         (its digests at rest were taken by the post-step hook). A mark with no optimizer step since the
-        last is recorded too (a skipped step)."""
+        last is recorded too (a skipped step), unless it marks the step of the last record again (gradient
+        accumulation): that step's record stands. A second optimizer step under the same step number
+        (several optimizers, or a manual second step) is a record of its own (``seq``)."""
+        self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
+        last = self.records[-1] if self.records else None
+        if self.current is None and last is not None and last["step"] == int(step):
+            return  # the same step marked again with no optimizer step since: idempotent
         rec = self.current if self.current is not None else {"stepped": False}
         self.current = None
         rec["step"] = int(step)
-        self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
-        if self.records and self.records[-1]["step"] == rec["step"]:
-            self.records.pop()  # the same step marked again (gradient accumulation): the latest counts
+        if last is not None and last["step"] == rec["step"]:
+            rec["seq"] = int(last.get("seq", 0)) + 1
         self.records.append(rec)
         self.last_step = int(step)
         self.steps_taken += 1
@@ -250,7 +304,9 @@ class StepWatch:
         self.records.clear()
 
     def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
-        """The audit's own full digests against this rank's at rest after the last step: what changed since."""
+        """The audit's own full digests against this rank's at rest after the last step: what changed since
+        (how: :attr:`audit_evidence`)."""
+        self.audit_evidence = []
         if self.last_post is None or not self.config.at_rest:
             return []
         entries = prepared.manifest.entries
@@ -262,7 +318,17 @@ class StepWatch:
         ):
             return []
         now = digests[keep]
-        return [self.last_names[i] for i in np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]]
+        moved = np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]
+        names = [self.last_names[i] for i in moved]
+        if moved:
+            reference = self.replay.reference if self.replay is not None else {}
+            try:
+                self.audit_evidence = rest_evidence(
+                    prepared, [keep[i] for i in moved], names, self.last_versions, reference
+                )
+            except Exception:  # noqa: BLE001 - evidence, never a failure of the audit
+                self.audit_evidence = [{"name": n} for n in names]
+        return names
 
     def payload(self) -> dict[str, Any]:
         """This rank's records since the last in-sync audit, to exchange."""
