@@ -284,3 +284,54 @@ def test_after_a_sampled_or_divergent_audit_a_transient_names_only_the_steps_rec
     for ring in (a, b):
         ring.audited()  # a divergent audit reported it
     assert transient_from([a.encode(recent=True), b.encode(recent=True)], [b"", b""], [])["last_diverged_step"] is None
+
+
+def _two_faults(rank: int, world: int, tolerance: float | None, every: int) -> dict[str, Any]:
+    """Rank 1: every element of ``0.weight`` nudged by float rounding at step 3 (drift), ``1.weight[0, 0]`` off by
+    1e-2 at step 12 (a bug). Each rank's bytes per step kept, for the truth."""
+    model, opt, auditor = _pinpointed(64, 0.0, tolerance=tolerance)  # lr 0: nothing but the planted changes moves
+    out, seen = [], []
+    for step in range(1, 16):
+        _train_step(model, opt, world)
+        if rank == 1:
+            with torch.no_grad():
+                if step == 3:
+                    model[0].weight.mul_(1 + 2e-7)
+                if step == 12:
+                    model[1].weight[0, 0] += 1e-2
+        auditor.record_step(step)
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        _audit_every(every, auditor, step, out)
+    return {"records": out, "seen": seen}
+
+
+def _first_differing(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> dict[str, int]:
+    """The truth: for each tensor, the first step (1-based) at which the two ranks' bytes differ."""
+    return {
+        name: next(s + 1 for s in range(len(a)) if not torch.equal(a[s][name], b[s][name]))
+        for name in a[0]
+        if any(not torch.equal(a[s][name], b[s][name]) for s in range(len(a)))
+    }
+
+
+@pytest.mark.parametrize(("tolerance", "every"), [(None, 15), (1e-5, 5)])
+def test_each_mismatch_is_dated_to_the_step_its_own_bytes_first_differed(tolerance: float | None, every: int) -> None:
+    out = run_ranks(_two_faults, 2, tolerance, every)
+    assert out[0]["records"] == out[1]["records"]
+    truth = _first_differing(out[0]["seen"], out[1]["seen"])
+    assert truth == {"0.weight": 3, "1.weight": 12}
+    last = out[0]["records"][-1]
+    dated = {m["name"]: m.get("first_diverged_step") for m in last["mismatches"]}
+    assert dated == truth, last["mismatches"]
+    assert (last["pinpoint"], last["first_diverged_step"]) == ("exact", 3)  # the record's: the earliest
+    back = AuditResult.from_dict(last)
+    assert {m.name: m.first_diverged_step for m in back.mismatches} == truth
+
+
+def test_a_bad_mismatch_date_is_named() -> None:
+    from weightsync_audit import Mismatch, ReportFormatError
+
+    m = Mismatch("w", "param", [1], [0], first_diverged_step=4).to_dict()
+    assert Mismatch.from_dict(m).first_diverged_step == 4 and "first_diverged_step" not in Mismatch("w", "param", [1], [0]).to_dict()
+    with pytest.raises(ReportFormatError, match="first_diverged_step"):
+        Mismatch.from_dict({**m, "first_diverged_step": "4"})
