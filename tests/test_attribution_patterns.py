@@ -46,7 +46,7 @@ def _lbfgs(rank: int, world: int, faulty: int) -> dict[str, Any]:
         for step in range(1, 7):
             x, y = _batch(step, 0)  # the same batch everywhere: LBFGS keeps the (local) loss in its state
 
-            def closure() -> torch.Tensor:
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
                 opt.zero_grad()
                 loss = nn.functional.mse_loss(ddp(x), y)
                 loss.backward()
@@ -163,7 +163,9 @@ def test_gradscaler_healthy_steps_replay_exactly_and_a_skipped_step_is_a_step_sk
 def test_gradscaler_a_one_ulp_compute_fault_is_the_compute_on_that_rank(impl: str) -> None:
     out = run_ranks(_scaled, 2, impl, 1, 2)
     # The truth, from the bytes: the replicas part at step 6, on rank 1's weight (the fault's).
-    truth = [s for s in range(8) if not all(torch.equal(a, b) for a, b in zip(out[0]["params"][s], out[1]["params"][s]))]
+    truth = [
+        s for s in range(8) if not all(torch.equal(a, b) for a, b in zip(out[0]["params"][s], out[1]["params"][s]))
+    ]
     assert truth and truth[0] == 5
     bad = [a for a in out[0]["audits"] if not a["in_sync"]]
     blame = bad[0]["blame"]

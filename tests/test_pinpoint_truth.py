@@ -332,6 +332,9 @@ def test_a_bad_mismatch_date_is_named() -> None:
     from weightsync_audit import Mismatch, ReportFormatError
 
     m = Mismatch("w", "param", [1], [0], first_diverged_step=4).to_dict()
-    assert Mismatch.from_dict(m).first_diverged_step == 4 and "first_diverged_step" not in Mismatch("w", "param", [1], [0]).to_dict()
+    assert (
+        Mismatch.from_dict(m).first_diverged_step == 4
+        and "first_diverged_step" not in Mismatch("w", "param", [1], [0]).to_dict()
+    )
     with pytest.raises(ReportFormatError, match="first_diverged_step"):
         Mismatch.from_dict({**m, "first_diverged_step": "4"})
