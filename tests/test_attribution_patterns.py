@@ -224,3 +224,50 @@ def test_a_write_at_rest_is_software_and_a_bit_flip_is_the_memory(
         assert f"{out[0]['numel']} of {out[0]['numel']} elements" in blame["detail"], blame
     if how == "flip":
         assert "1 bit in 1 of" in blame["detail"], blame
+
+
+# -- with overlap=True: the at-rest reads off the training thread ---------------------------------------
+
+
+def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int:
+    """``overlap=True``: the at-rest reads run on a worker. Each step's forward and backward take about 30 ms
+    (a sleep stands for them); after step 3's launch ``faulty``'s weight gets a bit flipped at once (between the
+    reads), or is written through torch right before step 4 (after the late read: its counter tells)."""
+    import time
+
+    model, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=1, verbose=False, attribution=True, overlap=True, report_path=report)
+    for step in range(1, 7):
+        x, y = _batch(step, rank)
+        time.sleep(0.03)
+        if rank == faulty and step == 4 and how == "write late":
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1.0
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        audit.step(step)
+        if rank == faulty and step == 3 and how == "flip":
+            flip_bit(model[0].weight, 5, 27)
+    reads = audit.runner.auditor.attribution.rest.reader.late_reads
+    audit.close()
+    return reads
+
+
+@pytest.mark.parametrize(
+    ("how", "faulty", "evidence"), [("flip", 1, "at_rest_change"), ("write late", 0, "at_rest_write")]
+)
+def test_with_overlap_the_at_rest_check_runs_off_the_training_thread_and_still_names_the_rank(
+    tmp_path: Any, how: str, faulty: int, evidence: str
+) -> None:
+    import json
+
+    report = tmp_path / "r.jsonl"
+    reads = run_ranks(_offloaded, 2, how, faulty, str(report))
+    assert min(reads) >= 1 and sum(reads) >= 4, reads  # the late reads ran, on the worker
+    records = [json.loads(line) for line in report.read_text().splitlines()]
+    bad = [r for r in records if not r["in_sync"]]
+    assert bad and bad[0]["step"] == 4, [(r["step"], r["in_sync"]) for r in records]
+    blame = bad[0]["blame"]
+    assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], evidence, 4), blame
+    assert blame["hardware_suspect"] is (evidence == "at_rest_change")

@@ -165,8 +165,9 @@ def _at_step(
     at = lambda idx: [g[i] for i in idx]  # noqa: E731
     since = f"between step {prev} and step {s}" if prev is not None else f"before the optimizer step of step {s}"
     pre_differ = _differ(full, "pre")
+    pre_known = all(r.get("pre") is not None for r in full)  # offloaded: a late read some rank did not complete
     side = _side([bool(r.get("rest")) for r in full])
-    if pre_differ and side is not None:
+    if side is not None and (pre_differ or not pre_known):
         changed = (
             f"{_whose(at(side), ', '.join(names(side, 'rest')))} changed {since} with no optimizer step in between"
         )
@@ -215,7 +216,7 @@ def _at_step(
         return _blame(at(side), "update_not_reproducible", True, s,
                       f"{_whose(at(side), 'optimizer step')} at step {s} gave other bytes ({what}) than its own replay "
                       "of it from the same pre-step values: the computation is not reproducible there")  # fmt: skip
-    if _differ(full, "post") and not pre_differ:
+    if _differ(full, "post") and pre_known and not pre_differ:
         if all(flagged):
             return _blame([], "undecided", False, s,
                           f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes, and no rank's "

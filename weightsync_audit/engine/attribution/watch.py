@@ -30,18 +30,15 @@ import numpy as np
 import torch
 import xxhash
 
+from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
 from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.attribution.replay import UpdateReplay
-from weightsync_audit.engine.attribution.rest import rest_evidence, versions
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
-
-MAX_NAMES = 8
-"""Tensor names a record keeps per finding (the count is kept too)."""
 
 
 def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
@@ -54,12 +51,6 @@ def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
                 if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None))):
                     parts.append(f"{i}.{j}.{k}={v!r}")
     return "\n".join(parts)
-
-
-def at_rest_positions(entries: Sequence[Any]) -> list[int]:
-    """The manifest positions that must not change between steps: parameters and optimizer state (not the
-    buffers, which every forward may write, nor the hyperparameters, watched apart)."""
-    return [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer") and "param_groups." not in e.name]
 
 
 def _changed(before: str, after: str) -> str:
@@ -93,6 +84,7 @@ class StepWatch:
         names: dict[int, str],
         capacity: int = 1024,
         method: str = "auto",
+        offload: bool = False,
     ) -> None:
         self.config = config
         self.prepare = prepare
@@ -102,12 +94,8 @@ class StepWatch:
         self.records: deque[dict[str, Any]] = deque(maxlen=capacity)
         self.current: dict[str, Any] | None = None
         """The step under way: opened by the first pre-step hook after a mark, closed by :meth:`mark`."""
-        self.last_post: np.ndarray | None = None
-        self.last_structure = 0
-        self.last_names: list[str] = []
-        self.last_keep: list[int] = []
-        self.last_versions: np.ndarray | None = None
-        """Every manifest tensor's version counter right after the last step (:func:`.rest.versions`)."""
+        self.rest = AtRest(prepare, method, offload) if config.at_rest else None
+        """The at-rest check (``offload``: its reads on a worker thread, :mod:`.offload`)."""
         self.last_hyper = ""
         self.last_step: int | None = None
         self.steps_taken = 0
@@ -144,17 +132,27 @@ class StepWatch:
                 )
 
     def detach(self) -> None:
-        """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed)."""
+        """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed), end an offloaded reader."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.rest is not None:
+            self.rest.close()
 
-    def _digests(self) -> tuple[PreparedManifest, np.ndarray, list[int], list[str]]:
-        prepared = self.prepare()
-        entries = prepared.manifest.entries
-        keep = at_rest_positions(entries)
-        digests = prepared.digests(method=self.method)[keep]
-        return prepared, digests, keep, [entries[i].name for i in keep]
+    @property
+    def last_post(self) -> np.ndarray | None:
+        """This rank's at-rest digests right after the last step (None: none kept). Set to None to forget them
+        (after a repair, what was kept is no longer what is held)."""
+        if self.rest is None:
+            return None
+        self.rest.settle_post()
+        return self.rest.post
+
+    @last_post.setter
+    def last_post(self, value: np.ndarray | None) -> None:
+        if self.rest is not None:
+            self.rest.settle_post()
+            self.rest.post = value
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         # A subclass whose step calls super().step() runs the hooks again inside: only the outer call counts.
@@ -220,14 +218,10 @@ class StepWatch:
                     rec.setdefault("update", []).extend(bad[:MAX_NAMES])
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc, "update replay")
-        if self.config.at_rest:  # at rest from here: whatever runs before the next step must not write
+        if self.rest is not None:  # at rest from here: whatever runs before the next step must not write
             try:
-                prepared, digests, keep, names = self._digests()
-                rec["post"] = overall_digest(digests, prepared.structure)
-                self.last_post, self.last_structure, self.last_names = digests, prepared.structure, names
-                self.last_keep, self.last_versions = keep, versions(prepared)
+                self.rest.after_step(rec)
             except Exception as exc:  # noqa: BLE001
-                self.last_post = self.last_versions = None
                 self._failed(exc, "at-rest check after the step")
 
     def _failed(self, exc: Exception, where: str) -> None:
@@ -249,18 +243,11 @@ class StepWatch:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
         rec: dict[str, Any] = {"stepped": False}
         reference = self.replay.reference if self.replay is not None else {}
-        if self.config.at_rest:
-            prepared, digests, keep, names = self._digests()
-            rec["pre"] = overall_digest(digests, prepared.structure)
-            last = self.last_post
-            if last is not None and prepared.structure == self.last_structure and len(digests) == len(last):
-                moved = np.nonzero(digests != last)[0].tolist()
-                if moved:
-                    rec["rest"] = [names[i] for i in moved[:MAX_NAMES]]
-                    rec["rest_count"] = len(moved)
-                    where = [keep[i] for i in moved[:MAX_NAMES]]
-                    rec["rest_evidence"] = rest_evidence(prepared, where, rec["rest"], self.last_versions, reference)
-        reference.clear()  # the last step's post-step bytes: read, and now to be replaced
+        try:
+            if self.rest is not None:
+                self.rest.before_step(rec, reference)
+        finally:
+            reference.clear()  # the last step's post-step bytes: read, and now to be replaced
         hyper = hyper_text(self.optimizers)
         rec["hyper"] = _word(hyper)
         if self.last_step is not None and hyper != self.last_hyper:
@@ -307,29 +294,14 @@ class StepWatch:
         """The audit's own full digests against this rank's at rest after the last step: what changed since
         (how: :attr:`audit_evidence`)."""
         self.audit_evidence = []
-        if self.last_post is None or not self.config.at_rest:
+        if self.rest is None:
             return []
-        entries = prepared.manifest.entries
-        keep = at_rest_positions(entries)
-        if (
-            prepared.structure != self.last_structure
-            or len(keep) != len(self.last_post)
-            or len(digests) != len(entries)
-        ):
-            return []
-        now = digests[keep]
-        moved = np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]
-        names = [self.last_names[i] for i in moved]
-        if moved:
-            reference = self.replay.reference if self.replay is not None else {}
-            try:
-                self.audit_evidence = rest_evidence(
-                    prepared, [keep[i] for i in moved], names, self.last_versions, reference
-                )
-            except Exception:  # noqa: BLE001 - evidence, never a failure of the audit
-                self.audit_evidence = [{"name": n} for n in names]
+        reference = self.replay.reference if self.replay is not None else {}
+        names, self.audit_evidence = self.rest.since_step(prepared, digests, reference)
         return names
 
     def payload(self) -> dict[str, Any]:
         """This rank's records since the last in-sync audit, to exchange."""
+        if self.rest is not None:
+            self.rest.settle_post()  # offloaded: the last step's post-step word, read by now
         return {"records": list(self.records), "hyper": self.last_hyper}
