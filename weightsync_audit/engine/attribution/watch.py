@@ -22,6 +22,7 @@ about once, and the other checks run as usual.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -107,6 +108,9 @@ class StepWatch:
         self._depth: dict[int, int] = {}
         self._copied: set[int] = set()  # optimizers whose replay copy this step has (a closure runs many times)
         self._said: set[str] = set()
+        self.hook_s = 0.0
+        """Seconds this watch's optimizer hooks took on the training thread, in all (its cost on the critical
+        path; the collective check's own is :attr:`ReducedDigests.hook_s`)."""
         self.audit_evidence: list[dict[str, Any]] = []
         """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
         self.found: tuple[dict[str, Any], dict[str, str]] | None = None
@@ -159,11 +163,13 @@ class StepWatch:
         self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
         if self._depth[id(opt)] > 1:
             return None
+        t0 = time.perf_counter()
         try:
             if self.current is None:
                 self.current = self._open_step()
         except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
             self._failed(exc, "at-rest check before the step")
+        self.hook_s += time.perf_counter() - t0
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
         if closure is None:
             self._gradients(opt)
@@ -183,6 +189,7 @@ class StepWatch:
     def _gradients(self, opt: torch.optim.Optimizer) -> None:
         """Once the gradients are there: what the all-reduce gave against them, and the replay's copy (once per
         step: a closure optimizer such as LBFGS evaluates its closure several times in one step)."""
+        t0 = time.perf_counter()
         try:
             if self.config.collective and self.current is not None and "grads" not in self.current:
                 self._check_gradients(self.current)
@@ -194,11 +201,19 @@ class StepWatch:
                 self.replay.before(opt, self.steps_taken)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "update replay")
+        self.hook_s += time.perf_counter() - t0
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1
         if self._depth[id(opt)] > 0:
             return
+        t0 = time.perf_counter()
+        try:
+            self._after_step(opt)
+        finally:
+            self.hook_s += time.perf_counter() - t0
+
+    def _after_step(self, opt: torch.optim.Optimizer) -> None:
         if self.current is None:
             self.current = {"stepped": True}
         rec = self.current
