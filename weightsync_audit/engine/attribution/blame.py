@@ -209,6 +209,15 @@ def _at_step(
                           f"step of step {s}, on that rank only (local code: clipping, unscaling, a hook)")  # fmt: skip
         return _blame([], "deterministic_difference", False, s,
                       f"the gradients differ after the all-reduce at step {s}; no rank alone changed its own")  # fmt: skip
+    return _update(s, full, g, pre_known, pre_differ)
+
+
+def _update(
+    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool
+) -> dict[str, Any] | None:
+    """The update at step ``s``, read from the ranks' replays of it (the last part of :func:`_at_step`)."""
+    names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
+    at = lambda idx: [g[i] for i in idx]  # noqa: E731
     flagged = [bool(r.get("update")) for r in full]
     side = _side(flagged)
     if side is not None:
