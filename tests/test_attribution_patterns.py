@@ -230,9 +230,10 @@ def test_a_write_at_rest_is_software_and_a_bit_flip_is_the_memory(
 
 
 def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int:
-    """``overlap=True``: the at-rest reads run on a worker. Each step's forward and backward take about 30 ms
-    (a sleep stands for them); after step 3's launch ``faulty``'s weight gets a bit flipped at once (between the
-    reads), or is written through torch right before step 4 (after the late read: its counter tells)."""
+    """``overlap=True``: the at-rest reads and the collective check's digests run on workers. Each step's forward
+    and backward take about 30 ms (a sleep stands for them); after step 3's launch ``faulty``'s weight gets a bit
+    flipped at once (between the reads), or is written through torch right before step 4 (after the late read:
+    its counter tells), or at step 4 its gradient is halved after the all-reduce."""
     import time
 
     model, ddp, opt = build(rank)
@@ -245,6 +246,9 @@ def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int
                 model[0].weight[0, 0] += 1.0
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()
+        if rank == faulty and step == 4 and how == "grad after reduce":
+            with torch.no_grad():
+                model[2].weight.grad.mul_(0.5)  # local code between the all-reduce and the step
         opt.step()
         audit.step(step)
         if rank == faulty and step == 3 and how == "flip":
@@ -255,7 +259,12 @@ def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int
 
 
 @pytest.mark.parametrize(
-    ("how", "faulty", "evidence"), [("flip", 1, "at_rest_change"), ("write late", 0, "at_rest_write")]
+    ("how", "faulty", "evidence"),
+    [
+        ("flip", 1, "at_rest_change"),
+        ("write late", 0, "at_rest_write"),
+        ("grad after reduce", 1, "deterministic_difference"),
+    ],
 )
 def test_with_overlap_the_at_rest_check_runs_off_the_training_thread_and_still_names_the_rank(
     tmp_path: Any, how: str, faulty: int, evidence: str

@@ -20,6 +20,11 @@ reads: not in the time of one read right after the step, nor after the late read
 finds what the check misses; its blame is then the vote's, or undecided. On the training thread this costs
 the structure check, the small tensors and the counters; the reads use a core of their own where one is
 free (benchmarks/bench_attribution.py).
+
+The collective check's digests go to a worker too (:class:`Deferred`): each reduced bucket is digested after
+DDP's hook returns, the gradients after the pre-step hook, each guarded by its version counter (a bucket
+DDP refilled, or gradients zeroed in place, before the worker read them leave that step's check unknown,
+never wrong); a divergent audit waits for what is still queued.
 """
 
 from __future__ import annotations
@@ -29,13 +34,13 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
-__all__ = ["RestReader"]
+__all__ = ["Deferred", "RestReader"]
 
 MARGIN = 1.5
 """The late read starts this many read-lengths before the window's predicted end."""
@@ -144,6 +149,48 @@ class RestReader:
         if self._window is not None:
             self._window.abort.set()
             self._window = None
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+
+class Deferred:
+    """Jobs run in order on one worker thread (the collective check's digests, with ``overlap``); :meth:`drain`
+    waits for every job submitted so far. A job records its own outcome; nothing it raises escapes."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._pending = 0
+        self._done = threading.Condition()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on the worker, after those submitted before it."""
+        with self._done:
+            self._pending += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="weightsync-audit-collective", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (never from a job itself)."""
+        with self._done:
+            self._done.wait_for(lambda: self._pending == 0)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a job writes what it found; a failed one leaves it unknown
+                pass
+            finally:
+                with self._done:
+                    self._pending -= 1
+                    self._done.notify_all()
+
+    def close(self) -> None:
+        """End the worker thread once its jobs have run."""
         if self._thread is not None:
             self._jobs.put(None)
             self._thread = None

@@ -31,9 +31,11 @@ import numpy as np
 import torch
 import xxhash
 
+from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
 from weightsync_audit.engine.attribution.config import AttributionConfig
+from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
@@ -101,6 +103,9 @@ class StepWatch:
         self.last_step: int | None = None
         self.steps_taken = 0
         self.reduced = ReducedDigests()
+        self.deferred = Deferred() if offload and config.collective else None
+        """With ``offload``, the collective check's digests run on this worker (:class:`~.offload.Deferred`)."""
+        self.reduced.deferred = self.deferred
         self.replay = UpdateReplay(config.recheck, config.recheck_bytes) if config.recheck else None
         if self.replay is not None:
             self.replay.names = names
@@ -142,6 +147,8 @@ class StepWatch:
         self._handles = []
         if self.rest is not None:
             self.rest.close()
+        if self.deferred is not None:
+            self.deferred.close()
 
     @property
     def last_post(self) -> np.ndarray | None:
@@ -271,12 +278,29 @@ class StepWatch:
         return rec
 
     def _check_gradients(self, rec: dict[str, Any]) -> None:
-        buckets, reduced = self.reduced.take()
-        rec["buckets"] = sorted(buckets.items())
+        """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
+        guarded by their version counters: gradients written before it read them leave the check unknown)."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-        mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
+        grads = [p.grad.detach() for p in params]
+        names = [self.names.get(id(p), "?") for p in params]
+        ids = [id(p) for p in params]
+        if self.deferred is None:
+            self._compare_gradients(rec, ids, grads, names, None)
+            return
+        rec["grads"] = None  # said below, once read
+        stamps = [tensor_version(g) for g in grads]
+        self.deferred.submit(lambda: self._compare_gradients(rec, ids, grads, names, stamps))
+
+    def _compare_gradients(
+        self, rec: dict[str, Any], ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None
+    ) -> None:
+        buckets, reduced = self.reduced.take(wait=stamps is None)
+        rec["buckets"] = sorted(buckets.items())
+        mine = digest_tensors(grads) if grads else np.zeros(0, np.int64)
+        if stamps is not None and [tensor_version(g) for g in grads] != stamps:
+            return  # written before the worker read them: unknown this step (``grads`` stays null)
         rec["grads"] = int(overall_digest(mine, len(mine)))
-        moved = [self.names.get(id(p), "?") for p, d in zip(params, mine.tolist()) if reduced.get(id(p), d) != d]
+        moved = [n for i, n, d in zip(ids, names, mine.tolist()) if reduced.get(i, d) != d]
         if moved:
             rec["grads_changed"] = moved[:MAX_NAMES]
 
@@ -319,4 +343,6 @@ class StepWatch:
         """This rank's records since the last in-sync audit, to exchange."""
         if self.rest is not None:
             self.rest.settle_post()  # offloaded: the last step's post-step word, read by now
+        if self.deferred is not None:
+            self.deferred.drain()  # offloaded: the collective check's words, read by now
         return {"records": list(self.records), "hyper": self.last_hyper}
