@@ -19,10 +19,16 @@ The first step at which the ranks' records part decides, read in the order thing
 
 Nothing in the records: a strict majority of the vote (``vote``); a tie names no one (``ranks: []``).
 
->>> blame = decide([{"records": [{"step": 7, "pre": 1, "post": 5, "stepped": True, "rest": ["0.weight"]}]},
+>>> flip = {"name": "0.weight", "moved": False, "elements": 1, "compared": 128, "bits": 1}
+>>> blame = decide([{"records": [{"step": 7, "pre": 1, "post": 5, "stepped": True, "rest": ["0.weight"],
+...                               "rest_evidence": [flip]}]},
 ...                 {"records": [{"step": 7, "pre": 2, "post": 6, "stepped": True}]}], [0, 1], [])
 >>> blame["ranks"], blame["evidence"], blame["hardware_suspect"]
 ([0], 'at_rest_change', True)
+>>> decide([{"records": [{"step": 7, "pre": 1, "stepped": True, "rest": ["0.weight"],
+...                       "rest_evidence": [{**flip, "moved": True}]}]},
+...         {"records": [{"step": 7, "pre": 2, "stepped": True}]}], [0, 1], [])["evidence"]
+'at_rest_write'
 """
 
 from __future__ import annotations
@@ -285,7 +291,12 @@ def decide(
         changed = f"{_whose([g[i] for i in side], what)} changed {since}, before this audit, with no optimizer step in between"
         evidence = [e for i in side for e in payloads[i].get("audit_rest_evidence", [])]
         return _rest_blame([g[i] for i in side], prev, changed, evidence, measured)
-    return vote_blame(mismatches)
+    blame = vote_blame(mismatches)
+    failed = [f"rank {g[i]} at step {r['step']}: {r['failed']}" for i, p in enumerate(payloads)
+              for r in p.get("records", []) if r.get("failed")]  # fmt: skip
+    if failed:  # never in silence: why the records could not tell
+        blame["detail"] += f"; the watch failed ({'; '.join(failed[:3])})"
+    return blame
 
 
 def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:

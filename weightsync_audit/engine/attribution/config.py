@@ -55,7 +55,8 @@ class AttributionConfig:
 
 
 def check_attribution(value: Any, argument: str = "attribution") -> AttributionConfig | None:
-    """``False``/``None`` (off), ``True`` (at rest, collective, and every update replayed), a dict of
+    """``False``/``None`` (off), ``True`` (at rest, collective, and every update replayed in turn within
+    :data:`RECHECK_BYTES` per step), a dict of
     :class:`AttributionConfig`'s fields, or one itself.
 
     >>> check_attribution({"recheck": 4}).recheck
