@@ -12,7 +12,8 @@ optimizer step: a step marked again with no optimizer step since (gradient accum
 is. Each step leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit
 exchanges it (:mod:`.settle`), and an audit's own digests against the post-step ones say what changed
 after the step. For what changed at rest, the record keeps how (:mod:`.rest`): a version counter moved (a
-write), how many elements and bits changed.
+write), how many elements and bits changed. With ``offload`` (what ``overlap=True`` sets) the at-rest reads
+and the collective check's digests run on worker threads (:mod:`.offload`).
 
 Nothing here breaks the user's step, and nothing fails in silence: a check that fails is written in the
 step's record (``failed``, read by the blame) and warned about once; an update the replay cannot
