@@ -43,15 +43,8 @@ from weightsync_audit.text import fmt_ranks
 
 __all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "blame_source", "decide", "vote_blame"]
 
-Evidence = Literal[
-    "vote",
-    "at_rest_change",
-    "at_rest_write",
-    "update_not_reproducible",
-    "collective_mismatch",
-    "deterministic_difference",
-    "undecided",
-]
+Evidence = Literal["vote", "at_rest_change", "at_rest_write", "update_not_reproducible", "collective_mismatch",
+                   "deterministic_difference", "undecided"]  # fmt: skip
 EVIDENCE: tuple[str, ...] = BLAME_EVIDENCE
 assert EVIDENCE == get_args(Evidence), "one list of evidence"
 CAUSES = {
