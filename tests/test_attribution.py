@@ -74,7 +74,7 @@ def _collective(rank: int, world: int, faulty: int, offload: bool = False) -> di
     _, ddp, opt = build(rank)
     auditor = Auditor(ddp, opt, config=AuditConfig(attribution=AttributionConfig(collective=True, recheck=1)))
     hook = corrupting_hook(faulty, rank, FAULT_STEP)
-    auditor.attribution = attach_watch(auditor, ddp, [opt], hook=hook, offload=offload)
+    auditor.attribution = attach_watch(auditor, ddp, [opt], hook=hook, **({"offload": True} if offload else {}))
     out = []
     for step in range(1, STEPS + 1):
         train_step(ddp, opt, rank, step, None, faulty)
