@@ -5,6 +5,7 @@ Shared by tests/test_attribution.py and the attribution campaign (benchmarks/cam
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -59,12 +60,15 @@ class FaultyAdam(torch.optim.Adam):
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
-    """Flip one bit of one float32 element, in place (a bit flip at rest)."""
+    """Flip one bit of one float32 element in place, as the memory does: behind torch's back, so that no version
+    counter moves (on the CPU by its address; elsewhere through ``.data``, whose counter is its own)."""
+    index %= t.numel()
+    if t.is_cpu and t.is_contiguous():
+        word = ctypes.c_uint32.from_address(t.data_ptr() + 4 * index)
+        word.value ^= 1 << bit
+        return
     with torch.no_grad():
-        flat = t.view(-1)
-        index %= flat.numel()
-        as_int = flat[index : index + 1].view(torch.int32)
-        as_int ^= 1 << bit
+        t.data.view(-1)[index : index + 1].view(torch.int32).bitwise_xor_(1 << bit)
 
 
 def build(rank: int, device: str = "cpu") -> tuple[nn.Module, DDP, FaultyAdam]:

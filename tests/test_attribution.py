@@ -66,14 +66,15 @@ def test_a_healthy_run_with_attribution_has_no_blame() -> None:
     assert all(r["in_sync"] and "blame" not in r for r in out[0]["records"] if r)
 
 
-def _collective(rank: int, world: int, faulty: int) -> dict[str, Any]:
+def _collective(rank: int, world: int, faulty: int, offload: bool = False) -> dict[str, Any]:
     from weightsync_audit import AttributionConfig, Auditor
     from weightsync_audit.engine.attribution.attach import attach_watch
     from weightsync_audit.engine.config import AuditConfig
 
     _, ddp, opt = build(rank)
     auditor = Auditor(ddp, opt, config=AuditConfig(attribution=AttributionConfig(collective=True, recheck=1)))
-    auditor.attribution = attach_watch(auditor, ddp, [opt], hook=corrupting_hook(faulty, rank, FAULT_STEP))
+    hook = corrupting_hook(faulty, rank, FAULT_STEP)
+    auditor.attribution = attach_watch(auditor, ddp, [opt], hook=hook, **({"offload": True} if offload else {}))
     out = []
     for step in range(1, STEPS + 1):
         train_step(ddp, opt, rank, step, None, faulty)
@@ -82,8 +83,10 @@ def _collective(rank: int, world: int, faulty: int) -> dict[str, Any]:
     return {"records": out}
 
 
-def test_the_collective_is_told_from_the_compute() -> None:
-    out = run_ranks(_collective, 2, 1)
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_collective_is_told_from_the_compute(offload: bool) -> None:
+    """``offload`` (what ``overlap=True`` sets): the digests run on a worker after DDP's hook returns."""
+    out = run_ranks(_collective, 2, 1, offload)
     first = _first_divergent(out)
     blame = first["blame"]
     assert blame["evidence"] == "collective_mismatch" and blame["step"] == FAULT_STEP, blame

@@ -48,3 +48,30 @@ def test_lightning_names_the_faulty_rank_and_its_class(tmp_path: Path, fault: st
     blame = bad[0]["blame"]
     assert blame["ranks"] == [rank] and blame["evidence"] == evidence and blame["hardware_suspect"], blame
     assert any("tie vote" in (m["detail"] or "") for m in bad[0]["mismatches"])
+
+
+class _FlipOnce(pl.Callback):
+    """On ``rank``, the first time ``global_step`` is ``step`` at a batch's end: one bit flipped at rest."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step, self.done = rank, step, False
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self.done and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            self.done = True
+            flip_bit(next(pl_module.parameters()), 5, 27)
+
+
+def test_lightning_gradient_accumulation_marks_each_step_once_and_names_the_flipped_rank(tmp_path: Path) -> None:
+    """``accumulate_grad_batches=2``: two batches end under each ``global_step``; the second is no optimizer step
+    and must leave the step's record as it is. A bit flipped on rank 1 right after step 2 is found at rest before
+    step 3 (the audit every 4 steps sees it only through the records)."""
+    report = tmp_path / "audit.jsonl"
+    audit = WeightSyncAudit(every_n_train_steps=4, report_path=str(report), verbose=False, attribution=True)
+    fit(tmp_path, SmallModel(optimizer="adam"), [_FlipOnce(1, 2), audit], max_epochs=1, limit_train_batches=10,
+        accumulate_grad_batches=2)  # fmt: skip
+    bad = [r for r in records(report) if not r["in_sync"]]
+    assert bad, "the flip was not seen"
+    blame = bad[0]["blame"]
+    assert (blame["ranks"], blame["evidence"], blame["step"]) == ([1], "at_rest_change", 3), blame
+    assert blame["hardware_suspect"] is True

@@ -210,3 +210,62 @@ def test_small_buffers_read_at_launch_do_not_race_with_the_next_forward() -> Non
 def test_overlap_must_be_a_bool_and_is_refused_at_construction_naming_it() -> None:
     with pytest.raises(TypeError, match="overlap='yes'"):
         LoopAudit(torch.nn.Linear(2, 2), overlap="yes")  # type: ignore[arg-type]
+
+
+def test_the_race_guard_stamps_the_parameters_themselves_from_the_first_audit_on() -> None:
+    """A write through the parameter (``p.clamp_()`` under ``no_grad``) moves the parameter's version counter: the
+    guard sees it whether the manifest is the first one built or a cached one. A write through ``.data`` moves a
+    counter of its own, which nothing audited holds: not seen (docs: decided at rest instead)."""
+    from weightsync_audit.engine.inventory.reducer import find_ddp
+    from weightsync_audit.engine.overlap.race import RaceGuard
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))  # a weight of 256 KiB
+    opt = torch.optim.Adam(model.parameters())
+    auditor = Auditor(model, opt)
+    model(torch.ones(2, 256)).sum().backward()
+    opt.step()
+    for built in ("first", "cached"):
+        prepared = auditor.prepare(model, [opt], ddp=find_ddp(model))
+        guard = RaceGuard(prepared)
+        with torch.no_grad():
+            model[0].weight.clamp_(-0.01, 0.01)
+        assert any(t.data_ptr() == model[0].weight.data_ptr() for t in guard.moved()), built
+        guard = RaceGuard(prepared)
+        model[0].weight.data.mul_(0.5)
+        assert not guard.moved(), built  # the limit the docs state
+        auditor.audit(step=1)  # the next prepare reads the cached manifest
+
+
+def _clamped(rank: int, world: int, how: str, report: str) -> dict[str, Any]:
+    """WGAN's critic: every parameter clamped right after each optimizer step and the audit's launch, on every
+    rank alike (healthy), while the worker digests a 4 MiB weight."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))
+    model = DDP(net)
+    opt = torch.optim.RMSprop(model.parameters(), lr=5e-3)
+    audit = LoopAudit(model, opt, every_n_steps=1, report_path=report, overlap=True, verbose=False)
+    weights = []
+    for step in range(1, 11):
+        opt.zero_grad()
+        x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(step * 10 + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        audit.step(step)
+        with torch.no_grad():
+            for p in net.parameters():
+                (p.data if how == ".data" else p).clamp_(-0.01 * (1 + step % 3), 0.01 * (1 + step % 3))
+        weights.append([p.detach().clone() for p in net.parameters()])
+    audit.close()
+    return {"weights": weights}
+
+
+@pytest.mark.parametrize("how", ["param", ".data"])
+def test_a_post_step_clamp_inside_the_window_is_never_a_divergence(tmp_path: Path, how: str) -> None:
+    report = tmp_path / "r.jsonl"
+    out = run_ranks(_clamped, 2, how, str(report))
+    # The truth, from the bytes: the replicas hold the same weights after every step.
+    for a, b in zip(out[0]["weights"], out[1]["weights"]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    records = _records(report)
+    assert [r["step"] for r in records] == list(range(1, 11))
+    assert [r["step"] for r in records if not r["in_sync"]] == [], [r["notes"] for r in records if not r["in_sync"]]

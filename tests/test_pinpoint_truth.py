@@ -90,11 +90,13 @@ def test_a_rank_that_skipped_an_optimizer_step_is_named_and_that_step_is_the_fir
     assert any("rank(s) [1] recorded no step 5" in n for n in first["notes"]), first["notes"]
 
 
-def _drift_then_bug(rank: int, world: int) -> list[dict[str, Any]]:
-    """Harmless drift on rank 1 from step 3 (every element of a weight, one ulp-ish), a real bug at 12."""
-    model, opt, auditor = _pinpointed(64, 0.0, tolerance=1e-5)  # lr 0: nothing but the planted changes moves
-    out = []
-    for step in range(1, 21):
+def _planted(rank: int, world: int, tolerance: float | None, every: int, steps: int) -> dict[str, Any]:
+    """Rank 1: every element of ``0.weight`` nudged by float rounding at step 3 (harmless drift),
+    ``1.weight[0, 0]`` off by 1e-2 at step 12 (a real bug); an audit every ``every`` steps. Each rank's bytes
+    per step kept, for the truth."""
+    model, opt, auditor = _pinpointed(64, 0.0, tolerance=tolerance)  # lr 0: nothing but the planted changes moves
+    out, seen = [], []
+    for step in range(1, steps + 1):
         _train_step(model, opt, world)
         if rank == 1:
             with torch.no_grad():
@@ -103,8 +105,14 @@ def _drift_then_bug(rank: int, world: int) -> list[dict[str, Any]]:
                 if step == 12:
                     model[1].weight[0, 0] += 1e-2
         auditor.record_step(step)
-        _audit_every(5, auditor, step, out)
-    return out
+        seen.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        _audit_every(every, auditor, step, out)
+    return {"records": out, "seen": seen}
+
+
+def _drift_then_bug(rank: int, world: int) -> list[dict[str, Any]]:
+    """:func:`_planted` within a tolerance of 1e-5, audited every 5 steps up to 20: the records."""
+    return _planted(rank, world, 1e-5, 5, 20)["records"]
 
 
 def test_drift_within_tolerance_never_freezes_the_answer_a_later_bug_is_dated_in_a_note() -> None:
@@ -284,3 +292,38 @@ def test_after_a_sampled_or_divergent_audit_a_transient_names_only_the_steps_rec
     for ring in (a, b):
         ring.audited()  # a divergent audit reported it
     assert transient_from([a.encode(recent=True), b.encode(recent=True)], [b"", b""], [])["last_diverged_step"] is None
+
+
+def _first_differing(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -> dict[str, int]:
+    """The truth: for each tensor, the first step (1-based) at which the two ranks' bytes differ."""
+    return {
+        name: next(s + 1 for s in range(len(a)) if not torch.equal(a[s][name], b[s][name]))
+        for name in a[0]
+        if any(not torch.equal(a[s][name], b[s][name]) for s in range(len(a)))
+    }
+
+
+@pytest.mark.parametrize(("tolerance", "every"), [(None, 15), (1e-5, 5)])
+def test_each_mismatch_is_dated_to_the_step_its_own_bytes_first_differed(tolerance: float | None, every: int) -> None:
+    out = run_ranks(_planted, 2, tolerance, every, 15)
+    assert out[0]["records"] == out[1]["records"]
+    truth = _first_differing(out[0]["seen"], out[1]["seen"])
+    assert truth == {"0.weight": 3, "1.weight": 12}
+    last = out[0]["records"][-1]
+    dated = {m["name"]: m.get("first_diverged_step") for m in last["mismatches"]}
+    assert dated == truth, last["mismatches"]
+    assert (last["pinpoint"], last["first_diverged_step"]) == ("exact", 3)  # the record's: the earliest
+    back = AuditResult.from_dict(last)
+    assert {m.name: m.first_diverged_step for m in back.mismatches} == truth
+
+
+def test_a_bad_mismatch_date_is_named() -> None:
+    from weightsync_audit import Mismatch, ReportFormatError
+
+    m = Mismatch("w", "param", [1], [0], first_diverged_step=4).to_dict()
+    assert (
+        Mismatch.from_dict(m).first_diverged_step == 4
+        and "first_diverged_step" not in Mismatch("w", "param", [1], [0]).to_dict()
+    )
+    with pytest.raises(ReportFormatError, match="first_diverged_step"):
+        Mismatch.from_dict({**m, "first_diverged_step": "4"})

@@ -16,6 +16,7 @@ __all__ = ["BLAME_EVIDENCE", "blame_entry"]
 BLAME_EVIDENCE = (
     "vote",
     "at_rest_change",
+    "at_rest_write",
     "update_not_reproducible",
     "collective_mismatch",
     "deterministic_difference",

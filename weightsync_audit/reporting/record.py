@@ -99,6 +99,10 @@ class Mismatch:
     """How many elements differ from the reference copy (the odd rank furthest off); None: not measured."""
     stability: str | None = None
     """``stable`` / ``unstable``: whether a second read of the odd ranks' copy gave the same digest (None: not read)."""
+    first_diverged_step: int | None = None
+    """With pinpoint: the first recorded step at which this tensor's own bytes differed between the ranks,
+    when the per-step digests date it exactly (None: not dated; the record's ``first_diverged_step`` is the
+    earliest of all, and its ``pinpoint`` says how sure)."""
 
     @property
     def diff_share(self) -> float | None:
@@ -126,6 +130,8 @@ class Mismatch:
             d["diff_share"] = self.diff_share
         if self.stability is not None:
             d["stability"] = self.stability
+        if self.first_diverged_step is not None:
+            d["first_diverged_step"] = int(self.first_diverged_step)
         return d
 
     @property
@@ -346,4 +352,5 @@ _MISMATCH_ARGS = (
     "nonfinite",
     "diff_count",
     "stability",
+    "first_diverged_step",
 )

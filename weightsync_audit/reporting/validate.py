@@ -270,6 +270,7 @@ MISMATCH_FIELDS: dict[str, FieldSpec] = {
     "diff_count": FieldSpec(optional(integer(0))),
     "diff_share": FieldSpec(optional(number)),
     "stability": FieldSpec(optional(one_of(STABILITIES))),
+    "first_diverged_step": FieldSpec(optional(integer())),
 }
 """One line per field of a mismatch; fields not listed are accepted and ignored."""
 

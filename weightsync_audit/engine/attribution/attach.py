@@ -34,9 +34,12 @@ def attach_watch(
     *,
     hook: Callable[..., Any] | None = None,
     state: Any = None,
+    offload: bool = False,
 ) -> StepWatch:
     """A :class:`StepWatch` over ``auditor``'s own manifest of ``model`` and ``optimizers``, its hooks set
-    (with ``collective``, DDP's comm hook: ``hook``/``state`` are one the user's DDP already runs)."""
+    (with ``collective``, DDP's comm hook: ``hook``/``state`` are one the user's DDP already runs).
+    ``offload``: the at-rest reads on a worker thread, off the training thread (what ``overlap=True`` sets;
+    :mod:`~weightsync_audit.engine.attribution.offload`)."""
     cfg = auditor.config
     opts = as_optimizers(optimizers)
     ddp = find_ddp(model) if model is not None else None
@@ -47,6 +50,7 @@ def attach_watch(
         names=param_names(model),
         capacity=cfg.pinpoint_ring,
         method=cfg.method,
+        offload=offload,
     )
     watch.attach(ddp, hook, state)
     return watch
@@ -54,10 +58,12 @@ def attach_watch(
 
 def watch_run(runner: Any, model: Any, optimizers: Sequence[Any]) -> None:
     """For an open :class:`~weightsync_audit.integrations.session.runner.AuditRunner` whose options ask for
-    ``attribution``: set the watch on its main auditor (once, local)."""
+    ``attribution``: set the watch on its main auditor (once, local); with ``overlap``, its at-rest reads
+    off the training thread too."""
     auditor = runner.auditor
     if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
-        auditor.attribution = attach_watch(auditor, model, optimizers)
+        offload = getattr(runner, "overlap", None) is not None
+        auditor.attribution = attach_watch(auditor, model, optimizers, offload=offload)
 
 
 def mark_step(runner: Any, step: int) -> None:

@@ -3,56 +3,72 @@
 The first step at which the ranks' records part decides, read in the order things happen within a step:
 
 1. **at rest** (between the step before and this one's optimizer step): a rank whose own parameters or
-   optimizer state changed while the others' did not is the one, whatever the vote (``at_rest_change``,
-   hardware-suspect: a bit flip, or a stray write);
+   optimizer state changed while the others' did not is the one, whatever the vote; how it changed says
+   what (:func:`~.rest.classify`): a version counter that moved, or more elements or bits than the memory
+   flips, is a write by code (``at_rest_write``, software); one or two elements by a bit or so, no counter
+   moved, is the memory (``at_rest_change``, hardware-suspect); neither told is ``at_rest_change`` with
+   the cause ``a change at rest`` and no hardware suspicion;
 2. the **hyperparameters** changed at rest on some ranks only, or a rank took **no optimizer step**
    (``deterministic_difference``);
 3. the **all-reduce** gave other bytes (``collective_mismatch``): a majority names the rank, two cannot;
 4. a **gradient changed after the all-reduce** on some ranks only (``deterministic_difference``);
 5. the **update**: from the same inputs, the rank whose replay of its own step does not give its own
-   bytes (``update_not_reproducible``, hardware-suspect); every rank reproducing its own is a
-   deterministic difference in the step itself.
+   bytes (``update_not_reproducible``, hardware-suspect); every rank reproducing every update of the step
+   is a deterministic difference in the step itself; a replay that covered part of it, was declined
+   (a closure optimizer) or failed on every rank decides nothing, and the blame says why.
 
 Nothing in the records: a strict majority of the vote (``vote``); a tie names no one (``ranks: []``).
 
->>> blame = decide([{"records": [{"step": 7, "pre": 1, "post": 5, "stepped": True, "rest": ["0.weight"]}]},
+>>> flip = {"name": "0.weight", "moved": False, "elements": 1, "compared": 128, "bits": 1}
+>>> blame = decide([{"records": [{"step": 7, "pre": 1, "post": 5, "stepped": True, "rest": ["0.weight"],
+...                               "rest_evidence": [flip]}]},
 ...                 {"records": [{"step": 7, "pre": 2, "post": 6, "stepped": True}]}], [0, 1], [])
 >>> blame["ranks"], blame["evidence"], blame["hardware_suspect"]
 ([0], 'at_rest_change', True)
+>>> decide([{"records": [{"step": 7, "pre": 1, "stepped": True, "rest": ["0.weight"],
+...                       "rest_evidence": [{**flip, "moved": True}]}]},
+...         {"records": [{"step": 7, "pre": 2, "stepped": True}]}], [0, 1], [])["evidence"]
+'at_rest_write'
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import Any, Literal, Sequence, get_args
 
+from weightsync_audit.engine.attribution.rest import FLIP_BITS, FLIP_ELEMENTS, classify
 from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
 __all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "decide", "vote_blame"]
 
-Evidence = Literal[
-    "vote", "at_rest_change", "update_not_reproducible", "collective_mismatch", "deterministic_difference", "undecided"
-]
+Evidence = Literal["vote", "at_rest_change", "at_rest_write", "update_not_reproducible", "collective_mismatch",
+                   "deterministic_difference", "undecided"]  # fmt: skip
 EVIDENCE: tuple[str, ...] = BLAME_EVIDENCE
 assert EVIDENCE == get_args(Evidence), "one list of evidence"
 CAUSES = {
     "at_rest_change": "memory at rest",
+    "at_rest_write": "a write at rest",
     "update_not_reproducible": "compute in the step",
     "collective_mismatch": "the collective",
     "deterministic_difference": "a software difference",
     "vote": "unknown",
     "undecided": "unknown",
 }
-"""The class each evidence names (the ``cause`` of the record's ``blame``)."""
+"""The class each evidence names (the ``cause`` of the record's ``blame``); a change at rest not told from a
+write is ``a change at rest`` (:data:`UNTOLD`)."""
+UNTOLD = "a change at rest"
 
 
-def _blame(ranks: Sequence[int], evidence: str, hardware: bool, step: int | None, detail: str) -> dict[str, Any]:
+def _blame(
+    ranks: Sequence[int], evidence: str, hardware: bool, step: int | None, detail: str, cause: str | None = None
+) -> dict[str, Any]:
     return {
         "ranks": sorted(ranks),
         "evidence": evidence,
-        "cause": CAUSES[evidence],
+        "cause": cause or CAUSES[evidence],
         "hardware_suspect": bool(hardware and ranks),
         "step": step,
         "detail": detail,
@@ -82,7 +98,66 @@ def _differ(recs: Sequence[dict[str, Any]], key: str) -> bool:
     return None not in values and len(set(map(str, values))) > 1
 
 
-def _at_step(s: int, prev: int | None, recs: list[dict[str, Any] | None], g: list[int]) -> dict[str, Any] | None:
+def _counts(evidence: Sequence[dict[str, Any]]) -> str:
+    """``0.weight: 1 bit in 1 of 128 elements`` for each tensor counted."""
+    parts = []
+    for e in evidence:
+        if e.get("elements") is not None:
+            bits = e.get("bits")
+            said = f"{bits} bit{'s' if bits != 1 else ''} in " if bits is not None else ""
+            parts.append(f"{e['name']}: {said}{e['elements']} of {e['compared']} elements")
+    return "; ".join(parts)
+
+
+def _rest_blame(
+    ranks: list[int],
+    step: int | None,
+    changed: str,
+    evidence: Sequence[dict[str, Any]],
+    measured: dict[str, tuple[int, int]],
+) -> dict[str, Any]:
+    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.rest.classify`).
+    ``measured``: name -> (elements differing from the reference at the audit, element count)."""
+    kind, counts = classify(evidence), _counts(evidence)
+    names = [e["name"] for e in evidence]
+    if kind == "unknown" and names and all(n in measured for n in names) and not any(e.get("moved") for e in evidence):
+        k, n = sum(measured[x][0] for x in names), sum(measured[x][1] for x in names)
+        kind = "flip" if 0 < k <= FLIP_ELEMENTS else "write" if k else "unknown"
+        counts = f"{k} of {n} elements differ from the other rank(s) at this audit (bits not counted)"
+    if kind == "write":
+        moved = [e["name"] for e in evidence if e.get("moved")]
+        how = (f"{', '.join(moved)}'s version counter moved: an in-place write through torch, not the memory"
+               if moved else f"more than a bit flip changes (at most {FLIP_ELEMENTS} elements by at most "
+               f"{FLIP_BITS} bits each)")  # fmt: skip
+        return _blame(ranks, "at_rest_write", False, step,
+                      f"{changed}, written by code: {how}" + (f" ({counts})" if counts else ""))  # fmt: skip
+    if kind == "flip":
+        return _blame(ranks, "at_rest_change", True, step,
+                      f"{changed}: {counts}, and no version counter moved, as a bit flip does")  # fmt: skip
+    return _blame(ranks, "at_rest_change", False, step,
+                  f"{changed}; no version counter moved and its bytes after the step were not kept (the update replay "
+                  "did not cover it), so a bit flip is not told from a write through .data or a raw pointer",
+                  UNTOLD)  # fmt: skip
+
+
+def _replay_why(full: Sequence[dict[str, Any]], at: list[int]) -> str:
+    """Why the replay did not cover a step on every rank: declined, partial, failed."""
+    why = sorted({str(r["declined"]) for r in full if r.get("declined")})
+    for i, r in enumerate(full):
+        if not r.get("declined") and r.get("covered", 0) != r.get("replayable", 0):
+            why.append(f"rank {at[i]} replayed {r.get('covered', 0)} of its {r.get('replayable', 0)} parameters")
+        if r.get("failed"):
+            why.append(f"rank {at[i]}'s {r['failed']}")
+    return "; ".join(why[:4]) or "no replay covered it"
+
+
+def _at_step(
+    s: int,
+    prev: int | None,
+    recs: list[dict[str, Any] | None],
+    g: list[int],
+    measured: dict[str, tuple[int, int]] | None = None,
+) -> dict[str, Any] | None:
     """What the records at step ``s`` say, or None when the ranks agree at it."""
     full = [r or {} for r in recs]
     n = len(full)
@@ -90,14 +165,18 @@ def _at_step(s: int, prev: int | None, recs: list[dict[str, Any] | None], g: lis
     at = lambda idx: [g[i] for i in idx]  # noqa: E731
     since = f"between step {prev} and step {s}" if prev is not None else f"before the optimizer step of step {s}"
     pre_differ = _differ(full, "pre")
+    pre_known = all(r.get("pre") is not None for r in full)  # offloaded: a late read some rank did not complete
     side = _side([bool(r.get("rest")) for r in full])
-    if pre_differ and side is not None:
-        what = ", ".join(names(side, "rest"))
-        return _blame(at(side), "at_rest_change", True, s,
-                      f"{_whose(at(side), what)} changed {since} with no optimizer step in between")  # fmt: skip
+    if side is not None and (pre_differ or not pre_known):
+        changed = (
+            f"{_whose(at(side), ', '.join(names(side, 'rest')))} changed {since} with no optimizer step in between"
+        )
+        evidence = [e for i in side for e in full[i].get("rest_evidence", [])]
+        return _rest_blame(at(side), s, changed, evidence, measured or {})
     if pre_differ and all(r.get("rest") for r in full):
         return _blame([], "at_rest_change", False, s,
-                      f"every rank's tensors changed {since}, to other values: no rank alone is at fault by its own record")  # fmt: skip
+                      f"every rank's tensors changed {since}, to other values: no rank alone is at fault by its own record",
+                      UNTOLD)  # fmt: skip
     if _differ(full, "hyper"):
         side = _side([bool(r.get("hyper_changed")) for r in full]) or _odd([r.get("hyper") for r in full])
         if side is not None:
@@ -130,20 +209,36 @@ def _at_step(s: int, prev: int | None, recs: list[dict[str, Any] | None], g: lis
                           f"step of step {s}, on that rank only (local code: clipping, unscaling, a hook)")  # fmt: skip
         return _blame([], "deterministic_difference", False, s,
                       f"the gradients differ after the all-reduce at step {s}; no rank alone changed its own")  # fmt: skip
-    side = _side([bool(r.get("update")) for r in full])
+    return _update(s, full, g, pre_known, pre_differ)
+
+
+def _update(
+    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool
+) -> dict[str, Any] | None:
+    """The update at step ``s``, read from the ranks' replays of it (the last part of :func:`_at_step`)."""
+    names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
+    at = lambda idx: [g[i] for i in idx]  # noqa: E731
+    flagged = [bool(r.get("update")) for r in full]
+    side = _side(flagged)
     if side is not None:
         what = ", ".join(names(side, "update"))
         return _blame(at(side), "update_not_reproducible", True, s,
                       f"{_whose(at(side), 'optimizer step')} at step {s} gave other bytes ({what}) than its own replay "
                       "of it from the same pre-step values: the computation is not reproducible there")  # fmt: skip
-    if _differ(full, "post") and not pre_differ:
-        if all(r.get("recheck") == 1 for r in full):
+    if _differ(full, "post") and pre_known and not pre_differ:
+        if all(flagged):
+            return _blame([], "undecided", False, s,
+                          f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes, and no rank's "
+                          "replay reproduced its own step: the replay does not model this optimizer's step, so it "
+                          "tells nothing")  # fmt: skip
+        if all(r.get("replayable") and r.get("covered") == r["replayable"] and not r.get("declined") for r in full):
             return _blame([], "deterministic_difference", False, s,
                           f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes, and each "
-                          "rank's replay reproduced its own: a deterministic difference in the step itself")  # fmt: skip
+                          "rank's replay of every update reproduced its own: a deterministic difference in the step "
+                          "itself")  # fmt: skip
         return _blame([], "undecided", False, s,
-                      f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes; no replay covered "
-                      "it (attribution recheck=1 replays every update)")  # fmt: skip
+                      f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes; the replay did "
+                      f"not cover the whole step ({_replay_why(full, g)})")  # fmt: skip
     if pre_differ:
         return _blame(
             [], "undecided", False, s, f"the ranks already differed before step {s}: earlier than the records"
@@ -171,22 +266,32 @@ def decide(
 ) -> dict[str, Any]:
     """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame."""
     g = list(ranks)
-    per = [{int(r["step"]): r for r in p.get("records", [])} for p in payloads]
-    steps = sorted(set().union(*per)) if per else []
+    per = [{(int(r["step"]), int(r.get("seq", 0))): r for r in p.get("records", [])} for p in payloads]
+    keys = sorted(set().union(*per)) if per else []
+    measured = {
+        m.name: (int(m.diff_count), math.prod(m.shape) if m.shape else 0)
+        for m in mismatches
+        if getattr(m, "diff_count", None) is not None
+    }
     prev = None
-    for s in steps:
-        found = _at_step(s, prev, [d.get(s) for d in per], g)
+    for key in keys:
+        found = _at_step(key[0], prev, [d.get(key) for d in per], g, measured)
         if found is not None:
             return found
-        prev = s
+        prev = key[0]
     side = _side([bool(x) for x in audit_rest]) if audit_rest else None
     if side is not None and audit_rest is not None:
         what = ", ".join(sorted({x for i in side for x in audit_rest[i]}))
         since = f"after step {prev}" if prev is not None else "after the last optimizer step"
-        return _blame([g[i] for i in side], "at_rest_change", True, prev,
-                      f"{_whose([g[i] for i in side], what)} changed {since}, before this audit, with no optimizer step "
-                      "in between")  # fmt: skip
-    return vote_blame(mismatches)
+        changed = f"{_whose([g[i] for i in side], what)} changed {since}, before this audit, with no optimizer step in between"
+        evidence = [e for i in side for e in payloads[i].get("audit_rest_evidence", [])]
+        return _rest_blame([g[i] for i in side], prev, changed, evidence, measured)
+    blame = vote_blame(mismatches)
+    failed = [f"rank {g[i]} at step {r['step']}: {r['failed']}" for i, p in enumerate(payloads)
+              for r in p.get("records", []) if r.get("failed")]  # fmt: skip
+    if failed:  # never in silence: why the records could not tell
+        blame["detail"] += f"; the watch failed ({'; '.join(failed[:3])})"
+    return blame
 
 
 def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
@@ -196,9 +301,15 @@ def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
     where = f" ({where})" if where else ""
     if not ranks:
         return f"attribution undecided ({blame['cause']}): {detail}"
+    if blame["evidence"] == "at_rest_change" and blame["hardware_suspect"]:
+        return (f"memory at rest: {detail}{where}. A bit flip: run a memory test on that device "
+                "(dcgmi diag -r 3, compute-sanitizer) before it trains again")  # fmt: skip
     if blame["evidence"] == "at_rest_change":
-        return (f"memory at rest: {detail}{where}. A bit flip or a stray write: run a memory test on that device "
-                "(dcgmi diag -r 3, compute-sanitizer) or look for code writing to the weights between steps")  # fmt: skip
+        return (f"a change at rest: {detail}{where}. Look for code writing to the weights between steps on that rank "
+                "(through .data or a raw pointer); if there is none, test the device's memory")  # fmt: skip
+    if blame["evidence"] == "at_rest_write":
+        return (f"a write at rest: {detail}{where}. Not the machine: look for code writing to the weights between "
+                "steps on that rank (a load or an edit on some ranks only, an EMA kept in the parameters)")  # fmt: skip
     if blame["evidence"] == "update_not_reproducible":
         return (f"compute in the step: {detail}{where}. Hardware-suspect: drain the host and run the vendor "
                 "diagnostics before it trains again")  # fmt: skip

@@ -1,10 +1,22 @@
 """The update re-checked: replay a rank's own optimizer step on a pre-step copy, and compare.
 
 Right before the step, :class:`UpdateReplay` copies what the update reads for the parameters it covers
-(the parameter, its gradient, its optimizer state, its group's hyperparameters); right after, it runs the
-same torch optimizer class on the copies and compares the bytes with what the real step wrote. A rank
+(the parameter, its gradient, its optimizer state, its group's hyperparameters, and a ``GradScaler``'s
+``grad_scale`` and ``found_inf`` where the optimizer unscales and skips inside its own step, as fused
+Adam does); right after, it runs the same torch optimizer class, with the same implementation flags
+(``fused``, ``foreach``), on the copies and compares the bytes with what the real step wrote. A rank
 whose own update does not reproduce computed it wrong (hardware-suspect); a rank that reproduces its own
 result differs, if at all, by what went in (software).
+
+What it covers is bounded per step: ``slices`` (1 parameter in n, rotating) and ``budget`` (bytes copied
+per step: parameters taken in turn until it is spent, whole parameters only, so each is replayed with
+the very kernels and layout of the real step). A parameter larger than the whole budget is never
+replayed, and the record says how much was. An update that cannot be replayed faithfully is declined,
+with the reason: an optimizer that re-evaluates the model inside its step (``LBFGS``'s closure), one that
+is not a torch class, one that cannot be rebuilt from its groups.
+
+The replayed values of what reproduced are kept until the next step: they are this rank's post-step
+bytes, against which a change at rest is counted (:mod:`.rest`).
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.ones(3))
@@ -13,19 +25,24 @@ result differs, if at all, by what went in (software).
 >>> replay = UpdateReplay(slices=1)
 >>> replay.before(opt, step=0)
 >>> opt.step()
->>> replay.after(opt)
-[]
+>>> replay.after(opt), replay.covered, replay.replayable
+([], 1, 1)
 """
 
 from __future__ import annotations
 
+import inspect
+import math
 from typing import Any
 
 import torch
 
 from weightsync_audit.engine.hashing.digest import digest_tensors
 
-__all__ = ["UpdateReplay", "torch_class"]
+__all__ = ["UpdateReplay", "declined_reason", "torch_class"]
+
+_SCALER_ATTRS = ("grad_scale", "found_inf")
+"""What a ``GradScaler`` sets on an optimizer that unscales and skips inside its own step (fused Adam)."""
 
 
 def torch_class(opt: torch.optim.Optimizer) -> type[torch.optim.Optimizer] | None:
@@ -36,48 +53,106 @@ def torch_class(opt: torch.optim.Optimizer) -> type[torch.optim.Optimizer] | Non
     return None
 
 
+def _needs_closure(cls: type[torch.optim.Optimizer]) -> bool:
+    closure = inspect.signature(cls.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def declined_reason(opt: torch.optim.Optimizer) -> str | None:
+    """Why ``opt``'s update cannot be replayed faithfully from copies (None: it can)."""
+    cls = torch_class(opt)
+    name = type(opt).__name__
+    if cls is None:
+        return f"{name} is not a torch.optim class: its update is not replayed"
+    if _needs_closure(cls):
+        return (
+            f"{name} re-evaluates the model through its closure inside the step: its update cannot be replayed "
+            "from copies (the at-rest and collective checks still run)"
+        )
+    if any(g.get("differentiable") for g in opt.param_groups):
+        return f"{name} runs with differentiable=True: its update is not replayed"
+    return None
+
+
 def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
-class UpdateReplay:
-    """Copies before the step (1 parameter in ``slices``, rotating with the step), replays after it."""
+def _nbytes(p: torch.Tensor, state: dict[str, Any]) -> int:
+    return 2 * p.nbytes + sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor))
 
-    def __init__(self, slices: int) -> None:
-        self.slices = slices
+
+class UpdateReplay:
+    """Copies before the step (bounded by ``slices`` and ``budget``, rotating), replays after it."""
+
+    def __init__(self, slices: int, budget: int = 0) -> None:
+        self.slices = max(1, slices)
+        self.budget = budget
         self.names: dict[int, str] = {}
         """id(parameter) -> its name, for what :meth:`after` returns."""
-        self._kept: dict[int, list[tuple[dict[str, Any], list[Any]]]] = {}
+        self._kept: dict[int, tuple[list[tuple[dict[str, Any], list[Any]]], dict[str, Any]]] = {}
+        self._cursor: dict[int, int] = {}
         self.covered = 0
         """Parameters replayed at the last step."""
+        self.replayable = 0
+        """Parameters with a gradient at the last step (what a full replay covers)."""
+        self.too_large = 0
+        """Parameters larger than the whole budget at the last step: never replayed."""
+        self.declined: str | None = None
+        """Why the last step's update was not replayed (None: it was, or nothing to replay)."""
+        self.reference: dict[str, torch.Tensor] = {}
+        """Name -> the replayed post-step value of each tensor that reproduced (parameter and its state);
+        the watch empties it when the next step opens."""
 
     def before(self, opt: torch.optim.Optimizer, step: int) -> None:
         """Right before ``opt.step()``: copy what the update of the covered parameters reads."""
-        groups: list[tuple[dict[str, Any], list[Any]]] = []
-        if torch_class(opt) is None:
-            self._kept[id(opt)] = groups
+        self.declined = declined_reason(opt)
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]
+        self.replayable, self.too_large = len(params), 0
+        if self.declined is not None or not params:
+            self._kept[id(opt)] = ([], {})
             return
-        index = 0
+        take = self._select(opt, params)
+        groups: list[tuple[dict[str, Any], list[Any]]] = []
         for group in opt.param_groups:
-            hyper = {k: v for k, v in group.items() if k != "params"}
-            kept = []
-            for p in group["params"]:
-                take = index % self.slices == step % self.slices
-                index += 1
-                if not take or p.grad is None or p.grad.is_sparse:
-                    continue
-                state = {k: _copy(v) for k, v in opt.state.get(p, {}).items()}
-                kept.append((p, p.detach().clone(), p.grad.detach().clone(), state))
+            kept = [
+                (p, p.detach().clone(), p.grad.detach().clone(), {k: _copy(v) for k, v in opt.state.get(p, {}).items()})
+                for p in group["params"]
+                if id(p) in take
+            ]
             if kept:
-                groups.append((hyper, kept))
-        self._kept[id(opt)] = groups
+                groups.append(({k: v for k, v in group.items() if k != "params"}, kept))
+        scaler = {a: _copy(getattr(opt, a)) for a in _SCALER_ATTRS if getattr(opt, a, None) is not None}
+        self._kept[id(opt)] = (groups, scaler)
+
+    def _select(self, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> set[int]:
+        """The parameters this step covers: the next ones in turn, at most 1 in ``slices`` and ``budget`` bytes."""
+        n = len(params)
+        count = math.ceil(n / self.slices)
+        start = self._cursor.get(id(opt), 0) % n
+        take: set[int] = set()
+        spent, looked = 0, 0
+        while looked < n and len(take) < count:
+            p = params[(start + looked) % n]
+            looked += 1
+            size = _nbytes(p, opt.state.get(p, {}))
+            if self.budget and size > self.budget:
+                self.too_large += 1
+                continue
+            if self.budget and spent + size > self.budget:
+                looked -= 1  # its turn comes first at the next step
+                break
+            take.add(id(p))
+            spent += size
+        self._cursor[id(opt)] = (start + looked) % n
+        return take
 
     def after(self, opt: torch.optim.Optimizer) -> list[str]:
         """Right after ``opt.step()``: replay on the copies; the names whose bytes the replay does not give."""
-        groups = self._kept.pop(id(opt), [])
+        groups, scaler = self._kept.pop(id(opt), ([], {}))
         cls = torch_class(opt)
+        self.covered = 0
         if not groups or cls is None:
-            self.covered = 0
             return []
         replay_groups, pairs = [], []
         for hyper, kept in groups:
@@ -90,18 +165,28 @@ class UpdateReplay:
             replay_groups.append({**hyper, "params": params})
         try:
             replayed = cls(replay_groups)
-        except Exception:  # noqa: BLE001 - a class that cannot be rebuilt from its groups is not replayed
-            self.covered = 0
+            for _, copy, state in pairs:
+                if state:
+                    replayed.state[copy] = state
+            for attr, value in scaler.items():
+                setattr(replayed, attr, value)
+            replayed.step()
+        except Exception as exc:  # noqa: BLE001 - said in the record and warned, never silent
+            self.declined = f"{type(opt).__name__}'s update could not be replayed ({type(exc).__name__}: {exc})"[:300]
             return []
-        for _, copy, state in pairs:
-            if state:
-                replayed.state[copy] = state
-        replayed.step()
         self.covered = len(pairs)
         bad = []
         for real, copy, _ in pairs:
-            mine = [real.detach(), *[v for v in opt.state.get(real, {}).values() if isinstance(v, torch.Tensor)]]
-            again = [copy.detach(), *[v for v in replayed.state.get(copy, {}).values() if isinstance(v, torch.Tensor)]]
+            name = self.names.get(id(real), f"param {len(bad)}")
+            state = opt.state.get(real, {})
+            again_state = replayed.state.get(copy, {})
+            mine = [real.detach(), *[v for v in state.values() if isinstance(v, torch.Tensor)]]
+            again = [copy.detach(), *[v for v in again_state.values() if isinstance(v, torch.Tensor)]]
             if len(mine) != len(again) or (digest_tensors(mine) != digest_tensors(again)).any():
-                bad.append(self.names.get(id(real), f"param {len(bad)}"))
+                bad.append(name)
+                continue
+            self.reference[name] = copy.detach()
+            for k, v in again_state.items():
+                if isinstance(v, torch.Tensor) and v.dim():
+                    self.reference[f"{name}.{k}"] = v
         return bad

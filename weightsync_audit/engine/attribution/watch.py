@@ -6,13 +6,24 @@ before (a post-step hook): a tensor that changed in between changed at rest. The
 too (one changed at rest on some rank only is a software difference), and with ``collective`` the
 gradients, once there (after the step's closure, where Lightning runs backward), are compared with what
 the all-reduce gave (:mod:`.collective`). Right after the step the sampled update is replayed
-(:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number. Each step
-leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit exchanges it
-(:mod:`.settle`), and an audit's own digests against the post-step ones say what changed after the step.
+(:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number, once per
+optimizer step: a step marked again with no optimizer step since (gradient accumulation: Lightning's
+``on_train_batch_end`` at every micro-batch, or a loop's ``no_sync`` micro-batches) leaves its record as it
+is. Each step leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit
+exchanges it (:mod:`.settle`), and an audit's own digests against the post-step ones say what changed
+after the step. For what changed at rest, the record keeps how (:mod:`.rest`): a version counter moved (a
+write), how many elements and bits changed. With ``offload`` (what ``overlap=True`` sets) the at-rest reads
+and the collective check's digests run on worker threads (:mod:`.offload`).
+
+Nothing here breaks the user's step, and nothing fails in silence: a check that fails is written in the
+step's record (``failed``, read by the blame) and warned about once; an update the replay cannot
+reproduce faithfully (a closure optimizer such as ``LBFGS``) is declined, said in the record and warned
+about once, and the other checks run as usual.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import deque
 from typing import Any, Callable, Sequence
@@ -21,17 +32,17 @@ import numpy as np
 import torch
 import xxhash
 
+from weightsync_audit.compat import tensor_version
+from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
 from weightsync_audit.engine.attribution.config import AttributionConfig
+from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
-
-MAX_NAMES = 8
-"""Tensor names a record keeps per finding (the count is kept too)."""
 
 
 def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
@@ -44,12 +55,6 @@ def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
                 if k != "params" and isinstance(v, (int, float, bool, str, tuple, type(None))):
                     parts.append(f"{i}.{j}.{k}={v!r}")
     return "\n".join(parts)
-
-
-def at_rest_positions(entries: Sequence[Any]) -> list[int]:
-    """The manifest positions that must not change between steps: parameters and optimizer state (not the
-    buffers, which every forward may write, nor the hyperparameters, watched apart)."""
-    return [i for i, e in enumerate(entries) if e.kind in ("param", "optimizer") and "param_groups." not in e.name]
 
 
 def _changed(before: str, after: str) -> str:
@@ -83,6 +88,7 @@ class StepWatch:
         names: dict[int, str],
         capacity: int = 1024,
         method: str = "auto",
+        offload: bool = False,
     ) -> None:
         self.config = config
         self.prepare = prepare
@@ -92,18 +98,27 @@ class StepWatch:
         self.records: deque[dict[str, Any]] = deque(maxlen=capacity)
         self.current: dict[str, Any] | None = None
         """The step under way: opened by the first pre-step hook after a mark, closed by :meth:`mark`."""
-        self.last_post: np.ndarray | None = None
-        self.last_structure = 0
-        self.last_names: list[str] = []
+        self.rest = AtRest(prepare, method, offload) if config.at_rest else None
+        """The at-rest check (``offload``: its reads on a worker thread, :mod:`.offload`)."""
         self.last_hyper = ""
         self.last_step: int | None = None
         self.steps_taken = 0
         self.reduced = ReducedDigests()
-        self.replay = UpdateReplay(config.recheck) if config.recheck else None
+        self.deferred = Deferred() if offload and config.collective else None
+        """With ``offload``, the collective check's digests run on this worker (:class:`~.offload.Deferred`)."""
+        self.reduced.deferred = self.deferred
+        self.replay = UpdateReplay(config.recheck, config.recheck_bytes) if config.recheck else None
         if self.replay is not None:
             self.replay.names = names
         self._handles: list[Any] = []
         self._depth: dict[int, int] = {}
+        self._copied: set[int] = set()  # optimizers whose replay copy this step has (a closure runs many times)
+        self._said: set[str] = set()
+        self.hook_s = 0.0
+        """Seconds this watch's optimizer hooks took on the training thread, in all (its cost on the critical
+        path; the collective check's own is :attr:`ReducedDigests.hook_s`)."""
+        self.audit_evidence: list[dict[str, Any]] = []
+        """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
         self.found: tuple[dict[str, Any], dict[str, str]] | None = None
         """The blame of the divergence under way (every rank alike): later audits repeat it, no message,
         until an audit finds the replicas in sync again."""
@@ -127,28 +142,42 @@ class StepWatch:
                 )
 
     def detach(self) -> None:
-        """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed)."""
+        """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed), end an offloaded reader."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self.rest is not None:
+            self.rest.close()
+        if self.deferred is not None:
+            self.deferred.close()
 
-    def _digests(self) -> tuple[np.ndarray, int, list[str]]:
-        prepared = self.prepare()
-        entries = prepared.manifest.entries
-        keep = at_rest_positions(entries)
-        digests = prepared.digests(method=self.method)[keep]
-        return digests, prepared.structure, [entries[i].name for i in keep]
+    @property
+    def last_post(self) -> np.ndarray | None:
+        """This rank's at-rest digests right after the last step (None: none kept). Set to None to forget them
+        (after a repair, what was kept is no longer what is held)."""
+        if self.rest is None:
+            return None
+        self.rest.settle_post()
+        return self.rest.post
+
+    @last_post.setter
+    def last_post(self, value: np.ndarray | None) -> None:
+        if self.rest is not None:
+            self.rest.settle_post()
+            self.rest.post = value
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
         # A subclass whose step calls super().step() runs the hooks again inside: only the outer call counts.
         self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
         if self._depth[id(opt)] > 1:
             return None
+        t0 = time.perf_counter()
         try:
             if self.current is None:
                 self.current = self._open_step()
         except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
-            self._failed(exc)
+            self._failed(exc, "at-rest check before the step")
+        self.hook_s += time.perf_counter() - t0
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
         if closure is None:
             self._gradients(opt)
@@ -166,52 +195,82 @@ class StepWatch:
         )
 
     def _gradients(self, opt: torch.optim.Optimizer) -> None:
-        """Once the gradients are there: what the all-reduce gave against them, and the replay's copy."""
+        """Once the gradients are there: what the all-reduce gave against them, and the replay's copy (once per
+        step: a closure optimizer such as LBFGS evaluates its closure several times in one step)."""
+        t0 = time.perf_counter()
         try:
             if self.config.collective and self.current is not None and "grads" not in self.current:
                 self._check_gradients(self.current)
-            if self.replay is not None:
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "collective check")
+        try:
+            if self.replay is not None and id(opt) not in self._copied:
+                self._copied.add(id(opt))
                 self.replay.before(opt, self.steps_taken)
         except Exception as exc:  # noqa: BLE001
-            self._failed(exc)
+            self._failed(exc, "update replay")
+        self.hook_s += time.perf_counter() - t0
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1
         if self._depth[id(opt)] > 0:
             return
+        t0 = time.perf_counter()
         try:
-            if self.current is None:
-                self.current = {"stepped": True}
-            self.current["stepped"] = True
-            if self.replay is not None:
-                bad = self.replay.after(opt)
-                self.current["covered"] = self.current.get("covered", 0) + self.replay.covered
-                self.current["recheck"] = self.config.recheck
-                if bad:
-                    self.current.setdefault("update", []).extend(bad[:MAX_NAMES])
-            if self.config.at_rest:  # at rest from here: whatever runs before the next step must not write
-                digests, structure, names = self._digests()
-                self.current["post"] = overall_digest(digests, structure)
-                self.last_post, self.last_structure, self.last_names = digests, structure, names
-        except Exception as exc:  # noqa: BLE001
-            self._failed(exc)
+            self._after_step(opt)
+        finally:
+            self.hook_s += time.perf_counter() - t0
 
-    def _failed(self, exc: Exception) -> None:
+    def _after_step(self, opt: torch.optim.Optimizer) -> None:
+        if self.current is None:
+            self.current = {"stepped": True}
+        rec = self.current
+        rec["stepped"] = True
+        if self.replay is not None and id(opt) in self._copied:
+            self._copied.discard(id(opt))
+            try:
+                bad = self.replay.after(opt)
+                rec["covered"] = rec.get("covered", 0) + self.replay.covered
+                rec["replayable"] = rec.get("replayable", 0) + self.replay.replayable
+                if self.replay.too_large:
+                    rec["too_large"] = rec.get("too_large", 0) + self.replay.too_large
+                if self.replay.declined:
+                    rec["declined"] = self.replay.declined
+                    self._say(f"attribution's update replay is off for it: {self.replay.declined}")
+                if bad:
+                    rec.setdefault("update", []).extend(bad[:MAX_NAMES])
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc, "update replay")
+        if self.rest is not None:  # at rest from here: whatever runs before the next step must not write
+            try:
+                self.rest.after_step(rec)
+            except Exception as exc:  # noqa: BLE001
+                self._failed(exc, "at-rest check after the step")
+
+    def _failed(self, exc: Exception, where: str) -> None:
+        """A check that failed: written in the step's record (the blame reads it) and warned about once."""
         if self.current is None:
             self.current = {"stepped": False}
-        self.current["failed"] = f"{type(exc).__name__}: {exc}"[:200]
+        text = f"{type(exc).__name__}: {exc}"[:200]
+        self.current["failed"] = f"{where}: {text}"
+        self._say(
+            f"attribution's {where} failed ({text}); the records of this rank say so, and its blame may be undecided"
+        )
+
+    def _say(self, what: str) -> None:
+        if what not in self._said:
+            self._said.add(what)
+            warnings.warn(f"weightsync audit: {what}", WeightSyncWarning, stacklevel=4)
 
     def _open_step(self) -> dict[str, Any]:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
         rec: dict[str, Any] = {"stepped": False}
-        if self.config.at_rest:
-            digests, structure, names = self._digests()
-            rec["pre"] = overall_digest(digests, structure)
-            if self.last_post is not None and structure == self.last_structure and len(digests) == len(self.last_post):
-                moved = np.nonzero(digests != self.last_post)[0].tolist()
-                if moved:
-                    rec["rest"] = [names[i] for i in moved[:MAX_NAMES]]
-                    rec["rest_count"] = len(moved)
+        reference = self.replay.reference if self.replay is not None else {}
+        try:
+            if self.rest is not None:
+                self.rest.before_step(rec, reference)
+        finally:
+            reference.clear()  # the last step's post-step bytes: read, and now to be replaced
         hyper = hyper_text(self.optimizers)
         rec["hyper"] = _word(hyper)
         if self.last_step is not None and hyper != self.last_hyper:
@@ -220,12 +279,29 @@ class StepWatch:
         return rec
 
     def _check_gradients(self, rec: dict[str, Any]) -> None:
-        buckets, reduced = self.reduced.take()
-        rec["buckets"] = sorted(buckets.items())
+        """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
+        guarded by their version counters: gradients written before it read them leave the check unknown)."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-        mine = digest_tensors([p.grad.detach() for p in params]) if params else np.zeros(0, np.int64)
+        grads = [p.grad.detach() for p in params]
+        names = [self.names.get(id(p), "?") for p in params]
+        ids = [id(p) for p in params]
+        if self.deferred is None:
+            self._compare_gradients(rec, ids, grads, names, None)
+            return
+        rec["grads"] = None  # said below, once read
+        stamps = [tensor_version(g) for g in grads]
+        self.deferred.submit(lambda: self._compare_gradients(rec, ids, grads, names, stamps))
+
+    def _compare_gradients(
+        self, rec: dict[str, Any], ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None
+    ) -> None:
+        buckets, reduced = self.reduced.take(wait=stamps is None)
+        rec["buckets"] = sorted(buckets.items())
+        mine = digest_tensors(grads) if grads else np.zeros(0, np.int64)
+        if stamps is not None and [tensor_version(g) for g in grads] != stamps:
+            return  # written before the worker read them: unknown this step (``grads`` stays null)
         rec["grads"] = int(overall_digest(mine, len(mine)))
-        moved = [self.names.get(id(p), "?") for p, d in zip(params, mine.tolist()) if reduced.get(id(p), d) != d]
+        moved = [n for i, n, d in zip(ids, names, mine.tolist()) if reduced.get(i, d) != d]
         if moved:
             rec["grads_changed"] = moved[:MAX_NAMES]
 
@@ -234,13 +310,18 @@ class StepWatch:
     def mark(self, step: int) -> None:
         """After every optimizer step (where pinpoint records): the record of the step closed under ``step``
         (its digests at rest were taken by the post-step hook). A mark with no optimizer step since the
-        last is recorded too (a skipped step)."""
+        last is recorded too (a skipped step), unless it marks the step of the last record again (gradient
+        accumulation): that step's record stands. A second optimizer step under the same step number
+        (several optimizers, or a manual second step) is a record of its own (``seq``)."""
+        self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
+        last = self.records[-1] if self.records else None
+        if self.current is None and last is not None and last["step"] == int(step):
+            return  # the same step marked again with no optimizer step since: idempotent
         rec = self.current if self.current is not None else {"stepped": False}
         self.current = None
         rec["step"] = int(step)
-        self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
-        if self.records and self.records[-1]["step"] == rec["step"]:
-            self.records.pop()  # the same step marked again (gradient accumulation): the latest counts
+        if last is not None and last["step"] == rec["step"]:
+            rec["seq"] = int(last.get("seq", 0)) + 1
         self.records.append(rec)
         self.last_step = int(step)
         self.steps_taken += 1
@@ -259,28 +340,27 @@ class StepWatch:
             for key in ("pre", "rest", "rest_count", "hyper_changed"):
                 self.current.pop(key, None)
         self.last_hyper = hyper_text(self.optimizers)
-        if self.config.at_rest and self.last_post is not None:
+        if self.rest is not None and self.last_post is not None:
             try:
-                self.last_post, self.last_structure, self.last_names = self._digests()
+                self.rest.rebase()
             except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
                 self.last_post = None
                 self._failed(exc)
 
     def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
-        """The audit's own full digests against this rank's at rest after the last step: what changed since."""
-        if self.last_post is None or not self.config.at_rest:
+        """The audit's own full digests against this rank's at rest after the last step: what changed since
+        (how: :attr:`audit_evidence`)."""
+        self.audit_evidence = []
+        if self.rest is None:
             return []
-        entries = prepared.manifest.entries
-        keep = at_rest_positions(entries)
-        if (
-            prepared.structure != self.last_structure
-            or len(keep) != len(self.last_post)
-            or len(digests) != len(entries)
-        ):
-            return []
-        now = digests[keep]
-        return [self.last_names[i] for i in np.nonzero(now != self.last_post)[0].tolist()[:MAX_NAMES]]
+        reference = self.replay.reference if self.replay is not None else {}
+        names, self.audit_evidence = self.rest.since_step(prepared, digests, reference)
+        return names
 
     def payload(self) -> dict[str, Any]:
         """This rank's records since the last in-sync audit, to exchange."""
+        if self.rest is not None:
+            self.rest.settle_post()  # offloaded: the last step's post-step word, read by now
+        if self.deferred is not None:
+            self.deferred.drain()  # offloaded: the collective check's words, read by now
         return {"records": list(self.records), "hyper": self.last_hyper}

@@ -215,7 +215,10 @@ def _tensor_entry(
     cls = type(t)
     if cls is torch.Tensor or cls is nn.Parameter:  # the common case, without the checks a subclass needs
         if cls is nn.Parameter or t.requires_grad:
-            t = t.data
+            # Not ``.data``: that alias has a version counter of its own, which a write through the parameter
+            # never moves; ``detach()`` shares the parameter's, which the overlapped audit's race check and
+            # attribution's at-rest stamps read.
+            t = t.detach()
         if t.layout is torch.strided and not t.is_meta and not t.is_nested:
             if not storage_fits(t):
                 raise UnauditableTensorError(name, _FREED)

@@ -2,20 +2,33 @@
 
 Between one optimizer step and the next the audited tensors are at rest, so their digest can run while
 the next forward and backward run; the optimizer's pre-step hook waits for it before the step writes
-them. Anything else that writes them in that window (a manual ``p.mul_()``, an EMA kept in a parameter, a
-buffer the forward updates and the audit compares) would be read mid-write. :class:`RaceGuard` stamps
-every audited tensor (its version counter and its address) when the audit is launched, right after the
-step, and looks again once its digests are computed: a write in between is *seen*, and the rank that saw
-it flags its summary as failed. :class:`OverlapRun` then shares every rank's reason in one more round and
-raises :class:`~weightsync_audit.AuditRaceError` on every rank together when every failure was a race, so
-every rank takes the same next step (the window audits again at rest, before the next optimizer step).
+them. Anything else that writes them in that window (a manual ``p.mul_()``, a WGAN's ``p.clamp_()``, an
+EMA kept in a parameter, a buffer the forward updates and the audit compares) would be read mid-write.
 
-Not seen: a write through ``.data`` or through another tensor's raw pointer (neither bumps the version
-counter). Small CPU tensors (up to 64 KiB: biases, norms, a BatchNorm's running statistics, optimizer
-scalars) and Python values (learning rates) are read at launch, on the training thread, so the next
-forward updating running statistics, or a scheduler stepping in the window, changes nothing the audit
-reads (from the second audit on, once the manifest is cached; the first one reads everything on the
-worker).
+Two guards, so that no such write is ever reported as a divergence:
+
+- :class:`RaceGuard` stamps every audited tensor whose digest the worker computes (its version counter
+  and its address) when the audit is launched, right after the step, and looks again once the digests
+  are done: a write in between is *seen* and named. The tensors stamped are the ones whose counter a
+  write moves: the parameters themselves (a cached manifest holds them; a first manifest holds
+  ``detach()`` views, which share the parameter's counter) and the optimizer state and buffers
+  themselves. The rank that saw a write flags its summary as failed, :class:`OverlapRun` shares every
+  rank's reason in one more round and raises :class:`~weightsync_audit.AuditRaceError` on every rank
+  together, and the window audits again at rest, before the next optimizer step.
+- A **difference** the overlapped read found is never reported from that read: every rank raises the same
+  :class:`~weightsync_audit.AuditRaceError` (the verdict is the coordinator's, the same everywhere) and the
+  window decides it at rest, where nothing writes, exactly as a synchronous audit would. A divergence thus
+  costs one synchronous audit more; a healthy step costs nothing more.
+
+What no stamp sees, and only the second guard covers: a write through ``.data`` (its alias has a
+version counter of its own), through another tensor's raw pointer, by a kernel on another stream that
+the training did not order before the launch, or by the hardware. Such a write in the window is not
+named; when it made the ranks' reads differ, the audit at rest decides (no false divergence); when every
+rank read the same bytes (all before, or all after, the write), the audit stands for what it read.
+Small CPU tensors (up to 64 KiB: biases, norms, a BatchNorm's running statistics, optimizer scalars) and
+Python values (learning rates) are read at launch, on the training thread, so the next forward updating
+running statistics, or a scheduler stepping in the window, changes nothing the audit reads (from the
+second audit on, once the manifest is cached; the first one reads everything on the worker, stamped).
 """
 
 from __future__ import annotations
@@ -27,7 +40,9 @@ from typing import Any, Sequence
 import torch
 
 from weightsync_audit.compat import tensor_version
+from weightsync_audit.engine.agreement.rounds import Agreement
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
+from weightsync_audit.engine.phases import Prepared
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.errors import AuditPreparationError, AuditRaceError
 from weightsync_audit.text import brief_names
@@ -98,6 +113,18 @@ class OverlapRun(AuditRun):
         """The tensors written since launch, as this rank's failure (its summary flagged failed)."""
         moved = self.guard.moved()
         return AuditRaceError(self.guard.describe(moved, manifest, self.step)) if moved else None
+
+    def agree(self, prepared: Prepared) -> Agreement:
+        """The summaries meet; a difference in values read in the window is decided at rest (every rank alike)."""
+        agreement = AuditRun.agree(self, prepared)  # slots dataclass: no zero-argument super()
+        if agreement.status == "values":
+            said = (
+                f"the overlapped read of step {'-' if self.step is None else self.step} differed between the ranks; "
+                "decided at rest, where nothing writes (a write in the window that no version counter sees, through "
+                ".data or a raw pointer, is never reported as a divergence)"
+            )
+            raise AuditRaceError(f"weightsync audit: {said}", {r: said for r in self.comm.global_ranks})
+        return agreement
 
     def fail(self, failure: BaseException | None) -> None:
         """Every rank's reason, shared; a race on every failed rank is one :class:`AuditRaceError` everywhere."""

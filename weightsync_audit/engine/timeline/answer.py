@@ -41,6 +41,8 @@ class Pinpoint:
     last_in_sync_step: int | None = None
     """The last step known in sync (None: the rings do not tell)."""
     note: str | None = None
+    tensor_steps: dict[str, int] | None = None
+    """Each diverged tensor's own first diverged step, by ``kind:name``, where exact (:mod:`.tensor_dates`)."""
 
 
 def with_drift(drift: Pinpoint, pin: Pinpoint) -> Pinpoint:
@@ -54,8 +56,11 @@ def with_drift(drift: Pinpoint, pin: Pinpoint) -> Pinpoint:
     ('exact', 3, 2)
     """
     d, new = drift.first_diverged_step, pin.first_diverged_step
+    dated = {**(pin.tensor_steps or {}), **(drift.tensor_steps or {})} or None  # the drift's tensors: its dates
     if pin.state != "unseen" and drift.state == "exact" and d is not None and (new is None or d >= new):
-        return pin  # the new difference came first (or at the same step): its own date is the answer
+        # the new difference came first (or at the same step): its own date is the answer
+        return Pinpoint(state=pin.state, first_diverged_step=new, last_in_sync_step=pin.last_in_sync_step,
+                        note=pin.note, tensor_steps=dated)  # fmt: skip
     left = "the tensors found within the tolerance at an earlier audit are left out of the per-step digests since"
     if pin.state == "unseen":
         said = f"{left}, and nothing else differed at a recorded step: the tensors beyond the tolerance now were "
@@ -68,7 +73,11 @@ def with_drift(drift: Pinpoint, pin: Pinpoint) -> Pinpoint:
         )
     note = "; ".join(n for n in (drift.note, f"pinpoint: {said}", pin.note) if n)
     return Pinpoint(
-        state=drift.state, first_diverged_step=d, last_in_sync_step=drift.last_in_sync_step, note=note or None
+        state=drift.state,
+        first_diverged_step=d,
+        last_in_sync_step=drift.last_in_sync_step,
+        note=note or None,
+        tensor_steps=dated,
     )
 
 

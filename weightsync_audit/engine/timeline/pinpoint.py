@@ -46,6 +46,7 @@ import numpy as np
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing.digest import overall_digest, structure_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.inventory.manifest import KINDS
 from weightsync_audit.engine.timeline.answer import (
     NO_STEP,
     Pinpoint,
@@ -55,6 +56,7 @@ from weightsync_audit.engine.timeline.answer import (
     step_differs,
     with_drift,
 )
+from weightsync_audit.engine.timeline.tensor_dates import MAX_DATED, TensorRing, date_tensors
 from weightsync_audit.reporting.record import AuditResult, PinpointState
 from weightsync_audit.text import brief_names
 
@@ -198,6 +200,10 @@ class Pinpointer:
         self._tensors_step: int | None = None
         self.uncovered: set[str] = set()
         """Names of the tensors left out of the per-step digests (held in pieces or by some ranks only)."""
+        self.tensor_ring = TensorRing()
+        """Each audited tensor's digest per recorded step: each diverged tensor dated to its own step."""
+        self.uids: list[str] = []
+        """``kind:name`` of the audited tensors, aligned with the per-tensor digests."""
 
     def record_step(self, step: int, prepare: Callable[[], PreparedManifest], method: str = "auto") -> int | None:
         """Digest, locally, everything the audit's manifest (``prepare()``) covers after optimizer ``step``;
@@ -211,12 +217,15 @@ class Pinpointer:
             digests[self.excluded] = 0
         if prepared.structure != self._structure:  # the audited set changed: keep each tensor's trace
             self._realign([e.name for e in prepared.manifest.entries])
+            self.uids = [e.uid for e in prepared.manifest.entries]
             self._structure = prepared.structure
         shared, structure = digests, prepared.structure
         if prepared.sharded:  # never cached: its entries are at hand
             shared, structure = self._shared_only(prepared.manifest.entries, digests)
             digests = np.where([e.shard is None for e in prepared.manifest.entries], digests, 0)  # keep positions
         self._fold_tensors(int(step), digests)
+        if n == 1:  # sampled digests date nothing exactly
+            self.tensor_ring.record(int(step), digests, prepared.structure)
         digest = overall_digest(shared, structure)
         self.record(step, digest)
         return digest if n == 1 else None
@@ -271,12 +280,15 @@ class Pinpointer:
         self._forget()
         self.excluded = self.drift = None
         self.ring.mark_in_sync(step, proven=proven)
+        if proven and step is not None:
+            self.tensor_ring.trim(int(step))
 
     def restart(self, step: int | None) -> None:
         """Every rank was made to hold the same values at ``step`` (a confirmed resync): the rings restart."""
         self._forget()
         self.excluded = self.drift = None
         self.ring.restart(step)
+        self.tensor_ring.restart()
 
     @property
     def position(self) -> str:
@@ -314,6 +326,7 @@ class Pinpointer:
         self._forget()
         if proven:
             self.ring.restart(step)  # what it holds includes the tensors now left out
+            self.tensor_ring.restart()
         else:
             self.ring.mark_in_sync(step, proven=False)
         return pin
@@ -332,7 +345,14 @@ class Pinpointer:
                 "only (a shard, or its state), and the per-step digests cover only the tensors every rank holds "
                 "whole, so the step this divergence began cannot be told from them",
             )
-        return locate([b[: len(b) - tail] for b in blobs], comm.global_ranks)
+        pin = locate([b[: len(b) - tail] for b in blobs], comm.global_ranks)
+        if self.ring.slices == 1 and names:  # every rank alike: the configuration and the names agree
+            uids = [f"{k}:{n}" for n in dict.fromkeys(names) for k in KINDS][: len(KINDS) * MAX_DATED]
+            where = {u: i for i, u in enumerate(self.uids)}
+            pin.tensor_steps = date_tensors(
+                comm, self.tensor_ring, [where.get(u, -1) for u in uids], uids, self.ring.anchor
+            )
+        return pin
 
     def diverged(self, comm: Comm, names: Sequence[str] = ()) -> Pinpoint:
         """Collective: every rank calls it when an audit found a divergence; the same answer everywhere.
@@ -358,6 +378,8 @@ def mark_pinpoint(result: AuditResult, pin: Pinpoint | None) -> None:
         return
     result.pinpoint = "off" if pin is None else pin.state
     if pin is not None:
+        for m in result.mismatches:  # each tensor's own first step, where dated exactly
+            m.first_diverged_step = (pin.tensor_steps or {}).get(f"{m.kind}:{m.name}")
         result.first_diverged_step = pin.first_diverged_step
         if pin.last_in_sync_step is not None:
             result.last_in_sync_step = pin.last_in_sync_step

@@ -1,0 +1,282 @@
+"""Attribution under common training patterns, on 2 real gloo ranks (DDP): a closure optimizer (LBFGS),
+gradient accumulation with ``no_sync`` (the same step marked twice), a ``GradScaler`` with fused, foreach
+and single-tensor Adam (scaled gradients, skipped steps), and a software write at rest told from a bit
+flip. Each test plants its fault itself and checks the blame against where it planted it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from attribution_faults import FaultyAdam, build, flip_bit
+from ranks import run_ranks
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from weightsync_audit import AttributionConfig, Auditor, LoopAudit
+from weightsync_audit.engine.attribution.attach import attach_watch
+from weightsync_audit.engine.config import AuditConfig
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+
+
+def _divergent(records: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    return [r for r in records if r is not None and not r["in_sync"]]
+
+
+# -- LBFGS: a closure optimizer ----------------------------------------------------------------------
+
+
+def _lbfgs(rank: int, world: int, faulty: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = torch.optim.LBFGS(ddp.parameters(), lr=0.1, max_iter=2, history_size=4)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        audit = LoopAudit(ddp, opt, every_n_steps=1, verbose=False, attribution=True)
+        records = []
+        for step in range(1, 7):
+            x, y = _batch(step, 0)  # the same batch everywhere: LBFGS keeps the (local) loss in its state
+
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(ddp(x), y)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            r = audit.step(step)
+            records.append(None if r is None else r.to_dict())
+            if rank == faulty and step == 3:
+                flip_bit(model[0].weight, 5, 27)  # at rest, before step 4
+        audit.close()
+    return {"records": records, "warnings": [str(w.message) for w in said]}
+
+
+@pytest.mark.parametrize("faulty", [0, 1])
+def test_lbfgs_a_flip_at_rest_is_blamed_and_the_replay_it_cannot_do_is_said(faulty: int) -> None:
+    out = run_ranks(_lbfgs, 2, faulty)
+    bad = _divergent(out[0]["records"])
+    assert bad, "the flip was not seen"
+    blame = bad[0]["blame"]
+    assert blame["ranks"] == [faulty] and blame["evidence"] == "at_rest_change", blame
+    assert blame["hardware_suspect"] is True and blame["step"] == 4, blame
+    assert [b["blame"] for b in _divergent(out[1]["records"])][:1] == [blame]
+    # The replay cannot re-run LBFGS's closure: it is declined, and the user is told so, once, on every rank.
+    for rank in (0, 1):
+        told = [w for w in out[rank]["warnings"] if "LBFGS" in w and "replay" in w]
+        assert len(told) == 1, out[rank]["warnings"]
+    assert not any("failed" in w for w in out[0]["warnings"]), out[0]["warnings"]
+
+
+# -- gradient accumulation with no_sync: each step marked twice ------------------------------------
+
+
+def _accumulating(rank: int, world: int, faulty: int) -> list[dict[str, Any] | None]:
+    """Two micro-batches per optimizer step (the first under ``no_sync``), ``audit.step(global_step)`` after each,
+    as Lightning's ``on_train_batch_end`` does; a bit flipped at rest on ``faulty`` between steps 2 and 3."""
+    model, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=4, verbose=False, attribution=True)
+    records: list[dict[str, Any] | None] = []
+    global_step = 0
+    for micro in range(1, 13):
+        x, y = _batch(micro, rank)
+        stepping = micro % 2 == 0
+        with contextlib.nullcontext() if stepping else ddp.no_sync():
+            (nn.functional.mse_loss(ddp(x), y) / 2).backward()
+        if stepping:
+            opt.step()
+            opt.zero_grad()
+            global_step += 1
+        r = audit.step(global_step)
+        records.append(None if r is None else r.to_dict())
+        if rank == faulty and stepping and global_step == 2:
+            flip_bit(model[0].weight, 5, 27)
+    audit.close()
+    return records
+
+
+@pytest.mark.parametrize("faulty", [0, 1])
+def test_no_sync_accumulation_marks_each_step_once_and_names_the_flipped_rank(faulty: int) -> None:
+    out = run_ranks(_accumulating, 2, faulty)
+    bad = _divergent(out[0])
+    assert bad, "the flip was not seen"
+    blame = bad[0]["blame"]
+    assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], "at_rest_change", 3), blame
+    assert _divergent(out[1])[0]["blame"] == blame
+
+
+# -- GradScaler with fused / foreach / single-tensor Adam -----------------------------------------
+
+
+IMPLEMENTATIONS = {"fused": {"fused": True}, "foreach": {"foreach": True}, "single": {"foreach": False}}
+
+
+def _scaled(rank: int, world: int, impl: str, faulty: int | None, audit_every: int) -> dict[str, Any]:
+    """Adam (``impl``) under a ``GradScaler``; step 3's loss is inf on every rank (the scaler skips that step);
+    at the 5th optimizer step ``faulty``'s update is off by one ulp in one element."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = FaultyAdam(ddp.parameters(), lr=1e-2, **IMPLEMENTATIONS[impl])
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    auditor = Auditor(ddp, opt, config=AuditConfig(attribution=AttributionConfig(recheck=1)))
+    auditor.attribution = watch = attach_watch(auditor, ddp, [opt])
+    out, records, params = [], [], []
+    for step in range(1, 9):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x), y) * (math.inf if step == 3 else 1.0)
+        scaler.scale(loss).backward()
+        opt.fault_at = opt.taken + 1 if rank == faulty and step == 6 else None
+        scaler.step(opt)
+        scaler.update()
+        watch.mark(step)
+        records.append({k: v for k, v in watch.records[-1].items() if k != "hyper_text"})
+        params.append([p.detach().clone() for p in model.parameters()])
+        if step % audit_every == 0:
+            out.append(auditor.audit(step=step).to_dict())
+    return {"audits": out, "records": records, "params": params}
+
+
+@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+def test_gradscaler_healthy_steps_replay_exactly_and_a_skipped_step_is_a_step_skipped(impl: str) -> None:
+    out = run_ranks(_scaled, 2, impl, None, 100)
+    for rank in (0, 1):
+        recs = out[rank]["records"]
+        assert not [r for r in recs if r.get("update")], recs  # every healthy update reproduced by its replay
+        assert all(r.get("covered") for r in recs if r["stepped"]), recs
+        # The skipped step (inf): the fused step is called and changes nothing; the others are not called.
+        assert torch.equal(torch.cat([p.view(-1) for p in out[rank]["params"][2]]),
+                           torch.cat([p.view(-1) for p in out[rank]["params"][1]]))  # fmt: skip
+
+
+@pytest.mark.parametrize("impl", ["fused", "single"])
+def test_gradscaler_a_one_ulp_compute_fault_is_the_compute_on_that_rank(impl: str) -> None:
+    out = run_ranks(_scaled, 2, impl, 1, 2)
+    # The truth, from the bytes: the replicas part at step 6, on rank 1's weight (the fault's).
+    truth = [
+        s for s in range(8) if not all(torch.equal(a, b) for a, b in zip(out[0]["params"][s], out[1]["params"][s]))
+    ]
+    assert truth and truth[0] == 5
+    bad = [a for a in out[0]["audits"] if not a["in_sync"]]
+    blame = bad[0]["blame"]
+    assert (blame["ranks"], blame["evidence"], blame["step"]) == ([1], "update_not_reproducible", 6), blame
+    assert blame["hardware_suspect"] is True
+
+
+# -- a software write at rest, told from a bit flip -------------------------------------------------
+
+
+def _written(rank: int, world: int, how: str, faulty: int) -> dict[str, Any]:
+    model, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=2, verbose=False, attribution=True)
+    records = []
+    for step in range(1, 7):
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        r = audit.step(step)
+        records.append(None if r is None else r.to_dict())
+        if rank == faulty and step == 2:
+            w = model[0].weight
+            with torch.no_grad():
+                if how == "copy_":
+                    w.copy_(torch.randn_like(w))  # a whole tensor rewritten (a load on one rank, a re-init)
+                elif how == ".data":
+                    w.data.copy_(torch.randn_like(w))  # the same, where no version counter sees it
+                elif how == ".data one element":
+                    w.data[1, 2] = 0.25
+                else:
+                    flip_bit(w, 5, 27)
+    audit.close()
+    return {"records": records, "numel": model[0].weight.numel()}
+
+
+@pytest.mark.parametrize(
+    ("how", "faulty", "evidence", "hardware"),
+    [
+        ("copy_", 1, "at_rest_write", False),
+        (".data", 0, "at_rest_write", False),
+        (".data one element", 1, "at_rest_write", False),
+        ("flip", 1, "at_rest_change", True),
+    ],
+)
+def test_a_write_at_rest_is_software_and_a_bit_flip_is_the_memory(
+    how: str, faulty: int, evidence: str, hardware: bool
+) -> None:
+    out = run_ranks(_written, 2, how, faulty)
+    bad = _divergent(out[0]["records"])
+    blame = bad[0]["blame"]
+    assert (blame["ranks"], blame["evidence"], blame["hardware_suspect"]) == ([faulty], evidence, hardware), blame
+    hint = bad[0]["hints"][0]
+    assert ("memory test" in hint) is hardware, hint
+    if how == "copy_":
+        assert f"{out[0]['numel']} of {out[0]['numel']} elements" in blame["detail"], blame
+    if how == "flip":
+        assert "1 bit in 1 of" in blame["detail"], blame
+
+
+# -- with overlap=True: the at-rest reads off the training thread ---------------------------------------
+
+
+def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int:
+    """``overlap=True``: the at-rest reads and the collective check's digests run on workers. Each step's forward
+    and backward take about 30 ms (a sleep stands for them); after step 3's launch ``faulty``'s weight gets a bit
+    flipped at once (between the reads), or is written through torch right before step 4 (after the late read:
+    its counter tells), or at step 4 its gradient is halved after the all-reduce."""
+    import time
+
+    model, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=1, verbose=False, attribution=True, overlap=True, report_path=report)
+    for step in range(1, 7):
+        x, y = _batch(step, rank)
+        time.sleep(0.03)
+        if rank == faulty and step == 4 and how == "write late":
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1.0
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if rank == faulty and step == 4 and how == "grad after reduce":
+            with torch.no_grad():
+                model[2].weight.grad.mul_(0.5)  # local code between the all-reduce and the step
+        opt.step()
+        audit.step(step)
+        if rank == faulty and step == 3 and how == "flip":
+            flip_bit(model[0].weight, 5, 27)
+    reads = audit.runner.auditor.attribution.rest.reader.late_reads
+    audit.close()
+    return reads
+
+
+@pytest.mark.parametrize(
+    ("how", "faulty", "evidence"),
+    [
+        ("flip", 1, "at_rest_change"),
+        ("write late", 0, "at_rest_write"),
+        ("grad after reduce", 1, "deterministic_difference"),
+    ],
+)
+def test_with_overlap_the_at_rest_check_runs_off_the_training_thread_and_still_names_the_rank(
+    tmp_path: Any, how: str, faulty: int, evidence: str
+) -> None:
+    import json
+
+    report = tmp_path / "r.jsonl"
+    reads = run_ranks(_offloaded, 2, how, faulty, str(report))
+    assert min(reads) >= 1 and sum(reads) >= 4, reads  # the late reads ran, on the worker
+    records = [json.loads(line) for line in report.read_text().splitlines()]
+    bad = [r for r in records if not r["in_sync"]]
+    assert bad and bad[0]["step"] == 4, [(r["step"], r["in_sync"]) for r in records]
+    blame = bad[0]["blame"]
+    assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], evidence, 4), blame
+    assert blame["hardware_suspect"] is (evidence == "at_rest_change")
