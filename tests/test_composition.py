@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,8 @@ def _run(
             for group in opt.param_groups:
                 group["lr"] = 0.1  # this rank's own learning rate, set before every step
         fault = Fault("lr_one_rank", 1, lr_once) if lr_once is not None else None
+        if overlap:  # a forward and backward of some length (a sleep stands for them): the window in which the
+            time.sleep(0.03)  # offloaded at-rest reads run, and in which a flip lands between them (offload.py)
         train_step(ddp, opt, rank, step, fault)
         before = _gathered(params)
         result = audit.step(step)
@@ -220,8 +223,7 @@ def _evicting(rank: int, world: int, folder: str, attribution: bool) -> None:
     opt.step()  # the same gradients everywhere: the replicas agree after it
     mark_step(runner, 1)
     if rank == 0:
-        with torch.no_grad():
-            model.weight[0, 0] += 1.0  # corrupted at rest
+        flip_bit(model.weight, 0, 30)  # corrupted at rest, as the memory does (no version counter moves)
     everyone = _gathered([model.weight])  # the truth: the ranks outside a strict majority of equal bytes
     same = [sum(torch.equal(everyone[r][0], everyone[q][0]) for q in range(world)) for r in range(world)]
     odd = [r for r in range(world) if 2 * max(same) > world and same[r] < max(same)]

@@ -115,19 +115,13 @@ class AtRest:
 
     def rebase(self) -> None:
         """A confirmed repair: what every rank holds now is the baseline the next step is checked against
-        (the repair is no change at rest), read here on the training thread; an offloaded window's reads,
-        taken of the bytes before the repair, are dropped."""
+        (the repair is no change at rest), read as right after a step; an offloaded window's reads, taken of
+        the bytes before the repair, are dropped and a new window opens."""
         if self.reader is not None:
             self.settle_post()
             self.reader.collect()
             self._window = None
-        prepared = self.prepare()
-        self.keep, self.names = self.layout(prepared)
-        self.structure = prepared.structure
-        self.versions = versions(prepared)
-        self.post = prepared.digests(method=self.method)[self.keep]
-        if self.reader is not None:
-            self._window = prepared
+        self.after_step({})
 
     def since_step(
         self, prepared: PreparedManifest, digests: np.ndarray, reference: dict[str, Any]

@@ -340,12 +340,31 @@ class StepWatch:
             for key in ("pre", "rest", "rest_count", "hyper_changed"):
                 self.current.pop(key, None)
         self.last_hyper = hyper_text(self.optimizers)
+        if self.replay is not None:
+            self._rebase_reference(self.replay.reference)
         if self.rest is not None and self.last_post is not None:
             try:
                 self.rest.rebase()
             except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
                 self.last_post = None
                 self._failed(exc)
+
+    def _rebase_reference(self, reference: dict[str, torch.Tensor]) -> None:
+        """After a repair, the replay's reference (what a change at rest is counted against, bits and
+        elements) holds the repaired bytes, not the ones the repair replaced."""
+        if not reference:
+            return
+        names = self.replay.names if self.replay is not None else {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    name = names.get(id(p))
+                    if name is None or name not in reference:
+                        continue
+                    reference[name] = p.detach().clone()
+                    for k, v in opt.state.get(p, {}).items():
+                        if f"{name}.{k}" in reference and isinstance(v, torch.Tensor):
+                            reference[f"{name}.{k}"] = v.detach().clone()
 
     def changed_since_mark(self, prepared: PreparedManifest, digests: np.ndarray) -> list[str]:
         """The audit's own full digests against this rank's at rest after the last step: what changed since
