@@ -42,6 +42,7 @@ from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
 from weightsync_audit.engine.timeline.stalled import StallWatch
+from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]
@@ -113,6 +114,9 @@ class Auditor:
         self.attribution: Any = None
         """The :class:`~weightsync_audit.engine.attribution.watch.StepWatch` whose records a divergent audit
         exchanges to name the corrupted rank (set by the callbacks with ``attribution``); None: the vote."""
+        self.step_hyper: StepHyper | None = None
+        """The hyper-parameters each optimizer step read (set by the callbacks, which see the optimizer right
+        before the step): a divergent audit names one that differed at a step and was set back since."""
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
         self.window: OverlapWindow | None = None
         """The overlapped audits (:meth:`launch`), made at the first one."""

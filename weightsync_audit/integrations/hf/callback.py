@@ -302,8 +302,12 @@ class WeightSyncAuditCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # After backward, before the step: a trainable set that left DDP's reducer behind is warned about
         # before any weight moves (on the main process; every rank checks its own wrapper).
-        step = state.global_step
-        if self.session.before_step(self.audited(model), step, is_main=state.is_world_process_zero):
+        step, optimizer = state.global_step, kwargs.get("optimizer")
+        # The optimizer as the step reads it: an lr changed on one rank is set back by on_step_end.
+        optimizers = [optimizer] if optimizer is not None else []
+        if self.session.before_step(
+            self.audited(model), step, is_main=state.is_world_process_zero, optimizers=optimizers
+        ):
             self._run(state, model, kwargs.get("optimizer"), "on_pre_optimizer_step", step + 1, grads=True)
 
     @override

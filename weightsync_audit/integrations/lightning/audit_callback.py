@@ -234,7 +234,10 @@ class WeightSyncAuditMixin:
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step, also = trainer.global_step, "on_before_optimizer_step" in self.hooks
-        if self.session.before_step(trainer.strategy.model, step, is_main=trainer.is_global_zero, hook=also):
+        optimizers = list(trainer.optimizers)  # as the step reads them (a scheduler may set an lr back after it)
+        if self.session.before_step(
+            trainer.strategy.model, step, is_main=trainer.is_global_zero, hook=also, optimizers=optimizers
+        ):
             self._run(trainer, "on_before_optimizer_step", grads=True, step=step + 1)
 
     @override

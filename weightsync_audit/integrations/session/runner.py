@@ -25,9 +25,11 @@ from weightsync_audit.engine.checkpoints.resume_check import capture as capture_
 from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
+from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
+from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, leave_together
 from weightsync_audit.integrations.session.arguments import (
@@ -111,6 +113,8 @@ class AuditRunner:
         self.last_step_recorded: int | None = None
         self.resynced_ranks: dict[int, int] = {}
         """Ranks a resync repaired, with the step: one that diverges again has a persistent fault."""
+        self.step_hyper = StepHyper(self.config.exclude) if "optimizer" in self.config.include else None
+        """The hyper-parameters each optimizer step read (:meth:`record_hyper`), the main audit's evidence."""
         self.overlap = OverlapDriver.of(self, self.options.overlap)
         """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
@@ -137,6 +141,7 @@ class AuditRunner:
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
         self.auditor = Auditor(config=replace(base, include=main_include))
         self.auditor.history = self.history
+        self.auditor.step_hyper = self.step_hyper
         if "grads" in self.include:
             with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
             self.grad_auditor = Auditor(config=replace(base, include=("grads", *with_opt), slices=1, pinpoint=False))
@@ -189,6 +194,12 @@ class AuditRunner:
                     WeightSyncWarning,
                     stacklevel=3,
                 )
+
+    def record_hyper(self, optimizers: Sequence[Any], step: int) -> None:
+        """Right before optimizer step ``step`` (local): the hyper-parameters it reads, which a scheduler may set
+        back before the audit after it (:mod:`~weightsync_audit.engine.timeline.step_hyper`)."""
+        if self.step_hyper is not None and self.auditor is not None:
+            self.step_hyper.record(step, as_optimizers(list(optimizers)))
 
     def run(
         self,
@@ -252,8 +263,12 @@ class AuditRunner:
         )
         if result.action == "resynced":  # a rank that diverges again after this is a persistent fault
             self.resynced_ranks.update({r: step for m in result.mismatches for r in m.ranks})
+            if self.step_hyper is not None:  # confirmed: what was found is about a divergence that is over
+                self.step_hyper.forget()
+                if grads and optimizers:  # repaired before the step: the step reads the repaired values
+                    self.record_hyper(optimizers, step)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
-        self._publish(result, is_main, log_metrics)
+        self._publish(result, is_main, log_metrics, "grads" if grads else "main")
         if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
             hand_off(result, self.auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
         if not result.in_sync and result.action == "raised":
@@ -324,18 +339,24 @@ class AuditRunner:
         result.last_full_sync_step = self.history.last_full_sync_step
 
     def _publish(
-        self, result: AuditResult, is_main: bool, log_metrics: Callable[[dict[str, float]], None] | None
+        self,
+        result: AuditResult,
+        is_main: bool,
+        log_metrics: Callable[[dict[str, float]], None] | None,
+        kind: str = "main",
     ) -> None:
-        """Report on the main process: the record, metrics, and a printed report when it says something new."""
+        """Report on the main process: the record, metrics, and a printed report when it says something new
+        for its ``kind`` of audit (``grads``, before the step, and ``main`` alternate without each counting
+        as a change)."""
         if not is_main:
-            self.voice.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
+            self.voice.heard(result, kind)  # the same memory on every rank (a Lightning checkpoint keeps it)
             return
         if self.writer is not None:
             self.writer.write(result)
         self.sinks.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
-        self.voice.speak(result, verbose=self.verbose, print_fn=self.print)
+        self.voice.speak(result, verbose=self.verbose, print_fn=self.print, kind=kind)
 
     @property
     def last_reported(self) -> tuple[str, ...]:
