@@ -23,7 +23,6 @@ only one in the package that imports ``transformers``.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import sys
@@ -239,10 +238,9 @@ class WeightSyncAuditCallback(TrainerCallback):
             trainer = Trainer(model=model, args=args, train_dataset=data,
                               callbacks=WeightSyncAuditCallback.from_env())
         """
-        from weightsync_audit.integrations.activation import callbacks_from_env
+        from weightsync_audit.integrations.activation import callbacks_from_env, option_names
 
-        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "options", "unknown")]
-        return callbacks_from_env(cls, names, rename={"every_n_train_steps": "every_n_steps"})
+        return callbacks_from_env(cls, option_names(cls.__init__), rename={"every_n_train_steps": "every_n_steps"})
 
     def audited(self, model: Any) -> Any:
         """What the audit reads: the Trainer's DDP wrapper over ``model`` when there is one (the names stay

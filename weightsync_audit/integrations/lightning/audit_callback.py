@@ -145,6 +145,8 @@ class WeightSyncAuditMixin:
         check_every_n(every_n_train_steps, "every_n_train_steps")
         if isinstance(hooks, str):
             hooks = (hooks,)
+        if not isinstance(hooks, (list, tuple)):
+            raise TypeError(f"hooks={hooks!r}: give a tuple of Lightning hook names from {list(AUDIT_HOOKS)}")
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
         if unknown:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
