@@ -346,7 +346,7 @@ class AuditRun:
         notes = [
             *lead,
             *prepared.manifest.notes,
-            *sharded_notes(checked, unpaired, counts["param"], "params" in cfg.include),
+            *sharded_notes(checked, unpaired, counts["param"], "params" in cfg.include, cfg.include),
         ]
         return Tally(checked, notes)
 
@@ -398,6 +398,7 @@ class AuditRun:
             transient=explained.transient,
             hosts=explained.hosts,
             blame=explained.blame,
+            nothing_compared=True if in_sync and not any(explained.checked.values()) else None,
         )
         if nonfinite is not None:
             result.nonfinite_count = nonfinite.count

@@ -111,7 +111,8 @@ def check_report(
     console: Console | None = None,
 ) -> int:
     """Summarise a report as ``weightsync-audit check`` does; returns its exit code: 0 all in sync (or
-    repaired, with ``accept_repaired``), 1 any divergence, 2 invalid or empty. :class:`ReportReadError` when
+    repaired, with ``accept_repaired``), 1 any divergence, 2 invalid, empty or nothing compared (no audit
+    compared a tensor between ranks: no verdict). :class:`ReportReadError` when
     the file cannot be read at all."""
     summary = ReportSummary.read(path, allow_torn, accept_repaired)
     console = console or log_console()
@@ -123,6 +124,14 @@ def check_report(
     if summary.status == "empty":
         console.print(
             Text("no audit records: the run did not audit (or wrote its report elsewhere): exit 2", style="bold red")
+        )
+    elif summary.status == "nothing_compared":
+        console.print(
+            Text(
+                f"NOTHING COMPARED: none of the {len(rs)} audit(s) compared a tensor between ranks (nothing to "
+                "audit, or nothing with a replica: see the notes), so none says the replicas agree: exit 2",
+                style="bold red",
+            )
         )
     elif not summary.diverged and rs:
         _print_in_sync(console, summary)
@@ -149,9 +158,14 @@ def _print_in_sync(console: Console, summary: ReportSummary) -> None:
             )
         )
     elif not sampled:
+        empty = len(summary.compared_nothing)
+        but = f" ({empty} more compared nothing: see the notes)" if empty else ""
         console.print(
             Text(
-                f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
+                f"IN SYNC: all {len(rs) - empty}{valid} audit(s) that compared tensors found every rank holding the "
+                f"same weights{but}"
+                if empty
+                else f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
                 style="bold green",
             )
         )

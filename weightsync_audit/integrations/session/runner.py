@@ -391,6 +391,11 @@ class AuditRunner:
             h.load_state_dict(state)
             self.from_workers = True
         where = " (audited in the worker processes; this is rank 0's history)" if self.from_workers else ""
+        if h.diverged_audits == 0 and h.audits and h.compared_nothing == h.audits:
+            return (
+                f"weightsync audit: {h.audits} audit(s), none compared a tensor between ranks (nothing to audit, "
+                f"or nothing with a replica: see the records' notes), so none says the replicas agree{where}"
+            )
         if h.diverged_audits == 0:
             last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
             return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}{where}"
