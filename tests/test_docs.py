@@ -345,7 +345,9 @@ def test_the_callback_pages_options_table_is_every_option_of_every_adapter_with_
     for adapter, options in adapters.items():
         for name, default in options.items():
             shown = repr(default).replace("'", '"')
-            assert f"`{shown}`" in rows[name], f"{adapter}({name}=...): default {shown} is not in the table: {rows[name]}"
+            assert f"`{shown}`" in rows[name], (
+                f"{adapter}({name}=...): default {shown} is not in the table: {rows[name]}"
+            )
 
 
 def test_the_callback_pages_call_with_the_defaults_is_the_signature() -> None:
