@@ -158,14 +158,12 @@ def _print_in_sync(console: Console, summary: ReportSummary) -> None:
             )
         )
     elif not sampled:
-        empty = len(summary.compared_nothing)
-        but = f" ({empty} more compared nothing: see the notes)" if empty else ""
+        empty = len(summary.compared_nothing)  # no verdict of their own: counted apart
+        which = " that compared tensors" if empty else ""
+        apart = f" ({empty} more compared nothing: see the notes)" if empty else ""
         console.print(
             Text(
-                f"IN SYNC: all {len(rs) - empty}{valid} audit(s) that compared tensors found every rank holding the "
-                f"same weights{but}"
-                if empty
-                else f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
+                f"IN SYNC: all {len(rs) - empty}{valid} audit(s){which} found every rank holding the same weights{apart}",
                 style="bold green",
             )
         )

@@ -16,6 +16,9 @@ replicas agree again or a resync is confirmed (:meth:`StepHyper.forget`).
 >>> ring.record(3, [torch.optim.SGD([torch.zeros(1)], lr=0.1)])
 >>> ring.covering(3)[3]["param_groups.0.lr"], ring.covering(2)
 (0.1, {})
+>>> import pickle  # a callback that holds it is pickled by ddp_spawn
+>>> pickle.loads(pickle.dumps(ring)).covering(3) == ring.covering(3)
+True
 """
 
 from __future__ import annotations
@@ -79,6 +82,13 @@ class StepHyper:
         self._lock = threading.Lock()  # an overlapped audit reads on its worker while the next step records
         self.found: dict[str, Mismatch] = {}
         """Hyper-parameters that differed at a step since the replicas last agreed (by name): every rank's alike."""
+
+    def __getstate__(self) -> dict[str, Any]:  # ddp_spawn pickles the callback that holds it: not its lock
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def record(self, step: int, optimizers: Sequence[Any]) -> None:
         """The hyper-parameters optimizer step ``step`` is about to read (call right before it; again after a
