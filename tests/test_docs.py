@@ -362,3 +362,11 @@ def test_the_callback_pages_call_with_the_defaults_is_the_signature() -> None:
 def test_the_readmes_docs_list_names_every_command_of_the_cli() -> None:
     [line] = [ln for ln in (ROOT / "README.md").read_text().splitlines() if "(docs/cli.md)" in ln]
     assert re.findall(r"`(\w+)`", line) == list(COMMANDS), line
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_report_shown_in_the_docs_is_the_output_of_a_run(page: Path) -> None:
+    # A printed audit report in a page is checked against a real run (an output block), or it drifts.
+    for b in blocks(page):
+        if b.lang == "text" and ": DIVERGED, " in b.code:
+            assert b.mark == "output", f"{page.name}:{b.line}: a report not checked against a run"
