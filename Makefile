@@ -1,16 +1,25 @@
-# `make test` and `make demo` work on a fresh machine: both create .venv when it is missing.
+# `make demo` and `make test` work on a fresh machine: both create .venv when it is missing.
+# `make demo` installs what the demo needs (torch and this package); `make test` adds the test extra on top
+# (Lightning, transformers, DeepSpeed, Ray, Megatron-core, ...), so a first demo stays small and quick.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# The CPU build that lies on this machine; elsewhere a plain `torch` from PyPI pulls a multi-GB CUDA build on
+# Linux: give the CPU wheels' index, e.g. make demo TORCH="torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH ?= torch==2.13.0
+DEMO_STAMP := $(VENV)/.weightsync-demo
 STAMP := $(VENV)/.weightsync-installed
 
 .PHONY: test demo lint bench soak clean
 
-$(STAMP): pyproject.toml
+$(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU build that lies on this machine; a plain `torch` would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(STAMP): $(DEMO_STAMP) pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	# torchtitan's own requirements pull `datasets`, which conflicts with transformers: only what its
 	# ParallelDims import needs (docs/torchtitan.md).
@@ -20,7 +29,7 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/weightsync-audit demo
 
 lint: $(STAMP)

@@ -38,7 +38,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
-COMMANDS = ("demo", "check", "show", "diff", "verify", "launch")
+COMMANDS: tuple[str, ...] = __import__("weightsync_audit.cli", fromlist=["COMMANDS"]).COMMANDS
+"""Every command of ``weightsync-audit``, as the code lists them."""
 
 _FENCE = re.compile(r"^```([\w+-]*)[^\n]*\n(.*?)^```\s*$", re.M | re.S)
 _MARK = re.compile(r"<!--\s*(run(?::\s*exit=(\d+))?|not-run:[^>]*|output|file:\s*([\w./-]+))\s*-->\s*$")
@@ -298,3 +299,74 @@ def test_no_page_tells_to_pip_install_from_an_index() -> None:
         for b in blocks(page):
             for line in b.code.splitlines():
                 assert not re.search(r"pip install [\"']?weightsync-audit", line), f"{page.name}:{b.line}: {line}"
+
+
+# -- docs that cannot drift from the code -------------------------------------------------------------
+
+
+def _table(page: Path, heading: str) -> dict[str, str]:
+    """The table under ``heading``: its first column's backticked name -> its second column."""
+    text = page.read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    return {re.match(r"\| `(\w+)`", r).group(1): r.split(" | ")[1] for r in rows}  # type: ignore[union-attr]
+
+
+def _adapter_options() -> dict[str, dict[str, Any]]:
+    """Every adapter's named options with their defaults, from the signatures: adapter -> {option: default}."""
+    import inspect
+
+    from weightsync_audit import LoopAudit
+    from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
+
+    inits = {"WeightSyncAudit": WeightSyncAuditMixin.__init__, "LoopAudit": LoopAudit.__init__}
+    try:
+        from weightsync_audit.transformers import WeightSyncAuditCallback
+
+        inits["WeightSyncAuditCallback"] = WeightSyncAuditCallback.__init__
+    except ImportError:  # pragma: no cover - transformers is in the test extra
+        pass
+    skip = {"self", "module", "optimizer", "options"}
+    return {
+        name: {
+            p.name: p.default
+            for p in inspect.signature(init).parameters.values()
+            if p.name not in skip and p.kind is not p.VAR_KEYWORD
+        }
+        for name, init in inits.items()
+    }
+
+
+def test_the_callback_pages_options_table_is_every_option_of_every_adapter_with_its_default() -> None:
+    rows = _table(ROOT / "docs" / "callback.md", "## Options")
+    adapters = _adapter_options()
+    in_code = {name for options in adapters.values() for name in options}
+    assert sorted(in_code - set(rows)) == [], "options in the code that the table does not name"
+    assert sorted(set(rows) - in_code) == [], "options in the table that no adapter takes"
+    for adapter, options in adapters.items():
+        for name, default in options.items():
+            shown = repr(default).replace("'", '"')
+            assert f"`{shown}`" in rows[name], (
+                f"{adapter}({name}=...): default {shown} is not in the table: {rows[name]}"
+            )
+
+
+def test_the_callback_pages_call_with_the_defaults_is_the_signature() -> None:
+    import ast
+
+    [first] = [b for b in blocks(ROOT / "docs" / "callback.md") if b.lang == "python"][:1]
+    call = next(n for n in ast.walk(ast.parse(first.code)) if isinstance(n, ast.Call))
+    given = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert given == _adapter_options()["WeightSyncAudit"]
+
+
+def test_the_readmes_docs_list_names_every_command_of_the_cli() -> None:
+    [line] = [ln for ln in (ROOT / "README.md").read_text().splitlines() if "(docs/cli.md)" in ln]
+    assert re.findall(r"`(\w+)`", line) == list(COMMANDS), line
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_report_shown_in_the_docs_is_the_output_of_a_run(page: Path) -> None:
+    # A printed audit report in a page is checked against a real run (an output block), or it drifts.
+    for b in blocks(page):
+        if b.lang == "text" and ": DIVERGED, " in b.code:
+            assert b.mark == "output", f"{page.name}:{b.line}: a report not checked against a run"

@@ -123,6 +123,75 @@ def test_hf_trainer_lr_changed_on_one_rank_is_reported_by_the_grads_time_audit(r
     ]
 
 
+def _lr_truth(lr: list[dict[str, dict[str, float]]], when: str) -> dict[int, list[int]]:
+    """From every rank's own reading of its lr (``pre_step``: as the step read it; ``step_end``: after the
+    scheduler), the steps at which the ranks disagreed, with the ranks that differ from rank 0."""
+    steps = sorted(int(s) for s in lr[0][when])
+    out = {}
+    for s in steps:
+        odd = [r for r in range(len(lr)) if lr[r][when][str(s)] != lr[0][when][str(s)]]
+        if odd:
+            out[s] = odd
+    return out
+
+
+def test_hf_trainer_lr_changed_for_one_step_is_named_by_the_audit_after_it_though_the_scheduler_set_it_back(
+    runs: dict[str, Any],
+) -> None:
+    got = scenario(runs, "hf_lr_at_step_only")[0]
+    read, after = _lr_truth(got["lr"], "pre_step"), _lr_truth(got["lr"], "step_end")
+    assert list(read) == [3] and after == {}  # the truth: step 3 read another lr on rank 1, set back by its end
+    records = got["records"]
+    first = next(r for r in records if not r["in_sync"])
+    assert (first["hook"], first["step"]) == ("on_step_end", 3)
+    [lr] = [m for m in first["mismatches"] if m["name"] == "param_groups.0.lr"]
+    assert lr["kind"] == "optimizer" and lr["ranks"] == read[3] and "optimizer step 3" in lr["detail"]
+    assert first["hints"][0].startswith("The learning rate differed as optimizer step 3 read it (param_groups.0.lr")
+    # The same evidence while the parameters stay apart; never "no optimizer step parted them".
+    assert all(any(m["name"] == "param_groups.0.lr" for m in r["mismatches"]) for r in records if not r["in_sync"])
+    assert not any("no optimizer step parted them" in h for r in records for h in r["hints"])
+
+
+def _changes(records: list[dict[str, Any]]) -> int:
+    """Real changes: per kind of audit (the gradients' before the step, the weights' after it), each time the
+    set of diverged tensors appears or changes; a divergence resynced again with the same names is none."""
+    last: dict[str, tuple[str, ...]] = {}
+    changes = 0
+    for r in records:
+        kind = "grads" if r["hook"] == "on_pre_optimizer_step" else "main"
+        names = tuple(m["name"] for m in r["mismatches"])
+        if names and names != last.get(kind, ()):
+            changes += 1
+        last[kind] = names
+    return changes
+
+
+@pytest.mark.parametrize("on_mismatch", ["warn", "resync"])
+def test_hf_trainer_lr_differing_at_every_step_is_reported_once_per_real_change_with_true_reasons(
+    runs: dict[str, Any], on_mismatch: str
+) -> None:
+    got = scenario(runs, f"hf_lr_every_step_{on_mismatch}")[0]
+    read = _lr_truth(got["lr"], "pre_step")
+    assert sorted(read) == list(range(1, 9)) and all(odd == [1] for odd in read.values())  # every step, rank 1
+    records, printed = got["records"], got["printed"]
+    pre = [r for r in records if r["hook"] == "on_pre_optimizer_step"]
+    assert len(pre) == 8 and all(not r["in_sync"] for r in pre)
+    # One full report per real change, however the two kinds of audit alternate: 8 steps of them make 2
+    # under warn (the lr before the step, the parameters that followed after it), 1 under resync.
+    reports = printed.count(": DIVERGED,")
+    assert reports == _changes(records) == {"warn": 2, "resync": 1}[on_mismatch], printed
+    if on_mismatch == "resync":
+        assert all(r["action"] == "resynced" for r in pre)
+        assert [n for n in range(2, 9) if f"resynced again, {n} times, same cause" in printed] == list(range(2, 9))
+        assert len(got["warned"]) == 1 and "the cause persists" in got["warned"][0]
+    # True reasons: on plain DDP every parameter has a replica (the audits after the step compared them); the
+    # gradient audit before the step does not compare parameters, and says that, not "held by one rank only".
+    assert all(r["checked"]["param"] == 28 for r in records if r["hook"] == "on_step_end")
+    hints = [h for r in pre for h in r["hints"]]
+    assert hints and not any("held by one rank only" in h for h in hints)
+    assert all("does not compare the parameters" in r["hints"][0] for r in pre)
+
+
 @pytest.mark.parametrize(
     ("loop", "wrapper", "planted"),
     [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import weightsync_audit
 
@@ -77,3 +78,24 @@ def test_the_core_imports_no_transformers_and_only_the_hf_adapter_names_it() -> 
             if any(n.split(".")[0] in ("transformers", "accelerate") for n in names):
                 importers.add(path.relative_to(root).as_posix())
     assert importers == {"integrations/hf/callback.py", "integrations/hf/engines.py"}  # the HF adapter only
+
+
+def _make_dry_run(target: str, tmp_path: Path) -> list[str]:
+    """The commands ``make TARGET`` would run on a fresh machine (no venv yet), without running them."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=root, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return [line for line in proc.stdout.splitlines() if not line.lstrip().startswith("#")]
+
+
+def test_make_demo_installs_what_the_demo_needs_and_make_test_the_test_extra_on_top(tmp_path: Path) -> None:
+    # The demo needs torch and the package (its core dependencies: Lightning, xxhash, rich); never the
+    # test extra (DeepSpeed, Ray, Megatron-core...), which make test adds on top.
+    demo = _make_dry_run("demo", tmp_path)
+    installs = [line for line in demo if " pip install " in line]
+    assert [line.split(" pip install -q ", 1)[1] for line in installs] == ["--upgrade pip", "torch==2.13.0", "-e ."]
+    assert demo[-1].endswith("weightsync-audit demo")
+    test = _make_dry_run("test", tmp_path)
+    assert test[: len(demo) - 1] == demo[:-1]  # the demo's install first
+    extra = [line for line in test[len(demo) - 1 :] if " pip install " in line]
+    assert any('-e ".[test]"' in line for line in extra) and test[-1].endswith("pytest -q -p no:cacheprovider")

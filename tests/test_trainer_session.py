@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from weightsync_audit import AuditOptions, WeightSyncWarning
+from weightsync_audit.engine import config, respond
+from weightsync_audit.engine.timeline import step_hyper
 from weightsync_audit.integrations.lightning import hook_routes
-from weightsync_audit.integrations.session import options, trainer_session
+from weightsync_audit.integrations.session import arguments, options, trainer_session
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 
 
-@pytest.mark.parametrize("module", [options, trainer_session, hook_routes])
+@pytest.mark.parametrize("module", [options, trainer_session, hook_routes, arguments, config, respond, step_hyper])
 def test_the_examples_in_the_docstrings_run(module: object) -> None:
     failed, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
     assert tried and not failed
@@ -75,3 +77,24 @@ def test_a_checkpoint_is_audited_and_its_sidecar_written_through_the_session(tmp
     assert saved is not None and loaded is not None and saved.in_sync and loaded.in_sync
     assert loaded.checkpoint is not None and loaded.checkpoint["status"] == "matching"
     session.close()
+
+
+def test_two_kinds_of_audit_alternating_each_resynced_are_reported_once_each_then_one_line_per_repeat() -> None:
+    from weightsync_audit import AuditResult, Mismatch
+    from weightsync_audit.engine.respond import Voice
+
+    def diverged(step: int, *names: str) -> AuditResult:
+        found = [Mismatch(n, "optimizer" if "param_groups" in n else "param", [1], [0]) for n in names]
+        return AuditResult(in_sync=False, step=step, mismatches=found, action="resynced")
+
+    voice, said = Voice(), []
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        for step in range(1, 5):  # the lr differs before each step and after it, resynced each time
+            voice.speak(diverged(step, "param_groups.0.lr"), verbose=True, print_fn=said.append, kind="grads")
+            voice.speak(diverged(step, "param_groups.0.lr", "w"), verbose=True, print_fn=said.append)
+    reports = [s for s in said if isinstance(s, AuditResult)]
+    again = [s for s in said if isinstance(s, str)]
+    assert [r.diverged_names for r in reports] == [["param_groups.0.lr"], ["param_groups.0.lr", "w"]]
+    assert again == [f"weightsync audit: step {s}: resynced again, {s} times, same cause" for s in (2, 2, 3, 3, 4, 4)]
+    assert len([w for w in warned if "the cause persists" in str(w.message)]) == 2  # once per kind

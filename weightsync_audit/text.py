@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
+    "BEFORE_STEP",
     "COMPARED_NOTES",
     "NOTHING_COMPARED",
+    "NOTHING_TO_AUDIT",
     "TIE_PREFIX",
     "blame_line",
     "brief_names",
@@ -26,6 +28,13 @@ COMPARED_NOTES = ("no parameters were compared", "no replica to compare", "nothi
 
 #: The note (and the summary's words) of an audit that compared nothing: every tensor has one holder.
 NOTHING_COMPARED = "nothing was compared: no tensor has a replica"
+
+#: The note of an audit that found nothing to compare at all: no tensor of the kinds in ``include``.
+NOTHING_TO_AUDIT = "nothing was compared: no tensor to audit"
+
+BEFORE_STEP = "differed as optimizer step"
+"""How the ``detail`` of a hyper-parameter that differed at a step, and is equal again when audited, begins
+(``differed as optimizer step 3 read it (...)``): the learning rate's hint then speaks of that step."""
 
 TIE_PREFIX = "tie vote"
 """How a mismatch's ``detail`` begins when its reference was decided by a tie, not a majority."""

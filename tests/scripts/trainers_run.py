@@ -83,16 +83,17 @@ def features() -> list[dict[str, torch.Tensor]]:
 
 
 class At(__import__("transformers").TrainerCallback):
-    """Does ``act(model, optimizer)`` on ``ranks`` at one event of one step: a planted fault, or a clock."""
+    """Does ``act(model, optimizer)`` on ``ranks`` at one event of one step (``None``: of every step): a planted
+    fault, or a clock."""
 
     def __init__(
-        self, event: str, step: int, act: Callable[[nn.Module, Any], None], ranks: tuple[int, ...] = (1,)
+        self, event: str, step: int | None, act: Callable[[nn.Module, Any], None], ranks: tuple[int, ...] = (1,)
     ) -> None:
         self.step = step
         self.act = act
 
         def fire(args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kw: Any) -> None:
-            if RANK in ranks and state.global_step == self.step:
+            if RANK in ranks and self.step in (None, state.global_step):
                 with torch.no_grad():
                     self.act(model, optimizer)
 
@@ -204,18 +205,88 @@ def hf_batchnorm() -> dict[str, Any]:
     return out
 
 
+def double_lr(model: nn.Module, optimizer: Any) -> None:
+    optimizer.param_groups[0]["lr"] *= 2
+
+
 @scenario
 def hf_lr() -> dict[str, Any]:
     path = OUT / "hf_lr.jsonl"
-
-    def double_lr(model: nn.Module, optimizer: Any) -> None:
-        optimizer.param_groups[0]["lr"] *= 2
-
     cb = WeightSyncAuditCallback(
         every_n_steps=1, include=("params", "optimizer", "grads"), report_path=str(path), verbose=False
     )
     train(gpt2(), tokens(), [At("on_step_begin", 2, double_lr), cb], max_steps=4)
     return {"records": records(path)}
+
+
+class LrProbe(__import__("transformers").TrainerCallback):
+    """Each rank's ``lr`` as the optimizer step reads it (``on_pre_optimizer_step``) and after the scheduler
+    stepped (``on_step_end``), by the step the optimizer step completes: the truth the records are judged by."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, dict[int, float]] = {"pre_step": {}, "step_end": {}}
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+        self.seen["pre_step"][state.global_step + 1] = optimizer.param_groups[0]["lr"]
+
+    def on_step_end(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kw: Any) -> None:
+        self.seen["step_end"][state.global_step] = optimizer.param_groups[0]["lr"]
+
+    def every_rank(self) -> list[dict[str, dict[int, float]]]:
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, self.seen)
+        return every
+
+
+def printed_console() -> Any:
+    """A console for the runner's printed reports, read back afterwards (what rank 0 would print)."""
+    import io
+
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=10_000, soft_wrap=True)
+
+
+@scenario
+def hf_lr_at_step_only() -> dict[str, Any]:
+    """Default ``include`` (no gradient audit): rank 1 doubles its lr for step 3 only; the scheduler sets it back
+    before ``on_step_end``, so only the lr the step read tells why the parameters parted."""
+    path = OUT / "hf_lr_at_step_only.jsonl"
+    probe = LrProbe()
+    cb = WeightSyncAuditCallback(every_n_steps=1, report_path=str(path), verbose=False)
+    train(gpt2(), tokens(), [At("on_step_begin", 2, double_lr), probe, cb], max_steps=5)
+    return {"records": records(path), "lr": probe.every_rank()}
+
+
+def lr_every_step(on_mismatch: str) -> dict[str, Any]:
+    """Rank 1 doubles its lr before every step (the scheduler sets it back after each), audited with gradients."""
+    path = OUT / f"hf_lr_every_step_{on_mismatch}.jsonl"
+    cb = WeightSyncAuditCallback(
+        every_n_steps=1, include=("params", "buffers", "optimizer", "grads"), on_mismatch=on_mismatch,
+        report_path=str(path),
+    )  # fmt: skip
+    cb.runner.console = printed_console()
+    ranks_doubling = At("on_step_begin", None, double_lr)
+    probe = LrProbe()
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        train(gpt2(), tokens(), [ranks_doubling, probe, cb], max_steps=8)
+    return {
+        "records": records(path),
+        "printed": cb.runner.console.file.getvalue(),
+        "warned": [str(w.message) for w in warned if "weightsync" in str(w.message)],
+        "lr": probe.every_rank(),
+    }
+
+
+@scenario
+def hf_lr_every_step_warn() -> dict[str, Any]:
+    return lr_every_step("warn")
+
+
+@scenario
+def hf_lr_every_step_resync() -> dict[str, Any]:
+    return lr_every_step("resync")
 
 
 # -- plain loops: Lightning Fabric, Accelerate, bare torchrun ------------------------------------------

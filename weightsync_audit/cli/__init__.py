@@ -3,7 +3,7 @@
 Each command is a module of this folder that owns its parser and its run function (``cli/command.py``
 says how); this module builds the top parser and dispatches.
 
-Exit codes (the contract): ``check`` 0 in sync, 1 diverged, 2 unreadable (0 for a run repaired by
+Exit codes (the contract): ``check`` 0 in sync, 1 diverged, 2 unreadable or nothing compared (0 for a run repaired by
 resync and in sync at the end with ``--accept-repaired``); ``show`` 0 / 2; ``diff`` 0 identical or
 equal within ``--atol``, 1 different, 2 error; every error is one line on stderr, never a traceback.
 
@@ -46,6 +46,7 @@ EXIT_CODES = dedent(
       check  0 every audit in sync (or within the run's tolerance; or, with --accept-repaired, every
                divergence repaired by resync, none back after its repair, and in sync at the end),
                1 a divergence, 2 unreadable/invalid/empty
+               or nothing compared (no audit compared a tensor between ranks: no verdict)
       show   0 shown, 2 unreadable or invalid
       diff   0 identical (or equal within --atol), 1 different (or, by sidecars, a file no longer the one
                its sidecar identifies), 2 unreadable, refused or not a checkpoint

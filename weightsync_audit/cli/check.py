@@ -1,4 +1,4 @@
-"""``check REPORT.jsonl``: the CI guard; exit 0 in sync, 1 diverged, 2 unreadable."""
+"""``check REPORT.jsonl``: the CI guard; exit 0 in sync, 1 diverged, 2 unreadable or nothing compared."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from weightsync_audit.reporting.terminal import check_report
 __all__ = ["DESCRIPTION", "EXAMPLES", "SUMMARY", "add_arguments", "run"]
 
 
-SUMMARY = "summarise a report; exit 0 in sync, 1 diverged, 2 unreadable"
+SUMMARY = "summarise a report; exit 0 in sync, 1 diverged, 2 unreadable or nothing compared"
 
 DESCRIPTION = """
     Read a JSONL audit report and say whether every audit found the replicas in sync; name the first divergence
     (step, epoch, tensors, ranks, hint). Exit 0 when every record is in sync, 1 when any is not, 2 when the file
-    cannot be read, holds no records, or a line is not a valid record. A run with on_mismatch='resync' whose every
+    cannot be read, holds no records, or a line is not a valid record, or when no audit compared a tensor between
+    ranks (no verdict: status 'nothing_compared'). A run with on_mismatch='resync' whose every
     divergence was repaired and that ended in sync exits 1 too, unless --accept-repaired is given (then 0, status
     'repaired'); a cause that came back after its repair (a rank or tensor diverging again after a resync) is not
     repaired: exit 1 even with --accept-repaired.

@@ -44,6 +44,7 @@ from weightsync_audit.engine.run import AuditRun, gc_paused
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
 from weightsync_audit.engine.timeline.stalled import StallWatch
+from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]
@@ -84,24 +85,26 @@ class Auditor:
     ) -> None:
         module = stage_module(module)  # a pipelining PipelineStage or schedule: its stage module
         if module is not None and not isinstance(module, nn.Module):
-            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+            raise TypeError(
+                f"module= a {type(module).__name__}: must be a torch.nn.Module (the model or its DDP wrapper)"
+            )
         self.module = module
         self.optimizers = as_optimizers(optimizer)
         self.group = group
         if config is None:
-            config = AuditConfig(
-                include=tuple(include),
-                exclude=tuple(exclude),
+            config = AuditConfig(  # each argument validated there, its error naming it
+                include=include,  # type: ignore[arg-type]
+                exclude=exclude,  # type: ignore[arg-type]
                 timeout_s=timeout_s,
                 slices=parse_coverage(coverage),
                 method=method,
                 max_diff_tensors=max_diff_tensors,
                 compare_broadcast_buffers=compare_broadcast_buffers,
                 tolerance=tolerance,
-                pinpoint=bool(pinpoint),
+                pinpoint=pinpoint,
                 pinpoint_ring=pinpoint_ring,
-                pinpoint_slices=parse_coverage(pinpoint_coverage),
-                check_finite=bool(check_finite),
+                pinpoint_slices=parse_coverage(pinpoint_coverage, "pinpoint_coverage"),
+                check_finite=check_finite,
             )
         elif not isinstance(config, AuditConfig):
             raise TypeError(f"config must be an AuditConfig, got {type(config).__name__}")
@@ -117,6 +120,9 @@ class Auditor:
         exchanges to name the corrupted rank (set by the callbacks with ``attribution``); None: the vote."""
         self.batches = BatchRecords() if config.check_batches else None
         """With ``check_batches``: this rank's batch digest per audited step (:meth:`record_batch`)."""
+        self.step_hyper: StepHyper | None = None
+        """The hyper-parameters each optimizer step read (set by the callbacks, which see the optimizer right
+        before the step): a divergent audit names one that differed at a step and was set back since."""
         self._stall = StallWatch(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
         self.window: OverlapWindow | None = None
         """The overlapped audits (:meth:`launch`), made at the first one."""
@@ -266,6 +272,9 @@ class Auditor:
         checkpoint's ``verified`` needs it). The phases (prepare, agree, localize, measure, explain,
         record) are :class:`AuditRun`'s. An overlapped audit still pending (:meth:`launch`) is settled
         first: the channel is used in order."""
+        for name, value in (("step", step), ("epoch", epoch)):
+            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
+                raise TypeError(f"{name}={value!r}: must be an integer, or None")
         if self.window is not None:
             self.window.settle("another audit")
         batch = self.batches  # this step's digest, consumed by the audit that covers it

@@ -12,7 +12,17 @@ from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.inventory.manifest import check_include
 from weightsync_audit.engine.measure.tolerance import check_tolerance
 
-__all__ = ["AuditConfig", "Method", "OnMismatch", "check_on_mismatch", "parse_coverage"]
+__all__ = [
+    "AuditConfig",
+    "Method",
+    "OnMismatch",
+    "check_count",
+    "check_exclude",
+    "check_flag",
+    "check_on_mismatch",
+    "check_seconds",
+    "parse_coverage",
+]
 
 Method = Literal["auto", "xxh3", "device"]
 """``auto``: xxh3 on CPU and on-device digests on accelerators; ``xxh3``; ``device``."""
@@ -32,24 +42,75 @@ def check_on_mismatch(on_mismatch: object) -> OnMismatch:
     return on_mismatch  # type: ignore[return-value]
 
 
-def parse_coverage(coverage: float | int | str) -> int:
-    """Number of slices for a coverage such as ``1``, ``1/8``, ``0.125`` or ``"1/8"``."""
+def parse_coverage(coverage: float | int | str, argument: str = "coverage") -> int:
+    """Number of slices for a coverage such as ``1``, ``1/8``, ``0.125`` or ``"1/8"``; a ``ValueError``
+    naming ``argument`` for anything else.
+
+    >>> parse_coverage("1/8"), parse_coverage(1)
+    (8, 1)
+    >>> parse_coverage("1/0", "pinpoint_coverage")
+    Traceback (most recent call last):
+    ValueError: pinpoint_coverage='1/0': must be 1 or 1/n for a whole number n >= 1, e.g. 1/8
+    """
+    what = f"{argument}={coverage!r}"
     value: float
-    if isinstance(coverage, str):
-        text = coverage.strip()
-        if "/" in text:
-            num, _, den = text.partition("/")
-            value = float(num) / float(den)
+    try:
+        if isinstance(coverage, bool):
+            raise TypeError
+        if isinstance(coverage, str):
+            num, sep, den = coverage.strip().partition("/")
+            value = float(num) / float(den) if sep else float(num)
         else:
-            value = float(text)
-    else:
-        value = float(coverage)
+            value = float(coverage)
+    except (TypeError, ValueError, ZeroDivisionError):
+        raise ValueError(f"{what}: must be 1 or 1/n for a whole number n >= 1, e.g. 1/8") from None
     if not (0 < value <= 1) or math.isnan(value):
-        raise ValueError(f"coverage={coverage!r}: must be in (0, 1], e.g. 1 or 1/8")
+        raise ValueError(f"{what}: must be in (0, 1], e.g. 1 or 1/8")
     slices = round(1 / value)
     if abs(slices * value - 1) > 1e-6:
-        raise ValueError(f"coverage={coverage!r}: must be 1/n for a whole number n, e.g. 1/8")
+        raise ValueError(f"{what}: must be 1/n for a whole number n, e.g. 1/8")
     return slices
+
+
+def check_flag(value: object, argument: str) -> bool:
+    """A yes/no option: ``True`` or ``False`` (``0`` and ``1`` read as them), else a ``TypeError`` naming ``argument``.
+
+    >>> check_flag(1, "verbose")
+    True
+    """
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise TypeError(f"{argument}={value!r}: must be True or False")
+
+
+def check_count(value: object, argument: str, least: int = 0) -> int:
+    """A whole number ``>= least``, else a ``ValueError`` naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{argument}={value!r}: must be an integer >= {least}")
+    return value
+
+
+def check_seconds(value: object, argument: str, *, optional: bool = True) -> float | None:
+    """A finite number of seconds ``> 0`` (or ``None`` with ``optional``), else a ``ValueError`` naming ``argument``."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+        none = ", or None for no deadline" if optional else ""
+        raise ValueError(f"{argument}={value!r}: must be a positive, finite number of seconds{none}")
+    return value
+
+
+def check_exclude(exclude: object, argument: str = "exclude") -> tuple[str, ...]:
+    """Glob patterns over names: one string or a sequence of them, else an error naming ``argument``."""
+    if isinstance(exclude, str):
+        return (exclude,)
+    try:
+        patterns = tuple(exclude)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError(f"{argument}={exclude!r}: give glob patterns over names, e.g. ('*.running_*',)") from None
+    if not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"{argument}={patterns!r}: patterns must be strings")
+    return patterns
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,29 +163,26 @@ class AuditConfig:
 
     def __post_init__(self) -> None:
         self.include = check_include(self.include)
-        if isinstance(self.exclude, str):
-            self.exclude = (self.exclude,)
-        self.exclude = tuple(self.exclude)
-        for pat in self.exclude:
-            if not isinstance(pat, str):
-                raise TypeError(f"exclude={self.exclude!r}: patterns must be strings")
-        if self.timeout_s is not None and (
-            isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not self.timeout_s > 0
-        ):
-            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a positive number of seconds, or None")
+        self.exclude = check_exclude(self.exclude)
+        self.timeout_s = check_seconds(self.timeout_s, "timeout_s")
         if self.method not in get_args(Method):
             raise ValueError(f"method={self.method!r}: choose from {list(get_args(Method))}")
-        if self.slices < 1:
-            raise ValueError(f"slices={self.slices!r}: must be >= 1")
-        if not (isinstance(self.gap_budget_s, (int, float)) and self.gap_budget_s > 0):
-            raise ValueError(f"gap_budget_s={self.gap_budget_s!r}: must be a positive number of seconds")
+        check_count(self.slices, "slices", 1)
+        check_count(self.pinpoint_slices, "pinpoint_slices", 1)
+        check_seconds(self.gap_budget_s, "gap_budget_s", optional=False)
         self.tolerance = check_tolerance(self.tolerance)
         if isinstance(self.pinpoint_ring, bool) or not isinstance(self.pinpoint_ring, int) or self.pinpoint_ring < 1:
             raise ValueError(
                 f"pinpoint_ring={self.pinpoint_ring!r}: must be an integer >= 1 (steps kept between audits)"
             )
-        if self.max_diff_tensors < 0:
-            raise ValueError(f"max_diff_tensors={self.max_diff_tensors!r}: must be >= 0")
+        check_count(self.max_diff_tensors, "max_diff_tensors")
+        check_count(self.max_diff_bytes, "max_diff_bytes")
+        for flag in ("compare_broadcast_buffers", "pinpoint", "check_finite"):
+            setattr(self, flag, check_flag(getattr(self, flag), flag))
+        if self.ddp_broadcast_buffers is not None:
+            self.ddp_broadcast_buffers = check_flag(self.ddp_broadcast_buffers, "ddp_broadcast_buffers")
+        if self.attribution is not None and not isinstance(self.attribution, AttributionConfig):
+            raise TypeError(f"attribution={self.attribution!r}: must be an AttributionConfig or None")
 
     def fingerprint(self) -> str:
         # Every setting that changes which messages an audit sends: ranks must agree on all of them.

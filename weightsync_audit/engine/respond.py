@@ -109,16 +109,52 @@ def _confirmed(
 
 
 @dataclass
-class Voice:
-    """What the main process has said so far, so each fact is said once."""
+class _Thread:
+    """What was said of one kind of audit: its last divergence, and how often a resync repaired it in a row."""
 
-    last_reported: tuple[str, ...] = ()
-    """The diverged names last reported: a divergence is printed when it appears or changes."""
+    last: tuple[str, ...] = ()
     repeats: int = 0
-    """Resyncs in a row of the same tensors (the same cause)."""
     escalated: bool = False
+
+
+@dataclass
+class Voice:
+    """What the main process has said so far, so each fact is said once.
+
+    The memory is kept per kind of audit (``main``, and ``grads`` for the gradient audit before the step):
+    audits of two kinds that alternate (the gradients before the step, the weights after it) each compare
+    with their own last divergence, so neither counts the other's as a change, whether they are warned about
+    or resynced.
+
+    >>> from weightsync_audit.reporting.record import AuditResult, Mismatch
+    >>> voice, said = Voice(), []
+    >>> lr = AuditResult(in_sync=False, step=1, mismatches=[Mismatch("param_groups.0.lr", "optimizer", [1], [0])],
+    ...                  action="resynced")
+    >>> for step in (1, 2):
+    ...     lr.step = step
+    ...     voice.speak(lr, verbose=True, print_fn=said.append, kind="grads")
+    ...     voice.speak(AuditResult(in_sync=True, step=step), verbose=True, print_fn=said.append)
+    >>> [s if isinstance(s, str) else "(the full report)" for s in said]
+    ['(the full report)', 'weightsync audit: step 2: resynced again, 2 times, same cause']
+    """
+
+    threads: dict[str, _Thread] = field(default_factory=dict)
+    """Per kind of audit, what was said of it."""
     said: dict[str, str] = field(default_factory=dict)
     """Hint texts already said elsewhere (a warning), and where: a report refers to them, not repeats them."""
+
+    def thread(self, kind: str = "main") -> _Thread:
+        """What was said of ``kind`` audits."""
+        return self.threads.setdefault(kind, _Thread())
+
+    @property
+    def last_reported(self) -> tuple[str, ...]:
+        """The diverged names last reported by the main audits: a divergence is printed when it appears or changes."""
+        return self.thread().last
+
+    @last_reported.setter
+    def last_reported(self, value: tuple[str, ...]) -> None:
+        self.thread().last = tuple(value)
 
     def note_said(self, texts: Sequence[str], where: str) -> None:
         """``texts`` were said ``where`` (e.g. "the warning at step 12"): later reports refer to them."""
@@ -136,36 +172,49 @@ class Voice:
                 hints.append(f"the cause and its fix are in {self.said[said]} above." + hint[len(said) :])
         return result if hints == result.hints else replace(result, hints=hints)
 
-    def speak(self, result: AuditResult, *, verbose: bool, print_fn: Callable[[Any], None]) -> None:
-        """Print ``result`` when it says something new; a persisting cause in one line."""
+    def heard(self, result: AuditResult, kind: str = "main") -> str | None:
+        """Remember ``result`` (a ``kind`` audit) and return what it calls for: ``"report"`` (something new),
+        ``"again"`` (the same divergence resynced again) or ``None`` (nothing new to say). Every rank may call
+        it; only the main process says anything (:meth:`speak`)."""
+        thread = self.thread(kind)
         if result.in_sync or result.within_tolerance:
-            self.last_reported, self.repeats = (), 0
-            return
+            thread.last, thread.repeats = (), 0
+            return None
         names = tuple(result.diverged_names)
-        same = names == self.last_reported
-        self.last_reported = names
+        same, thread.last = names == thread.last, names
         if same and result.action == "resynced":
-            self.repeats += 1
-            line = f"weightsync audit: {_where(result)}: resynced again, {self.repeats + 1} times, same cause"
-            self._say(line, verbose, print_fn)
-            if self.repeats + 1 >= ESCALATE_AFTER and not self.escalated:
-                self.escalated = True
+            thread.repeats += 1
+            return "again"
+        if same and result.action not in ("raised", "resynced"):
+            return None
+        thread.repeats = 0
+        return "report"
+
+    def speak(self, result: AuditResult, *, verbose: bool, print_fn: Callable[[Any], None], kind: str = "main") -> None:
+        """Print ``result`` (a ``kind`` audit) when it says something new; a persisting cause in one line."""
+        heard = self.heard(result, kind)
+        if heard == "again":
+            thread = self.thread(kind)
+            times = thread.repeats + 1
+            self._say(
+                f"weightsync audit: {_where(result)}: resynced again, {times} times, same cause", verbose, print_fn
+            )
+            if times >= ESCALATE_AFTER and not thread.escalated:
+                thread.escalated = True
+                names = thread.last
                 warnings.warn(
-                    f"weightsync audit: resync repaired the same {len(names)} tensor(s) {self.repeats + 1} times "
+                    f"weightsync audit: resync repaired the same {len(names)} tensor(s) {times} times "
                     f"in a row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): the cause persists and "
                     "resync only hides it; see the hint in the first report"
                     + (f": {result.hints[0].split('. ')[0]}" if result.hints else ""),
                     WeightSyncWarning,
                     stacklevel=user_stacklevel(),
                 )
-            return
-        if same and result.action not in ("raised", "resynced"):
-            return
-        self.repeats = 0
-        if verbose:
-            print_fn(self._unsaid(result))
-        else:
-            log.warning("weightsync audit: %s", result.summary())
+        elif heard == "report":
+            if verbose:
+                print_fn(self._unsaid(result))
+            else:
+                log.warning("weightsync audit: %s", result.summary())
 
     @staticmethod
     def _say(line: str, verbose: bool, print_fn: Callable[[Any], None]) -> None:

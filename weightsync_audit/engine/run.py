@@ -276,7 +276,11 @@ class AuditRun:
         if held:  # a pipeline stage's own value, differing within its group: measured among its holders
             measure_held_gaps(comm, cfg, [m for m, _ in held], [u for _, u in held], found.entries)
         tally = shared = None
+        stepped: list[Mismatch] = []
         if value_mismatches:
+            # The hyper-parameters that differed at a step this audit covers (an lr set back since): collective.
+            hyper = getattr(self.auditor, "step_hyper", None)
+            stepped = hyper.differed(comm, self.step, structural + value_mismatches) if hyper is not None else []
             tally = self.tally(prepared, found)  # the hints ride the gaps' last round: what they say is known
             entries = [by_uid[d.uid] for d in found.value_diffs]
             n = len(entries)  # the odd ranks read the diverged tensors again
@@ -286,7 +290,7 @@ class AuditRun:
             def finish(measured: list[Mismatch], extra: np.ndarray) -> bytes:  # on the coordinator
                 try:
                     self._apply_extra(measured, extra, n)
-                    settled = self._settle(copy.deepcopy(structural) + measured)
+                    settled = self._settle(copy.deepcopy(structural) + measured + copy.deepcopy(stepped))
                     return self._hint_payload(settled, tally, found.entries)
                 except Exception:  # noqa: BLE001 - every rank then asks for the hints in a round of their own
                     return b""
@@ -296,7 +300,7 @@ class AuditRun:
             gathered, settled = measure_gaps(comm, cfg, value_mismatches, entries, extra, finish)
             self._apply_extra(value_mismatches, gathered, n)
             shared = SharedHints.unpack(settled) if settled is not None else None
-        return Measured(self._settle(structural + value_mismatches), tally, shared)
+        return Measured(self._settle(structural + value_mismatches + stepped), tally, shared)
 
     def _apply_extra(self, mismatches: list[Mismatch], shared: np.ndarray, n: int) -> None:
         apply_nonfinite(self.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
@@ -357,7 +361,7 @@ class AuditRun:
         notes = [
             *lead,
             *prepared.manifest.notes,
-            *sharded_notes(checked, unpaired, counts["param"], "params" in cfg.include),
+            *sharded_notes(checked, unpaired, counts["param"], "params" in cfg.include, cfg.include),
         ]
         return Tally(checked, notes)
 
@@ -372,6 +376,7 @@ class AuditRun:
                 ddp=self.ddp,
                 grads_checked="grads" in self.config.include,
                 params_compared=tally.checked["param"] > 0,
+                params_audited="params" in self.auditor.config.include,
                 module=self.module,
                 state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
                 engine=reducing_engine(self.module, self.optimizers),
@@ -411,6 +416,7 @@ class AuditRun:
             transient=explained.transient,
             hosts=explained.hosts,
             blame=explained.blame,
+            nothing_compared=True if in_sync and not any(explained.checked.values()) else None,
         )
         if nonfinite is not None:
             result.nonfinite_count = nonfinite.count
@@ -421,6 +427,9 @@ class AuditRun:
             if batches is not None and self.comm.rank == 0:  # warned once per grouping, on the first rank
                 batches.warn_new(list(shared), -1 if step is None else step)
         mark_pinpoint(result, explained.pin)
+        hyper = getattr(self.auditor, "step_hyper", None)
+        if hyper is not None:  # the steps this audit covered are consumed; agreement forgets what was found
+            hyper.consumed(step, in_sync)
         history.record(result)
         result.duration_ms = (time.perf_counter() - self.t0) * 1e3
         return result

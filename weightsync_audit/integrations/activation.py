@@ -17,6 +17,7 @@ takes the same options (``every_n_train_steps`` is its ``every_n_steps``).
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
 from typing import Any, Sequence
@@ -31,6 +32,7 @@ __all__ = [
     "parse_options",
     "pytorch_lightning_callbacks",
     "lightning_pytorch_callbacks",
+    "option_names",
 ]
 
 
@@ -39,8 +41,10 @@ _ON = ("1", "true", "yes", "on")
 _LISTS = ("hooks", "include", "exclude")
 
 
-def _option_names() -> list[str]:
-    return [p for p in inspect.signature(WeightSyncAuditMixin.__init__).parameters if p not in ("self", "options")]
+def option_names(init: Any) -> list[str]:
+    """The options a callback's ``__init__`` takes by name (not ``self``, ``options`` or its ``**unknown``)."""
+    params = inspect.signature(init).parameters.values()
+    return [p.name for p in params if p.name not in ("self", "options") and p.kind is not p.VAR_KEYWORD]
 
 
 def _convert(key: str, text: str) -> Any:
@@ -60,11 +64,17 @@ def _convert(key: str, text: str) -> Any:
             return float(text)
         except ValueError:
             raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be a number") from None
-    if key in ("verbose", "pinpoint", "checkpoints"):
+    if key in ("verbose", "pinpoint", "checkpoints", "overlap", "attribution"):
         if text.lower() not in _ON + _OFF:
             raise ValueError(f"{ENV_VAR}: option {key}={text!r} must be true or false")
         return text.lower() in _ON
     return text
+
+
+def _unknown(key: str, known: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}? " if close else ""
+    return f"{ENV_VAR}: unknown option {key!r}: {hint}(options: {', '.join(known)})"
 
 
 def parse_options(value: str | None, names: Sequence[str] | None = None) -> dict[str, Any] | None:
@@ -82,7 +92,7 @@ def parse_options(value: str | None, names: Sequence[str] | None = None) -> dict
     text = value.strip()
     if text.lower() in _ON:
         return {}
-    known = list(names) if names is not None else _option_names()
+    known = list(names) if names is not None else option_names(WeightSyncAuditMixin.__init__)
     out: dict[str, Any] = {}
     for part in text.split(","):
         part = part.strip()
@@ -93,7 +103,7 @@ def parse_options(value: str | None, names: Sequence[str] | None = None) -> dict
         if not sep:
             raise ValueError(f"{ENV_VAR}: {part!r} is not key=value (options: {', '.join(known)})")
         if key not in known:
-            raise ValueError(f"{ENV_VAR}: unknown option {key!r} (options: {', '.join(known)})")
+            raise ValueError(_unknown(key, known))
         out[key] = _convert(key, raw.strip())
     return out
 

@@ -13,10 +13,10 @@ from typing import Any, Optional, Sequence
 
 from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
-from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.config import OnMismatch, check_flag
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.arguments import check_every_n, check_module, reject_unknown_options
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
@@ -97,17 +97,17 @@ class LoopAudit:
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
-        self.module = module
+        self.module = check_module(module)
         self.optimizers = as_optimizers(optimizer)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.options = AuditOptions.given(locals(), options)
         """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
-        self.session = TrainerSession(self.options, every_n_steps, check_batches=bool(check_batches))
+        self.check_batches = check_flag(check_batches, "check_batches")
+        """At each audited step, ranks that trained on identical batches (a note), with or without ``overlap``."""
+        self.session = TrainerSession(self.options, every_n_steps, check_batches=self.check_batches)
         """The lifecycle the callbacks share: opened at the first call, the cadence, the per-step records."""
         self.runner = self.session.runner
         self.is_main = True
-        self.check_batches = bool(check_batches)
-        """At each audited step, ranks that trained on identical batches (a note), with or without ``overlap``."""
 
     def _open(self) -> None:
         if self.session.opened:

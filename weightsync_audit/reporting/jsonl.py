@@ -32,6 +32,8 @@ __all__ = ["ReportWriter", "ReportContents", "read_report", "check_report_path"]
 
 def check_report_path(path: str | os.PathLike[str], argument: str = "report_path") -> Path:
     """Fail now, naming ``argument``, when ``path`` cannot be appended to."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise TypeError(f"{argument}={path!r}: give a file path (str or pathlib.Path) such as 'audit.jsonl'")
     p = Path(path)
     if p.exists() and p.is_dir():
         raise ValueError(f"{argument}={str(path)!r} is a directory; give a file path such as audit.jsonl")

@@ -16,7 +16,7 @@ from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
 from weightsync_audit.reporting.validate import CHECKED_KINDS, validate_mismatch, validate_record
 from weightsync_audit.reporting.validate import MISMATCH_KINDS as VALID_KINDS
 from weightsync_audit.reporting.validate import PINPOINT_STATES as VALID_PINPOINT_STATES
-from weightsync_audit.text import NOTHING_COMPARED, brief_names, fmt_ranks, is_tie
+from weightsync_audit.text import NOTHING_COMPARED, NOTHING_TO_AUDIT, brief_names, fmt_ranks, is_tie
 
 __all__ = [
     "ACTIONS",
@@ -209,6 +209,16 @@ class AuditResult:
     overlap: dict[str, Any] | None = None
     """An overlapped audit's (``overlap=True``): ``{"covers_step", "settled_at", "waited_ms", "audit_ms"}``
     and ``"raced": true`` when it was audited again at rest (docs/report-schema.md)."""
+    nothing_compared: bool | None = None
+    """``True`` on a record whose audit compared no tensor between ranks (none to audit, or none with a
+    replica; ``notes`` says which): it found no difference, and proves no agreement either."""
+
+    @property
+    def compared_nothing(self) -> bool:
+        """The audit compared no tensor (``nothing_compared``, or an older record's note saying so)."""
+        if self.nothing_compared:
+            return True
+        return self.in_sync and not any(self.checked.values()) and any(_says_nothing(n) for n in self.notes)
 
     @property
     def diverged_names(self) -> list[str]:
@@ -256,7 +266,7 @@ class AuditResult:
         _put_present(d, self, {"nonfinite_count": int})
         if self.hosts:
             d["hosts"] = dict(self.hosts)
-        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict})
+        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict, "nothing_compared": bool})
         return d
 
     @classmethod
@@ -288,6 +298,7 @@ class AuditResult:
             checkpoint=v["checkpoint"],
             blame=v["blame"],
             overlap=v["overlap"],
+            nothing_compared=v["nothing_compared"],
         )
 
     def summary(self, *, tie: bool = True) -> str:
@@ -298,11 +309,11 @@ class AuditResult:
             where += f" (epoch {self.epoch})"
         n = sum(self.checked.values())
         share = f", sampled: read {self.coverage} of each large tensor" if self.coverage else ""
+        if self.in_sync and self.compared_nothing:  # no difference found, and no agreement proven either
+            why = next((x for x in self.notes if _says_nothing(x)), "nothing was compared")
+            return f"{where}: {self.world_size} rank(s), {why}{share}"
         if self.in_sync:
-            nothing = (
-                f"; {NOTHING_COMPARED}" if not n and any(x.startswith(NOTHING_COMPARED) for x in self.notes) else ""
-            )
-            return f"{where}: in sync across {self.world_size} rank(s), {n} tensors checked{nothing}{share}"
+            return f"{where}: in sync across {self.world_size} rank(s), {n} tensors checked{share}"
         ranks = sorted({r for m in self.mismatches for r in m.ranks})
         lead = self.lead_mismatch
         assert lead is not None
@@ -335,6 +346,10 @@ class AuditResult:
         from weightsync_audit.reporting.render import render_result
 
         yield from render_result(self)
+
+
+def _says_nothing(note: str) -> bool:
+    return note.startswith((NOTHING_COMPARED, NOTHING_TO_AUDIT))
 
 
 _MISMATCH_ARGS = (

@@ -48,7 +48,12 @@ class RecordSinks:
             raise ValueError(f"sinks={sinks!r}: give a list of sink objects (e.g. [PrometheusSink(port=9400)])")
         if isinstance(sinks, RecordSink):
             sinks = [sinks]
-        self.sinks: tuple[RecordSink, ...] = tuple(sinks)
+        try:
+            self.sinks: tuple[RecordSink, ...] = tuple(sinks)
+        except TypeError:
+            raise ValueError(
+                f"sinks={sinks!r}: give a list of sink objects (e.g. [PrometheusSink(port=9400)])"
+            ) from None
         for i, sink in enumerate(self.sinks):
             if not callable(getattr(sink, "write", None)):
                 raise ValueError(

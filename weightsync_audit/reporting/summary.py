@@ -157,6 +157,11 @@ class ReportSummary:
         return [(i, r) for i, r in self.records if r.within_tolerance]
 
     @property
+    def compared_nothing(self) -> list[tuple[int, AuditResult]]:
+        """Audits that compared no tensor between ranks: they found no difference and prove no agreement."""
+        return [(i, r) for i, r in self.records if r.compared_nothing]
+
+    @property
     def first_divergence(self) -> tuple[int, AuditResult] | None:
         return next(iter(self.diverged), None)
 
@@ -195,18 +200,28 @@ class ReportSummary:
 
     @property
     def status(self) -> str:
-        """``invalid``, ``empty``, ``diverged``, ``repaired`` (only with ``accept_repaired``) or ``in_sync``."""
+        """``invalid``, ``empty``, ``diverged``, ``repaired`` (only with ``accept_repaired``), ``nothing_compared``
+        (no audit compared a tensor between ranks: no verdict either way) or ``in_sync``."""
         if self.blocking_errors:
             return "invalid"
         if not self.records:
             return "empty"
         if self.diverged and self.accept_repaired and self.repaired:
             return "repaired"
+        if not self.diverged and len(self.compared_nothing) == len(self.records):
+            return "nothing_compared"
         return "diverged" if self.diverged else "in_sync"
 
     @property
     def exit_code(self) -> int:
-        codes = {"invalid": EXIT_ERROR, "empty": EXIT_ERROR, "diverged": EXIT_DIFFERENT, "repaired": EXIT_OK}
+        """0 in sync (or repaired, accepted), 1 diverged, 2 invalid, empty or nothing compared (no verdict)."""
+        codes = {
+            "invalid": EXIT_ERROR,
+            "empty": EXIT_ERROR,
+            "nothing_compared": EXIT_ERROR,
+            "diverged": EXIT_DIFFERENT,
+            "repaired": EXIT_OK,
+        }
         return codes.get(self.status, EXIT_OK)
 
     def headline(self) -> str:
@@ -287,6 +302,7 @@ class ReportSummary:
             "last_step": rs[-1].step if rs else None,
             "resynced_audits": sum(r.action == "resynced" for r in rs),
             "within_tolerance_audits": len(self.within_tolerance),
+            "nothing_compared_audits": len(self.compared_nothing),
             "in_sync_at_end": rs[-1].in_sync if rs else None,
             "repaired": self.repaired,
             "recurred": [x.to_dict() for x in self.recurred],

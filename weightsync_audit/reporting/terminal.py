@@ -111,7 +111,8 @@ def check_report(
     console: Console | None = None,
 ) -> int:
     """Summarise a report as ``weightsync-audit check`` does; returns its exit code: 0 all in sync (or
-    repaired, with ``accept_repaired``), 1 any divergence, 2 invalid or empty. :class:`ReportReadError` when
+    repaired, with ``accept_repaired``), 1 any divergence, 2 invalid, empty or nothing compared (no audit
+    compared a tensor between ranks: no verdict). :class:`ReportReadError` when
     the file cannot be read at all."""
     summary = ReportSummary.read(path, allow_torn, accept_repaired)
     console = console or log_console()
@@ -123,6 +124,14 @@ def check_report(
     if summary.status == "empty":
         console.print(
             Text("no audit records: the run did not audit (or wrote its report elsewhere): exit 2", style="bold red")
+        )
+    elif summary.status == "nothing_compared":
+        console.print(
+            Text(
+                f"NOTHING COMPARED: none of the {len(rs)} audit(s) compared a tensor between ranks (nothing to "
+                "audit, or nothing with a replica: see the notes), so none says the replicas agree: exit 2",
+                style="bold red",
+            )
         )
     elif not summary.diverged and rs:
         _print_in_sync(console, summary)
@@ -149,9 +158,12 @@ def _print_in_sync(console: Console, summary: ReportSummary) -> None:
             )
         )
     elif not sampled:
+        empty = len(summary.compared_nothing)  # no verdict of their own: counted apart
+        which = " that compared tensors" if empty else ""
+        apart = f" ({empty} more compared nothing: see the notes)" if empty else ""
         console.print(
             Text(
-                f"IN SYNC: all {len(rs)}{valid} audit(s) found every rank holding the same weights",
+                f"IN SYNC: all {len(rs) - empty}{valid} audit(s){which} found every rank holding the same weights{apart}",
                 style="bold green",
             )
         )

@@ -301,6 +301,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "checkpoint": FieldSpec(optional(checkpoint_entry)),
     "blame": FieldSpec(optional(blame_entry)),
     "overlap": FieldSpec(optional(overlap_entry)),
+    "nothing_compared": FieldSpec(optional(boolean)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 
@@ -336,6 +337,8 @@ def validate_record(d: Any) -> dict[str, Any]:
         raise ReportFormatError("field 'transient' is set on a divergent record (it describes a divergence healed)")
     if out["in_sync"] and out["mismatches"]:
         raise ReportFormatError("in_sync is true but mismatches are listed (field 'in_sync')")
+    if out["nothing_compared"] and not out["in_sync"]:
+        raise ReportFormatError("field 'nothing_compared' is true on a divergent record (something was compared)")
     if not out["in_sync"] and not out["mismatches"]:
         raise ReportFormatError("in_sync is false but no mismatch is listed (field 'in_sync')")
     _check_within_tolerance(out)

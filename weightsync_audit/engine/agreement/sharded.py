@@ -17,7 +17,7 @@ from weightsync_audit.engine.agreement.consensus import ValueDiff, compare_diges
 from weightsync_audit.engine.inventory.manifest import KINDS, Entry
 from weightsync_audit.engine.inventory.peers import ALL, unpaired_columns
 from weightsync_audit.engine.inventory.replicas.keys import holders_label, unreplicated_label
-from weightsync_audit.text import COMPARED_NOTES, NOTHING_COMPARED
+from weightsync_audit.text import COMPARED_NOTES, NOTHING_COMPARED, NOTHING_TO_AUDIT
 
 __all__ = ["peer_keys", "compare_sharded", "shard_names", "compared_counts", "sharded_notes"]
 
@@ -77,15 +77,32 @@ def compared_counts(entries: Sequence[Entry], peers: np.ndarray | None) -> tuple
     return counts, unpaired
 
 
+#: How a note names each kind an audit may be asked for.
+_KIND_WORDS = {"params": "parameter", "buffers": "buffer", "optimizer": "optimizer state", "grads": "gradient"}
+
+
 def sharded_notes(
-    counts: dict[str, int], unpaired: dict[str, int] | int, params_held: int, params_wanted: bool
+    counts: dict[str, int],
+    unpaired: dict[str, int] | int,
+    params_held: int,
+    params_wanted: bool,
+    include: Sequence[str] = (),
 ) -> list[str]:
     """One summary note for the tensors nobody else holds, and one when no parameter was compared; first,
-    when no tensor at all was compared (every one has a single holder), :data:`NOTHING_COMPARED`."""
+    when no tensor at all was compared, why: every one has a single holder (:data:`NOTHING_COMPARED`), or
+    there was none of the kinds in ``include`` to audit (:data:`NOTHING_TO_AUDIT`).
+
+    >>> sharded_notes(dict.fromkeys(("param", "buffer", "optimizer", "grad"), 0), 0, 0, True, ("params",))
+    ['nothing was compared: no tensor to audit (no parameter found: a module without any, or exclude= left none)']
+    """
     notes = []
     alone = sum(unpaired.values()) if isinstance(unpaired, dict) else unpaired
     if alone and not any(counts.values()):
         notes.append(f"{NOTHING_COMPARED} (each of the {alone} audited tensors is held by one rank only)")
+    elif not alone and not any(counts.values()):
+        kinds = [_KIND_WORDS[k] for k in include if k in _KIND_WORDS] or ["tensor"]
+        what = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " or " + kinds[-1]
+        notes.append(f"{NOTHING_TO_AUDIT} (no {what} found: a module without any, or exclude= left none)")
     if isinstance(unpaired, dict) and set(unpaired) - {"DTensor shard"}:
         total = sum(unpaired.values())
         kinds = ", ".join(f"{n} {label}{'' if n == 1 else 's'}" for label, n in unpaired.items())

@@ -60,7 +60,9 @@ class Evidence:
     caller already knows them (for example a snapshot taken right after the wrap); otherwise they are read
     from ``ddp``. ``grads_checked``: gradients were part of this audit, so "no grad mismatch" means they
     agree. ``params_compared``: at least one parameter was compared (not so when every shard has no
-    replica), so "no param mismatch" means they agree. ``module``: the audited module, to recognise FSDP2.
+    replica), so "no param mismatch" means they agree. ``params_audited``: the audit was asked to compare
+    parameters at all (the gradient audit before the step is not). ``module``: the audited module, to
+    recognise FSDP2.
     ``drifting``: names whose measured gap is the size of float rounding; unless a proven cause accounts
     for them, ``drift_hint(names)`` explains them instead of the bug-class guesses.
     ``state_names``: the per-parameter optimizer state entries this audit compared on every rank
@@ -78,6 +80,7 @@ class Evidence:
         synced: frozenset[str] | None = None,
         grads_checked: bool = False,
         params_compared: bool = True,
+        params_audited: bool = True,
         module: Any = None,
         drifting: Collection[str] = (),
         drift_hint: Callable[[list[str]], str] | None = None,
@@ -91,6 +94,7 @@ class Evidence:
         self.synced = synced
         self.grads_checked = grads_checked
         self.params_compared = params_compared
+        self.params_audited = params_audited
         self.module = module
         self.drifting = list(dict.fromkeys(drifting))
         self.drift_hint = drift_hint

@@ -21,7 +21,7 @@ from weightsync_audit.engine.explain.evidence import Evidence, uses_fsdp2
 from weightsync_audit.engine.explain.follow import followers, followers_accounts, followers_hint
 from weightsync_audit.engine.explain.trainable import ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.engine.inventory.reducer import fix_for, syncs_buffers
-from weightsync_audit.text import brief_names
+from weightsync_audit.text import BEFORE_STEP, brief_names
 
 __all__ = ["RULES", "Names", "Rule", "worded"]
 
@@ -275,12 +275,30 @@ def _followers(ev: Evidence) -> tuple[Names, str, str]:
             " while the parameters still agree",
             " The parameters will diverge at the next optimizer step.",
         )
-    state = " (no parameter could be compared: every parameter shard is held by one rank only)"
+    if not ev.params_audited:
+        state = " (this audit, of the gradients before the optimizer step, does not compare the parameters)"
+    else:
+        state = " (no parameter could be compared: every parameter shard is held by one rank only)"
     return followers, state, " The parameters will diverge at the next optimizer step."
+
+
+def _steps_read(ev: Evidence, names: Names) -> list[str]:
+    """The steps at which ``names`` differed as the optimizer read them, when all of them agree again now."""
+    details = [m.detail or "" for m in ev.by_kind.get("optimizer", []) if m.name in names]
+    if not details or not all(d.startswith(BEFORE_STEP) for d in details):
+        return []
+    return list(dict.fromkeys(d[len(BEFORE_STEP) :].split()[0] for d in details))
 
 
 def _say_lr(ev: Evidence, names: Names) -> str:
     _, state, then = _followers(ev)
+    steps = _steps_read(ev, names)
+    if steps:  # read by a step, set back since: the audit saw the lr equal again
+        return (
+            f"The learning rate differed as optimizer step {', '.join(steps)} read it ({brief_names(names)}; equal "
+            f"again when audited, as a scheduler sets it at every step){state}: likely it was changed on some ranks "
+            f"only before that step (a rank-dependent callback or branch), or a scheduler was built per rank.{then}"
+        )
     return (
         f"The learning rate differs ({brief_names(names)}){state}: likely a scheduler stepped a different "
         f"number of times on some ranks, or was built per rank.{then}"

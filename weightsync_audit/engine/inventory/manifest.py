@@ -102,10 +102,15 @@ def check_include(include: Iterable[str], argument: str = "include") -> tuple[st
     """Validate ``include`` kinds; return them in canonical order."""
     if isinstance(include, str):
         include = (include,)
-    got = tuple(include)
+    try:
+        got = tuple(include)
+    except TypeError:
+        raise TypeError(f"{argument}={include!r}: give a tuple of kinds from {list(INCLUDE_CHOICES)}") from None
     unknown = [k for k in got if k not in INCLUDE_CHOICES]
     if unknown:
         raise ValueError(f"{argument}={got!r}: unknown kind(s) {unknown}; choose from {list(INCLUDE_CHOICES)}")
+    if not got:
+        raise ValueError(f"{argument}=(): nothing would be compared; choose kinds from {list(INCLUDE_CHOICES)}")
     return tuple(k for k in INCLUDE_CHOICES if k in got)
 
 

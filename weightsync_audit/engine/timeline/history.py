@@ -25,9 +25,12 @@ class AuditHistory:
     last_diverged_tensors: list[str] = field(default_factory=list)
     first_diverged_step: int | None = None
     """The first step pinpointed as diverged (``pinpoint=True`` only)."""
+    compared_nothing: int = 0
+    """Audits that compared no tensor between ranks (none to audit, or none with a replica)."""
 
     def record(self, result: AuditResult) -> None:
         self.audits += 1
+        self.compared_nothing += bool(result.nothing_compared)
         if result.in_sync:
             self.last_in_sync_step = result.step
             if not result.coverage:
@@ -61,6 +64,7 @@ class AuditHistory:
             "first_divergence_tensors": list(self.first_divergence_tensors),
             "last_diverged_tensors": list(self.last_diverged_tensors),
             "first_diverged_step": self.first_diverged_step,
+            "compared_nothing": self.compared_nothing,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

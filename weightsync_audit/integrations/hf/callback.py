@@ -23,7 +23,6 @@ only one in the package that imports ``transformers``.
 
 from __future__ import annotations
 
-import inspect
 import math
 import sys
 import weakref
@@ -234,10 +233,9 @@ class WeightSyncAuditCallback(TrainerCallback):
             trainer = Trainer(model=model, args=args, train_dataset=data,
                               callbacks=WeightSyncAuditCallback.from_env())
         """
-        from weightsync_audit.integrations.activation import callbacks_from_env
+        from weightsync_audit.integrations.activation import callbacks_from_env, option_names
 
-        names = [n for n in inspect.signature(cls.__init__).parameters if n not in ("self", "options", "unknown")]
-        return callbacks_from_env(cls, names, rename={"every_n_train_steps": "every_n_steps"})
+        return callbacks_from_env(cls, option_names(cls.__init__), rename={"every_n_train_steps": "every_n_steps"})
 
     def audited(self, model: Any) -> Any:
         """What the audit reads: the Trainer's DDP wrapper over ``model`` when there is one (the names stay
@@ -295,8 +293,12 @@ class WeightSyncAuditCallback(TrainerCallback):
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         # After backward, before the step: a trainable set that left DDP's reducer behind is warned about
         # before any weight moves (on the main process; every rank checks its own wrapper).
-        step = state.global_step
-        if self.session.before_step(self.audited(model), step, is_main=state.is_world_process_zero):
+        step, optimizer = state.global_step, kwargs.get("optimizer")
+        # The optimizer as the step reads it: an lr changed on one rank is set back by on_step_end.
+        optimizers = [optimizer] if optimizer is not None else []
+        if self.session.before_step(
+            self.audited(model), step, is_main=state.is_world_process_zero, optimizers=optimizers
+        ):
             self._run(state, model, kwargs.get("optimizer"), "on_pre_optimizer_step", step + 1, grads=True)
 
     @override

@@ -145,6 +145,8 @@ class WeightSyncAuditMixin:
         check_every_n(every_n_train_steps, "every_n_train_steps")
         if isinstance(hooks, str):
             hooks = (hooks,)
+        if not isinstance(hooks, (list, tuple)):
+            raise TypeError(f"hooks={hooks!r}: give a tuple of Lightning hook names from {list(AUDIT_HOOKS)}")
         unknown = [h for h in hooks if h not in AUDIT_HOOKS]
         if unknown:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
@@ -234,7 +236,10 @@ class WeightSyncAuditMixin:
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step, also = trainer.global_step, "on_before_optimizer_step" in self.hooks
-        if self.session.before_step(trainer.strategy.model, step, is_main=trainer.is_global_zero, hook=also):
+        optimizers = list(trainer.optimizers)  # as the step reads them (a scheduler may set an lr back after it)
+        if self.session.before_step(
+            trainer.strategy.model, step, is_main=trainer.is_global_zero, hook=also, optimizers=optimizers
+        ):
             self._run(trainer, "on_before_optimizer_step", grads=True, step=step + 1)
 
     @override

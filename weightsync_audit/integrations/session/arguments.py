@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-__all__ = ["CADENCE_NAMES", "EXIT_DIVERGED", "check_every_n", "check_exit_code", "reject_unknown_options"]
+__all__ = [
+    "CADENCE_NAMES",
+    "EXIT_DIVERGED",
+    "check_every_n",
+    "check_exit_code",
+    "check_module",
+    "reject_unknown_options",
+]
 
 EXIT_DIVERGED = 17
 """The suggested ``exit_code``: the replicas diverged; restart from the last verified checkpoint."""
@@ -58,6 +65,27 @@ def reject_unknown_options(
         suggestion = f"did you mean {close[0]}={value!r}?" if close else f"the options are {', '.join(known)}"
     what = name or getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
     raise TypeError(f"{what}() got an unexpected option {given}={value!r}: {suggestion}")
+
+
+def check_module(module: object, argument: str = "module") -> Any:
+    """The model a plain loop audits: a ``torch.nn.Module`` (or its DDP wrapper, or a pipelining stage), else a
+    ``TypeError`` naming ``argument`` (at construction, not at the first step).
+
+    >>> check_module(None)
+    Traceback (most recent call last):
+    TypeError: module=None: give the model to audit (a torch.nn.Module, or its DDP wrapper)
+    """
+    from torch import nn
+
+    from weightsync_audit.engine.inventory.replicas import stage_module
+
+    if module is None:
+        raise TypeError(f"{argument}=None: give the model to audit (a torch.nn.Module, or its DDP wrapper)")
+    if not isinstance(stage_module(module), nn.Module):
+        raise TypeError(
+            f"{argument}= a {type(module).__name__}: give the model to audit (a torch.nn.Module, or its DDP wrapper)"
+        )
+    return module
 
 
 def check_exit_code(value: object, on_mismatch: str) -> Optional[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, TypeVar
 
 from weightsync_audit.engine.attribution.config import AttributionConfig, check_attribution
-from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_on_mismatch, parse_coverage
+from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_flag, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.integrations.session.arguments import check_exit_code
@@ -82,6 +82,10 @@ class AuditOptions:
     backward run; its verdict is acted on before the next optimizer update (docs/performance.md)."""
 
     def __post_init__(self) -> None:
+        for flag in ("verbose", "pinpoint", "checkpoints"):
+            object.__setattr__(self, flag, check_flag(getattr(self, flag), flag))
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap={self.overlap!r}: must be True or False")
         config = self.audit_config()  # include, exclude, timeout_s, coverage, tolerance, pinpoint_ring
         on_mismatch = check_on_mismatch(self.on_mismatch)
         check_exit_code(self.exit_code, on_mismatch)
@@ -89,20 +93,16 @@ class AuditOptions:
         if self.report_path is not None:
             check_report_path(self.report_path, "report_path")
             object.__setattr__(self, "report_path", os.fspath(self.report_path))
-        if not isinstance(self.overlap, bool):
-            raise TypeError(f"overlap={self.overlap!r}: must be True or False")
         object.__setattr__(self, "include", config.include)
         object.__setattr__(self, "exclude", config.exclude)
         object.__setattr__(self, "sinks", RecordSinks(self.sinks).sinks)
-        object.__setattr__(self, "checkpoints", bool(self.checkpoints))
 
     def audit_config(self, every_n: int | None = None) -> AuditConfig:
         """The engine's :class:`~weightsync_audit.AuditConfig` for these options; ``every_n``: the adapter's
         cadence, which sizes the default pinpoint ring (two audit intervals of steps)."""
-        include, exclude = self.include, self.exclude
         return AuditConfig(
-            include=include if isinstance(include, str) else tuple(include),  # type: ignore[arg-type]
-            exclude=exclude if isinstance(exclude, str) else tuple(exclude),  # type: ignore[arg-type]
+            include=self.include,  # type: ignore[arg-type]  # validated there: a str or any sequence
+            exclude=self.exclude,  # type: ignore[arg-type]
             timeout_s=self.timeout_s,
             slices=parse_coverage(self.coverage),
             tolerance=self.tolerance,
@@ -110,7 +110,7 @@ class AuditOptions:
             pinpoint_ring=max(DEFAULT_RING, 2 * (every_n or 0) + 16)
             if self.pinpoint_ring is None
             else self.pinpoint_ring,
-            pinpoint_slices=parse_coverage(self.pinpoint_coverage),
+            pinpoint_slices=parse_coverage(self.pinpoint_coverage, "pinpoint_coverage"),
             attribution=check_attribution(self.attribution),
         )
 

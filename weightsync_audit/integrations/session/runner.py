@@ -25,9 +25,11 @@ from weightsync_audit.engine.checkpoints.resume_check import capture as capture_
 from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
+from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.respond import Voice, respond
 from weightsync_audit.engine.timeline.history import AuditHistory
+from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
 from weightsync_audit.integrations.session.arguments import (
@@ -115,6 +117,8 @@ class AuditRunner:
         self.resynced_ranks: dict[int, int] = {}
         """Ranks a resync repaired (those that received a copy), with the step: a divergence that comes back on
         them is a cause that persists (on the machine only on evidence about it)."""
+        self.step_hyper = StepHyper(self.config.exclude) if "optimizer" in self.config.include else None
+        """The hyper-parameters each optimizer step read (:meth:`record_hyper`), the main audit's evidence."""
         self.overlap = OverlapDriver.of(self, self.options.overlap)
         """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
@@ -148,6 +152,7 @@ class AuditRunner:
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
         self.auditor = Auditor(config=replace(main, include=main_include))
         self.auditor.history = self.history
+        self.auditor.step_hyper = self.step_hyper
         if "grads" in self.include:
             with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
             self.grad_auditor = Auditor(config=replace(base, include=("grads", *with_opt), slices=1, pinpoint=False))
@@ -200,6 +205,12 @@ class AuditRunner:
                     WeightSyncWarning,
                     stacklevel=3,
                 )
+
+    def record_hyper(self, optimizers: Sequence[Any], step: int) -> None:
+        """Right before optimizer step ``step`` (local): the hyper-parameters it reads, which a scheduler may set
+        back before the audit after it (:mod:`~weightsync_audit.engine.timeline.step_hyper`)."""
+        if self.step_hyper is not None and self.auditor is not None:
+            self.step_hyper.record(step, as_optimizers(list(optimizers)))
 
     def run(
         self,
@@ -263,8 +274,12 @@ class AuditRunner:
         )
         if result.action == "resynced" and plan is not None:  # a rank that diverges again after this: named
             self.resynced_ranks.update({r: step for r in plan.receivers(result.mismatches)})
+            if self.step_hyper is not None:  # confirmed: what was found is about a divergence that is over
+                self.step_hyper.forget()
+                if grads and optimizers:  # repaired before the step: the step reads the repaired values
+                    self.record_hyper(optimizers, step)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
-        self._publish(result, is_main, log_metrics)
+        self._publish(result, is_main, log_metrics, "grads" if grads else "main")
         if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
             hand_off(result, self.auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
         if not result.in_sync and result.action == "raised":
@@ -335,18 +350,24 @@ class AuditRunner:
         result.last_full_sync_step = self.history.last_full_sync_step
 
     def _publish(
-        self, result: AuditResult, is_main: bool, log_metrics: Callable[[dict[str, float]], None] | None
+        self,
+        result: AuditResult,
+        is_main: bool,
+        log_metrics: Callable[[dict[str, float]], None] | None,
+        kind: str = "main",
     ) -> None:
-        """Report on the main process: the record, metrics, and a printed report when it says something new."""
+        """Report on the main process: the record, metrics, and a printed report when it says something new
+        for its ``kind`` of audit (``grads``, before the step, and ``main`` alternate without each counting
+        as a change)."""
         if not is_main:
-            self.voice.last_reported = tuple(result.diverged_names) if not result.in_sync else ()
+            self.voice.heard(result, kind)  # the same memory on every rank (a Lightning checkpoint keeps it)
             return
         if self.writer is not None:
             self.writer.write(result)
         self.sinks.write(result)
         if log_metrics is not None:
             log_metrics(audit_metrics(result))
-        self.voice.speak(result, verbose=self.verbose, print_fn=self.print)
+        self.voice.speak(result, verbose=self.verbose, print_fn=self.print, kind=kind)
 
     @property
     def last_reported(self) -> tuple[str, ...]:
@@ -381,6 +402,11 @@ class AuditRunner:
             h.load_state_dict(state)
             self.from_workers = True
         where = " (audited in the worker processes; this is rank 0's history)" if self.from_workers else ""
+        if h.diverged_audits == 0 and h.audits and h.compared_nothing == h.audits:
+            return (
+                f"weightsync audit: {h.audits} audit(s), none compared a tensor between ranks (nothing to audit, "
+                f"or nothing with a replica: see the records' notes), so none says the replicas agree{where}"
+            )
         if h.diverged_audits == 0:
             last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
             return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}{where}"

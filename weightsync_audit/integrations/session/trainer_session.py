@@ -126,11 +126,16 @@ class TrainerSession:
 
     # -- the steps -----------------------------------------------------------------------------
 
-    def before_step(self, model: Any, step: int, *, is_main: bool, hook: bool = False) -> bool:
+    def before_step(
+        self, model: Any, step: int, *, is_main: bool, hook: bool = False, optimizers: Sequence[Any] = ()
+    ) -> bool:
         """After backward, before the optimizer step: warn (once, main process) if the trainable set left DDP's
-        reducer behind; whether the gradients are to be audited now (the cadence's step, or ``hook``)."""
+        reducer behind, and keep the hyper-parameters ``optimizers`` hold for the step (local: a scheduler may
+        set an lr back before the audit after it); whether the gradients are to be audited now (the cadence's
+        step, or ``hook``)."""
         if not self.active:
             return False
+        self.runner.record_hyper(optimizers, step + 1)
         if self.trainable.check(model, step, warn=is_main):
             self.runner.voice.note_said(self.trainable.said, f"the warning at step {step}")
         upcoming = step + 1
