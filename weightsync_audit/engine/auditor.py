@@ -254,6 +254,7 @@ class Auditor:
             config, self.comm, self.history, self.pinpointer, self.attribution, module, optimizers, ddp,
             prepared, failure, step=step, epoch=epoch, hook=hook,
             slice_index=self.slice_for(step, config.slices), batches=self.batches, batch=batch,
+            step_hyper=self.step_hyper,
         )  # fmt: skip
 
     def audit(

@@ -26,6 +26,7 @@ from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import Pinpointer
+from weightsync_audit.engine.timeline.step_hyper import StepHyper
 
 __all__ = ["AuditContext"]
 
@@ -59,3 +60,6 @@ class AuditContext:
     batch: str | None = field(kw_only=True, default=None)
     """With ``check_batches``: the digest of this rank's batch at :attr:`step`, taken from the records (None:
     none recorded for that step); exchanged by the run."""
+    step_hyper: StepHyper | None = field(kw_only=True, default=None)
+    """The hyper-parameters each optimizer step read (set by the callbacks): a divergent audit names one
+    that differed at a step it covers and was set back since."""

@@ -279,7 +279,7 @@ class AuditRun:
         stepped: list[Mismatch] = []
         if value_mismatches:
             # The hyper-parameters that differed at a step this audit covers (an lr set back since): collective.
-            hyper = getattr(self.auditor, "step_hyper", None)
+            hyper = self.context.step_hyper
             stepped = hyper.differed(comm, self.step, structural + value_mismatches) if hyper is not None else []
             tally = self.tally(prepared, found)  # the hints ride the gaps' last round: what they say is known
             entries = [by_uid[d.uid] for d in found.value_diffs]
@@ -376,7 +376,7 @@ class AuditRun:
                 ddp=self.ddp,
                 grads_checked="grads" in self.config.include,
                 params_compared=tally.checked["param"] > 0,
-                params_audited="params" in self.auditor.config.include,
+                params_audited="params" in self.config.include,
                 module=self.module,
                 state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
                 engine=reducing_engine(self.module, self.optimizers),
@@ -427,7 +427,7 @@ class AuditRun:
             if batches is not None and self.comm.rank == 0:  # warned once per grouping, on the first rank
                 batches.warn_new(list(shared), -1 if step is None else step)
         mark_pinpoint(result, explained.pin)
-        hyper = getattr(self.auditor, "step_hyper", None)
+        hyper = self.context.step_hyper
         if hyper is not None:  # the steps this audit covered are consumed; agreement forgets what was found
             hyper.consumed(step, in_sync)
         history.record(result)
