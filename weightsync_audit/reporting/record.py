@@ -203,6 +203,9 @@ class AuditResult:
     overlap: dict[str, Any] | None = None
     """An overlapped audit's (``overlap=True``): ``{"covers_step", "settled_at", "waited_ms", "audit_ms"}``
     and ``"raced": true`` when it was audited again at rest (docs/report-schema.md)."""
+    torchft: dict[str, Any] | None = None
+    """An audit across torchft replica groups: ``{"quorum_id", "group_rank", "point", "replicas", "absent",
+    "healed"}`` and at a LocalSGD/DiLoCo sync point ``"sync"`` (docs/torchft.md)."""
 
     @property
     def diverged_names(self) -> list[str]:
@@ -250,7 +253,7 @@ class AuditResult:
         _put_present(d, self, {"nonfinite_count": int})
         if self.hosts:
             d["hosts"] = dict(self.hosts)
-        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict})
+        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict, "torchft": dict})
         return d
 
     @classmethod
@@ -282,6 +285,7 @@ class AuditResult:
             checkpoint=v["checkpoint"],
             blame=v["blame"],
             overlap=v["overlap"],
+            torchft=v["torchft"],
         )
 
     def summary(self, *, tie: bool = True) -> str:
