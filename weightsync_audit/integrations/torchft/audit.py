@@ -40,6 +40,7 @@ from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
 from weightsync_audit.integrations.session.arguments import check_every_n
 from weightsync_audit.integrations.torchft.channel import QuorumComm, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
+    Heals,
     Quorum,
     QuorumTap,
     check_manager,
@@ -186,33 +187,35 @@ class TorchFTAudit:
 
     # -- the audit points -------------------------------------------------------------------------
 
-    def _due(self, quorum: Quorum, step: int) -> bool:
-        """The same answer on every member of ``quorum``: from the quorum and the step only."""
+    def _due(self, quorum: Quorum, heals: Heals, step: int) -> bool:
+        """The same answer on every member of ``quorum``: from the quorums they all saw and the step only."""
         changed = quorum.quorum_id != self._last_quorum
         self._last_quorum = quorum.quorum_id
         cadence = self.every_n_steps is not None and step % self.every_n_steps == 0
-        return changed or quorum.someone_heals or cadence
+        return changed or heals.someone or cadence
 
     def _before_step(self) -> None:
-        quorum = self.tap.latest
-        step = (
-            int(self.manager.current_step()) - 1
-        )  # the committed steps the state holds: should_commit counted this one
-        if quorum is None or not self._due(quorum, step):
+        quorum, heals = self.tap.latest, self.tap.take_heals()
+        # The committed steps the state holds: should_commit already counted the one about to be taken.
+        step = int(self.manager.current_step()) - 1
+        if quorum is None or not self._due(quorum, heals, step):
             return
-        self._audit(quorum, step, "step", self.module, self.optimizers, self.config.exclude, None)
+        self._audit(quorum, heals, step, "step", self.module, self.optimizers, self.config.exclude, None)
 
     def _after_sync_of(self, fragment: int | None) -> Callable[[Any], None]:
         def after(committed: Any) -> None:
             step = int(self.manager.current_step())
             moved, self._synced_step = step != self._synced_step, step
             quorum = self.tap.latest
-            if committed is False or not moved or quorum is None or not self._due(quorum, step):
+            if committed is False or not moved or quorum is None:
+                return
+            heals = self.tap.take_heals()
+            if not self._due(quorum, heals, step):
                 return
             targets = self.targets
             assert targets is not None
             exclude = self.config.exclude + targets.per_fragment_exclude.get(fragment or 0, ())
-            self._audit(quorum, step, "sync", targets.module, targets.optimizers, exclude, fragment)
+            self._audit(quorum, heals, step, "sync", targets.module, targets.optimizers, exclude, fragment)
 
         return after
 
@@ -245,6 +248,7 @@ class TorchFTAudit:
     def _audit(
         self,
         quorum: Quorum,
+        heals: Heals,
         step: int,
         point: str,
         module: Any,
@@ -259,8 +263,8 @@ class TorchFTAudit:
         me = Member(
             quorum.replica_rank,
             quorum.replica_id(quorum.replica_rank),
-            healed=quorum.heal,
-            source=quorum.recover_src if quorum.heal else None,
+            healed=heals.this_replica,
+            source=heals.source,
             counters=counters,
             last_in_sync_step=self._last_in_sync,
         )

@@ -26,6 +26,7 @@ from weightsync_audit.compat_engines import class_names
 
 __all__ = [
     "DiLoCoFragment",
+    "Heals",
     "Quorum",
     "QuorumTap",
     "TorchFTCompatError",
@@ -122,17 +123,45 @@ class Quorum:
         return ids[replica_rank] if 0 <= replica_rank < len(ids) else str(replica_rank)
 
 
+@dataclass(frozen=True, slots=True)
+class Heals:
+    """The heals seen in the quorums since the last audit point (every member of a quorum sees the same)."""
+
+    someone: bool = False
+    """Some member of a quorum healed (at a step that may not have committed: then the next committed one
+    is the first after the heal, for every member)."""
+    source: int | None = None
+    """This replica group healed, from this replica rank (the latest heal)."""
+
+    @property
+    def this_replica(self) -> bool:
+        return self.source is not None
+
+
 class QuorumTap:
-    """Stands for the Manager's ``ManagerClient`` and keeps the last quorum it returned (:attr:`latest`)."""
+    """Stands for the Manager's ``ManagerClient``: keeps the last quorum it returned (:attr:`latest`) and the
+    heals seen since they were last taken (:meth:`take_heals`)."""
 
     def __init__(self, client: Any) -> None:
         self.client = client
         self.latest: Quorum | None = None
+        self.heals = Heals()
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         result = self.client._quorum(*args, **kwargs)
-        self.latest = Quorum.of(result)
+        quorum = Quorum.of(result)
+        if quorum is not None and (quorum.someone_heals or quorum.heal):
+            # ``someone`` only from what every member reads alike (an initial sync at step 0 heals replicas
+            # at the same step: the first quorum is audited anyway); ``source`` from this replica's own heal.
+            source = quorum.recover_src if quorum.heal else self.heals.source
+            self.heals = Heals(self.heals.someone or quorum.someone_heals, source)
+        self.latest = quorum
         return result
+
+    def take_heals(self) -> Heals:
+        """The heals seen since the last call (and forget them: an audit point covers them)."""
+        heals, self.heals = self.heals, Heals()
+        return heals
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Sequence
 from weightsync_audit.integrations.torchft.counters import compare
 from weightsync_audit.integrations.torchft.rollcall import Roll
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.text import brief_names
+from weightsync_audit.text import TIE_PREFIX, brief_names, is_tie
 
 __all__ = ["AuditPoint", "complete", "heal_hints"]
 
@@ -97,8 +97,34 @@ def _heal_report(result: AuditResult, roll: Roll, at: AuditPoint, compared: str)
             f"step: {brief_names(differs, 8)}"
         )
         kinds = {m.name: m.kind for m in result.mismatches}
-        result.hints.extend(h for h in heal_hints(differs, kinds, at.model_names) if h not in result.hints)
+        # The heal's own words first: they say where the state should have come from.
+        result.hints[:0] = [h for h in heal_hints(differs, kinds, at.model_names) if h not in result.hints]
     return healed
+
+
+def _blame_heal(result: AuditResult, roll: Roll, step: int) -> None:
+    """A divergence only healed replicas hold, against their sources: the heal is to blame, not a tie.
+
+    With two replicas the vote between a healed replica and its source is a tie; the roll put the source
+    first, so it is the reference, and the record says why instead of 'no majority'."""
+    sources = {m.replica_rank: m.source for m in roll.members if m.healed and m.source is not None}
+    odd = {r for m in result.mismatches for r in m.ranks}
+    if not odd or not odd <= set(sources):
+        return
+    for m in result.mismatches:
+        if is_tie(m.detail) and any(sources[r] in m.reference_ranks for r in m.ranks):
+            before = str(m.detail).split(TIE_PREFIX + ":")[0].rstrip("; ")
+            why = f"the healed replica against its source (replica {', '.join(str(sources[r]) for r in m.ranks)})"
+            m.detail = f"{before}; {why}" if before else why
+    result.blame = {
+        "ranks": sorted(odd),
+        "evidence": "deterministic_difference",
+        "cause": "a software difference",
+        "hardware_suspect": False,
+        "step": step,
+        "detail": "; ".join(f"replica {r} healed from replica {sources[r]} and differs from it" for r in sorted(odd))
+        + ": the state torchft sent, or the load_state_dict that applied it, left these out",
+    }
 
 
 def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[str], last_in_sync: int | None) -> None:
@@ -115,6 +141,7 @@ def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[
     counters = sorted({n.split(".")[0] for n in kinds if not n.startswith("torchft.")})
     compared = ", ".join(what) + ", the Manager's step and committed batches" + "".join(f", {c}" for c in counters)
     healed = _heal_report(result, roll, at, compared)
+    _blame_heal(result, roll, at.step)
     if roll.absent:
         result.notes.append(
             f"replica(s) {list(roll.absent)} of quorum {at.quorum_id} did not come to this audit within "

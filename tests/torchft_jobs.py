@@ -1,0 +1,277 @@
+"""Real torchft jobs for tests: a lighthouse on localhost and replica groups as forked processes.
+
+Each replica group is its own job: its own TCPStore, one process per group rank, a torchft ``Manager``
+that meets the others through the lighthouse. Nothing is mocked: the quorum, the heals (torchft's HTTP
+checkpoint transport) and the averaging are torchft's own, on CPU gloo. A group can kill itself with
+SIGKILL at a step and be started again, so that it heals from a live peer.
+
+Each process returns its audit records and, for the truth the tests compute themselves, a snapshot of
+its state (parameters, optimizer state, scheduler counters) at every audit point, taken by a hook that
+runs before the audit's own.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def lighthouse(min_replicas: int) -> Iterator[str]:
+    """torchft's lighthouse (its Rust binary from the wheel) on localhost; yields its address."""
+    port = free_port()
+    binary = Path(sys.executable).with_name("torchft_lighthouse")
+    cmd = [str(binary), "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--join_timeout_ms", "300",
+           "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "1500"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the torchft lighthouse did not start") from None
+                time.sleep(0.05)
+        yield f"http://localhost:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class Replica:
+    """One replica group's plan."""
+
+    index: int
+    group_size: int = 1
+    die_at: int | None = None
+    """SIGKILL the whole group when its Manager reaches this step (then it is started again)."""
+    restarted: dict[str, Any] = field(default_factory=dict)
+    """What the restarted group does differently (``skip_optimizer``, ...)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    out = {f"p:{n}": p.detach().clone() for n, p in model.named_parameters()}
+    if opt is not None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            st = opt.state.get(p, {})
+            out.update({f"o:{i}:{k}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+    if sched is not None:
+        out["s:last_epoch"] = sched.last_epoch
+    return out
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+
+
+def worker(plan: dict[str, Any], q: Any) -> None:
+    """One process of a replica group (forked): train, audit, report records and snapshots."""
+    torch.set_num_threads(1)
+    try:
+        q.put(("ok", plan["index"], plan["rank"], pickle.dumps(_train(plan))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("err", plan["index"], plan["rank"], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def _train(plan: dict[str, Any]) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft.manager import Manager, WorldSizeMode
+    from torchft.process_group import ProcessGroupGloo
+
+    from weightsync_audit.integrations.torchft import TorchFTAudit
+
+    rank, mode = plan["rank"], plan["mode"]
+    store = dist.TCPStore("127.0.0.1", plan["store_port"], is_master=rank == 0, wait_for_workers=False)
+    model = _model(seed=100 + rank)  # group ranks hold different shards; replicas of a shard start equal
+    snapshots: dict[int, dict[str, Any]] = {}
+    if mode == "ddp":
+        opt: Any = torch.optim.Adam(model.parameters(), lr=0.05)
+        sched: Any = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = None
+    skip_opt = plan.get("skip_optimizer", False)
+
+    def state_dict() -> dict[str, Any]:
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if sched is not None and plan.get("scheduler_in_state", True):
+            sd["sched"] = sched.state_dict()
+        return sd
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        if not skip_opt:
+            opt.load_state_dict(sd["optim"])
+        if "sched" in sd:
+            sched.load_state_dict(sd["sched"])
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        min_replica_size=plan["min_replicas"],
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica{plan['index']}",
+        store_addr="127.0.0.1",
+        store_port=plan["store_port"],
+        rank=rank,
+        world_size=plan["group_size"],
+        lighthouse_addr=plan["lighthouse"],
+        use_async_quorum=mode != "diloco",
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10),
+        world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if plan.get("spares") else WorldSizeMode.DYNAMIC,
+    )
+    gen = torch.Generator().manual_seed(1000 * plan["index"] + 10 * rank + plan.get("attempt", 0))
+    audit_kw = dict(timeout_s=plan.get("timeout_s", 5.0), verbose=False, every_n_steps=plan.get("every", 2))
+    try:
+        if mode == "ddp":
+            records = _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit)
+        else:
+            records = _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit)
+    finally:
+        manager.shutdown(wait=False)
+    return {"records": records, "snapshots": snapshots, "step": manager.current_step()}
+
+
+def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:  # noqa: ANN001
+    from torchft.ddp import DistributedDataParallel
+    from torchft.optim import OptimizerWrapper
+
+    ddp = DistributedDataParallel(manager, model)
+    wrapped = OptimizerWrapper(manager, opt)
+    # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's.
+    opt.register_step_pre_hook(lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched)))
+    audit = TorchFTAudit(manager, ddp, wrapped, lr_scheduler=sched, per_replica=("dataloader position",), **audit_kw)
+    stepped: dict[int, bool] = {}
+    opt.register_step_post_hook(lambda o, a, k: stepped.__setitem__(0, True))  # the optimizer stepped: committed
+    while manager.current_step() < plan["steps"]:
+        wrapped.zero_grad()
+        x = torch.randn(8, 4, generator=gen)
+        ddp(x).pow(2).mean().backward()
+        wrapped.step()
+        if stepped.pop(0, False):  # the schedule follows committed steps only (a heal moves the Manager's step)
+            sched.step()
+        nudge = plan.get("nudge_at")
+        if nudge is not None and manager.current_step() == nudge:
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1e-3
+        if plan.get("die_at") is not None and manager.current_step() == plan["die_at"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(plan.get("pause_s", 0.0))
+    audit.close()
+    return [r.to_dict() for r in audit.results]
+
+
+def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:  # noqa: ANN001
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if plan["mode"] == "localsgd":
+        sync: Any = LocalSGD(manager, model, opt, sync_every=plan["sync_every"])
+    else:
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        sync = DiLoCo(manager, [model], opt, outer, sync_every=plan["sync_every"])
+    local = [0]
+    with sync:
+        audit = TorchFTAudit(manager, sync=sync, **audit_kw)
+
+        def after_local_step(o: Any, a: Any, k: Any) -> None:  # registered after LocalSGD's: sees the sync done
+            local[0] += 1
+            snapshots[local[0]] = {**_state(model, None, None), "manager_step": manager.current_step()}
+
+        opt.register_step_post_hook(after_local_step)
+        manager.start_quorum()  # the first quorum (LocalSGD's examples do this too)
+        while local[0] < plan["steps"]:
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        audit.close()
+    return [r.to_dict() for r in audit.results]
+
+
+def run_job(
+    replicas: list[Replica], *, mode: str = "ddp", steps: int, deadline_s: float = 90.0, **common: Any
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Run the replica groups to the end (a killed group started again once); results by (replica, rank)."""
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    results: dict[tuple[int, int], dict[str, Any]] = {}
+    procs: dict[tuple[int, int], Any] = {}
+    with lighthouse(len(replicas)) as address:
+
+        def start(rep: Replica, attempt: int) -> None:
+            port = free_port()
+            for rank in range(rep.group_size):
+                plan = dict(common, **rep.extra, index=rep.index, rank=rank, group_size=rep.group_size, mode=mode,
+                            steps=steps, store_port=port, lighthouse=address, min_replicas=len(replicas),
+                            attempt=attempt)  # fmt: skip
+                if attempt == 0:
+                    plan["die_at"] = rep.die_at
+                else:
+                    plan.update(rep.restarted)
+                p = ctx.Process(target=worker, args=(plan, q), daemon=True)
+                p.start()
+                procs[(rep.index, rank)] = p
+
+        for rep in replicas:
+            start(rep, 0)
+        restarted: set[int] = set()
+        end = time.monotonic() + deadline_s
+        want = sum(r.group_size for r in replicas)
+        try:
+            while len(results) < want:
+                if time.monotonic() > end:
+                    raise AssertionError(f"the torchft job did not finish in {deadline_s}s; done: {sorted(results)}")
+                for rep in replicas:
+                    dead = [procs[(rep.index, r)] for r in range(rep.group_size)]
+                    if rep.die_at is not None and rep.index not in restarted and any(p.exitcode for p in dead):
+                        for p in dead:
+                            p.kill()
+                            p.join()
+                        restarted.add(rep.index)
+                        start(rep, 1)
+                try:
+                    status, index, rank, payload = q.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if status == "err":
+                    raise AssertionError(f"replica {index} rank {rank} raised: {payload}")
+                results[(index, rank)] = pickle.loads(payload)
+        finally:
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+    return results
