@@ -87,12 +87,13 @@ def _state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
 
 def _model(seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
 
 
 def worker(plan: dict[str, Any], q: Any) -> None:
     """One process of a replica group (forked): train, audit, report records and snapshots."""
     torch.set_num_threads(1)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
     try:
         q.put(("ok", plan["index"], plan["rank"], pickle.dumps(_train(plan))))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
@@ -113,7 +114,8 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     from weightsync_audit.integrations.torchft import TorchFTAudit
 
     rank, mode = plan["rank"], plan["mode"]
-    store = dist.TCPStore("127.0.0.1", plan["store_port"], is_master=rank == 0, wait_for_workers=False)
+    # The group's store, served by its rank 0 for the whole run (the Manager connects to it).
+    _store = dist.TCPStore("127.0.0.1", plan["store_port"], is_master=rank == 0, wait_for_workers=False)
     model = _model(seed=100 + rank)  # group ranks hold different shards; replicas of a shard start equal
     snapshots: dict[int, dict[str, Any]] = {}
     if mode == "ddp":
@@ -139,7 +141,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
 
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
-        min_replica_size=plan["min_replicas"],
+        min_replica_size=1 if plan.get("spares") else plan["min_replicas"],
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         replica_id=f"replica{plan['index']}",
@@ -166,14 +168,16 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     return {"records": records, "snapshots": snapshots, "step": manager.current_step()}
 
 
-def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:  # noqa: ANN001
+def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
     from torchft.ddp import DistributedDataParallel
     from torchft.optim import OptimizerWrapper
 
     ddp = DistributedDataParallel(manager, model)
     wrapped = OptimizerWrapper(manager, opt)
     # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's.
-    opt.register_step_pre_hook(lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched)))
+    opt.register_step_pre_hook(
+        lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
+    )
     audit = TorchFTAudit(manager, ddp, wrapped, lr_scheduler=sched, per_replica=("dataloader position",), **audit_kw)
     stepped: dict[int, bool] = {}
     opt.register_step_post_hook(lambda o, a, k: stepped.__setitem__(0, True))  # the optimizer stepped: committed
@@ -184,8 +188,8 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
         wrapped.step()
         if stepped.pop(0, False):  # the schedule follows committed steps only (a heal moves the Manager's step)
             sched.step()
-        nudge = plan.get("nudge_at")
-        if nudge is not None and manager.current_step() == nudge:
+        nudge = plan.get("nudge")  # (group rank, step): one weight moved on that rank only, after that step
+        if nudge is not None and (plan["rank"], manager.current_step()) == tuple(nudge):
             with torch.no_grad():
                 model[0].weight[0, 0] += 1e-3
         if plan.get("die_at") is not None and manager.current_step() == plan["die_at"]:
@@ -195,7 +199,7 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     return [r.to_dict() for r in audit.results]
 
 
-def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:  # noqa: ANN001
+def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
     from torchft.local_sgd import DiLoCo, LocalSGD
 
     if plan["mode"] == "localsgd":

@@ -122,26 +122,8 @@ class TorchFTAudit:
         report_path: str | None = None,
         verbose: bool = True,
     ) -> None:
+        _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match)
         check_manager(manager)
-        if on_mismatch not in ("warn", "raise"):
-            raise ValueError(
-                f"on_mismatch={on_mismatch!r}: TorchFTAudit warns or raises; torchft heals a replica from a live "
-                "peer itself (a replica that raises restarts and heals), so 'resync' is not offered here"
-            )
-        if sync is not None:
-            given = [n for n, v in (("module", module), ("optimizer", optimizer), ("lr_scheduler", lr_scheduler),
-                                    ("include", include)) if v is not None]  # fmt: skip
-            if given:
-                raise ValueError(
-                    f"sync= and {'='.join(given[:1])}= cannot be given together: at a LocalSGD/DiLoCo sync point "
-                    "the sync object decides what is equal on every replica (its model, its outer optimizer)"
-                )
-        elif module is None or optimizer is None:
-            raise ValueError(
-                "module= and optimizer= are needed without sync= (the optimizer's step is the audit point)"
-            )
-        if must_match is not None and not all(callable(f) for f in must_match.values()):
-            raise TypeError("must_match must map names to callables that return the state to compare")
         self.manager = manager
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.on_mismatch = on_mismatch
@@ -349,6 +331,29 @@ class TorchFTAudit:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_arguments(
+    on_mismatch: str, sync: Any, module: Any, optimizer: Any, lr_scheduler: Any, include: Any, must_match: Any
+) -> None:
+    """Refuse, naming the arguments, what cannot work together (before anything is hooked)."""
+    if on_mismatch not in ("warn", "raise"):
+        raise ValueError(
+            f"on_mismatch={on_mismatch!r}: TorchFTAudit warns or raises; torchft heals a replica from a live "
+            "peer itself (a replica that raises restarts and heals), so 'resync' is not offered here"
+        )
+    if sync is not None:
+        given = [n for n, v in (("module", module), ("optimizer", optimizer), ("lr_scheduler", lr_scheduler),
+                                ("include", include)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"sync= and {given[0]}= cannot be given together: at a LocalSGD/DiLoCo sync point "
+                "the sync object decides what is equal on every replica (its model, its outer optimizer)"
+            )
+    elif module is None or optimizer is None:
+        raise ValueError("module= and optimizer= are needed without sync= (the optimizer's step is the audit point)")
+    if must_match is not None and not all(callable(f) for f in must_match.values()):
+        raise TypeError("must_match must map names to callables that return the state to compare")
 
 
 def _print(renderable: Any) -> None:

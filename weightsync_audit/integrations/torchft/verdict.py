@@ -136,7 +136,10 @@ def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[
     if found:
         result.mismatches.extend(found)
         result.in_sync = False
+    # From the roll's first member, not this process's history: a replica that just joined has none.
+    # Every audit reads every byte, so the last full agreement is the last agreement.
     result.last_in_sync_step = at.step if result.in_sync else last_in_sync
+    result.last_full_sync_step = result.last_in_sync_step
     what = [_KIND_WORDS[k] for k in ("params", "buffers", "optimizer") if k in at.include]
     counters = sorted({n.split(".")[0] for n in kinds if not n.startswith("torchft.")})
     compared = ", ".join(what) + ", the Manager's step and committed batches" + "".join(f", {c}" for c in counters)
