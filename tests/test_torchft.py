@@ -7,7 +7,13 @@ from the records: replicas equal or not (``torch.equal``), and between LocalSGD 
 
 from __future__ import annotations
 
+import ast
+import doctest
+import importlib
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +24,7 @@ if importlib.util.find_spec("torchft") is None:  # not imported here: each repli
 
 from torchft_jobs import Replica, run_job
 
+import weightsync_audit
 from weightsync_audit import AuditResult
 from weightsync_audit.integrations.torchft import TorchFTAudit
 
@@ -45,6 +52,27 @@ def _equal(a: dict[str, Any], b: dict[str, Any], keys: list[str] | None = None) 
         k in a and k in b and (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
         for k in keys
     )
+
+
+@pytest.mark.parametrize("name", ["compat", "channel", "rollcall", "counters", "verdict", "syncpoints"])
+def test_the_examples_in_the_docstrings_run(name: str) -> None:
+    module = importlib.import_module(f"weightsync_audit.integrations.torchft.{name}")
+    failed, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert tried and not failed
+
+
+def test_neither_the_core_nor_the_integration_imports_torchft() -> None:
+    code = (
+        "import sys, weightsync_audit, weightsync_audit.integrations.torchft; weightsync_audit.audit(None);"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torchft']; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    root = Path(weightsync_audit.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "torchft" for n in names), path
 
 
 def test_what_cannot_work_is_refused_at_construction() -> None:

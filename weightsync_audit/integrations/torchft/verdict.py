@@ -6,8 +6,8 @@ absent, the heals verified, the sync point) and the notes and hints that say it 
 a replica that healed at this step, whether it equals its source before its first committed step, and if
 not, what the heal left different and where that state should have come from.
 
->>> heal_hints(["fc.weight.exp_avg", "lr_scheduler.last_epoch"], {"fc.weight.exp_avg": "optimizer"})[0][:60]
-"The healed replica's optimizer state (fc.weight.exp_avg) diff"
+>>> [h.split(" differs")[0] for h in heal_hints(["fc.weight.exp_avg", "lr_scheduler.last_epoch"], {})]
+["The healed replica's optimizer state (fc.weight.exp_avg)", "The healed replica's lr scheduler (lr_scheduler.last_epoch)"]
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def heal_hints(names: Sequence[str], kinds: Mapping[str, str], model_names: froz
         "optimizer": "The healed replica's optimizer state ({}) differs from its source's: the load_state_dict "
         "handed to the torchft Manager does not restore the optimizer (the state_dict must carry "
         "optimizer.state_dict() and load_state_dict must call optimizer.load_state_dict).",
-        "scheduler": "The healed replica's lr scheduler ({}) differs from its source's: the scheduler is not part "
-        "of the state torchft sends a healing replica; add it to the Manager's state_dict/load_state_dict "
-        "(or manager.register_state_dict_fn('lr_scheduler', sched.load_state_dict, sched.state_dict)).",
+        "scheduler": "The healed replica's lr scheduler ({}) differs from its source's: the state torchft sends a "
+        "healing replica does not carry the scheduler, or its load_state_dict does not load it; restore it "
+        "there (or manager.register_state_dict_fn('lr_scheduler', sched.load_state_dict, sched.state_dict)).",
         "manager": "The healed replica's Manager counters ({}) differ from its source's: torchft restores them "
         "itself, so the heal did not complete (see torchft's errors log).",
         "model": "The healed replica's {} differ from its source's: the model state the Manager sends or loads "
