@@ -123,6 +123,17 @@ def test_each_shard_is_compared_among_its_own_replicas() -> None:
     assert all(r["in_sync"] for r in res[(0, 1)]["records"] if r["step"] < at)
 
 
+def test_on_mismatch_raise_raises_out_of_the_optimizer_step_on_every_replica_compared() -> None:
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, on_mismatch="raise")
+    a, b = res[(0, 0)]["snapshots"][4], res[(1, 0)]["snapshots"][4]
+    assert [k for k in a if k.startswith("p:") and not torch.equal(a[k], b[k])] == ["p:0.weight"]
+    record = _same_record([res[(i, 0)]["raised"] for i in range(2)])
+    assert record["step"] == 4 and record["action"] == "raised"
+    assert [(m["name"], m["ranks"]) for m in record["mismatches"]] == [("0.weight", [1])]
+    # Both raised in the pre-hook of the step after 4: the Manager had counted it (5), the update never ran.
+    assert all(res[(i, 0)]["step"] == 5 for i in range(2))
+
+
 def _heal_job(restarted: dict[str, Any], **extra: Any) -> tuple[dict[Any, Any], int]:
     res = run_job([Replica(0, extra=extra), Replica(1, die_at=3, restarted=restarted, extra=extra)], steps=7)
     healed = min(res[(1, 0)]["snapshots"])  # the restarted group's first committed step
@@ -168,9 +179,9 @@ def test_a_post_heal_difference_is_named() -> None:
 
 
 def test_a_replica_that_does_not_come_is_named_and_not_waited_for() -> None:
-    """Replica 1 audits at quorum changes only; replica 0 every 2 steps. At step 2 replica 0 waits its
+    """Replica 1 audits at quorum changes (and every 1000 steps); replica 0 every 2 steps. At step 2 replica 0 waits its
     timeout_s for replica 1, then audits the replicas present and says who was absent; the run goes on."""
-    res = run_job([Replica(0), Replica(1, extra={"every": None})], steps=5, timeout_s=1.0)
+    res = run_job([Replica(0), Replica(1, extra={"every": 1000})], steps=5, timeout_s=1.0)
     alone = _by_step(res[(0, 0)])[2]
     assert alone["torchft"]["absent"] == [1] and alone["world_size"] == 1 and alone["in_sync"]
     assert any("did not come to this audit within 1s" in n for n in alone["notes"])

@@ -111,6 +111,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     from torchft.manager import Manager, WorldSizeMode
     from torchft.process_group import ProcessGroupGloo
 
+    from weightsync_audit import WeightDivergenceError
     from weightsync_audit.integrations.torchft import TorchFTAudit
 
     rank, mode = plan["rank"], plan["mode"]
@@ -157,15 +158,23 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if plan.get("spares") else WorldSizeMode.DYNAMIC,
     )
     gen = torch.Generator().manual_seed(1000 * plan["index"] + 10 * rank + plan.get("attempt", 0))
-    audit_kw = dict(timeout_s=plan.get("timeout_s", 5.0), verbose=False, every_n_steps=plan.get("every", 2))
+    audit_kw = dict(
+        timeout_s=plan.get("timeout_s", 5.0),
+        verbose=False,
+        every_n_steps=plan.get("every", 2),
+        on_mismatch=plan.get("on_mismatch", "warn"),
+    )
+    raised = None
     try:
         if mode == "ddp":
             records = _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit)
         else:
             records = _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit)
+    except WeightDivergenceError as exc:  # on_mismatch="raise": out of the optimizer step, with the record
+        records, raised = [], exc.result.to_dict()
     finally:
         manager.shutdown(wait=False)
-    return {"records": records, "snapshots": snapshots, "step": manager.current_step()}
+    return {"records": records, "snapshots": snapshots, "step": manager.current_step(), "raised": raised}
 
 
 def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:

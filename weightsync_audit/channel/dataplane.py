@@ -151,6 +151,13 @@ class DataPlane:
                 _retired.append(hit)
         self._group = None
 
+    def close(self) -> None:
+        """Drop the data group of a channel closed for good, whose members never open one again (a torchft
+        quorum's channel, made for one audit); unlike :meth:`discard`, nothing is kept. Local."""
+        with _lock:
+            _groups.pop(self._key(), None)
+        self._group = None
+
     def _ready(self, peer: int) -> _DataGroup:
         group = self._group
         if group is None:

@@ -54,7 +54,10 @@ from weightsync_audit.integrations.torchft.verdict import AuditPoint, complete
 from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["TorchFTAudit"]
+__all__ = ["DEFAULT_EVERY_N_STEPS", "TorchFTAudit"]
+
+DEFAULT_EVERY_N_STEPS = 100
+"""Committed steps between two audits when ``every_n_steps`` is not given (without ``sync=``)."""
 
 log = logging.getLogger("weightsync_audit")
 
@@ -84,8 +87,8 @@ class TorchFTAudit:
         lr_scheduler: a scheduler (or a list) whose state must be equal on every replica (compared too).
         sync: a ``torchft.local_sgd.LocalSGD`` or ``DiLoCo``: audit at its sync points only (then neither
             ``module``, ``optimizer``, ``lr_scheduler`` nor ``include`` is given: the sync decides them).
-        every_n_steps: audit every n committed steps (syncs, with ``sync``); quorum changes and heals are
-            always audited. ``None``: only those.
+        every_n_steps: audit every n committed steps (with ``sync``: every n syncs); quorum changes and
+            heals are always audited. ``None``: every 100 committed steps, or every sync.
         must_match: ``{name: callable}`` of further state that must be equal on every replica (numbers,
             strings, tensors, lists or dicts of them), compared at every audit.
         per_replica: names of state that is per replica by design (a dataloader's position): said in the
@@ -111,7 +114,7 @@ class TorchFTAudit:
         *,
         lr_scheduler: Any = None,
         sync: Any = None,
-        every_n_steps: Optional[int] = 1,
+        every_n_steps: Optional[int] = None,
         must_match: Mapping[str, Callable[[], Any]] | None = None,
         per_replica: Sequence[str] = (),
         include: Sequence[str] | None = None,
@@ -125,7 +128,9 @@ class TorchFTAudit:
         _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match)
         check_manager(manager)
         self.manager = manager
-        self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
+        every = check_every_n(every_n_steps, "every_n_steps")
+        self.every_n_steps: int = every if every is not None else (1 if sync is not None else DEFAULT_EVERY_N_STEPS)
+        """The cadence in force: committed steps, or syncs with ``sync=``."""
         self.on_mismatch = on_mismatch
         self.verbose = verbose
         self.lr_scheduler = lr_scheduler
@@ -173,7 +178,7 @@ class TorchFTAudit:
         """The same answer on every member of ``quorum``: from the quorums they all saw and the step only."""
         changed = quorum.quorum_id != self._last_quorum
         self._last_quorum = quorum.quorum_id
-        cadence = self.every_n_steps is not None and step % self.every_n_steps == 0
+        cadence = step % self.every_n_steps == 0
         return changed or heals.someone or cadence
 
     def _before_step(self) -> None:

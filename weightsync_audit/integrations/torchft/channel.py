@@ -24,6 +24,7 @@ from typing import Any, Callable, Hashable, TypeVar
 
 import torch.distributed as dist
 
+from weightsync_audit.channel.dataplane import DataPlane
 from weightsync_audit.channel.groups import AuditGroup
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.channel.storelink import StoreLink
@@ -138,4 +139,5 @@ class QuorumComm(Comm):
         """Release the channel's groups; later exchanges over it fail at once."""
         if self._group is not None:
             self._group.broken = self._group.broken or "the audit's channel was closed after the audit"
+        DataPlane(self).close()
         self.pgs.clear()
