@@ -54,9 +54,9 @@ def _equal(a: dict[str, Any], b: dict[str, Any], keys: list[str] | None = None) 
     )
 
 
-@pytest.mark.parametrize("name", ["compat", "channel", "rollcall", "counters", "verdict", "syncpoints"])
+@pytest.mark.parametrize("name", ["", ".compat", ".channel", ".rollcall", ".counters", ".verdict", ".syncpoints"])
 def test_the_examples_in_the_docstrings_run(name: str) -> None:
-    module = importlib.import_module(f"weightsync_audit.integrations.torchft.{name}")
+    module = importlib.import_module(f"weightsync_audit.integrations.torchft{name}")
     failed, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert tried and not failed
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from weightsync_audit.channel.dataplane import DataPlane
 from weightsync_audit.channel.groups import AuditGroup
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
-from weightsync_audit.channel.storelink import StoreLink
+from weightsync_audit.channel.storelink import StoreLink, run_bounded
 from weightsync_audit.errors import AuditTimeoutError
 
 __all__ = ["QuorumComm", "quorum_store", "within"]
@@ -45,20 +45,10 @@ def within(fn: Callable[[], T], bound_s: float, what: str) -> T:
     """``fn()`` in a helper thread, given up after ``bound_s`` (:class:`AuditTimeoutError` naming ``what``).
 
     A thread left waiting (a TCP connect, a gloo group whose peer vanished) ends with its own timeout."""
-    box: list[tuple[bool, Any]] = []
-
-    def run() -> None:
-        try:
-            box.append((True, fn()))
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            box.append((False, exc))
-
-    thread = threading.Thread(target=run, name="weightsync-torchft", daemon=True)
-    thread.start()
-    thread.join(max(bound_s, 0.01))
-    if not box:
+    outcome = run_bounded(fn, bound_s, "weightsync-torchft")
+    if outcome is None:
         raise AuditTimeoutError(f"weightsync audit: {what} did not finish within {bound_s:.3g}s")
-    ok, value = box[0]
+    ok, value = outcome
     if not ok:
         raise AuditTimeoutError(f"weightsync audit: {what} failed: {str(value).strip()[:300] or type(value).__name__}")
     return value
