@@ -100,15 +100,16 @@ def test_a_healthy_run_of_three_replica_groups_is_quiet() -> None:
         assert any("dataloader position" in n for n in record["notes"])  # per replica by design: said, not compared
 
 
-def test_each_shard_is_compared_among_its_own_replicas() -> None:
-    """Two ranks per replica group (the shard dimension under HSDP): group rank r audits with group rank r of
-    the other group. A weight moved on replica 1's group rank 1 is named there, and only there."""
-    res = run_job([Replica(0, group_size=2), Replica(1, group_size=2, extra={"nudge": (1, 3)})], steps=6)
+def test_hsdp_each_shard_is_compared_among_its_own_replicas() -> None:
+    """HSDP under torchft: FSDP2 shards the model within each replica group (2 ranks), torchft averages each
+    shard across the groups. Group rank r audits with group rank r of the other group. One element of replica
+    1's shard on group rank 1 moved: named there (its shard and global shape), and only there."""
+    res = run_job([Replica(0, group_size=2), Replica(1, group_size=2, extra={"nudge": (1, 3)})], mode="hsdp", steps=6)
     at = 4
     shard0 = [res[(i, 0)]["snapshots"][at] for i in range(2)]
     shard1 = [res[(i, 1)]["snapshots"][at] for i in range(2)]
     assert _equal(shard0[0], shard0[1])
-    assert not torch.equal(shard0[0]["p:0.weight"], shard1[0]["p:0.weight"])  # the shards differ from each other
+    assert not torch.equal(shard0[0]["p:0.weight"], shard1[0]["p:0.weight"])  # the two shards hold other rows
     differ = [k for k in shard1[0] if k.startswith("p:") and not torch.equal(shard1[0][k], shard1[1][k])]
     assert differ == ["p:0.weight"]
     gap = (shard1[1]["p:0.weight"] - shard1[0]["p:0.weight"]).abs().max().item()
@@ -118,8 +119,8 @@ def test_each_shard_is_compared_among_its_own_replicas() -> None:
     assert r0["in_sync"] and r0["torchft"]["group_rank"] == 0
     assert r1["torchft"]["group_rank"] == 1 and not r1["in_sync"]
     [m] = r1["mismatches"]
-    assert (m["name"], m["ranks"], m["reference_ranks"]) == ("0.weight", [1], [0])
-    assert m["max_abs_diff"] == pytest.approx(gap)  # measured over the data plane of the quorum channel
+    assert (m["name"], m["ranks"], m["reference_ranks"], m["shard"]) == ("0.weight", [1], [0], {"shard": 1})
+    assert m["shape"] == [64, 4] and m["max_abs_diff"] == pytest.approx(gap)
     assert all(r["in_sync"] for r in res[(0, 1)]["records"] if r["step"] < at)
 
 
@@ -216,8 +217,10 @@ def test_a_difference_at_a_local_sgd_sync_is_found() -> None:
     assert not any(torch.equal(a[f"p:{n}"], b[f"p:{n}"]) for n in PARAMS)
     record = _same_record([_by_step(res[(i, 0)])[1] for i in range(2)])
     assert not record["in_sync"] and record["action"] == "warned"
-    named = {m["name"]: m["ranks"] for m in record["mismatches"]}
-    assert {n: named.get(n) for n in PARAMS} == {n: [1] for n in PARAMS}
+    named = {m["name"]: m for m in record["mismatches"]}
+    assert {n: named[n]["ranks"] if n in named else None for n in PARAMS} == {n: [1] for n in PARAMS}
+    # 0.weight (1 KiB) went over the quorum channel's data plane: its gap is the one in the bytes.
+    assert named["0.weight"]["max_abs_diff"] == pytest.approx((a["p:0.weight"] - b["p:0.weight"]).abs().max().item())
 
 
 def test_diloco_is_audited_at_sync_points_only() -> None:

@@ -73,13 +73,22 @@ class Replica:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _mine(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The bytes this process holds (a DTensor's local shard), as a plain tensor the parent can compare."""
+    return _mine(t).detach().clone()
+
+
 def _state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
-    out = {f"p:{n}": p.detach().clone() for n, p in model.named_parameters()}
+    out = {f"p:{n}": _local(p) for n, p in model.named_parameters()}
     if opt is not None:
         params = [p for g in opt.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             st = opt.state.get(p, {})
-            out.update({f"o:{i}:{k}": v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)})
+            out.update({f"o:{i}:{k}": _local(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
     if sched is not None:
         out["s:last_epoch"] = sched.last_epoch
     return out
@@ -117,9 +126,19 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     rank, mode = plan["rank"], plan["mode"]
     # The group's store, served by its rank 0 for the whole run (the Manager connects to it).
     _store = dist.TCPStore("127.0.0.1", plan["store_port"], is_master=rank == 0, wait_for_workers=False)
-    model = _model(seed=100 + rank)  # group ranks hold different shards; replicas of a shard start equal
+    if mode == "hsdp":  # FSDP2 within the group (the shard dimension), torchft across groups (replicate)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("fsdp", _store), rank=rank, world_size=plan["group_size"]
+        )
+        model = _model(seed=100)
+        fully_shard(model, mesh=init_device_mesh("cpu", (plan["group_size"],), mesh_dim_names=("shard",)))
+    else:
+        model = _model(seed=100 + rank)  # group ranks hold different shards; replicas of a shard start equal
     snapshots: dict[int, dict[str, Any]] = {}
-    if mode == "ddp":
+    if mode in ("ddp", "hsdp"):
         opt: Any = torch.optim.Adam(model.parameters(), lr=0.05)
         sched: Any = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     else:
@@ -166,7 +185,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     )
     raised = None
     try:
-        if mode == "ddp":
+        if mode in ("ddp", "hsdp"):
             records = _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit)
         else:
             records = _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit)
@@ -181,7 +200,8 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     from torchft.ddp import DistributedDataParallel
     from torchft.optim import OptimizerWrapper
 
-    ddp = DistributedDataParallel(manager, model)
+    hsdp = plan["mode"] == "hsdp"
+    ddp = model if hsdp else DistributedDataParallel(manager, model)
     wrapped = OptimizerWrapper(manager, opt)
     # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's.
     opt.register_step_pre_hook(
@@ -194,13 +214,16 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
         wrapped.zero_grad()
         x = torch.randn(8, 4, generator=gen)
         ddp(x).pow(2).mean().backward()
+        if hsdp:  # FSDP2 reduced the gradients within the group; torchft averages each shard across groups
+            for work in [manager.allreduce(p.grad.to_local()) for p in model.parameters()]:
+                work.wait()
         wrapped.step()
         if stepped.pop(0, False):  # the schedule follows committed steps only (a heal moves the Manager's step)
             sched.step()
         nudge = plan.get("nudge")  # (group rank, step): one weight moved on that rank only, after that step
         if nudge is not None and (plan["rank"], manager.current_step()) == tuple(nudge):
-            with torch.no_grad():
-                model[0].weight[0, 0] += 1e-3
+            with torch.no_grad():  # this process's own bytes (an FSDP shard's: a DTensor op would be collective)
+                _mine(model[0].weight)[0, 0] += 1e-3
         if plan.get("die_at") is not None and manager.current_step() == plan["die_at"]:
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(plan.get("pause_s", 0.0))
