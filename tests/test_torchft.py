@@ -179,6 +179,20 @@ def test_a_post_heal_difference_is_named() -> None:
     assert any("lr scheduler" in h and "register_state_dict_fn" in h for h in record["hints"])
 
 
+def test_a_group_that_leaves_is_followed() -> None:
+    """Three groups; group 2 is killed at step 3 and not restarted. The quorum shrinks to groups 0 and 1,
+    and their next committed step is audited among the two of them, under the new quorum."""
+    res = run_job([Replica(0), Replica(1), Replica(2, die_at=3, restarted=None)], steps=6, every=100, min_replicas=2)
+    assert (2, 0) not in res
+    assert sorted(_by_step(res[(0, 0)])) == sorted(_by_step(res[(1, 0)])) == [0, 3]
+    records = [_same_record([_by_step(res[(i, 0)])[step] for i in range(2)]) for step in (0, 3)]
+    assert (records[0]["world_size"], records[0]["in_sync"]) == (3, True)
+    after = records[-1]
+    assert after["world_size"] == 2 and sorted(after["torchft"]["replicas"]) == ["0", "1"] and after["in_sync"]
+    assert after["torchft"]["quorum_id"] != records[0]["torchft"]["quorum_id"]
+    assert _equal(res[(0, 0)]["snapshots"][after["step"]], res[(1, 0)]["snapshots"][after["step"]])
+
+
 def test_a_replica_that_does_not_come_is_named_and_not_waited_for() -> None:
     """Replica 1 audits at quorum changes (and every 1000 steps); replica 0 every 2 steps. At step 2 replica 0 waits its
     timeout_s for replica 1, then audits the replicas present and says who was absent; the run goes on."""

@@ -12,6 +12,7 @@ runs before the audit's own.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -68,8 +69,9 @@ class Replica:
     group_size: int = 1
     die_at: int | None = None
     """SIGKILL the whole group when its Manager reaches this step (then it is started again)."""
-    restarted: dict[str, Any] = field(default_factory=dict)
-    """What the restarted group does differently (``skip_optimizer``, ...)."""
+    restarted: dict[str, Any] | None = field(default_factory=dict)
+    """What the restarted group does differently (``skip_optimizer``, ...); ``None``: it is not restarted
+    (it left the job for good)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -170,13 +172,17 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         rank=rank,
         world_size=plan["group_size"],
         lighthouse_addr=plan["lighthouse"],
-        use_async_quorum=mode != "diloco",
+        # HSDP: the source reads its FSDP2 state_dict in the quorum thread; a synchronous quorum keeps that
+        # off the forward pass (an unsharded parameter freed under autograd otherwise, now and then).
+        use_async_quorum=mode not in ("diloco", "hsdp"),
         timeout=timedelta(seconds=10),
         quorum_timeout=timedelta(seconds=30),
         connect_timeout=timedelta(seconds=10),
         world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if plan.get("spares") else WorldSizeMode.DYNAMIC,
     )
     gen = torch.Generator().manual_seed(1000 * plan["index"] + 10 * rank + plan.get("attempt", 0))
+    if plan.get("attempt", 0) == 0:  # every group's first run starts together: they all form the first quorum
+        START.wait(30)
     audit_kw = dict(
         timeout_s=plan.get("timeout_s", 5.0),
         verbose=False,
@@ -257,26 +263,40 @@ def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit
     return [r.to_dict() for r in audit.results]
 
 
+START: Any = None
+"""A barrier every process of a job's first run meets at before training (set by :func:`run_job`, forked)."""
+
+
 def run_job(
-    replicas: list[Replica], *, mode: str = "ddp", steps: int, deadline_s: float = 90.0, **common: Any
+    replicas: list[Replica],
+    *,
+    mode: str = "ddp",
+    steps: int,
+    deadline_s: float = 90.0,
+    min_replicas: int | None = None,
+    **common: Any,
 ) -> dict[tuple[int, int], dict[str, Any]]:
-    """Run the replica groups to the end (a killed group started again once); results by (replica, rank)."""
+    """Run the replica groups to the end (a killed group started again once, unless it left); results by
+    (replica, rank). ``min_replicas``: the lighthouse's and every Manager's (default: every group)."""
+    least = len(replicas) if min_replicas is None else min_replicas
     ctx = mp.get_context("fork")
     q = ctx.Queue()
+    global START
+    START = ctx.Barrier(sum(r.group_size for r in replicas))
     results: dict[tuple[int, int], dict[str, Any]] = {}
     procs: dict[tuple[int, int], Any] = {}
-    with lighthouse(len(replicas)) as address:
+    with lighthouse(least) as address:
 
         def start(rep: Replica, attempt: int) -> None:
             port = free_port()
             for rank in range(rep.group_size):
                 plan = dict(common, **rep.extra, index=rep.index, rank=rank, group_size=rep.group_size, mode=mode,
-                            steps=steps, store_port=port, lighthouse=address, min_replicas=len(replicas),
+                            steps=steps, store_port=port, lighthouse=address, min_replicas=least,
                             attempt=attempt)  # fmt: skip
                 if attempt == 0:
                     plan["die_at"] = rep.die_at
                 else:
-                    plan.update(rep.restarted)
+                    plan.update(rep.restarted or {})
                 p = ctx.Process(target=worker, args=(plan, q), daemon=True)
                 p.start()
                 procs[(rep.index, rank)] = p
@@ -285,7 +305,7 @@ def run_job(
             start(rep, 0)
         restarted: set[int] = set()
         end = time.monotonic() + deadline_s
-        want = sum(r.group_size for r in replicas)
+        want = sum(r.group_size for r in replicas if r.restarted is not None or r.die_at is None)
         try:
             while len(results) < want:
                 if time.monotonic() > end:
@@ -297,13 +317,20 @@ def run_job(
                             p.kill()
                             p.join()
                         restarted.add(rep.index)
-                        start(rep, 1)
+                        if rep.restarted is not None:
+                            start(rep, 1)
                 try:
                     status, index, rank, payload = q.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                if status == "err":
-                    raise AssertionError(f"replica {index} rank {rank} raised: {payload}")
+                if status == "err":  # the others' errors too: the first to report is often not the cause
+                    errors = [f"replica {index} rank {rank} raised: {payload}"]
+                    with contextlib.suppress(queue.Empty):
+                        while len(errors) < want:
+                            more = q.get(timeout=2.0)
+                            if more[0] == "err":
+                                errors.append(f"replica {more[1]} rank {more[2]} raised: {more[3]}")
+                    raise AssertionError("\n\n".join(errors))
                 results[(index, rank)] = pickle.loads(payload)
         finally:
             for p in procs.values():
