@@ -96,9 +96,9 @@ def _state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
     return out
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, width: int = 64) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
 
 
 def worker(plan: dict[str, Any], q: Any) -> None:
@@ -135,10 +135,10 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         dist.init_process_group(
             "gloo", store=dist.PrefixStore("fsdp", _store), rank=rank, world_size=plan["group_size"]
         )
-        model = _model(seed=100)
+        model = _model(seed=100, width=plan.get("width", 64))
         fully_shard(model, mesh=init_device_mesh("cpu", (plan["group_size"],), mesh_dim_names=("shard",)))
     else:
-        model = _model(seed=100 + rank)  # group ranks hold different shards; replicas of a shard start equal
+        model = _model(seed=100 + rank, width=plan.get("width", 64))  # group ranks hold different shards; replicas of a shard start equal
     snapshots: dict[int, dict[str, Any]] = {}
     if mode in ("ddp", "hsdp"):
         opt: Any = torch.optim.Adam(model.parameters(), lr=0.05)
