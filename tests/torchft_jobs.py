@@ -138,7 +138,9 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         model = _model(seed=100, width=plan.get("width", 64))
         fully_shard(model, mesh=init_device_mesh("cpu", (plan["group_size"],), mesh_dim_names=("shard",)))
     else:
-        model = _model(seed=100 + rank, width=plan.get("width", 64))  # group ranks hold different shards; replicas of a shard start equal
+        model = _model(
+            seed=100 + rank, width=plan.get("width", 64)
+        )  # group ranks hold different shards; replicas of a shard start equal
     snapshots: dict[int, dict[str, Any]] = {}
     if mode in ("ddp", "hsdp"):
         opt: Any = torch.optim.Adam(model.parameters(), lr=0.05)
