@@ -151,13 +151,15 @@ def test_a_killed_group_heals_and_is_verified_before_its_first_committed_step() 
         "healed from replica 0" in n and "verified before its first committed step" in n for n in record["notes"]
     )
     assert record["checked"]["optimizer"] > 12  # optimizer state, the Manager's counters and the scheduler's
+    assert record["checked"]["buffer"] == 1  # the declared must_match counter (the model has no buffers)
     assert _equal(res[(0, 0)]["snapshots"][6], res[(1, 0)]["snapshots"][6])
     assert all(r["in_sync"] for r in res[(1, 0)]["records"])
 
 
 def test_a_post_heal_difference_is_named() -> None:
-    """The restarted group's load_state_dict skips the optimizer, and no group sends its lr scheduler."""
-    res, at = _heal_job({"skip_optimizer": True}, scheduler_in_state=False)
+    """The restarted group's load_state_dict skips the optimizer and the user's own batch counter (declared
+    with must_match), and no group sends its lr scheduler."""
+    res, at = _heal_job({"skip_optimizer": True, "forget_seen": True}, scheduler_in_state=False)
     source, healed = res[(0, 0)]["snapshots"][at], res[(1, 0)]["snapshots"][at]
     assert _equal(source, healed, [k for k in source if k.startswith("p:")])  # the parameters were healed
     wrong = set()
@@ -166,8 +168,8 @@ def test_a_post_heal_difference_is_named() -> None:
             _, index, state = key.split(":")
             wrong.add(f"{PARAMS[int(index)]}.{state}")
     assert source["s:last_epoch"] != healed["s:last_epoch"]
-    wrong.add("lr_scheduler.last_epoch")
-    assert len(wrong) == 13
+    wrong |= {"lr_scheduler.last_epoch", "batches_seen"}
+    assert len(wrong) == 14
 
     record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
     heal = record["torchft"]["healed"]["1"]
@@ -177,6 +179,7 @@ def test_a_post_heal_difference_is_named() -> None:
     assert record["blame"]["ranks"] == [1] and "healed from replica 0" in record["blame"]["detail"]
     assert "does not restore the optimizer" in record["hints"][0]
     assert any("lr scheduler" in h and "register_state_dict_fn" in h for h in record["hints"])
+    assert any(h.startswith("Declared state (batches_seen) differs on the healed replica") for h in record["hints"])
 
 
 def test_a_group_that_leaves_is_followed() -> None:

@@ -154,7 +154,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         sd = {"model": model.state_dict(), "optim": opt.state_dict()}
         if sched is not None and plan.get("scheduler_in_state", True):
             sd["sched"] = sched.state_dict()
-        return sd
+        return {**sd, "seen": SEEN["batches"]}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         model.load_state_dict(sd["model"])
@@ -162,6 +162,8 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
             opt.load_state_dict(sd["optim"])
         if "sched" in sd:
             sched.load_state_dict(sd["sched"])
+        if not plan.get("forget_seen"):
+            SEEN["batches"] = sd["seen"]
 
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
@@ -215,9 +217,22 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     opt.register_step_pre_hook(
         lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
     )
-    audit = TorchFTAudit(manager, ddp, wrapped, lr_scheduler=sched, per_replica=("dataloader position",), **audit_kw)
+    audit = TorchFTAudit(
+        manager,
+        ddp,
+        wrapped,
+        lr_scheduler=sched,
+        must_match={"batches_seen": lambda: SEEN["batches"]},  # the user's own counter, declared
+        per_replica=("dataloader position",),
+        **audit_kw,
+    )
     stepped: dict[int, bool] = {}
-    opt.register_step_post_hook(lambda o, a, k: stepped.__setitem__(0, True))  # the optimizer stepped: committed
+
+    def committed(o: Any, a: Any, k: Any) -> None:  # runs only when the optimizer stepped: a committed step
+        stepped[0] = True
+        SEEN["batches"] += 1
+
+    opt.register_step_post_hook(committed)
     while manager.current_step() < plan["steps"]:
         wrapped.zero_grad()
         x = torch.randn(8, 4, generator=gen)
@@ -264,6 +279,9 @@ def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit
         audit.close()
     return [r.to_dict() for r in audit.results]
 
+
+SEEN = {"batches": 0}
+"""The user's own counter of committed batches (in its state_dict; declared to the audit with must_match)."""
 
 START: Any = None
 """A barrier every process of a job's first run meets at before training (set by :func:`run_job`, forked)."""

@@ -246,19 +246,20 @@ class TorchFTAudit:
         t0 = time.perf_counter()
         at = self._point(quorum, step, point, fragment)
         hook = "torchft_step" if point == "step" else f"{self.targets.algorithm.lower()}_sync"  # type: ignore[union-attr]
-        counters, skipped = collect(self.manager, self.lr_scheduler, self.must_match)
-        me = Member(
-            quorum.replica_rank,
-            quorum.replica_id(quorum.replica_rank),
-            healed=heals.this_replica,
-            source=heals.source,
-            counters=counters,
-            last_in_sync_step=self._last_in_sync,
-        )
         where = f"{point}{'' if fragment is None else fragment}"
         prefix = f"weightsync_audit/torchft/{quorum.quorum_id}/{at.group_rank}/{where}/{step}"
         bound = self.timeout_s + DEFAULT_GRACE_S
         try:
+            # A must_match that fails keeps this replica from the roll: the others name it absent.
+            counters, skipped = collect(self.manager, self.lr_scheduler, self.must_match)
+            me = Member(
+                quorum.replica_rank,
+                quorum.replica_id(quorum.replica_rank),
+                healed=heals.this_replica,
+                source=heals.source,
+                counters=counters,
+                last_in_sync_step=self._last_in_sync,
+            )
             store = quorum_store(quorum.store_address, bound)
             roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
             if roll.position is None:
