@@ -38,7 +38,7 @@ from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.respond import Voice
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
 from weightsync_audit.integrations.session.arguments import check_every_n
-from weightsync_audit.integrations.torchft.channel import QuorumComm, quorum_store
+from weightsync_audit.integrations.torchft.channel import QuorumComm, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
     Quorum,
@@ -271,6 +271,7 @@ class TorchFTAudit:
             self.auditor.config = replace(self.config, exclude=exclude)
             result = self.auditor.audit(module, optimizers, step=step, hook=hook)
         except Exception as exc:  # noqa: BLE001 - an audit that cannot complete is reported, never raised
+            drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
             self._failed(step, hook, exc)
             return None
         result.notes[:0], self.failures = self.failures, []

@@ -30,7 +30,7 @@ from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.channel.storelink import StoreLink, run_bounded
 from weightsync_audit.errors import AuditTimeoutError
 
-__all__ = ["QuorumComm", "quorum_store", "within"]
+__all__ = ["QuorumComm", "drop_store", "quorum_store", "within"]
 
 T = TypeVar("T")
 
@@ -70,6 +70,12 @@ def quorum_store(address: str, bound_s: float) -> Any:
     )
     with _stores_lock:
         return _stores.setdefault(address, store)
+
+
+def drop_store(address: str) -> None:
+    """Forget the client of the store at ``address`` (after a failure: the next audit connects afresh)."""
+    with _stores_lock:
+        _stores.pop(address, None)
 
 
 class QuorumComm(Comm):
