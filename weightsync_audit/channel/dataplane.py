@@ -22,14 +22,14 @@ import atexit
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.channel.verdicts import WaitFailure, wait_until
-from weightsync_audit.compat import default_process_group, is_timeout_text, new_named_gloo_group
+from weightsync_audit.compat import is_timeout_text
 
 __all__ = [
     "CHUNK_BYTES",
@@ -94,7 +94,8 @@ class _DataGroup:
         """Buffers of failed operations: gloo may still write into them."""
 
 
-_groups: dict[tuple[int, tuple[int, ...]], tuple[Any, _DataGroup]] = {}
+_groups: dict[Hashable, _DataGroup] = {}
+"""The open data group per channel (:meth:`Comm.side_key`: the default group's identity and the ranks)."""
 _retired: list[_DataGroup] = []
 _openings: dict[tuple[int, ...], int] = {}
 """How many data groups this process opened per set of ranks: every member opens and discards them alike,
@@ -112,8 +113,8 @@ class DataPlane:
         self.comm = comm
         self._group: _DataGroup | None = None
 
-    def _key(self) -> tuple[int, tuple[int, ...]]:
-        return (id(default_process_group()), self.comm.global_ranks)
+    def _key(self) -> Hashable:
+        return self.comm.side_key()
 
     def open(self, deadline_s: float) -> None:
         """Open (or reuse) the data group. Collective: every rank of ``comm`` calls it at the same point,
@@ -123,8 +124,8 @@ class DataPlane:
         key = self._key()
         with _lock:
             hit = _groups.get(key)
-            if hit is not None and hit[0] is default_process_group():
-                self._group = hit[1]
+            if hit is not None:
+                self._group = hit
                 return
             ranks = self.comm.global_ranks
             opening = _openings.get(ranks, 0)
@@ -132,14 +133,11 @@ class DataPlane:
             name = f"weightsync_audit.data:{'.'.join(map(str, ranks))}:{opening}"
             limit = timedelta(seconds=max(deadline_s, 1.0))
             try:
-                if self.comm.own_names:
-                    pg = new_named_gloo_group(ranks, name, limit)
-                else:  # a member on an earlier release: torch names the group, as that release lets it
-                    pg = dist.new_group(list(ranks), timeout=limit, backend="gloo", use_local_synchronization=True)
+                pg = self.comm.side_group(name, limit)
             except Exception as exc:
                 raise TransferFailure(None, is_timeout_text(str(exc)), f"could not open the data plane: {exc}") from exc
             group = _DataGroup(pg)
-            _groups[key] = (default_process_group(), group)
+            _groups[key] = group
             self._group = group
 
     def discard(self) -> None:
@@ -150,7 +148,14 @@ class DataPlane:
         with _lock:
             hit = _groups.pop(self._key(), None)
             if hit is not None:
-                _retired.append(hit[1])
+                _retired.append(hit)
+        self._group = None
+
+    def close(self) -> None:
+        """Drop the data group of a channel closed for good, whose members never open one again (a torchft
+        quorum's channel, made for one audit); unlike :meth:`discard`, nothing is kept. Local."""
+        with _lock:
+            _groups.pop(self._key(), None)
         self._group = None
 
     def _ready(self, peer: int) -> _DataGroup:
@@ -181,7 +186,7 @@ class DataPlane:
         for dst in dsts:
             try:
                 group = self._ready(dst)
-                works.append((dst, dist.isend(buf, dst=self.comm.global_ranks[dst], group=group.pg)))
+                works.append((dst, self.comm.post(group.pg, buf, dst, True)))
             except TransferFailure as f:
                 failed[dst] = f
             except Exception as exc:  # noqa: BLE001
@@ -197,7 +202,7 @@ class DataPlane:
         """Receive one chunk from ``src`` into ``buf`` (a contiguous CPU tensor of the announced size)."""
         group = self._ready(src)
         try:
-            work = dist.irecv(buf, src=self.comm.global_ranks[src], group=group.pg)
+            work = self.comm.post(group.pg, buf, src, False)
         except Exception as exc:
             raise TransferFailure(src, False, f"receiving from rank {self.comm.global_ranks[src]}: {exc}") from exc
         self._wait(group, work, buf, src, deadline, "receiving from")
@@ -207,7 +212,7 @@ def forget_data_groups() -> None:
     """Drop the data groups (current and retired), e.g. after ``destroy_process_group``; the next
     transfer opens a new one. Destroys what it can; the default group may already be gone."""
     with _lock:
-        groups = [g for _, g in _groups.values()] + _retired
+        groups = list(_groups.values()) + _retired
         _groups.clear()
         _retired.clear()
     for group in groups:

@@ -32,7 +32,8 @@ and is tested, in one process.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from datetime import timedelta
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch.distributed as dist
@@ -50,7 +51,7 @@ from weightsync_audit.channel.verdicts import (
     out_of_step_error,
 )
 from weightsync_audit.channel.wire import Rule, StarWire
-from weightsync_audit.compat import describe_this_rank
+from weightsync_audit.compat import default_process_group, describe_this_rank, new_named_gloo_group
 
 __all__ = ["DEFAULT_GRACE_S", "Comm", "Rule", "Tail", "forget_groups"]
 
@@ -81,19 +82,45 @@ class Comm(StarWire):
         self.timeout_s = timeout_s
         self.grace_s = grace_s
         self.user_group = group
-        if dist.is_available() and dist.is_initialized():
-            self.world_size = dist.get_world_size(group)
-            self.rank = dist.get_rank(group)
-            if self.rank < 0:
-                raise ValueError("this process is not a member of the audit's `group`")
-            if group is None or group is dist.group.WORLD:
-                self.global_ranks: tuple[int, ...] = tuple(range(self.world_size))
-            else:
-                self.global_ranks = tuple(dist.get_process_group_ranks(group))
-        else:
-            self.world_size, self.rank, self.global_ranks = 1, 0, (0,)
+        self.world_size, self.rank, self.global_ranks = self.membership(group)
         self._group: AuditGroup | None = None
         self._who = Who(self.rank, self.world_size, self.global_ranks, timeout_s)
+
+    def membership(self, group: Any) -> tuple[int, int, tuple[int, ...]]:
+        """``(world size, this rank's position, every member's global rank)`` of the channel over ``group``.
+
+        Here the members of a ``torch.distributed`` group (the world when ``None``; a world of one without
+        an initialised process group). A channel over ranks that ``torch.distributed`` does not know (a
+        torchft quorum's replicas, :mod:`weightsync_audit.integrations.torchft`) overrides it, with
+        :meth:`post` and :meth:`side_group`."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, 0, (0,)
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if rank < 0:
+            raise ValueError("this process is not a member of the audit's `group`")
+        if group is None or group is dist.group.WORLD:
+            return world_size, rank, tuple(range(world_size))
+        return world_size, rank, tuple(dist.get_process_group_ranks(group))
+
+    def post(self, pg: Any, t: Any, peer: int, send: bool) -> Any:
+        """Post one point-to-point message of ``t`` to (``send``) or from the member at position ``peer``, on
+        ``pg`` (a process group over this channel's members): its work, to wait on with a deadline."""
+        if send:
+            return dist.isend(t, dst=self.global_ranks[peer], group=pg)
+        return dist.irecv(t, src=self.global_ranks[peer], group=pg)
+
+    def side_group(self, name: str, timeout: timedelta) -> Any:
+        """A new gloo group over this channel's members, named ``name`` alike on every member (the data
+        plane's, :mod:`~weightsync_audit.channel.dataplane`). Collective over the members."""
+        if self.own_names:
+            return new_named_gloo_group(self.global_ranks, name, timeout)
+        # A member on an earlier release: torch names the group, as that release lets it.
+        return dist.new_group(list(self.global_ranks), timeout=timeout, backend="gloo", use_local_synchronization=True)
+
+    def side_key(self) -> Hashable:
+        """What identifies this channel's members for the side groups kept open between transfers (the
+        default group itself, so that a group made before ``destroy_process_group`` is never reused)."""
+        return (default_process_group(), self.global_ranks)
 
     # -- set-up --------------------------------------------------------------------------------
 
@@ -112,7 +139,7 @@ class Comm(StarWire):
     def setup(self) -> None:
         """Create the dedicated audit group now (collective over the group's ranks, with the deadline)."""
         if self.distributed and self._group is None:
-            self._group = open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
+            self._group = self.open_members()
             if self._group.hosts is None:  # once per group, every rank at once: where each rank runs
                 group = self._group
                 group.hosts = []  # the coordinator keeps them (W short lines); the others hold none
@@ -122,6 +149,11 @@ class Comm(StarWire):
                     return b""
 
                 self.decide(describe_this_rank().encode(), keep, "where each rank runs")
+
+    def open_members(self) -> AuditGroup:
+        """The members' dedicated gloo group (collective, with the deadline): opened once per set of ranks
+        of the job's process group and shared by every Comm over them."""
+        return open_group(self.global_ranks, self.rank, self._deadline_s(), self.grace_s)
 
     def known_hosts(self, ranks: list[int]) -> dict[str, str]:
         """Where ``ranks`` run, as the coordinator knows it (local: meaningful on the group's first rank only)."""

@@ -21,9 +21,30 @@ from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["StoreLink", "StoreUnreachable"]
+__all__ = ["StoreLink", "StoreUnreachable", "run_bounded"]
 
 T = TypeVar("T")
+
+
+def run_bounded(fn: Callable[[], T], bound_s: float, name: str) -> tuple[bool, Any] | None:
+    """``fn()`` in a daemon thread named ``name``, waited for at most ``bound_s``: ``(True, its value)``,
+    ``(False, what it raised)``, or ``None`` when it did not finish (the thread is left to end on its own).
+
+    >>> run_bounded(lambda: 7, 1.0, "demo")
+    (True, 7)
+    """
+    box: list[tuple[bool, Any]] = []
+
+    def run() -> None:
+        try:
+            box.append((True, fn()))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box.append((False, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(max(bound_s, 0.01))
+    return box[0] if box else None
 
 
 class StoreUnreachable(Exception):
@@ -46,21 +67,11 @@ class StoreLink:
         """``fn(store)`` within ``bound_s`` seconds, else :class:`StoreUnreachable`."""
         if self.dead:
             raise StoreUnreachable(self.dead)
-        box: list[Any] = []
-
-        def run() -> None:
-            try:
-                box.append((True, fn(self.store)))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                box.append((False, exc))
-
-        thread = threading.Thread(target=run, name="weightsync-store", daemon=True)
-        thread.start()
-        thread.join(max(bound_s, 0.01))
-        if not box:
+        outcome = run_bounded(lambda: fn(self.store), bound_s, "weightsync-store")
+        if outcome is None:
             self.dead = f"the job's store did not answer within {bound_s:.3g}s (its host is stopped or gone)"
             raise StoreUnreachable(self.dead)
-        ok, value = box[0]
+        ok, value = outcome
         if not ok:
             raise StoreUnreachable(str(value).strip().splitlines()[-1][:200] if str(value).strip() else "store error")
         return value

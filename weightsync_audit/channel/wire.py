@@ -14,7 +14,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from weightsync_audit.channel.framing import (
     INLINE_BYTES,
@@ -68,6 +67,9 @@ class StarWire:
     def setup(self) -> None:  # pragma: no cover - Comm's
         raise NotImplementedError
 
+    def post(self, pg: Any, t: torch.Tensor, peer: int, send: bool) -> Any:  # pragma: no cover - Comm's
+        raise NotImplementedError
+
     def _deadline_s(self) -> float:  # pragma: no cover - Comm's
         raise NotImplementedError
 
@@ -84,8 +86,7 @@ class StarWire:
             if send:
                 group.sent_bytes += t.numel() * t.element_size()
                 group.sent_messages += 1
-                return dist.isend(t, dst=self.global_ranks[peer], group=group.pg)
-            return dist.irecv(t, src=self.global_ranks[peer], group=group.pg)
+            return self.post(group.pg, t, peer, send)
         except Exception as exc:
             raise WaitFailure(False, str(exc)[:200]) from exc
 

@@ -212,6 +212,9 @@ class AuditResult:
     nothing_compared: bool | None = None
     """``True`` on a record whose audit compared no tensor between ranks (none to audit, or none with a
     replica; ``notes`` says which): it found no difference, and proves no agreement either."""
+    torchft: dict[str, Any] | None = None
+    """An audit across torchft replica groups: ``{"quorum_id", "group_rank", "point", "replicas", "absent",
+    "healed"}`` and at a LocalSGD/DiLoCo sync point ``"sync"`` (docs/torchft.md)."""
 
     @property
     def compared_nothing(self) -> bool:
@@ -266,7 +269,7 @@ class AuditResult:
         _put_present(d, self, {"nonfinite_count": int})
         if self.hosts:
             d["hosts"] = dict(self.hosts)
-        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict, "nothing_compared": bool})
+        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict, "nothing_compared": bool, "torchft": dict})
         return d
 
     @classmethod
@@ -299,6 +302,7 @@ class AuditResult:
             blame=v["blame"],
             overlap=v["overlap"],
             nothing_compared=v["nothing_compared"],
+            torchft=v["torchft"],
         )
 
     def summary(self, *, tie: bool = True) -> str:

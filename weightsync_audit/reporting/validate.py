@@ -243,6 +243,29 @@ def overlap_entry(v: Any, path: str) -> dict[str, Any]:
     return dict(v)
 
 
+def torchft_entry(v: Any, path: str) -> dict[str, Any]:
+    """``{"quorum_id", "group_rank", "point", "replicas", "absent", "healed"}`` (and ``"sync"``) of an audit
+    across torchft replica groups (docs/torchft.md)."""
+    if not isinstance(v, dict):
+        raise _fail(path, "an object with quorum_id, group_rank, point, replicas, absent and healed", v)
+    integer()(v.get("quorum_id"), f"{path}.quorum_id")
+    integer(0)(v.get("group_rank"), f"{path}.group_rank")
+    one_of(("step", "sync"))(v.get("point"), f"{path}.point")
+    replicas = v.get("replicas")
+    if not isinstance(replicas, dict) or not all(k.isdigit() and isinstance(x, str) for k, x in replicas.items()):
+        raise _fail(f"{path}.replicas", "an object of replica rank -> replica id", replicas)
+    _RANKS(v.get("absent"), f"{path}.absent")
+    healed = v.get("healed")
+    if not isinstance(healed, dict) or not all(k.isdigit() and isinstance(x, dict) for k, x in healed.items()):
+        raise _fail(f"{path}.healed", "an object of replica rank -> {source, verified, differs}", healed)
+    for k, x in healed.items():
+        optional(integer(0))(x.get("source"), f"{path}.healed.{k}.source")
+        boolean(x.get("verified"), f"{path}.healed.{k}.verified")
+    if "sync" in v and not isinstance(v["sync"], dict):
+        raise _fail(f"{path}.sync", "an object", v["sync"])
+    return dict(v)
+
+
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
     """How one field is checked: ``check`` its value; ``required`` or else ``default``."""
@@ -302,6 +325,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
     "blame": FieldSpec(optional(blame_entry)),
     "overlap": FieldSpec(optional(overlap_entry)),
     "nothing_compared": FieldSpec(optional(boolean)),
+    "torchft": FieldSpec(optional(torchft_entry)),
 }
 """One line per field of a record; fields not listed are accepted and ignored (forward compatible)."""
 

@@ -1,0 +1,251 @@
+"""torchft replica groups audited across the quorum: real lighthouse, real Managers, real heals, on CPU gloo.
+
+Each job runs replica groups as separate processes (tests/torchft_jobs.py); each process returns its
+records and the state it held at every audit point, so the truth is computed here from the bytes, never
+from the records: replicas equal or not (``torch.equal``), and between LocalSGD syncs different.
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+if importlib.util.find_spec("torchft") is None:  # not imported here: each replica process imports it itself
+    pytest.skip("the torchft extra: pip install 'weightsync-audit[torchft]'", allow_module_level=True)
+
+from torchft_jobs import Replica, run_job
+
+import weightsync_audit
+from weightsync_audit import AuditResult
+from weightsync_audit.integrations.torchft import TorchFTAudit
+
+PARAMS = ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def _same_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every member's record of one audit is the same (but for the time and the duration); returns it."""
+    strip = [{k: v for k, v in r.items() if k not in ("time", "duration_ms")} for r in records]
+    differ = {
+        k: [s.get(k) for s in strip] for s in strip for k in set(s) | set(strip[0]) if s.get(k) != strip[0].get(k)
+    }
+    assert not differ, differ
+    AuditResult.from_dict(records[0])  # and it reads back as a valid record
+    return records[0]
+
+
+def _by_step(result: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {r["step"]: r for r in result["records"]}
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any], keys: list[str] | None = None) -> bool:
+    keys = sorted(set(a) | set(b)) if keys is None else keys
+    return all(
+        k in a and k in b and (torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k])
+        for k in keys
+    )
+
+
+@pytest.mark.parametrize("name", ["", ".compat", ".channel", ".rollcall", ".counters", ".verdict", ".syncpoints"])
+def test_the_examples_in_the_docstrings_run(name: str) -> None:
+    module = importlib.import_module(f"weightsync_audit.integrations.torchft{name}")
+    failed, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert tried and not failed
+
+
+def test_neither_the_core_nor_the_integration_imports_torchft() -> None:
+    code = (
+        "import sys, weightsync_audit, weightsync_audit.integrations.torchft; weightsync_audit.audit(None);"
+        "bad = [m for m in sys.modules if m.split('.')[0] == 'torchft']; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    root = Path(weightsync_audit.__file__).parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "torchft" for n in names), path
+
+
+def test_what_cannot_work_is_refused_at_construction() -> None:
+    with pytest.raises(ValueError, match="resync"):
+        TorchFTAudit(object(), torch.nn.Linear(2, 2), object(), on_mismatch="resync")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"sync= and optimizer="):
+        TorchFTAudit(object(), optimizer=object(), sync=object())
+    with pytest.raises(ValueError, match="optimizer="):
+        TorchFTAudit(object(), torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="torchft.manager.Manager"):
+        TorchFTAudit(object(), torch.nn.Linear(2, 2), object())
+
+
+def test_a_healthy_run_of_three_replica_groups_is_quiet() -> None:
+    res = run_job([Replica(0), Replica(1), Replica(2)], steps=6)
+    steps = sorted(_by_step(res[(0, 0)]))
+    assert steps == [0, 2, 4]  # the first quorum, then every 2 committed steps
+    for step in steps:
+        record = _same_record([_by_step(res[(i, 0)])[step] for i in range(3)])
+        truth = [res[(i, 0)]["snapshots"][step] for i in range(3)]
+        assert _equal(truth[0], truth[1]) and _equal(truth[0], truth[2])  # the bytes agree: so must the record
+        assert record["in_sync"] and record["world_size"] == 3 and record["action"] == "none"
+        assert record["checked"]["param"] == 4 and record["checked"]["optimizer"] > 12
+        assert sorted(record["torchft"]["replicas"]) == ["0", "1", "2"] and record["torchft"]["absent"] == []
+        assert any("dataloader position" in n for n in record["notes"])  # per replica by design: said, not compared
+
+
+def test_hsdp_each_shard_is_compared_among_its_own_replicas() -> None:
+    """HSDP under torchft: FSDP2 shards the model within each replica group (2 ranks), torchft averages each
+    shard across the groups. Group rank r audits with group rank r of the other group. One element of replica
+    1's shard on group rank 1 moved: named there (its shard and global shape), and only there."""
+    res = run_job([Replica(0, group_size=2), Replica(1, group_size=2, extra={"nudge": (1, 3)})], mode="hsdp", steps=6)
+    at = 4
+    shard0 = [res[(i, 0)]["snapshots"][at] for i in range(2)]
+    shard1 = [res[(i, 1)]["snapshots"][at] for i in range(2)]
+    assert _equal(shard0[0], shard0[1])
+    assert not torch.equal(shard0[0]["p:0.weight"], shard1[0]["p:0.weight"])  # the two shards hold other rows
+    differ = [k for k in shard1[0] if k.startswith("p:") and not torch.equal(shard1[0][k], shard1[1][k])]
+    assert differ == ["p:0.weight"]
+    gap = (shard1[1]["p:0.weight"] - shard1[0]["p:0.weight"]).abs().max().item()
+
+    r0 = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
+    r1 = _same_record([_by_step(res[(i, 1)])[at] for i in range(2)])
+    assert r0["in_sync"] and r0["torchft"]["group_rank"] == 0
+    assert r1["torchft"]["group_rank"] == 1 and not r1["in_sync"]
+    [m] = r1["mismatches"]
+    assert (m["name"], m["ranks"], m["reference_ranks"], m["shard"]) == ("0.weight", [1], [0], {"shard": 1})
+    assert m["shape"] == [64, 4] and m["max_abs_diff"] == pytest.approx(gap)
+    assert all(r["in_sync"] for r in res[(0, 1)]["records"] if r["step"] < at)
+
+
+def test_on_mismatch_raise_raises_out_of_the_optimizer_step_on_every_replica_compared() -> None:
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, on_mismatch="raise")
+    a, b = res[(0, 0)]["snapshots"][4], res[(1, 0)]["snapshots"][4]
+    assert [k for k in a if k.startswith("p:") and not torch.equal(a[k], b[k])] == ["p:0.weight"]
+    record = _same_record([res[(i, 0)]["raised"] for i in range(2)])
+    assert record["step"] == 4 and record["action"] == "raised"
+    assert [(m["name"], m["ranks"]) for m in record["mismatches"]] == [("0.weight", [1])]
+    # Both raised in the pre-hook of the step after 4: the Manager had counted it (5), the update never ran.
+    assert all(res[(i, 0)]["step"] == 5 for i in range(2))
+
+
+def _heal_job(restarted: dict[str, Any], **extra: Any) -> tuple[dict[Any, Any], int]:
+    res = run_job([Replica(0, extra=extra), Replica(1, die_at=3, restarted=restarted, extra=extra)], steps=7)
+    healed = min(res[(1, 0)]["snapshots"])  # the restarted group's first committed step
+    return res, healed
+
+
+def test_a_killed_group_heals_and_is_verified_before_its_first_committed_step() -> None:
+    res, at = _heal_job({})
+    source, healed = res[(0, 0)]["snapshots"][at], res[(1, 0)]["snapshots"][at]
+    assert _equal(source, healed)  # torchft's heal restored everything, the scheduler included
+    record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
+    assert record["in_sync"] and record["torchft"]["healed"] == {"1": {"source": 0, "verified": True, "differs": []}}
+    assert any(
+        "healed from replica 0" in n and "verified before its first committed step" in n for n in record["notes"]
+    )
+    assert record["checked"]["optimizer"] > 12  # optimizer state, the Manager's counters and the scheduler's
+    assert record["checked"]["buffer"] == 1  # the declared must_match counter (the model has no buffers)
+    assert _equal(res[(0, 0)]["snapshots"][6], res[(1, 0)]["snapshots"][6])
+    assert all(r["in_sync"] for r in res[(1, 0)]["records"])
+
+
+def test_a_post_heal_difference_is_named() -> None:
+    """The restarted group's load_state_dict skips the optimizer and the user's own batch counter (declared
+    with must_match), and no group sends its lr scheduler."""
+    res, at = _heal_job({"skip_optimizer": True, "forget_seen": True}, scheduler_in_state=False)
+    source, healed = res[(0, 0)]["snapshots"][at], res[(1, 0)]["snapshots"][at]
+    assert _equal(source, healed, [k for k in source if k.startswith("p:")])  # the parameters were healed
+    wrong = set()
+    for key in sorted(set(source) | set(healed)):
+        if key.startswith("o:") and not _equal(source, healed, [key]):
+            _, index, state = key.split(":")
+            wrong.add(f"{PARAMS[int(index)]}.{state}")
+    assert source["s:last_epoch"] != healed["s:last_epoch"]
+    wrong |= {"lr_scheduler.last_epoch", "batches_seen"}
+    assert len(wrong) == 14
+
+    record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
+    heal = record["torchft"]["healed"]["1"]
+    assert heal["source"] == 0 and heal["verified"] is False
+    assert wrong <= set(heal["differs"]) and not set(heal["differs"]) & set(PARAMS)
+    assert {r for m in record["mismatches"] for r in m["ranks"]} == {1}
+    assert record["blame"]["ranks"] == [1] and "healed from replica 0" in record["blame"]["detail"]
+    assert "does not restore the optimizer" in record["hints"][0]
+    assert any("lr scheduler" in h and "register_state_dict_fn" in h for h in record["hints"])
+    assert any(h.startswith("Declared state (batches_seen) differs on the healed replica") for h in record["hints"])
+
+
+def test_a_group_that_leaves_is_followed() -> None:
+    """Three groups; group 2 is killed at step 3 and not restarted. The quorum shrinks to groups 0 and 1,
+    and their next committed step is audited among the two of them, under the new quorum."""
+    res = run_job([Replica(0), Replica(1), Replica(2, die_at=3, restarted=None)], steps=6, every=100, min_replicas=2)
+    assert (2, 0) not in res
+    assert sorted(_by_step(res[(0, 0)])) == sorted(_by_step(res[(1, 0)])) == [0, 3]
+    records = [_same_record([_by_step(res[(i, 0)])[step] for i in range(2)]) for step in (0, 3)]
+    assert (records[0]["world_size"], records[0]["in_sync"]) == (3, True)
+    after = records[-1]
+    assert after["world_size"] == 2 and sorted(after["torchft"]["replicas"]) == ["0", "1"] and after["in_sync"]
+    assert after["torchft"]["quorum_id"] != records[0]["torchft"]["quorum_id"]
+    assert _equal(res[(0, 0)]["snapshots"][after["step"]], res[(1, 0)]["snapshots"][after["step"]])
+
+
+def test_a_replica_that_does_not_come_is_named_and_not_waited_for() -> None:
+    """Replica 1 audits at quorum changes (and every 1000 steps); replica 0 every 2 steps. At step 2 replica 0 waits its
+    timeout_s for replica 1, then audits the replicas present and says who was absent; the run goes on."""
+    res = run_job([Replica(0), Replica(1, extra={"every": 1000})], steps=5, timeout_s=1.0)
+    alone = _by_step(res[(0, 0)])[2]
+    assert alone["torchft"]["absent"] == [1] and alone["world_size"] == 1 and alone["in_sync"]
+    assert any("did not come to this audit within 1s" in n for n in alone["notes"])
+    assert alone["duration_ms"] < 1000 * (1.0 + 5.0)
+    assert sorted(_by_step(res[(1, 0)])) == [0] and res[(1, 0)]["step"] == 5
+
+
+def _sync_truth(res: dict[Any, Any], steps: int, every: int) -> None:
+    """At a sync the replicas hold the same parameters; between syncs they differ (by design)."""
+    a, b = res[(0, 0)]["snapshots"], res[(1, 0)]["snapshots"]
+    for local in range(1, steps + 1):
+        params = [k for k in a[local] if k.startswith("p:")]
+        assert _equal(a[local], b[local], params) == (local % every == 0), local
+
+
+def test_local_sgd_is_audited_at_sync_points_only() -> None:
+    res = run_job([Replica(0), Replica(1)], mode="localsgd", steps=9, sync_every=3, every=1)
+    _sync_truth(res, 9, 3)  # an audit between syncs would find every parameter different: none runs there
+    records = [_same_record([_by_step(res[(i, 0)])[s] for i in range(2)]) for s in (1, 2, 3)]
+    assert sorted(_by_step(res[(0, 0)])) == [1, 2, 3]  # the manager's step counts syncs: one record per sync
+    for record in records:
+        assert record["in_sync"] and record["hook"] == "localsgd_sync" and record["checked"]["param"] == 4
+        assert record["torchft"]["sync"] == {"algorithm": "LocalSGD", "every": 3, "between_syncs": "not audited"}
+        assert any(n.startswith("audited at a LocalSGD sync point") and "no audit runs" in n for n in record["notes"])
+
+
+def test_a_difference_at_a_local_sgd_sync_is_found() -> None:
+    """Replica group 1 was launched with torchft's spare-replica mode: it counts itself out of the average
+    and copies replica 0's parameters undivided. Its parameters differ from the first sync on."""
+    res = run_job([Replica(0), Replica(1, extra={"spares": True})], mode="localsgd", steps=6, sync_every=3, every=1)
+    a, b = res[(0, 0)]["snapshots"][3], res[(1, 0)]["snapshots"][3]
+    assert not any(torch.equal(a[f"p:{n}"], b[f"p:{n}"]) for n in PARAMS)
+    record = _same_record([_by_step(res[(i, 0)])[1] for i in range(2)])
+    assert not record["in_sync"] and record["action"] == "warned"
+    named = {m["name"]: m for m in record["mismatches"]}
+    assert {n: named[n]["ranks"] if n in named else None for n in PARAMS} == {n: [1] for n in PARAMS}
+    # 0.weight (1 KiB) went over the quorum channel's data plane: its gap is the one in the bytes.
+    assert named["0.weight"]["max_abs_diff"] == pytest.approx((a["p:0.weight"] - b["p:0.weight"]).abs().max().item())
+
+
+def test_diloco_is_audited_at_sync_points_only() -> None:
+    res = run_job([Replica(0), Replica(1)], mode="diloco", steps=6, sync_every=3, every=1)
+    _sync_truth(res, 6, 3)
+    for step in (1, 2):
+        record = _same_record([_by_step(res[(i, 0)])[step] for i in range(2)])
+        assert record["in_sync"] and record["hook"] == "diloco_sync"
+        # the live parameters, the global copy (buffers) and the outer optimizer's momentum, all compared
+        assert record["checked"]["param"] == 4 and record["checked"]["buffer"] == 4
+        assert record["torchft"]["sync"]["fragment"] == 0

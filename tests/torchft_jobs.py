@@ -1,0 +1,360 @@
+"""Real torchft jobs for tests: a lighthouse on localhost and replica groups as forked processes.
+
+Each replica group is its own job: its own TCPStore, one process per group rank, a torchft ``Manager``
+that meets the others through the lighthouse. Nothing is mocked: the quorum, the heals (torchft's HTTP
+checkpoint transport) and the averaging are torchft's own, on CPU gloo. A group can kill itself with
+SIGKILL at a step and be started again, so that it heals from a live peer.
+
+Each process returns its audit records and, for the truth the tests compute themselves, a snapshot of
+its state (parameters, optimizer state, scheduler counters) at every audit point, taken by a hook that
+runs before the audit's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def lighthouse(min_replicas: int) -> Iterator[str]:
+    """torchft's lighthouse (its Rust binary from the wheel) on localhost; yields its address."""
+    port = free_port()
+    binary = Path(sys.executable).with_name("torchft_lighthouse")
+    cmd = [str(binary), "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--join_timeout_ms", "300",
+           "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "1500"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the torchft lighthouse did not start") from None
+                time.sleep(0.05)
+        yield f"http://localhost:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@dataclass
+class Replica:
+    """One replica group's plan."""
+
+    index: int
+    group_size: int = 1
+    die_at: int | None = None
+    """SIGKILL the whole group when its Manager reaches this step (then it is started again)."""
+    restarted: dict[str, Any] | None = field(default_factory=dict)
+    """What the restarted group does differently (``skip_optimizer``, ...); ``None``: it is not restarted
+    (it left the job for good)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _mine(t: Any) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _local(t: Any) -> torch.Tensor:
+    """The bytes this process holds (a DTensor's local shard), as a plain tensor the parent can compare."""
+    return _mine(t).detach().clone()
+
+
+def _state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    out = {f"p:{n}": _local(p) for n, p in model.named_parameters()}
+    if opt is not None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        for i, p in enumerate(params):
+            st = opt.state.get(p, {})
+            out.update({f"o:{i}:{k}": _local(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
+    if sched is not None:
+        out["s:last_epoch"] = sched.last_epoch
+    return out
+
+
+def _model(seed: int, width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
+
+
+def worker(plan: dict[str, Any], q: Any) -> None:
+    """One process of a replica group (forked): train, audit, report records and snapshots."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum at info
+    try:
+        q.put(("ok", plan["index"], plan["rank"], pickle.dumps(_train(plan))))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        q.put(("err", plan["index"], plan["rank"], f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        q.close()
+        q.join_thread()
+        os._exit(0)
+
+
+def _train(plan: dict[str, Any]) -> dict[str, Any]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torchft.manager import Manager, WorldSizeMode
+    from torchft.process_group import ProcessGroupGloo
+
+    from weightsync_audit import WeightDivergenceError
+    from weightsync_audit.integrations.torchft import TorchFTAudit
+
+    rank, mode = plan["rank"], plan["mode"]
+    # The group's store, served by its rank 0 for the whole run (the Manager connects to it).
+    _store = dist.TCPStore("127.0.0.1", plan["store_port"], is_master=rank == 0, wait_for_workers=False)
+    if mode == "hsdp":  # FSDP2 within the group (the shard dimension), torchft across groups (replicate)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("fsdp", _store), rank=rank, world_size=plan["group_size"]
+        )
+        model = _model(seed=100, width=plan.get("width", 64))
+        fully_shard(model, mesh=init_device_mesh("cpu", (plan["group_size"],), mesh_dim_names=("shard",)))
+    else:
+        model = _model(
+            seed=100 + rank, width=plan.get("width", 64)
+        )  # group ranks hold different shards; replicas of a shard start equal
+    snapshots: dict[int, dict[str, Any]] = {}
+    if mode in ("ddp", "hsdp"):
+        opt: Any = torch.optim.Adam(model.parameters(), lr=0.05)
+        sched: Any = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = None
+    skip_opt = plan.get("skip_optimizer", False)
+
+    def state_dict() -> dict[str, Any]:
+        sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+        if sched is not None and plan.get("scheduler_in_state", True):
+            sd["sched"] = sched.state_dict()
+        return {**sd, "seen": SEEN["batches"]}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        model.load_state_dict(sd["model"])
+        if not skip_opt:
+            opt.load_state_dict(sd["optim"])
+        if "sched" in sd:
+            sched.load_state_dict(sd["sched"])
+        if not plan.get("forget_seen"):
+            SEEN["batches"] = sd["seen"]
+
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        min_replica_size=1 if plan.get("spares") else plan["min_replicas"],
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        replica_id=f"replica{plan['index']}",
+        store_addr="127.0.0.1",
+        store_port=plan["store_port"],
+        rank=rank,
+        world_size=plan["group_size"],
+        lighthouse_addr=plan["lighthouse"],
+        # HSDP: the source reads its FSDP2 state_dict in the quorum thread; a synchronous quorum keeps that
+        # off the forward pass (an unsharded parameter freed under autograd otherwise, now and then).
+        use_async_quorum=mode not in ("diloco", "hsdp"),
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=30),
+        connect_timeout=timedelta(seconds=10),
+        world_size_mode=WorldSizeMode.FIXED_WITH_SPARES if plan.get("spares") else WorldSizeMode.DYNAMIC,
+    )
+    gen = torch.Generator().manual_seed(1000 * plan["index"] + 10 * rank + plan.get("attempt", 0))
+    if plan.get("attempt", 0) == 0:  # every group's first run starts together: they all form the first quorum
+        START.wait(30)
+    audit_kw = dict(
+        timeout_s=plan.get("timeout_s", 5.0),
+        verbose=False,
+        every_n_steps=plan.get("every", 2),
+        on_mismatch=plan.get("on_mismatch", "warn"),
+    )
+    raised = None
+    try:
+        if mode in ("ddp", "hsdp"):
+            records = _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit)
+        else:
+            records = _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit)
+    except WeightDivergenceError as exc:  # on_mismatch="raise": out of the optimizer step, with the record
+        records, raised = [], exc.result.to_dict()
+    finally:
+        manager.shutdown(wait=False)
+    return {"records": records, "snapshots": snapshots, "step": manager.current_step(), "raised": raised}
+
+
+def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
+    from torchft.ddp import DistributedDataParallel
+    from torchft.optim import OptimizerWrapper
+
+    hsdp = plan["mode"] == "hsdp"
+    ddp = model if hsdp else DistributedDataParallel(manager, model)
+    wrapped = OptimizerWrapper(manager, opt)
+    # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's.
+    opt.register_step_pre_hook(
+        lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
+    )
+    audit = TorchFTAudit(
+        manager,
+        ddp,
+        wrapped,
+        lr_scheduler=sched,
+        must_match={"batches_seen": lambda: SEEN["batches"]},  # the user's own counter, declared
+        per_replica=("dataloader position",),
+        **audit_kw,
+    )
+    stepped: dict[int, bool] = {}
+
+    def committed(o: Any, a: Any, k: Any) -> None:  # runs only when the optimizer stepped: a committed step
+        stepped[0] = True
+        SEEN["batches"] += 1
+
+    opt.register_step_post_hook(committed)
+    while manager.current_step() < plan["steps"]:
+        wrapped.zero_grad()
+        x = torch.randn(8, 4, generator=gen)
+        ddp(x).pow(2).mean().backward()
+        if hsdp:  # FSDP2 reduced the gradients within the group; torchft averages each shard across groups
+            for work in [manager.allreduce(p.grad.to_local()) for p in model.parameters()]:
+                work.wait()
+        wrapped.step()
+        if stepped.pop(0, False):  # the schedule follows committed steps only (a heal moves the Manager's step)
+            sched.step()
+        nudge = plan.get("nudge")  # (group rank, step): one weight moved on that rank only, after that step
+        if nudge is not None and (plan["rank"], manager.current_step()) == tuple(nudge):
+            with torch.no_grad():  # this process's own bytes (an FSDP shard's: a DTensor op would be collective)
+                _mine(model[0].weight)[0, 0] += 1e-3
+        if plan.get("die_at") is not None and manager.current_step() == plan["die_at"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(plan.get("pause_s", 0.0))
+    audit.close()
+    return [r.to_dict() for r in audit.results]
+
+
+def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if plan["mode"] == "localsgd":
+        sync: Any = LocalSGD(manager, model, opt, sync_every=plan["sync_every"])
+    else:
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        sync = DiLoCo(manager, [model], opt, outer, sync_every=plan["sync_every"])
+    local = [0]
+    with sync:
+        audit = TorchFTAudit(manager, sync=sync, **audit_kw)
+
+        def after_local_step(o: Any, a: Any, k: Any) -> None:  # registered after LocalSGD's: sees the sync done
+            local[0] += 1
+            snapshots[local[0]] = {**_state(model, None, None), "manager_step": manager.current_step()}
+
+        opt.register_step_post_hook(after_local_step)
+        manager.start_quorum()  # the first quorum (LocalSGD's examples do this too)
+        while local[0] < plan["steps"]:
+            opt.zero_grad()
+            model(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
+            opt.step()
+        audit.close()
+    return [r.to_dict() for r in audit.results]
+
+
+SEEN = {"batches": 0}
+"""The user's own counter of committed batches (in its state_dict; declared to the audit with must_match)."""
+
+START: Any = None
+"""A barrier every process of a job's first run meets at before training (set by :func:`run_job`, forked)."""
+
+
+def run_job(
+    replicas: list[Replica],
+    *,
+    mode: str = "ddp",
+    steps: int,
+    deadline_s: float = 90.0,
+    min_replicas: int | None = None,
+    **common: Any,
+) -> dict[tuple[int, int], dict[str, Any]]:
+    """Run the replica groups to the end (a killed group started again once, unless it left); results by
+    (replica, rank). ``min_replicas``: the lighthouse's and every Manager's (default: every group)."""
+    least = len(replicas) if min_replicas is None else min_replicas
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    global START
+    START = ctx.Barrier(sum(r.group_size for r in replicas))
+    results: dict[tuple[int, int], dict[str, Any]] = {}
+    procs: dict[tuple[int, int], Any] = {}
+    with lighthouse(least) as address:
+
+        def start(rep: Replica, attempt: int) -> None:
+            port = free_port()
+            for rank in range(rep.group_size):
+                plan = dict(common, **rep.extra, index=rep.index, rank=rank, group_size=rep.group_size, mode=mode,
+                            steps=steps, store_port=port, lighthouse=address, min_replicas=least,
+                            attempt=attempt)  # fmt: skip
+                if attempt == 0:
+                    plan["die_at"] = rep.die_at
+                else:
+                    plan.update(rep.restarted or {})
+                p = ctx.Process(target=worker, args=(plan, q), daemon=True)
+                p.start()
+                procs[(rep.index, rank)] = p
+
+        for rep in replicas:
+            start(rep, 0)
+        restarted: set[int] = set()
+        end = time.monotonic() + deadline_s
+        want = sum(r.group_size for r in replicas if r.restarted is not None or r.die_at is None)
+        try:
+            while len(results) < want:
+                if time.monotonic() > end:
+                    raise AssertionError(f"the torchft job did not finish in {deadline_s}s; done: {sorted(results)}")
+                for rep in replicas:
+                    dead = [procs[(rep.index, r)] for r in range(rep.group_size)]
+                    if rep.die_at is not None and rep.index not in restarted and any(p.exitcode for p in dead):
+                        for p in dead:
+                            p.kill()
+                            p.join()
+                        restarted.add(rep.index)
+                        if rep.restarted is not None:
+                            start(rep, 1)
+                try:
+                    status, index, rank, payload = q.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if status == "err":  # the others' errors too: the first to report is often not the cause
+                    errors = [f"replica {index} rank {rank} raised: {payload}"]
+                    with contextlib.suppress(queue.Empty):
+                        while len(errors) < want:
+                            more = q.get(timeout=2.0)
+                            if more[0] == "err":
+                                errors.append(f"replica {more[1]} rank {more[2]} raised: {more[3]}")
+                    raise AssertionError("\n\n".join(errors))
+                results[(index, rank)] = pickle.loads(payload)
+        finally:
+            for p in procs.values():
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+    return results

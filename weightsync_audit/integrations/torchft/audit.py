@@ -1,0 +1,369 @@
+"""Audits across torchft replica groups: :class:`TorchFTAudit`, a hook on the Manager's training loop.
+
+Replica groups meet only through torchft's ``Manager``: each audit runs among the members of the current
+quorum that reach it, over a channel of their own in the quorum's store
+(:mod:`~weightsync_audit.integrations.torchft.channel`), with every wait bounded. An audit that cannot
+complete (a group gone, a step one group did not commit) is reported and training goes on: nothing here
+holds a quorum up past ``timeout_s``.
+
+When it audits:
+
+- **DDP / HSDP** (``optimizer=``): right before a committed optimizer step (a step pre-hook on the wrapped
+  optimizer: ``should_commit()`` said yes, the step has not moved anything yet), every ``every_n_steps``
+  committed steps, at every quorum change and at every step where a replica heals. A replica that healed
+  is thus verified against its source *before its first committed step*: parameters, buffers, optimizer
+  state, the Manager's step, the lr scheduler and any ``must_match`` state.
+- **LocalSGD / DiLoCo** (``sync=``): right after a sync committed, and never in between.
+
+Each group rank audits among the same group rank of the other replica groups (its shard, under HSDP).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+import warnings
+from dataclasses import replace
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+
+from torch import nn
+
+from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
+from weightsync_audit.channel.storelink import StoreLink
+from weightsync_audit.engine.auditor import Auditor
+from weightsync_audit.engine.config import AuditConfig
+from weightsync_audit.engine.inventory.manifest import unwrap_module
+from weightsync_audit.engine.respond import Voice
+from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
+from weightsync_audit.integrations.session.arguments import check_every_n
+from weightsync_audit.integrations.torchft.channel import QuorumComm, drop_store, quorum_store
+from weightsync_audit.integrations.torchft.compat import (
+    Heals,
+    Quorum,
+    QuorumTap,
+    check_manager,
+    group_rank,
+    wrap_method,
+)
+from weightsync_audit.integrations.torchft.counters import collect
+from weightsync_audit.integrations.torchft.rollcall import Member, call_roll
+from weightsync_audit.integrations.torchft.syncpoints import SyncTargets, sync_targets
+from weightsync_audit.integrations.torchft.verdict import AuditPoint, complete
+from weightsync_audit.reporting.jsonl import ReportWriter
+from weightsync_audit.reporting.record import AuditResult
+
+__all__ = ["DEFAULT_EVERY_N_STEPS", "TorchFTAudit"]
+
+DEFAULT_EVERY_N_STEPS = 100
+"""Committed steps between two audits when ``every_n_steps`` is not given (without ``sync=``)."""
+
+log = logging.getLogger("weightsync_audit")
+
+
+class QuorumAuditor(Auditor):
+    """The engine over the channel of the audit in progress (:attr:`channel`, set per audit)."""
+
+    channel: Optional[QuorumComm] = None
+
+    @property
+    def comm(self) -> Comm:
+        if self.channel is None:
+            raise RuntimeError("weightsync audit: no quorum channel is open (audits run from TorchFTAudit's hooks)")
+        return self.channel
+
+    def slice_for(self, step: int | None) -> int:
+        return 0  # every byte at every audit: a replica that joins has no audit count to agree on
+
+
+class TorchFTAudit:
+    """Audit the replica groups of a torchft job at committed steps, after heals and at sync points.
+
+    Args:
+        manager: this replica group's ``torchft.Manager``.
+        module, optimizer: what is audited under DDP/HSDP (the model or torchft's DDP wrapper; the
+            ``OptimizerWrapper`` or the optimizer it wraps, whose step pre-hook is the audit point).
+        lr_scheduler: a scheduler (or a list) whose state must be equal on every replica (compared too).
+        sync: a ``torchft.local_sgd.LocalSGD`` or ``DiLoCo``: audit at its sync points only (then neither
+            ``module``, ``optimizer``, ``lr_scheduler`` nor ``include`` is given: the sync decides them).
+        every_n_steps: audit every n committed steps (with ``sync``: every n syncs); quorum changes and
+            heals are always audited. ``None``: every 100 committed steps, or every sync.
+        must_match: ``{name: callable}`` of further state that must be equal on every replica (numbers,
+            strings, tensors, lists or dicts of them), compared at every audit.
+        per_replica: names of state that is per replica by design (a dataloader's position): said in the
+            record as not compared.
+        include, exclude, tolerance: as for :class:`~weightsync_audit.Auditor`.
+        timeout_s: the longest any member waits for another at any point of an audit.
+        on_mismatch: ``warn`` (report, train on) or ``raise`` (:class:`~weightsync_audit.WeightDivergenceError`
+            from the optimizer step on every replica compared). An audit that could not complete is never raised.
+        report_path: a JSONL report this process appends each record it takes part in to.
+        verbose: print a divergence (rich, stderr) when it appears or changes; else log it.
+
+    The audits are collective among the replicas: every replica group constructs it alike. A doctest
+    needs a lighthouse; docs/torchft.md runs a whole job::
+
+        audit = TorchFTAudit(manager, model, optimizer, lr_scheduler=scheduler, every_n_steps=100)
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        module: nn.Module | None = None,
+        optimizer: Any = None,
+        *,
+        lr_scheduler: Any = None,
+        sync: Any = None,
+        every_n_steps: Optional[int] = None,
+        must_match: Mapping[str, Callable[[], Any]] | None = None,
+        per_replica: Sequence[str] = (),
+        include: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        tolerance: float | None = None,
+        timeout_s: float = 10.0,
+        on_mismatch: Literal["warn", "raise"] = "warn",
+        report_path: str | None = None,
+        verbose: bool = True,
+    ) -> None:
+        _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match)
+        check_manager(manager)
+        self.manager = manager
+        every = check_every_n(every_n_steps, "every_n_steps")
+        self.every_n_steps: int = every if every is not None else (1 if sync is not None else DEFAULT_EVERY_N_STEPS)
+        """The cadence in force: committed steps, or syncs with ``sync=``."""
+        self.on_mismatch = on_mismatch
+        self.verbose = verbose
+        self.lr_scheduler = lr_scheduler
+        self.must_match = dict(must_match or {})
+        self.per_replica = tuple(per_replica)
+        self.targets: SyncTargets | None = sync_targets(sync) if sync is not None else None
+        self.module = module if self.targets is None else self.targets.module
+        self.optimizers = (
+            self.targets.optimizers if self.targets is not None else [getattr(optimizer, "optim", optimizer)]
+        )
+        base_include = self.targets.include if self.targets is not None else tuple(include or AuditConfig().include)
+        # torchft's DDP broadcasts buffers over a process group of one: they are never synced across replicas.
+        self.config = AuditConfig(
+            include=base_include,
+            exclude=tuple(exclude),
+            timeout_s=timeout_s,
+            tolerance=tolerance,
+            ddp_broadcast_buffers=False,
+        )
+        self.timeout_s = float(timeout_s)
+        self.auditor = QuorumAuditor(config=self.config)
+        self.writer = ReportWriter(report_path, keep_on_error=True) if report_path is not None else None
+        self.results: collections.deque[AuditResult] = collections.deque(maxlen=1024)
+        """The records this process took part in (the last 1024)."""
+        self.failures: list[str] = []
+        """Audits that could not complete, noted in the next record."""
+        self.voice = Voice()
+        self._warned: set[str] = set()
+        self._last_quorum: int | None = None
+        self._last_in_sync: int | None = None
+        self._synced_step = int(manager.current_step())
+        self._channel: QuorumComm | None = None
+        self.tap = QuorumTap.install(manager)
+        self._undo: list[Callable[[], None]] = []
+        if self.targets is None:
+            handle = self.optimizers[0].register_step_pre_hook(lambda opt, args, kwargs: self._before_step())
+            self._undo.append(handle.remove)
+        else:
+            for owner, index in self.targets.owners:
+                self._undo.append(wrap_method(owner, self.targets.method, self._after_sync_of(index)))
+
+    # -- the audit points -------------------------------------------------------------------------
+
+    def _due(self, quorum: Quorum, heals: Heals, step: int) -> bool:
+        """The same answer on every member of ``quorum``: from the quorums they all saw and the step only."""
+        changed = quorum.quorum_id != self._last_quorum
+        self._last_quorum = quorum.quorum_id
+        cadence = step % self.every_n_steps == 0
+        return changed or heals.someone or cadence
+
+    def _before_step(self) -> None:
+        quorum, heals = self.tap.latest, self.tap.take_heals()
+        # The committed steps the state holds: should_commit already counted the one about to be taken.
+        step = int(self.manager.current_step()) - 1
+        if quorum is None or not self._due(quorum, heals, step):
+            return
+        self._audit(quorum, heals, step, "step", self.module, self.optimizers, self.config.exclude, None)
+
+    def _after_sync_of(self, fragment: int | None) -> Callable[[Any], None]:
+        def after(committed: Any) -> None:
+            step = int(self.manager.current_step())
+            moved, self._synced_step = step != self._synced_step, step
+            quorum = self.tap.latest
+            if committed is False or not moved or quorum is None:
+                return
+            heals = self.tap.take_heals()
+            if not self._due(quorum, heals, step):
+                return
+            targets = self.targets
+            assert targets is not None
+            exclude = self.config.exclude + targets.per_fragment_exclude.get(fragment or 0, ())
+            self._audit(quorum, heals, step, "sync", targets.module, targets.optimizers, exclude, fragment)
+
+        return after
+
+    # -- one audit ------------------------------------------------------------------------------
+
+    def _point(self, quorum: Quorum, step: int, point: str, fragment: int | None) -> AuditPoint:
+        targets = self.targets
+        sync = None
+        if targets is not None:
+            sync = {"algorithm": targets.algorithm, "every": targets.sync_every}
+            if fragment is not None:
+                sync["fragment"] = fragment
+        names = frozenset()
+        if self.module is not None:
+            user = unwrap_module(self.module)
+            names = frozenset([n for n, _ in user.named_parameters()] + [n for n, _ in user.named_buffers()])
+        return AuditPoint(
+            quorum_id=quorum.quorum_id,
+            group_rank=group_rank(self.manager),
+            point=point,
+            step=step,
+            include=self.config.include,
+            timeout_s=self.timeout_s,
+            sync=sync,
+            notes=(targets.note(fragment),) if targets is not None else (),
+            per_replica=self.per_replica,
+            model_names=names,
+        )
+
+    def _audit(
+        self,
+        quorum: Quorum,
+        heals: Heals,
+        step: int,
+        point: str,
+        module: Any,
+        optimizers: list[Any],
+        exclude: tuple[str, ...],
+        fragment: int | None,
+    ) -> AuditResult | None:
+        t0 = time.perf_counter()
+        at = self._point(quorum, step, point, fragment)
+        hook = "torchft_step" if point == "step" else f"{self.targets.algorithm.lower()}_sync"  # type: ignore[union-attr]
+        where = f"{point}{'' if fragment is None else fragment}"
+        prefix = f"weightsync_audit/torchft/{quorum.quorum_id}/{at.group_rank}/{where}/{step}"
+        bound = self.timeout_s + DEFAULT_GRACE_S
+        try:
+            # A must_match that fails keeps this replica from the roll: the others name it absent.
+            counters, skipped = collect(self.manager, self.lr_scheduler, self.must_match)
+            me = Member(
+                quorum.replica_rank,
+                quorum.replica_id(quorum.replica_rank),
+                healed=heals.this_replica,
+                source=heals.source,
+                counters=counters,
+                last_in_sync_step=self._last_in_sync,
+            )
+            store = quorum_store(quorum.store_address, bound)
+            roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
+            if roll.position is None:
+                raise TimeoutError(
+                    f"this replica ({quorum.replica_rank}) reached the audit after the others had closed its roll "
+                    f"(they waited {self.timeout_s:g}s)"
+                )
+            self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
+            self.auditor.config = replace(self.config, exclude=exclude)
+            result = self.auditor.audit(module, optimizers, step=step, hook=hook)
+        except Exception as exc:  # noqa: BLE001 - an audit that cannot complete is reported, never raised
+            drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
+            self._failed(step, hook, exc)
+            return None
+        result.notes[:0], self.failures = self.failures, []
+        complete(result, roll, at, skipped, roll.members[0].last_in_sync_step)
+        self._last_in_sync = result.last_in_sync_step
+        if result.in_sync or result.within_tolerance:
+            result.action = "none"
+        else:
+            result.action = "raised" if self.on_mismatch == "raise" else "warned"
+        result.duration_ms = (time.perf_counter() - t0) * 1e3
+        self._publish(result)
+        if result.action == "raised":
+            raise WeightDivergenceError(result)
+        return result
+
+    def _open(self, channel: QuorumComm) -> None:
+        """Use ``channel`` for this audit; the one before the last is released (the last may still be
+        finishing its final answer on a slower member)."""
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = channel
+        self.auditor.channel = channel
+
+    def _failed(self, step: int, hook: str, exc: Exception) -> None:
+        """An audit that could not complete: reported (a warning, a note in the next record), never waited on."""
+        text = f"{type(exc).__name__}: {exc}"
+        self.failures = [*self.failures[-19:], f"the audit at step {step} ({hook}) could not complete: {text}"]
+        if type(exc).__name__ not in self._warned:
+            self._warned.add(type(exc).__name__)
+            warnings.warn(
+                f"weightsync audit at step {step} ({hook}) could not complete; training goes on: {text}",
+                WeightSyncWarning,
+                stacklevel=3,
+            )
+        log.warning("weightsync audit at step %s (%s) could not complete: %s", step, hook, text)
+
+    def _publish(self, result: AuditResult) -> None:
+        self.results.append(result)
+        if self.writer is not None:
+            self.writer.write(result)
+        self.voice.speak(result, verbose=self.verbose, print_fn=_print)
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    @property
+    def last(self) -> AuditResult | None:
+        """The last record this process took part in."""
+        return self.results[-1] if self.results else None
+
+    def close(self) -> None:
+        """Remove the hooks, release the channel, close the report (idempotent)."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+    def __enter__(self) -> TorchFTAudit:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_arguments(
+    on_mismatch: str, sync: Any, module: Any, optimizer: Any, lr_scheduler: Any, include: Any, must_match: Any
+) -> None:
+    """Refuse, naming the arguments, what cannot work together (before anything is hooked)."""
+    if on_mismatch not in ("warn", "raise"):
+        raise ValueError(
+            f"on_mismatch={on_mismatch!r}: TorchFTAudit warns or raises; torchft heals a replica from a live "
+            "peer itself (a replica that raises restarts and heals), so 'resync' is not offered here"
+        )
+    if sync is not None:
+        given = [n for n, v in (("module", module), ("optimizer", optimizer), ("lr_scheduler", lr_scheduler),
+                                ("include", include)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"sync= and {given[0]}= cannot be given together: at a LocalSGD/DiLoCo sync point "
+                "the sync object decides what is equal on every replica (its model, its outer optimizer)"
+            )
+    elif module is None or optimizer is None:
+        raise ValueError("module= and optimizer= are needed without sync= (the optimizer's step is the audit point)")
+    if must_match is not None and not all(callable(f) for f in must_match.values()):
+        raise TypeError("must_match must map names to callables that return the state to compare")
+
+
+def _print(renderable: Any) -> None:
+    from weightsync_audit.reporting.render import log_console
+
+    log_console(sys.stderr).print(renderable)

@@ -1,0 +1,169 @@
+"""The record of an audit across replica groups: the engine's result, completed with what torchft adds.
+
+The engine compared the tensors; here, from the roll every member read alike, the record gains the step
+counters compared (:mod:`~.counters`), its ``torchft`` field (the quorum, the replicas compared and those
+absent, the heals verified, the sync point) and the notes and hints that say it in words: above all, for
+a replica that healed at this step, whether it equals its source before its first committed step, and if
+not, what the heal left different and where that state should have come from.
+
+>>> [h.split(" differs")[0] for h in heal_hints(["fc.weight.exp_avg", "lr_scheduler.last_epoch"], {})]
+["The healed replica's optimizer state (fc.weight.exp_avg)", "The healed replica's lr scheduler (lr_scheduler.last_epoch)"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from weightsync_audit.integrations.torchft.counters import compare
+from weightsync_audit.integrations.torchft.rollcall import Roll
+from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.text import TIE_PREFIX, brief_names, is_tie
+
+__all__ = ["AuditPoint", "complete", "heal_hints"]
+
+_KIND_WORDS = {"params": "parameters", "buffers": "buffers", "optimizer": "optimizer state"}
+
+
+@dataclass(frozen=True)
+class AuditPoint:
+    """Where an audit ran: what the record's ``torchft`` field and notes say besides the roll."""
+
+    quorum_id: int
+    group_rank: int
+    point: str
+    """``step`` (before a committed optimizer step) or ``sync`` (right after a LocalSGD/DiLoCo sync)."""
+    step: int
+    include: tuple[str, ...]
+    timeout_s: float
+    sync: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+    per_replica: tuple[str, ...] = ()
+    model_names: frozenset[str] = frozenset()
+    """The model's parameter and buffer names (a missing one is the model's, not the optimizer's)."""
+
+
+def _cause(name: str, kind: str, model_names: frozenset[str]) -> str:
+    if name.startswith("torchft.manager."):
+        return "manager"
+    if name.startswith("lr_scheduler"):
+        return "scheduler"
+    if kind == "buffer" and name not in model_names:
+        return "declared"
+    return "model" if kind in ("param", "buffer") or name in model_names else "optimizer"
+
+
+def heal_hints(names: Sequence[str], kinds: Mapping[str, str], model_names: frozenset[str] = frozenset()) -> list[str]:
+    """What a heal left different, by where that state should have come from (``kinds``: name -> mismatch
+    kind; ``model_names``: the model's parameters and buffers, which tell a missing one from optimizer state)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(_cause(name, kinds.get(name, ""), model_names), []).append(name)
+    said = {
+        "optimizer": "The healed replica's optimizer state ({}) differs from its source's: the load_state_dict "
+        "handed to the torchft Manager does not restore the optimizer (the state_dict must carry "
+        "optimizer.state_dict() and load_state_dict must call optimizer.load_state_dict).",
+        "scheduler": "The healed replica's lr scheduler ({}) differs from its source's: the state torchft sends a "
+        "healing replica does not carry the scheduler, or its load_state_dict does not load it; restore it "
+        "there (or manager.register_state_dict_fn('lr_scheduler', sched.load_state_dict, sched.state_dict)).",
+        "manager": "The healed replica's Manager counters ({}) differ from its source's: torchft restores them "
+        "itself, so the heal did not complete (see torchft's errors log).",
+        "model": "The healed replica's {} differ from its source's: the model state the Manager sends or loads "
+        "leaves them out (a load_state_dict with strict=False, a buffer not in state_dict, state outside the "
+        "model), or it changed while it was sent.",
+        "declared": "Declared state ({}) differs on the healed replica: its heal does not restore it.",
+    }
+    return [said[key].format(brief_names(group, 5)) for key, group in groups.items()]
+
+
+def _heal_report(result: AuditResult, roll: Roll, at: AuditPoint, compared: str) -> dict[str, Any]:
+    healed: dict[str, Any] = {}
+    for member in roll.members:
+        if not member.healed:
+            continue
+        r = member.replica_rank
+        differs = [m.name for m in result.mismatches if r in m.ranks]
+        src = member.source
+        healed[str(r)] = {"source": src, "verified": not differs, "differs": differs[:50]}
+        who = f"replica {r} ({member.replica_id})"
+        if not differs:
+            result.notes.append(
+                f"{who} healed from replica {src} at step {at.step}: verified before its first committed step, "
+                f"{compared} equal its source's"
+            )
+            continue
+        result.notes.append(
+            f"{who} healed from replica {src} at step {at.step} and differs from it before its first committed "
+            f"step: {brief_names(differs, 8)}"
+        )
+        kinds = {m.name: m.kind for m in result.mismatches}
+        # The heal's own words first: they say where the state should have come from.
+        result.hints[:0] = [h for h in heal_hints(differs, kinds, at.model_names) if h not in result.hints]
+    return healed
+
+
+def _blame_heal(result: AuditResult, roll: Roll, step: int) -> None:
+    """A divergence only healed replicas hold, against their sources: the heal is to blame, not a tie.
+
+    With two replicas the vote between a healed replica and its source is a tie; the roll put the source
+    first, so it is the reference, and the record says why instead of 'no majority'."""
+    sources = {m.replica_rank: m.source for m in roll.members if m.healed and m.source is not None}
+    odd = {r for m in result.mismatches for r in m.ranks}
+    if not odd or not odd <= set(sources):
+        return
+    for m in result.mismatches:
+        if is_tie(m.detail) and any(sources[r] in m.reference_ranks for r in m.ranks):
+            before = str(m.detail).split(TIE_PREFIX + ":")[0].rstrip("; ")
+            why = f"the healed replica against its source (replica {', '.join(str(sources[r]) for r in m.ranks)})"
+            m.detail = f"{before}; {why}" if before else why
+    result.blame = {
+        "ranks": sorted(odd),
+        "evidence": "deterministic_difference",
+        "cause": "a software difference",
+        "hardware_suspect": False,
+        "step": step,
+        "detail": "; ".join(f"replica {r} healed from replica {sources[r]} and differs from it" for r in sorted(odd))
+        + ": the state torchft sent, or the load_state_dict that applied it, left these out",
+    }
+
+
+def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[str], last_in_sync: int | None) -> None:
+    """Add the counters, the ``torchft`` field, the notes and hints to ``result`` (the same on every member)."""
+    found, compared_counters = compare([m.counters for m in roll.members], roll.ranks)
+    kinds = {n: v[0] for m in roll.members for n, v in m.counters.items()}
+    for kind in ("optimizer", "buffer"):
+        result.checked[kind] = result.checked.get(kind, 0) + sum(1 for k in kinds.values() if k == kind)
+    if found:
+        result.mismatches.extend(found)
+        result.in_sync = False
+    # From the roll's first member, not this process's history: a replica that just joined has none.
+    # Every audit reads every byte, so the last full agreement is the last agreement.
+    result.last_in_sync_step = at.step if result.in_sync else last_in_sync
+    result.last_full_sync_step = result.last_in_sync_step
+    what = [_KIND_WORDS[k] for k in ("params", "buffers", "optimizer") if k in at.include]
+    counters = sorted({n.split(".")[0] for n in kinds if not n.startswith("torchft.")})
+    compared = ", ".join(what) + ", the Manager's step and committed batches" + "".join(f", {c}" for c in counters)
+    healed = _heal_report(result, roll, at, compared)
+    _blame_heal(result, roll, at.step)
+    if roll.absent:
+        result.notes.append(
+            f"replica(s) {list(roll.absent)} of quorum {at.quorum_id} did not come to this audit within "
+            f"{at.timeout_s:g}s (no committed step here, or gone): not compared"
+        )
+    if at.per_replica:
+        result.notes.append(f"not compared, per replica by design: {', '.join(at.per_replica)}")
+    if skipped:
+        result.notes.append(f"not compared (not plain values): {', '.join(skipped)}")
+    result.notes.extend(at.notes)
+    result.notes.append(f"{compared_counters} step counter(s) and declared value(s) compared through the quorum")
+    field: dict[str, Any] = {
+        "quorum_id": at.quorum_id,
+        "group_rank": at.group_rank,
+        "point": at.point,
+        "replicas": {str(m.replica_rank): m.replica_id for m in roll.members},
+        "absent": list(roll.absent),
+        "healed": healed,
+    }
+    if at.sync is not None:
+        field["sync"] = dict(at.sync, between_syncs="not audited")
+    result.torchft = field
