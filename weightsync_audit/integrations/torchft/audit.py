@@ -73,7 +73,7 @@ class QuorumAuditor(Auditor):
             raise RuntimeError("weightsync audit: no quorum channel is open (audits run from TorchFTAudit's hooks)")
         return self.channel
 
-    def slice_for(self, step: int | None) -> int:
+    def slice_for(self, step: int | None, slices: int | None = None) -> int:
         return 0  # every byte at every audit: a replica that joins has no audit count to agree on
 
 
