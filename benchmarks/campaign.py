@@ -9,6 +9,11 @@ exact bytes of everything audited at every step; the parent compares them (:mod:
 scores each run: detected, localized (tensor names and ranks), exact first step, latency in steps, false
 alarms, hangs. Prints one markdown table per fault kind with totals, and the command that made it.
 ``--runs-per-kind`` counts runs per kind *and* world size.
+
+``--pairs`` runs the combination campaign instead (:mod:`campaign_pairs`: every pair of options, training
+patterns, adapters and faults, scored against bytes gathered from every rank):
+
+    python benchmarks/campaign.py --pairs --slice full --seed 0
 """
 
 from __future__ import annotations
@@ -199,6 +204,11 @@ def _line(kind: str, rs: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--pairs" in argv:  # the combination campaign (benchmarks/campaign_pairs.py)
+        from campaign_pairs import main as pairs
+
+        return pairs([a for a in argv if a != "--pairs"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs-per-kind", type=int, default=6, help="runs of each kind on each world size")
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
@@ -222,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     rows = execute(specs, args.run_timeout, log)
-    cmd = "python benchmarks/campaign.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python benchmarks/campaign.py " + " ".join(argv)
     print(summarize(rows))
     repeated = sum(r["repeated_transients"] for r in rows)
     if repeated:

@@ -190,6 +190,16 @@ def freeze(case: Case, model: nn.Module) -> None:
         model.emb.weight.requires_grad_(False)
 
 
+def averaged(loss: torch.Tensor) -> torch.Tensor:
+    """``loss`` with the value of its mean over the ranks and its own gradient (DDP averages the gradients):
+    what an LBFGS closure under DDP returns, so that every rank's line search and ``prev_loss`` agree."""
+    import torch.distributed as dist
+
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    return loss + (mean / dist.get_world_size() - loss.detach())
+
+
 def build_scheduler(case: Case, opt: torch.optim.Optimizer) -> Any:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5) if case.pattern == "scheduler" else None
 

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from campaign_case import CLAMP, EVERY, STEPS, Case, Faults, Net, batches, build_optimizer, build_scheduler, freeze
+from campaign_case import CLAMP, EVERY, STEPS, Case, Faults, Net, averaged, batches, build_optimizer, build_scheduler
+from campaign_case import freeze
 from campaign_truth import Capture
 
 TIMEOUT_S = 30.0
@@ -60,7 +61,7 @@ def _step(case: Case, model: nn.Module, ddp: nn.Module, opt: Any, micro: list[An
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
-            loss = _micro(case, ddp, micro, None)
+            loss = averaged(_micro(case, ddp, micro, None))
             if clip:
                 nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             return loss

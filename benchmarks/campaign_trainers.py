@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from campaign_case import BATCH, EVERY, STEPS, TOKENS, VOCAB, Case, Faults, Net, build_optimizer, build_scheduler
-from campaign_case import freeze
+from campaign_case import averaged, freeze
 from campaign_loop import TIMEOUT_S, clamp, ended
 from campaign_truth import Capture
 
@@ -85,7 +85,8 @@ def run_lightning(case: Case, rank: int, world: int, report_path: str) -> tuple[
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             ids, y = batch
-            return nn.functional.mse_loss(self.net(ids).float(), y)
+            loss = nn.functional.mse_loss(self.net(ids).float(), y)
+            return averaged(loss) if case.optimizer == "lbfgs" else loss
 
         def configure_optimizers(self) -> Any:
             opt = build_optimizer(case, self.net)
