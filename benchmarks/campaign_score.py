@@ -233,6 +233,7 @@ def score(case: Case, res: Any) -> dict[str, Any]:
         _record(truth, rec, prev, row)
         prev = covers_step(rec)
     _repairs(truth, records, row)
+    row["truth_first"] = next((t for lbl, t in truth.points if lbl == "E" and truth.diffs([("E", t)])), None)
     diverged = truth.diffs([p for p in truth.points if p[0] in "QPEX"])
     if case.faulty_rank is not None and diverged and not row.pop("_named", False):
         row["fault not named"] = 1
