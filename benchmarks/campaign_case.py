@@ -1,7 +1,9 @@
 """One run of the combination campaign: its :class:`Case`, the model, the optimizers and the planted fault.
 
-A row of the all-pairs design (:mod:`campaign_cover`) gives three runs: ``healthy``, ``fault0`` (the row's
-fault planted on rank 0) and ``fault1`` (on rank 1), the same seed and data otherwise. Every random choice
+A row of the all-pairs design (:mod:`campaign_cover`) gives four runs: ``healthy``, ``fault0`` (the row's
+fault planted on rank 0), ``fault1`` (on rank 1) and ``fault01`` (on rank 0, then on rank 1 right after the
+audit that found the first: a second divergence with no in-sync audit between), the same seed and data
+otherwise. Every random choice
 (the fault's step, tensor, element and bit) is drawn from the row's seed, so every rank takes the same
 decisions. :class:`Faults` plants the fault at the points every adapter reaches alike: the start of an
 optimizer step (a change at rest), and the optimizer's own pre- and post-step hooks (a learning rate, a
@@ -31,7 +33,7 @@ VOCAB = 1100
 TOKENS = 6
 CLAMP = 0.5
 """The post-step clamp's bound (WGAN-style ``p.clamp_(-c, c)`` under ``no_grad``)."""
-VARIANTS = ("healthy", "fault0", "fault1")
+VARIANTS = ("healthy", "fault0", "fault1", "fault01")
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,20 @@ class Case:
 
     @property
     def faulty_rank(self) -> int | None:
-        return {"fault0": 0, "fault1": 1}.get(self.variant)
+        """The rank of the (first) fault; ``None`` for a healthy run."""
+        return {"fault0": 0, "fault1": 1, "fault01": 0}.get(self.variant)
+
+    def plants(self) -> list[tuple[int, int]]:
+        """``(rank, step)`` of every fault of this run."""
+        if self.faulty_rank is None:
+            return []
+        first = [(self.faulty_rank, self.fault_step)]
+        found = -(-self.fault_step // EVERY) * EVERY  # the audit that finds the first fault
+        return first + [(1, found + 1)] if self.variant == "fault01" else first
+
+    def corrupted_at(self, step: int) -> int | None:
+        """The rank whose fault is the latest planted at or before ``step`` (``None``: none yet, or healthy)."""
+        return next((r for r, s in reversed(self.plants()) if s <= step), None)
 
     def options(self) -> dict[str, Any]:
         """The audit options of this run, as the adapters take them (flat keywords)."""
@@ -226,14 +241,14 @@ class Faults:
 
     def __init__(self, case: Case, rank: int, model: nn.Module) -> None:
         self.case, self.model = case, model
-        self.mine = case.faulty_rank == rank
+        self.mine = [s for r, s in case.plants() if r == rank]
         self.step = 0
         """The optimizer step under way (set by :meth:`at_start`)."""
-        self.planted: int | None = None
+        self.planted: list[int] = []
         self._lr: list[float] = []
 
     def _now(self, kinds: tuple[str, ...]) -> bool:
-        return self.mine and self.case.fault in kinds and self.step == self.case.fault_step
+        return self.case.fault in kinds and self.step in self.mine
 
     @torch.no_grad()
     def at_start(self, step: int) -> None:
@@ -245,7 +260,7 @@ class Faults:
             flip_bit(p, self.case.element, self.case.bit)
         else:  # a software write of the whole tensor: new values everywhere
             p.copy_(torch.linspace(-0.2, 0.2, p.numel()).view_as(p))
-        self.planted = step
+        self.planted.append(step)
 
     def attach(self, opt: torch.optim.Optimizer) -> list[Any]:
         return [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
@@ -254,7 +269,7 @@ class Faults:
         if self._now(("lr",)):
             self._lr = [g["lr"] for g in opt.param_groups]
             opt.param_groups[0]["lr"] = self._lr[0] * 10
-            self.planted = self.step
+            self.planted.append(self.step)
 
     @torch.no_grad()
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -262,8 +277,8 @@ class Faults:
             for g, lr in zip(opt.param_groups, self._lr):
                 g["lr"] = lr
             self._lr = []
-        if self._now(("ulp",)) and self.planted is None:  # inside the update, once (LBFGS may step twice)
+        if self._now(("ulp",)) and self.step not in self.planted:  # inside the update, once (LBFGS steps twice)
             w = named(self.model, self.case.target).view(-1)
             i = self.case.element % w.numel()
             w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
-            self.planted = self.step
+            self.planted.append(self.step)

@@ -138,3 +138,24 @@ def each_value_once(factors: Factors, rows: Sequence[Row]) -> list[int]:
         picked.append(i)
         todo -= {(f, rows[i][f]) for f in factors}
     return sorted(picked)
+
+
+FOCUS: dict[str, dict[str, Any]] = {
+    "issue 41 item 1 (resync with attribution, a second fault)": {"attribution": True, "on_mismatch": "resync"},
+    "item 2 (overlap + resync + attribution)": {"attribution": True, "overlap": True, "on_mismatch": "resync"},
+    "item 4 (LBFGS with attribution)": {"optimizer": "lbfgs", "attribution": True, "fault": "ulp"},
+    "item 5 (Lightning accumulate_grad_batches, attribution)": {"adapter": "lightning", "pattern": "accumulate",
+                                                                "attribution": True},
+    "item 6 (GradScaler + fused Adam, attribution)": {"optimizer": "adam_fused", "pattern": "scaler",
+                                                      "attribution": True, "fault": "ulp"},
+    "item 7 (a whole-tensor write, attribution)": {"fault": "write", "attribution": True},
+    "item 8 (check_batches with overlap)": {"check_batches": True, "overlap": True},
+    "item 9 (a clamp inside an overlapped audit's window)": {"pattern": "clamp", "overlap": True},
+}  # fmt: skip
+"""Rows added to the full design for the three-way interactions issue 41 names (a pairwise design covers each
+of their pairs, not necessarily all three at once): the other factors at their first value, 2 ranks."""
+
+
+def focus_rows() -> list[Row]:
+    """The :data:`FOCUS` rows, completed with each factor's first value."""
+    return [{f: spec.get(f, values[0]) for f, values in FACTORS.items()} for spec in FOCUS.values()]

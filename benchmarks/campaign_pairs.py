@@ -2,7 +2,7 @@
 adapter, fault, world size), healthy and with a planted fault on rank 0 and on rank 1, scored against bytes.
 
     python benchmarks/campaign.py --pairs --slice ci      # every value of every factor once (~1-2 min)
-    python benchmarks/campaign.py --pairs --slice full    # every pair (the table in docs/reliability.md)
+    python benchmarks/campaign.py --pairs --slice full    # every pair, and the focus rows (docs/reliability.md)
 
 First the adapters are probed: each pair of option values (and, for ``LoopAudit``, which is given the
 optimizer, each option value with each optimizer) is constructed alone; a pair the library refuses at
@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: F401 - puts the repository and tests/ on the path
 from campaign_case import Case, make_cases
-from campaign_cover import FACTORS, NOT_APPLICABLE, OPTIONS, Pair, all_pairs, each_value_once, row_pairs, uncovered
+from campaign_cover import FACTORS, FOCUS, NOT_APPLICABLE, OPTIONS, Pair, all_pairs, each_value_once, focus_rows
+from campaign_cover import row_pairs, uncovered
 from campaign_exec import RUN_TIMEOUT_S, Executor
 from campaign_score import COLUMNS, FAILURES, failing, score, summarize
 
@@ -97,17 +98,21 @@ def probe(adapters: tuple[str, ...] = FACTORS["adapter"]) -> dict[Pair, str]:
     return {(a, b) if order.index(a[0]) < order.index(b[0]) else (b, a): e for (a, b), e in refused.items()}
 
 
-def plan(seed: int, slice_: str, refused: dict[Pair, str]) -> tuple[list[dict[str, Any]], list[int]]:
-    """The design's rows (refused and not-applicable pairs excluded) and the indices the slice runs."""
+def plan(seed: int, slice_: str, refused: dict[Pair, str]) -> tuple[list[dict[str, Any]], list[int], int]:
+    """The rows (refused and not-applicable pairs excluded), the indices the slice runs, and how many of the
+    rows are the all-pairs design (the rest: :data:`campaign_cover.FOCUS`, in the full slice)."""
     rows = all_pairs(FACTORS, [*NOT_APPLICABLE, *refused], seed=seed)
-    picked = each_value_once(FACTORS, rows) if slice_ == "ci" else list(range(len(rows)))
-    return rows, picked
+    design = len(rows)
+    if slice_ == "ci":
+        return rows, each_value_once(FACTORS, rows), design
+    rows += [r for r in focus_rows() if not (row_pairs(r, list(FACTORS)) & {*NOT_APPLICABLE, *refused})]
+    return rows, list(range(len(rows))), design
 
 
 def run(seed: int, slice_: str, *, timeout_s: float = RUN_TIMEOUT_S, log: Any = None) -> dict[str, Any]:
     """Probe, plan, run and score; everything the table and the tests read."""
     refused = probe()
-    rows, picked = plan(seed, slice_, refused)
+    rows, picked, design = plan(seed, slice_, refused)
     cases = [c for c in make_cases(rows, seed) if c.row in picked]
     results: list[dict[str, Any]] = []
 
@@ -119,15 +124,18 @@ def run(seed: int, slice_: str, *, timeout_s: float = RUN_TIMEOUT_S, log: Any = 
     Executor(timeout_s, on).run(cases)
     ran = [rows[i] for i in sorted({r["case"]["row"] for r in results if not r["refused"]})]
     lost = uncovered(FACTORS, ran, [*NOT_APPLICABLE, *refused]) if slice_ == "full" else set()
-    return {"rows": rows, "picked": picked, "refused": refused, "results": results, "lost_pairs": sorted(lost, key=repr)}
+    return {"rows": rows, "design": design, "picked": picked, "refused": refused, "results": results,
+            "lost_pairs": sorted(lost, key=repr)}  # fmt: skip
 
 
 def report(out: dict[str, Any], command: str, seconds: float) -> str:
     """The markdown the docs take: the table, the refused pairs, the failing runs, the command."""
     results = out["results"]
     parts = [summarize(results), ""]
-    parts.append(f"{len(results)} runs ({len(out['picked'])} rows x healthy, fault on rank 0, fault on rank 1) "
-                 f"in {seconds:.0f} s. Command: `{command}`")  # fmt: skip
+    parts.append(f"{len(results)} runs ({len(out['picked'])} rows x healthy, fault on rank 0, on rank 1, on rank 0 "
+                 f"then rank 1) in {seconds:.0f} s. Command: `{command}`")  # fmt: skip
+    if len(out["rows"]) > out["design"]:
+        parts.append(f"Rows {out['design']}-{len(out['rows']) - 1} are the focus rows: " + "; ".join(FOCUS))
     total = {c: sum(bool(r[c]) for r in results) for c in COLUMNS}
     parts.append("Failure columns (runs): " + ", ".join(f"{c} {total[c]}" for c in FAILURES))
     parts += ["", "Pairs not applicable (no such training run):"]

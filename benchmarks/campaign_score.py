@@ -2,8 +2,8 @@
 
 A record covering step ``s`` is judged on its *window*: the points ``E(s)``, ``X(s)``, ``Q(s+1)``,
 ``P(s+1)`` (an overlapped audit covers ``s`` while step ``s+1`` runs; a record taken just before the update
-covers ``Q``/``P``). The reference value of a tensor is the majority's with 3 ranks; with 2 ranks, the value
-of the rank that was not faulted (the truth the planted fault gives). Columns, each a count of runs:
+covers ``Q``/``P``). The true value of a tensor is the one a rank without a planted fault holds (with 3 ranks,
+rank 2; with 2, the rank not faulted), known from the plan, not from a vote. Columns, each a count of runs:
 
 - ``false alarm``: a record names a tensor whose bytes were equal on every rank at every point of its window
   (or says diverged with nothing differing; or a ``transient`` naming what never differed);
@@ -60,21 +60,27 @@ class Truth:
         return [ids.get((pt[0], pt[1], r)) for r in range(self.world)]
 
     def reference(self, key: Any, pt: tuple[str, int]) -> int | None:
+        """The true value: a rank no fault was planted on yet holds it (with 3 ranks, rank 2 always); after a
+        fault on every rank (``fault01`` on 2 ranks), rank 0 again when the ranks agreed at the last point
+        before the second fault (its first one repaired or healed); else unknown (``None``)."""
         vals = self.values(key, pt)
-        if self.world == 2:
-            good = 1 - self.case.faulty_rank if self.case.faulty_rank is not None else 0
-            return vals[good]
-        groups: dict[Any, list[int]] = {}
-        for r, v in enumerate(vals):
-            groups.setdefault(v, []).append(r)
-        return max(groups.items(), key=lambda kv: (len(kv[1]), -kv[1][0]))[0]
+        plants = self.case.plants()
+        clean = [r for r in range(self.world) if not any(pr == r and ps <= pt[1] for pr, ps in plants)]
+        if clean:
+            return vals[clean[0]]
+        before = [p for p in self.points if p[0] in "QPEX" and p[1] < plants[-1][1]]
+        if before and len(set(self.values(key, before[-1]))) == 1:
+            return vals[0]
+        return None
 
     def deviating(self, key: Any, pt: tuple[str, int]) -> list[int]:
+        """The ranks whose bytes differ from the true value at ``pt`` (none when the ranks agree, or the
+        true value is unknown)."""
         vals = self.values(key, pt)
         if all(v is None for v in vals) or len(set(vals)) == 1:
             return []
         ref = self.reference(key, pt)
-        return [r for r, v in enumerate(vals) if v != ref]
+        return [] if ref is None else [r for r, v in enumerate(vals) if v != ref]
 
     def window(self, step: int) -> list[tuple[str, int]]:
         want = [("E", step), ("X", step), ("Q", step + 1), ("P", step + 1)]
@@ -245,7 +251,7 @@ def score(case: Case, res: Any) -> dict[str, Any]:
         if not blame.get("ranks"):
             row["blame undecided"] = 1
             row["detail"].append(f"undecided at {covers_step(first_bad)}: {blame.get('detail', 'no blame')}"[:300])
-        elif blame["ranks"] == [case.faulty_rank]:
+        elif blame["ranks"] == [case.corrupted_at(covers_step(first_bad))]:
             got = (blame.get("evidence"), bool(blame.get("hardware_suspect")))
             if got != EXPECTED[case.fault]:
                 row["wrong cause"] = 1
