@@ -2,17 +2,16 @@
 
 A row of the all-pairs design (:mod:`campaign_cover`) gives four runs: ``healthy``, ``fault0`` (the row's
 fault planted on rank 0), ``fault1`` (on rank 1) and ``fault01`` (on rank 0, then on rank 1 right after the
-audit that found the first: a second divergence with no in-sync audit between), the same seed and data
+audit that found the first was acted on: a second divergence, found by the next audit), the same seed and data
 otherwise. Every random choice
 (the fault's step, tensor, element and bit) is drawn from the row's seed, so every rank takes the same
 decisions. :class:`Faults` plants the fault at the points every adapter reaches alike: the start of an
 optimizer step (a change at rest), and the optimizer's own pre- and post-step hooks (a learning rate, a
-one-ulp compute fault inside the update), registered before the library's own hooks.
+compute fault inside the update), registered before the library's own hooks.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import zlib
 from dataclasses import asdict, dataclass
@@ -74,7 +73,7 @@ class Case:
             return []
         first = [(self.faulty_rank, self.fault_step)]
         found = -(-self.fault_step // EVERY) * EVERY  # the audit that finds the first fault
-        return first + [(1, found + 1)] if self.variant == "fault01" else first
+        return first + [(1, found + EVERY)] if self.variant == "fault01" else first  # found by the next audit
 
     def corrupted_at(self, step: int) -> int | None:
         """The rank whose fault is the latest planted at or before ``step`` (``None``: none yet, or healthy)."""
@@ -111,8 +110,8 @@ class Case:
 
 
 TARGETS = ("emb.weight", "fc1.weight", "fc2.bias")
-"""Where a bit flip lands (one of them, drawn); a rewrite is always of ``fc1.weight``, whole; a one-ulp
-update fault lands in ``fc1.weight`` or ``fc2.weight`` (trainable under every pattern)."""
+"""Where a bit flip lands (one of them, drawn); a rewrite is always of ``fc1.weight``, whole; a compute
+fault inside the update lands in ``fc1.weight`` or ``fc2.weight`` (trainable under every pattern)."""
 
 
 def make_cases(rows: list[Row], seed: int, variants: tuple[str, ...] = VARIANTS) -> list[Case]:
@@ -123,8 +122,8 @@ def make_cases(rows: list[Row], seed: int, variants: tuple[str, ...] = VARIANTS)
         rng = random.Random(s)
         fault_step = rng.randint(4, 7)
         flip_target = rng.choice(TARGETS)
-        ulp_target = rng.choice(("fc1.weight", "fc2.weight"))
-        target = {"flip": flip_target, "write": "fc1.weight", "ulp": ulp_target}.get(row["fault"], "fc1.weight")
+        compute_target = rng.choice(("fc1.weight", "fc2.weight"))
+        target = {"flip": flip_target, "write": "fc1.weight", "compute": compute_target}.get(row["fault"], "fc1.weight")
         element, bit = rng.randrange(1 << 20), rng.randint(16, 22)
         dup_step = rng.choice((4, 6, 8))
         for v in variants:
@@ -250,16 +249,21 @@ class Faults:
     def _now(self, kinds: tuple[str, ...]) -> bool:
         return self.case.fault in kinds and self.step in self.mine
 
+    def _second(self) -> int:
+        """1 for the second fault of ``fault01`` (another element, other values: never the first's twin)."""
+        return int(self.case.variant == "fault01" and self.step != self.case.fault_step)
+
     @torch.no_grad()
     def at_start(self, step: int) -> None:
         self.step = step
         if not self._now(("flip", "write")):
             return
         p = named(self.model, self.case.target)
+        second = self._second()
         if self.case.fault == "flip":
-            flip_bit(p, self.case.element, self.case.bit)
+            flip_bit(p, self.case.element + 7 * second, self.case.bit)
         else:  # a software write of the whole tensor: new values everywhere
-            p.copy_(torch.linspace(-0.2, 0.2, p.numel()).view_as(p))
+            p.copy_(torch.linspace(-0.2, 0.2 + 0.1 * second, p.numel()).view_as(p))
         self.planted.append(step)
 
     def attach(self, opt: torch.optim.Optimizer) -> list[Any]:
@@ -277,8 +281,8 @@ class Faults:
             for g, lr in zip(opt.param_groups, self._lr):
                 g["lr"] = lr
             self._lr = []
-        if self._now(("ulp",)) and self.step not in self.planted:  # inside the update, once (LBFGS steps twice)
+        if self._now(("compute",)) and self.step not in self.planted:  # inside the update, once (LBFGS steps twice)
             w = named(self.model, self.case.target).view(-1)
-            i = self.case.element % w.numel()
-            w[i] = torch.nextafter(w[i], torch.tensor(math.inf))
+            i = (self.case.element + 7 * self._second()) % w.numel()
+            w[i] = w[i] * (1 + 2**-10) + 2**-20  # a compute fault: lasts (a one-ulp one may round away)
             self.planted.append(self.step)

@@ -26,7 +26,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
     "adapter": ("loop", "lightning", "hf"),
     "optimizer": ("adam_fused", "adam_foreach", "adam_single", "sgd_momentum", "lbfgs"),
     "pattern": ("plain", "accumulate", "scaler", "clip", "scheduler", "ema", "clamp", "frozen", "groups"),
-    "fault": ("flip", "write", "lr", "ulp"),
+    "fault": ("flip", "write", "lr", "compute"),
     "world": (2, 3),
     "attribution": (False, True),
     "overlap": (False, True),
@@ -41,7 +41,7 @@ FACTORS: dict[str, tuple[Any, ...]] = {
 ``Trainer`` (strategy ddp), the Hugging Face callback in a real ``Trainer``. ``optimizer`` and ``pattern``:
 the training conventions (:mod:`campaign_train`). ``fault``: what the faulty runs of the row plant (on rank 0
 in one run, on rank 1 in another): one bit flipped at rest, a whole tensor rewritten at rest (software),
-the learning rate x10 on one rank for one step, one ulp added inside the optimizer's update. ``world``: 2
+the learning rate x10 on one rank for one step, one element scaled by 1 + 2**-10 inside the optimizer's update (a compute fault). ``world``: 2
 ranks (a tie: only attribution can name the rank) or 3 (a majority). The rest are the audit's options."""
 
 OPTIONS = ("attribution", "overlap", "on_mismatch", "pinpoint", "coverage", "tolerance", "check_batches", "grads")
@@ -143,11 +143,11 @@ def each_value_once(factors: Factors, rows: Sequence[Row]) -> list[int]:
 FOCUS: dict[str, dict[str, Any]] = {
     "issue 41 item 1 (resync with attribution, a second fault)": {"attribution": True, "on_mismatch": "resync"},
     "item 2 (overlap + resync + attribution)": {"attribution": True, "overlap": True, "on_mismatch": "resync"},
-    "item 4 (LBFGS with attribution)": {"optimizer": "lbfgs", "attribution": True, "fault": "ulp"},
+    "item 4 (LBFGS with attribution)": {"optimizer": "lbfgs", "attribution": True, "fault": "compute"},
     "item 5 (Lightning accumulate_grad_batches, attribution)": {"adapter": "lightning", "pattern": "accumulate",
                                                                 "attribution": True},
     "item 6 (GradScaler + fused Adam, attribution)": {"optimizer": "adam_fused", "pattern": "scaler",
-                                                      "attribution": True, "fault": "ulp"},
+                                                      "attribution": True, "fault": "compute"},
     "item 7 (a whole-tensor write, attribution)": {"fault": "write", "attribution": True},
     "item 8 (check_batches with overlap)": {"check_batches": True, "overlap": True},
     "item 9 (a clamp inside an overlapped audit's window)": {"pattern": "clamp", "overlap": True},

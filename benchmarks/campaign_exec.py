@@ -81,6 +81,7 @@ def _rank_main(cases: list[Case], rank: int, world: int, port: int, q: Any) -> N
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    os.dup2(2, 1)  # what the Trainers print goes to stderr: the parent's stdout carries the report only
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0",

@@ -14,8 +14,10 @@ rank 2; with 2, the rank not faulted), known from the plan, not from a vote. Col
   the replicas went from differing to equal, equal to the corrupted rank's bytes and not the reference;
   with 2 ranks, attribution off and no blame naming a rank (a tie, no evidence at all) it goes to ``tie
   repair`` instead (information: nothing could know better);
-- ``crash``, ``hang``; ``fault not named``: the bytes diverged and no record named a diverged tensor (with the
-  right ranks, when 3 ranks make them knowable);
+- ``crash``, ``hang``; ``fault not named``: the bytes diverged where an audit had to see it (a difference
+  lasting a record's whole window, in what it reads whole; with ``pinpoint``, any step's difference, which
+  its ``transient`` report covers) and no record named a diverged tensor (with the ranks that deviate, when
+  3 ranks make them knowable);
 - with ``attribution``: ``blame undecided`` (the first divergent record names no rank) and ``wrong cause``
   (it names the faulted rank with evidence or ``hardware_suspect`` the planted fault does not give);
 - with ``pinpoint``: ``wrong date`` (``pinpoint: exact`` with a ``first_diverged_step`` the bytes deny);
@@ -35,7 +37,7 @@ SAMPLED_FROM = 65536
 EXPECTED: dict[str, tuple[str, bool]] = {
     "flip": ("at_rest_change", True),
     "write": ("at_rest_change", False),
-    "ulp": ("update_not_reproducible", True),
+    "compute": ("update_not_reproducible", True),
     "lr": ("deterministic_difference", False),
 }
 """Per fault: the evidence a blame should give and whether the machine is suspect."""
@@ -82,17 +84,23 @@ class Truth:
         ref = self.reference(key, pt)
         return [] if ref is None else [r for r, v in enumerate(vals) if v != ref]
 
+    def differs(self, key: Any, pt: tuple[str, int]) -> bool:
+        """The ranks hold different bytes of ``key`` at ``pt`` (whoever is right)."""
+        vals = self.values(key, pt)
+        return not all(v is None for v in vals) and len(set(vals)) > 1
+
     def window(self, step: int) -> list[tuple[str, int]]:
         want = [("E", step), ("X", step), ("Q", step + 1), ("P", step + 1)]
         return [p for p in want if p in self.points]
 
     def diffs(self, pts: list[tuple[str, int]]) -> dict[Any, set[int]]:
+        """The keys whose bytes differ across ranks at some of ``pts``, each with the ranks that deviate from
+        the true value there (empty when the true value is unknown)."""
         out: dict[Any, set[int]] = {}
         for k in self.keys:
             for pt in pts:
-                d = self.deviating(k, pt)
-                if d:
-                    out.setdefault(k, set()).update(d)
+                if self.differs(k, pt):
+                    out.setdefault(k, set()).update(self.deviating(k, pt))
         return out
 
 
@@ -125,8 +133,8 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
             row["unknown names"].append(m["name"])
         elif not any(k in diff for k in keys):
             wrong.append(m["name"])
-        elif any(k in diff for k in keys) and (case.world == 2 or any(sorted(diff[k]) == sorted(m["ranks"]) for k in keys if k in diff)):
-            row["_named"] = True
+        elif case.world == 2 or any(not diff[k] or sorted(diff[k]) == sorted(m["ranks"]) for k in keys if k in diff):
+            row["_named"] = True  # with 3 ranks, named with the ranks that deviate (when the truth knows them)
     transient = rec.get("transient") or {}
     if transient:
         lo, hi = transient.get("first_diverged_step") or prev, transient.get("last_diverged_step") or s
@@ -140,16 +148,18 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
     if wrong or (not rec["in_sync"] and not mism and not diff):
         row["false alarm"] += 1
         row["detail"].append(f"false alarm at {s}: {wrong or 'diverged, nothing named'}")
+    sampled, checked = bool(rec.get("coverage")), rec.get("checked") or {}
+    visible = [k for k in diff if checked.get(k[0], 1) and all(truth.differs(k, p) for p in pts)]
+    if [k for k in visible if not (sampled and truth.nbytes.get(k, 0) > SAMPLED_FROM)]:
+        row["_visible"] = True  # a difference this record had to see: it lasted its whole window
     if rec["in_sync"] and not transient:
-        sampled = bool(rec.get("coverage"))
-        checked = rec.get("checked") or {}  # a record before the update audits the gradients only
-        missed = [k for k in diff if checked.get(k[0], 1) and all(truth.deviating(k, p) for p in pts)]
+        missed = [k for k in diff if checked.get(k[0], 1) and all(truth.differs(k, p) for p in pts)]
         missed = [k for k in missed if not (sampled and truth.nbytes.get(k, 0) > SAMPLED_FROM)]
         if missed:
             row["false all-clear"] += 1
             row["detail"].append(f"in sync at {s} while {[k[1] for k in missed][:3]} differed")
     blame = rec.get("blame") or {}
-    if blame.get("ranks"):
+    if blame.get("ranks") and all(diff.values()):  # judged where the truth knows who deviates
         dev = set().union(*diff.values()) if diff else set()
         if set(blame["ranks"]) - dev:
             row["false blame"] += 1
@@ -162,17 +172,16 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
 
 
 def _first_of_current(truth: Truth, s: int) -> int | None:
-    """The first step of the divergence in front of the record at ``s`` (E points, params/state/buffers)."""
+    """The first step of the divergence in front of the record at ``s``: the first ``E`` point that differs
+    after the last point (any label) at which the ranks agreed on every tensor but gradients."""
     keys = [k for k in truth.keys if k[0] != "grad"]
-    first = None
-    for t in range(s, 0, -1):
-        if ("E", t) not in truth.points:
-            continue
-        if any(truth.deviating(k, ("E", t)) for k in keys):
-            first = t
-        else:
-            break
-    return first
+    pts = [p for p in truth.points if p[0] in "QPEX"]
+    if ("E", s) not in pts:
+        return None
+    upto = pts[: pts.index(("E", s)) + 1]
+    agreed = [i for i, p in enumerate(upto) if not any(truth.differs(k, p) for k in keys)]
+    after = upto[agreed[-1] + 1 :] if agreed else upto
+    return next((p[1] for p in after if p[0] == "E" and any(truth.differs(k, p) for k in keys)), None)
 
 
 def _repairs(truth: Truth, records: list[dict[str, Any]], row: dict[str, Any]) -> None:
@@ -241,7 +250,8 @@ def score(case: Case, res: Any) -> dict[str, Any]:
     _repairs(truth, records, row)
     row["truth_first"] = next((t for lbl, t in truth.points if lbl == "E" and truth.diffs([("E", t)])), None)
     diverged = truth.diffs([p for p in truth.points if p[0] in "QPEX"])
-    if case.faulty_rank is not None and diverged and not row.pop("_named", False):
+    visible = row.pop("_visible", False) or (case.pinpoint and truth.diffs([p for p in truth.points if p[0] == "E"]))
+    if case.faulty_rank is not None and visible and not row.pop("_named", False):
         row["fault not named"] = 1
         row["detail"].append(f"not named: {sorted(k[1] for k in diverged)[:4]}")
     row.pop("_named", None)
