@@ -211,7 +211,7 @@ def averaged(loss: torch.Tensor) -> torch.Tensor:
 
     mean = loss.detach().clone()
     dist.all_reduce(mean)
-    return loss + (mean / dist.get_world_size() - loss.detach())
+    return loss - loss.detach() + mean / dist.get_world_size()  # x - x is exactly 0: the value is the mean's
 
 
 def build_scheduler(case: Case, opt: torch.optim.Optimizer) -> Any:
