@@ -183,7 +183,10 @@ def test_expert_missing_on_one_rank_of_its_group_is_found_and_named_with_its_sta
 KNOWN: dict[str, str] = {
     "crash": "new, found by this campaign: attribution=True with the Hugging Face Trainer raises AttributeError "
     "('AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks') at the first step",
-    "blame undecided": "issue 41 item 3: an overlapped audit never sees attribution (branch compose)",
+    "repair from corrupted": "issue 41 items 2-5: with attribution on and the blame undecided (overlap, LBFGS, "
+    "accumulation), a tie resyncs from resync_src, the corrupted rank 0 (branches compose, attrib)",
+    "blame undecided": "issue 41 items 3-6: overlapped audits never see attribution; LBFGS and accumulation "
+    "replays; GradScaler with fused Adam (branches compose, attrib)",
     "wrong cause": "issue 41 items 3 and 7: an overlapped record is blamed by the vote only; a whole-tensor "
     "write is called memory at rest (branches compose, attrib)",
     "duplicate batch not noted": "issue 41 item 8: check_batches with overlap never runs (branch compose)",
