@@ -18,9 +18,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch import nn
-
 from campaign_cover import FACTORS, Row
+from torch import nn
 
 STEPS = 12
 """Optimizer steps per run."""
@@ -73,7 +72,7 @@ class Case:
             return []
         first = [(self.faulty_rank, self.fault_step)]
         found = -(-self.fault_step // EVERY) * EVERY  # the audit that finds the first fault
-        return first + [(1, found + EVERY)] if self.variant == "fault01" else first  # found by the next audit
+        return [*first, (1, found + EVERY)] if self.variant == "fault01" else first  # found by the next audit
 
     def corrupted_at(self, step: int) -> int | None:
         """The rank whose fault is the latest planted at or before ``step`` (``None``: none yet, or healthy)."""

@@ -54,7 +54,6 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 def run_case(case: Case, rank: int, world: int) -> dict[str, Any] | None:
     """Run ``case`` on this rank, gather the truth; rank 0 returns what the parent scores (others ``None``)."""
     import torch.distributed as dist
-
     from campaign_truth import gather
 
     report = Path(tempfile.gettempdir()) / f"weightsync-pairs-{os.getppid()}-{case.run_id}.jsonl"

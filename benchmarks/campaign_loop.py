@@ -13,12 +13,22 @@ from contextlib import nullcontext
 from typing import Any
 
 import torch
+from campaign_case import (
+    CLAMP,
+    EVERY,
+    STEPS,
+    Case,
+    Faults,
+    Net,
+    averaged,
+    batches,
+    build_optimizer,
+    build_scheduler,
+    freeze,
+)
+from campaign_truth import Capture
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from campaign_case import CLAMP, EVERY, STEPS, Case, Faults, Net, averaged, batches, build_optimizer, build_scheduler
-from campaign_case import freeze
-from campaign_truth import Capture
 
 TIMEOUT_S = 30.0
 """The audit's own deadline (``timeout_s``): a rank missing from an audit makes the others raise in time."""

@@ -3,6 +3,7 @@ adapter, fault, world size), healthy and with a planted fault on rank 0 and on r
 
     python benchmarks/campaign.py --pairs --slice ci      # every value of every factor once (~1-2 min)
     python benchmarks/campaign.py --pairs --slice full    # every pair, and the focus rows (docs/reliability.md)
+    python benchmarks/campaign.py --pairs --row '{"overlap": true, "pattern": "clamp"}'   # one row: a reproduction
 
 First the adapters are probed: each pair of option values (and, for ``LoopAudit``, which is given the
 optimizer, each option value with each optimizer) is constructed alone; a pair the library refuses at
@@ -26,8 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: F401 - puts the repository and tests/ on the path
 from campaign_case import Case, make_cases
-from campaign_cover import FACTORS, FOCUS, NOT_APPLICABLE, OPTIONS, Pair, all_pairs, each_value_once, focus_rows
-from campaign_cover import row_pairs, uncovered
+from campaign_cover import (
+    FACTORS,
+    FOCUS,
+    NOT_APPLICABLE,
+    OPTIONS,
+    Pair,
+    all_pairs,
+    each_value_once,
+    focus_rows,
+    row_pairs,
+    uncovered,
+)
 from campaign_exec import RUN_TIMEOUT_S, Executor
 from campaign_score import COLUMNS, FAILURES, failing, score, summarize
 
@@ -109,10 +120,23 @@ def plan(seed: int, slice_: str, refused: dict[Pair, str]) -> tuple[list[dict[st
     return rows, list(range(len(rows))), design
 
 
-def run(seed: int, slice_: str, *, timeout_s: float = RUN_TIMEOUT_S, log: Any = None) -> dict[str, Any]:
-    """Probe, plan, run and score; everything the table and the tests read."""
-    refused = probe()
-    rows, picked, design = plan(seed, slice_, refused)
+def run(
+    seed: int,
+    slice_: str,
+    *,
+    timeout_s: float = RUN_TIMEOUT_S,
+    log: Any = None,
+    only: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Probe, plan, run and score; everything the table and the tests read. ``only``: run these rows instead
+    (each completed with every other factor's first value; no probe): a reproduction."""
+    if only is not None:
+        refused: dict[Pair, str] = {}
+        rows = [{f: {**{g: v[0] for g, v in FACTORS.items()}, **r}[f] for f in FACTORS} for r in only]
+        picked, design = list(range(len(rows))), len(rows)
+    else:
+        refused = probe()
+        rows, picked, design = plan(seed, slice_, refused)
     cases = [c for c in make_cases(rows, seed) if c.row in picked]
     results: list[dict[str, Any]] = []
 
@@ -157,6 +181,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="write every run's row here")
     p.add_argument("--run-timeout", type=float, default=RUN_TIMEOUT_S)
+    p.add_argument(
+        "--row",
+        action="append",
+        default=None,
+        metavar="JSON",
+        help="run only this row (factors not named take their first value), e.g. '{\"overlap\": true}'",
+    )
     args = p.parse_args(argv)
     t0 = time.monotonic()
 
@@ -165,7 +196,8 @@ def main(argv: list[str]) -> int:
         print(f"[{time.monotonic() - t0:6.0f}s] {row['run_id']} {row['describe']}: {', '.join(bad) or 'ok'}",
               file=sys.stderr, flush=True)  # fmt: skip
 
-    out = run(args.seed, args.slice, timeout_s=args.run_timeout, log=log)
+    only = [json.loads(r) for r in args.row] if args.row else None
+    out = run(args.seed, args.slice, timeout_s=args.run_timeout, log=log, only=only)
     command = "python benchmarks/campaign.py --pairs " + " ".join(argv)
     print(report(out, command, time.monotonic() - t0))
     if args.json:

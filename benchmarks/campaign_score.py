@@ -140,7 +140,9 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
         lo, hi = transient.get("first_diverged_step") or prev, transient.get("last_diverged_step") or s
         seen = _between(truth, lo - 1, hi + 1)
         for n in transient.get("names") or []:
-            keys = [k for k in _matches(n, "param", truth) + _matches(n, "optimizer", truth) + _matches(n, "buffer", truth)]
+            keys = [
+                k for k in _matches(n, "param", truth) + _matches(n, "optimizer", truth) + _matches(n, "buffer", truth)
+            ]
             if keys and not any(k in seen for k in keys):
                 wrong.append(f"transient {n}")
             elif any(k in seen for k in keys):
@@ -200,7 +202,9 @@ def _repairs(truth: Truth, records: list[dict[str, Any]], row: dict[str, Any]) -
                 bad = truth.values(k, a)[dev[0]]
                 if after[0] == bad and after[0] != truth.reference(k, a):
                     near = [r for r in records if r.get("action") == "resynced" and covers_step(r) in (a[1], a[1] - 1)]
-                    evidence = case.world > 2 or case.attribution or any((r.get("blame") or {}).get("ranks") for r in near)
+                    evidence = (
+                        case.world > 2 or case.attribution or any((r.get("blame") or {}).get("ranks") for r in near)
+                    )
                     col = "repair from corrupted" if evidence else "tie repair"
                     row[col] += 1
                     row["detail"].append(f"{col}: {k[1]} at {a_label}{a[1]}->{b_label}{a[1]} took rank {dev}'s bytes")

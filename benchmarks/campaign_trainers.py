@@ -17,12 +17,23 @@ import tempfile
 from typing import Any
 
 import torch
-from torch import nn
-
-from campaign_case import BATCH, EVERY, STEPS, TOKENS, VOCAB, Case, Faults, Net, build_optimizer, build_scheduler
-from campaign_case import averaged, freeze
+from campaign_case import (
+    BATCH,
+    EVERY,
+    STEPS,
+    TOKENS,
+    VOCAB,
+    Case,
+    Faults,
+    Net,
+    averaged,
+    build_optimizer,
+    build_scheduler,
+    freeze,
+)
 from campaign_loop import TIMEOUT_S, clamp, ended
 from campaign_truth import Capture
+from torch import nn
 
 
 def _rows(case: Case, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,7 +104,9 @@ def run_lightning(case: Case, rank: int, world: int, report_path: str) -> tuple[
             holder["handles"] = holder["faults"].attach(opt)  # before the library's hooks
             holder["cap"].attach(opt, lambda: self.trainer.global_step + 1)
             sched = build_scheduler(case, opt)
-            return opt if sched is None else {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            return (
+                opt if sched is None else {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+            )
 
     model = LitNet()
     faults = holder["faults"] = Faults(case, rank, model)

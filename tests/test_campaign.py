@@ -217,7 +217,9 @@ def test_the_design_covers_every_pair_once_seeded_and_never_an_impossible_one() 
     assert {(f, rows[i][f]) for i in picked for f in FACTORS} == {(f, v) for f in FACTORS for v in FACTORS[f]}
     cases = make_cases(rows, 0)
     assert len(cases) == 4 * len(rows) and {c.faulty_rank for c in cases} == {None, 0, 1}
-    for c in cases:  # the second fault of fault01: found by the audit (every 2 steps) after the one that finds the first
+    for (
+        c
+    ) in cases:  # the second fault of fault01: found by the audit (every 2 steps) after the one that finds the first
         assert c.variant != "fault01" or c.plants() == [(0, c.fault_step), (1, c.fault_step + c.fault_step % 2 + 2)]
     assert all(4 <= c.fault_step <= 7 < STEPS for c in cases)
 
