@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import pickle
 import queue
 import sys
@@ -76,15 +75,9 @@ def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[s
     that did not; runs after it are left for the next batch.
     """
     import torch._dynamo  # noqa: F401 - DDP imports it lazily; once here, every forked rank inherits it
-    from ranks import free_port
+    from campaign_exec import fork_ranks, reap
 
-    world = specs[0].world
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(specs, r, world, port, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, q = fork_ranks(_rank_main, specs, specs[0].world)
     got: dict[str, Any] = {}
     grace_s = 2.0  # for the ranks to leave by themselves; none after a hang: they are stuck, killed at once
     try:
@@ -100,11 +93,7 @@ def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[s
             if any(got[run_id]["errors"]):
                 break
     finally:
-        for p in procs:
-            p.join(timeout=grace_s)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, grace_s)
     return got
 
 

@@ -107,17 +107,31 @@ def _rank_main(cases: list[Case], rank: int, world: int, port: int, q: Any) -> N
         leave(q)
 
 
-def _batch(cases: list[Case], timeout_s: float, on_result: Callable[[Case, Any], None]) -> None:
-    """Run ``cases`` (one world size) in one set of forked ranks until one hangs, crashes or all are done."""
+def fork_ranks(target: Callable[..., None], work: list[Any], world: int) -> tuple[list[Any], Any]:
+    """``world`` forked processes running ``target(work, rank, world, port, queue)``, started; and the queue."""
     from ranks import free_port
 
-    world = cases[0].world
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(cases, r, world, port, q), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(work, r, world, port, q), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+    return procs, q
+
+
+def reap(procs: list[Any], grace_s: float) -> None:
+    """Wait ``grace_s`` for each process to leave by itself, then kill it (after a hang: at once)."""
+    for p in procs:
+        p.join(timeout=grace_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _batch(cases: list[Case], timeout_s: float, on_result: Callable[[Case, Any], None]) -> None:
+    """Run ``cases`` (one world size) in one set of forked ranks until one hangs, crashes or all are done."""
+    procs, q = fork_ranks(_rank_main, cases, cases[0].world)
     by_id = {c.run_id: c for c in cases}
     seen: set[str] = set()
     grace = 2.0
@@ -135,11 +149,7 @@ def _batch(cases: list[Case], timeout_s: float, on_result: Callable[[Case, Any],
             if "fatal" in res or any(s.get("error") for s in res["statuses"]):
                 break
     finally:
-        for p in procs:
-            p.join(timeout=grace)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, grace)
 
 
 class Executor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from campaign_case import (
@@ -43,6 +43,37 @@ def ended(exc: BaseException) -> dict[str, Any]:
     import traceback
 
     return {"error": f"{type(exc).__name__}: {str(exc)[:600]}", "trace": traceback.format_exc()[-3000:]}
+
+
+def construct(build: Callable[[], Any]) -> tuple[Any, dict[str, Any] | None]:
+    """The adapter ``build()`` makes, or the refusal it raised at construction (the campaign's own column)."""
+    try:
+        return build(), None
+    except Exception as exc:  # noqa: BLE001 - a refusal: its words are the point
+        return None, {"refused": f"{type(exc).__name__}: {exc}"}
+
+
+def finish(
+    train: Callable[[], None], cap: Capture, faults: Faults, handles: Callable[[], list[Any]], close: Any = None
+) -> dict[str, Any]:
+    """Run ``train``; how it ended (raised as asked, or a crash) and the steps the faults were planted at.
+    The capture's and the faults' hooks come off whatever happens; ``close`` ends the adapter after an error."""
+    out: dict[str, Any] = {}
+    try:
+        train()
+    except Exception as exc:  # noqa: BLE001 - scored: raised as asked, or a crash
+        out.update(ended(exc))
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the run's own error is the one reported
+                pass
+    finally:
+        cap.detach()
+        for h in handles():
+            h.remove()
+    out["planted"] = faults.planted
+    return out
 
 
 def clamp(model: nn.Module) -> None:
@@ -109,15 +140,18 @@ def run_loop(case: Case, rank: int, world: int, report_path: str) -> tuple[Captu
     cap.attach(opt, lambda: faults.step)
     data = batches(case, rank, STEPS, 2 if case.pattern == "accumulate" else 1)
     scaler = torch.amp.GradScaler("cpu") if case.pattern == "scaler" else None
-    out: dict[str, Any] = {}
-    try:
-        audit = LoopAudit(
+    audit, refused = construct(
+        lambda: LoopAudit(
             ddp, opt, every_n_steps=EVERY, verbose=False, report_path=report_path, timeout_s=TIMEOUT_S, **case.options()
         )
-    except Exception as exc:  # noqa: BLE001 - a refusal at construction: the campaign's own column
+    )
+    if refused is not None:
         cap.detach()
-        return cap, {"refused": f"{type(exc).__name__}: {exc}"}
-    try:
+        for h in handles:
+            h.remove()
+        return cap, refused
+
+    def train() -> None:
         for step in range(1, STEPS + 1):
             faults.at_start(step)
             micro = data[step - 1]
@@ -134,15 +168,6 @@ def run_loop(case: Case, rank: int, world: int, report_path: str) -> tuple[Captu
             if case.pattern == "clamp":
                 clamp(model)
         audit.close()
-    except Exception as exc:  # noqa: BLE001 - scored: raised as asked, or a crash
-        out.update(ended(exc))
-        try:
-            audit.close()
-        except Exception:  # noqa: BLE001 - the run's own error is the one reported
-            pass
-    finally:
-        cap.detach()
-        for h in handles:
-            h.remove()
-    out["planted"] = faults.planted
+
+    out = finish(train, cap, faults, lambda: handles, close=audit.close)
     return cap, out

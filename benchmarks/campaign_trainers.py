@@ -31,7 +31,7 @@ from campaign_case import (
     build_scheduler,
     freeze,
 )
-from campaign_loop import TIMEOUT_S, clamp, ended
+from campaign_loop import TIMEOUT_S, clamp, construct, finish
 from campaign_truth import Capture
 from torch import nn
 
@@ -80,12 +80,13 @@ def run_lightning(case: Case, rank: int, world: int, report_path: str) -> tuple[
 
     from weightsync_audit import WeightSyncAudit
 
-    try:
-        audit = WeightSyncAudit(
+    audit, refused = construct(
+        lambda: WeightSyncAudit(
             every_n_train_steps=EVERY, verbose=False, report_path=report_path, timeout_s=TIMEOUT_S, **case.options()
         )
-    except Exception as exc:  # noqa: BLE001 - a refusal at construction: the campaign's own column
-        return None, {"refused": f"{type(exc).__name__}: {exc}"}
+    )
+    if refused is not None:
+        return None, refused
     holder: dict[str, Any] = {}
 
     class LitNet(pl.LightningModule):
@@ -134,17 +135,8 @@ def run_lightning(case: Case, rank: int, world: int, report_path: str) -> tuple[
         callbacks=[Before(), audit, After()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=tempfile.gettempdir(),
     )  # fmt: skip
-    out: dict[str, Any] = {}
-    try:
-        trainer.fit(model, DataLoader(TensorDataset(ids, y), batch_size=BATCH))
-    except Exception as exc:  # noqa: BLE001 - scored: raised as asked, or a crash
-        out.update(ended(exc))
-    finally:
-        cap.detach()
-        for h in holder.get("handles", []):
-            h.remove()
-    out["planted"] = faults.planted
-    return cap, out
+    data = DataLoader(TensorDataset(ids, y), batch_size=BATCH)
+    return cap, finish(lambda: trainer.fit(model, data), cap, faults, lambda: holder.get("handles", []))
 
 
 class HFNet(Net):
@@ -161,12 +153,13 @@ def run_hf(case: Case, rank: int, world: int, report_path: str) -> tuple[Capture
 
     from weightsync_audit.transformers import WeightSyncAuditCallback
 
-    try:
-        audit = WeightSyncAuditCallback(
+    audit, refused = construct(
+        lambda: WeightSyncAuditCallback(
             every_n_steps=EVERY, verbose=False, report_path=report_path, timeout_s=TIMEOUT_S, **case.options()
         )
-    except Exception as exc:  # noqa: BLE001 - a refusal at construction: the campaign's own column
-        return None, {"refused": f"{type(exc).__name__}: {exc}"}
+    )
+    if refused is not None:
+        return None, refused
     model = HFNet(case.seed, ema=case.pattern == "ema")
     freeze(case, model)
     opt = build_optimizer(case, model)
@@ -203,14 +196,4 @@ def run_hf(case: Case, rank: int, world: int, report_path: str) -> tuple[Capture
         optimizers=(opt, build_scheduler(case, opt)),
     )  # fmt: skip
     state["trainer"] = trainer
-    out: dict[str, Any] = {}
-    try:
-        trainer.train()
-    except Exception as exc:  # noqa: BLE001 - scored: raised as asked, or a crash
-        out.update(ended(exc))
-    finally:
-        cap.detach()
-        for h in handles:
-            h.remove()
-    out["planted"] = faults.planted
-    return cap, out
+    return cap, finish(trainer.train, cap, faults, lambda: handles)
