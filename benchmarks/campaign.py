@@ -9,13 +9,17 @@ exact bytes of everything audited at every step; the parent compares them (:mod:
 scores each run: detected, localized (tensor names and ranks), exact first step, latency in steps, false
 alarms, hangs. Prints one markdown table per fault kind with totals, and the command that made it.
 ``--runs-per-kind`` counts runs per kind *and* world size.
+
+``--pairs`` runs the combination campaign instead (:mod:`campaign_pairs`: every pair of options, training
+patterns, adapters and faults, scored against bytes gathered from every rank):
+
+    python benchmarks/campaign.py --pairs --slice full --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import pickle
 import queue
 import sys
@@ -71,15 +75,9 @@ def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[s
     that did not; runs after it are left for the next batch.
     """
     import torch._dynamo  # noqa: F401 - DDP imports it lazily; once here, every forked rank inherits it
-    from ranks import free_port
+    from campaign_exec import fork_ranks, reap
 
-    world = specs[0].world
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(specs, r, world, port, q), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
+    procs, q = fork_ranks(_rank_main, specs, specs[0].world)
     got: dict[str, Any] = {}
     grace_s = 2.0  # for the ranks to leave by themselves; none after a hang: they are stuck, killed at once
     try:
@@ -95,11 +93,7 @@ def _batch(specs: list[RunSpec], run_timeout_s: float, on_result: Any) -> dict[s
             if any(got[run_id]["errors"]):
                 break
     finally:
-        for p in procs:
-            p.join(timeout=grace_s)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(procs, grace_s)
     return got
 
 
@@ -199,6 +193,11 @@ def _line(kind: str, rs: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--pairs" in argv:  # the combination campaign (benchmarks/campaign_pairs.py)
+        from campaign_pairs import main as pairs
+
+        return pairs([a for a in argv if a != "--pairs"])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs-per-kind", type=int, default=6, help="runs of each kind on each world size")
     p.add_argument("--worlds", default="2,4", help="comma-separated world sizes")
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     rows = execute(specs, args.run_timeout, log)
-    cmd = "python benchmarks/campaign.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python benchmarks/campaign.py " + " ".join(argv)
     print(summarize(rows))
     repeated = sum(r["repeated_transients"] for r in rows)
     if repeated:
