@@ -40,6 +40,7 @@ from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
@@ -92,7 +93,7 @@ class StepWatch:
     ) -> None:
         self.config = config
         self.prepare = prepare
-        self.optimizers = list(optimizers)
+        self.optimizers = [stepping_optimizer(o) for o in optimizers]  # hooks where the step runs
         self.names = names
         self.method = method
         self.records: deque[dict[str, Any]] = deque(maxlen=capacity)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["remember_wrapper", "unwrap_optimizer", "wrapper_of"]
+__all__ = ["remember_wrapper", "stepping_optimizer", "unwrap_optimizer", "wrapper_of"]
 
 _WRAPPERS: weakref.WeakKeyDictionary[Any, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
@@ -56,3 +56,24 @@ def unwrap_optimizer(opt: Any) -> Any:
     last_engine = max(i for i, o in enumerate(chain) if not isinstance(o, torch.optim.Optimizer))
     remember_wrapper(below[-1], chain[last_engine])
     return below[-1]
+
+
+def stepping_optimizer(opt: Any) -> Any:
+    """The torch optimizer whose ``step`` runs inside ``opt``'s: ``opt`` itself, or, below a wrapper that
+    subclasses ``torch.optim.Optimizer`` without its constructor (Accelerate's ``AcceleratedOptimizer``,
+    which holds no step hooks of its own), the innermost torch optimizer it steps.
+
+    >>> import torch
+    >>> sgd = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    >>> stepping_optimizer(sgd) is sgd
+    True
+    """
+    import torch
+
+    seen = [opt]
+    while len(seen) < 6:
+        inner = getattr(seen[-1], "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or any(inner is o for o in seen):
+            break
+        seen.append(inner)
+    return seen[-1] if len(seen) > 1 and not hasattr(opt, "_optimizer_step_pre_hooks") else opt
