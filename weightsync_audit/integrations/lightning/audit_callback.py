@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from typing_extensions import override
 
 from weightsync_audit.engine.checkpoints.resume_state import rng_now
-from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.config import OnMismatch, check_flag
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.lightning.hook_routes import route_hooks
 from weightsync_audit.integrations.resume_sources import lightning_resume
@@ -107,7 +107,10 @@ class WeightSyncAuditMixin:
             and backward run; its verdict (report, ``raise``, ``resync``) is acted on before the next
             optimizer update, and the record's ``overlap.covers_step`` says which step it covers
             (docs/performance.md).
-        options: all of the above but the cadence and ``hooks`` as one :class:`~weightsync_audit.AuditOptions`
+        check_batches: at each audited optimizer step also compare a digest of every rank's batch (the
+            one ``on_train_batch_end`` receives): ranks that trained on identical batches (a sampler that
+            is not distributed) are named in the record's notes.
+        options: all of the above but the cadence, ``hooks`` and ``check_batches`` as one :class:`~weightsync_audit.AuditOptions`
             (then none of them may be given flat); each also reads as an attribute (``callback.include``).
 
     Example::
@@ -138,9 +141,11 @@ class WeightSyncAuditMixin:
         attribution: Any = False,
         overlap: bool = False,
         options: AuditOptions | None = None,
+        check_batches: bool = False,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
+        self.check_batches = check_flag(check_batches, "check_batches")
         super().__init__()
         check_every_n(every_n_train_steps, "every_n_train_steps")
         if isinstance(hooks, str):
@@ -152,7 +157,7 @@ class WeightSyncAuditMixin:
             raise ValueError(f"hooks={tuple(hooks)!r}: unknown hook(s) {unknown}; choose from {list(AUDIT_HOOKS)}")
         # The options every callback shares, validated (errors name the argument), taken whole by the session.
         self.options = AuditOptions.given(locals(), options)
-        self.session = TrainerSession(self.options, every_n_train_steps)
+        self.session = TrainerSession(self.options, every_n_train_steps, check_batches=self.check_batches)
         self.runner = self.session.runner
         self._saving: Any = None
         self.config = self.runner.config
@@ -230,7 +235,8 @@ class WeightSyncAuditMixin:
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
-        if self.session.after_step(trainer.strategy.model, list(trainer.optimizers), trainer.global_step):
+        model, optimizers, step = trainer.strategy.model, list(trainer.optimizers), trainer.global_step
+        if self.session.after_step(model, optimizers, step, batch=batch if self.check_batches else None):
             self._run(trainer, "on_train_batch_end", after_step=True)  # overlap=True: launched here
 
     @override

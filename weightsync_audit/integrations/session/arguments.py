@@ -40,6 +40,13 @@ CADENCE_NAMES = {
 }
 
 
+_ADAPTER_ONLY = {
+    "check_batches": "check_batches is LoopAudit's and the Lightning callback's (WeightSyncAudit): the Hugging "
+    "Face Trainer hands its callbacks no batch to compare",
+}
+"""Options some adapters cannot take, with the reason (the unknown-option error says it)."""
+
+
 def reject_unknown_options(
     owner: Callable[..., Any], unknown: dict[str, Any], cadence: str, name: str | None = None
 ) -> None:
@@ -58,7 +65,9 @@ def reject_unknown_options(
 
     known = [n for n in inspect.signature(owner).parameters if n not in ("self", "args", "kwargs", "unknown")]
     given, value = next(iter(unknown.items()))
-    if given in CADENCE_NAMES and given != cadence:
+    if given in _ADAPTER_ONLY and given not in known:
+        suggestion = _ADAPTER_ONLY[given]
+    elif given in CADENCE_NAMES and given != cadence:
         suggestion = f"did you mean {cadence}={value!r}? ({given} is {CADENCE_NAMES[given]})"
     else:
         close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
