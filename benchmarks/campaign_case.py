@@ -12,6 +12,7 @@ compute fault inside the update), registered before the library's own hooks.
 
 from __future__ import annotations
 
+import ctypes
 import random
 import zlib
 from dataclasses import asdict, dataclass
@@ -227,10 +228,17 @@ def named(model: nn.Module, suffix: str) -> torch.Tensor:
 
 
 def flip_bit(t: torch.Tensor, index: int, bit: int) -> None:
+    """One bit of one float32 element flipped as the memory does: behind torch's back, so that no version
+    counter moves (on the CPU through its address, inside the tensor's own storage)."""
+    index %= t.numel()
+    if t.is_cpu and t.is_contiguous() and t.dtype == torch.float32:
+        word = ctypes.c_uint32.from_address(t.data_ptr() + 4 * index)
+        word.value ^= 1 << bit
+        return
     with torch.no_grad():
         flat = t.detach().view(-1)
-        word = flat[index % flat.numel()].view(1).view(torch.int32)
-        word ^= 1 << bit
+        word_t = flat[index].view(1).view(torch.int32)
+        word_t ^= 1 << bit
 
 
 class Faults:

@@ -6,7 +6,9 @@ covers ``Q``/``P``). The true value of a tensor is the one a rank without a plan
 rank 2; with 2, the rank not faulted), known from the plan, not from a vote. Columns, each a count of runs:
 
 - ``false alarm``: a record names a tensor whose bytes were equal on every rank at every point of its window
-  (or says diverged with nothing differing; or a ``transient`` naming what never differed);
+  (or says diverged with nothing differing; or a ``transient`` naming what never differed; or a
+  hyper-parameter said to have "differed as optimizer step s read it" where no lr fault was planted at ``s``
+  on a rank it names);
 - ``false all-clear``: an in-sync record while an audited tensor differed at every point of its window (a
   sampled record is not held to tensors over 64 KiB, which it reads a slice of);
 - ``false blame``: a ``blame`` names a rank whose bytes equal the reference value throughout the window;
@@ -32,11 +34,13 @@ from campaign_case import Case
 from campaign_cover import FACTORS
 from harness import table
 
+from weightsync_audit.text import BEFORE_STEP
+
 SAMPLED_FROM = 65536
 """Bytes over which ``coverage="1/4"`` reads a slice of a tensor per audit."""
 EXPECTED: dict[str, tuple[str, bool]] = {
     "flip": ("at_rest_change", True),
-    "write": ("at_rest_change", False),
+    "write": ("at_rest_write", False),
     "compute": ("update_not_reproducible", True),
     "lr": ("deterministic_difference", False),
 }
@@ -128,6 +132,15 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
     mism = rec.get("mismatches") or []
     wrong = []
     for m in mism:
+        said = str(m.get("detail") or "")
+        if said.startswith(BEFORE_STEP):  # a hyper-parameter that differed as a step read it, equal since
+            read_at = int(said[len(BEFORE_STEP) :].split()[0])
+            lr_planted = case.fault == "lr" and any(st == read_at and r in m["ranks"] for r, st in case.plants())
+            if lr_planted:
+                row["_named"] = True
+            else:
+                wrong.append(m["name"])
+            continue
         keys = _matches(m["name"], m["kind"], truth)
         if not keys:
             row["unknown names"].append(m["name"])
