@@ -135,7 +135,8 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
         said = str(m.get("detail") or "")
         if said.startswith(BEFORE_STEP):  # a hyper-parameter that differed as a step read it, equal since
             read_at = int(said[len(BEFORE_STEP) :].split()[0])
-            lr_planted = case.fault == "lr" and any(st == read_at and r in m["ranks"] for r, st in case.plants())
+            sides = m["ranks"] + (m.get("reference_ranks") or []) if case.world == 2 else m["ranks"]  # a tie: either
+            lr_planted = case.fault == "lr" and any(st == read_at and r in sides for r, st in case.plants())
             if lr_planted:
                 row["_named"] = True
             else:
@@ -265,7 +266,7 @@ def score(case: Case, res: Any) -> dict[str, Any]:
         _record(truth, rec, prev, row)
         prev = covers_step(rec)
     _repairs(truth, records, row)
-    row["truth_first"] = next((t for lbl, t in truth.points if lbl == "E" and truth.diffs([("E", t)])), None)
+    row["truth_first"] = next((t for lbl, t in truth.points if lbl in "QPEX" and truth.diffs([(lbl, t)])), None)
     diverged = truth.diffs([p for p in truth.points if p[0] in "QPEX"])
     visible = row.pop("_visible", False) or (case.pinpoint and truth.diffs([p for p in truth.points if p[0] == "E"]))
     if case.faulty_rank is not None and visible and not row.pop("_named", False):

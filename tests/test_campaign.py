@@ -180,21 +180,6 @@ def test_expert_missing_on_one_rank_of_its_group_is_found_and_named_with_its_sta
 # -- the combination campaign (benchmarks/campaign.py --pairs) ------------------------------------------------
 
 
-KNOWN: dict[str, str] = {
-    "crash": "new, found by this campaign: attribution=True with the Hugging Face Trainer raises AttributeError "
-    "('AcceleratedOptimizer' object has no attribute '_optimizer_step_pre_hooks') at the first step",
-    "repair from corrupted": "issue 41 items 2-5: with attribution on and the blame undecided (overlap, LBFGS, "
-    "accumulation), a tie resyncs from resync_src, the corrupted rank 0 (branches compose, attrib)",
-    "blame undecided": "issue 41 items 3-6: overlapped audits never see attribution; LBFGS and accumulation "
-    "replays; GradScaler with fused Adam (branches compose, attrib)",
-    "wrong cause": "issue 41 items 3 and 7: an overlapped record is blamed by the vote only; a whole-tensor "
-    "write is called memory at rest (branches compose, attrib)",
-    "duplicate batch not noted": "issue 41 item 8: check_batches with overlap never runs (branch compose)",
-}
-"""Columns of the CI slice that today's main fails, with the item (and branch) that fixes each: the tests of
-those columns are expected failures until the fixes are merged (not strict: they pass then)."""
-
-
 @pytest.fixture(scope="module")
 def pairs() -> dict[str, Any]:
     from campaign_pairs import report, run
@@ -243,13 +228,27 @@ def test_the_oracle_sees_nothing_in_healthy_runs_and_each_fault_at_its_step(pair
             assert r["truth_first"] == c["fault_step"], r  # the planted fault, at its step, on its rank
 
 
-@pytest.mark.parametrize(
-    "column",
-    [pytest.param(c, marks=pytest.mark.xfail(reason=KNOWN[c], strict=False)) if c in KNOWN else c for c in COLUMNS],
-)
+UNDECIDED_BY_DESIGN = {
+    ("pattern", "clamp"): "a post-step clamp writes at rest on every rank: a flip beside it leaves no rank's own "
+    "record standing out, and with 2 ranks nothing else decides (docs/reliability.md, 9c)",
+    ("optimizer", "lbfgs"): "a closure optimizer's update cannot be replayed from copies: a compute fault inside "
+    "it is undecided, and the record says why",
+}
+"""Where an undecided blame is the honest answer (never a false one): the record says why, and no repair
+follows from it on evidence it does not have."""
+
+
+@pytest.mark.parametrize("column", COLUMNS)
 def test_no_run_of_the_ci_slice_fails_this_column(pairs: dict[str, Any], column: str) -> None:
-    bad = [f"{r['run_id']} {r['describe']}: {r['detail'][:2]}" for r in pairs["results"] if r[column]]
+    def excused(r: dict[str, Any]) -> bool:
+        return column == "blame undecided" and any(r["case"][f] == v for f, v in UNDECIDED_BY_DESIGN)
+
+    bad = [
+        f"{r['run_id']} {r['describe']}: {r['detail'][:2]}" for r in pairs["results"] if r[column] and not excused(r)
+    ]
     assert bad == [], "\n".join(bad)
+    if column == "blame undecided":  # an excused one still says why it could not decide
+        assert all("undecided at" in d for r in pairs["results"] if r[column] for d in r["detail"][:1])
 
 
 def _truth(world: int, values: dict[str, dict[tuple[str, int], list[int]]]) -> dict[str, Any]:
