@@ -111,11 +111,11 @@ def check_kinds(device: torch.device, size: str) -> list[Row]:
 
 def check_cost(device: torch.device, dry: bool) -> Row:
     """The step time with each attribution option against none, on 2 ranks sharing the device."""
-    width, layers, batch, steps = (64, 2, 16, 4) if dry else (2048, 4, 512, 10)
-    got = launch(step_times, 2, width, layers, batch, steps, str(device), timeout=300)
+    width, layers, batch, steps, rounds = (64, 2, 16, 4, 1) if dry else (2048, 4, 512, 10, 3)
+    got = launch(step_times, 2, width, layers, batch, steps, rounds, str(device), timeout=300)
     times, moved = got[0]["times"], got[0]["moved_at_rest"] + got[1]["moved_at_rest"]
     base = times["none"]
-    ratios = ", ".join(f"{k} x{v / base:.3f}" for k, v in times.items() if k != "none")
+    ratios = ", ".join(f"{k} x{v:.3f}" for k, v in got[0]["ratios"].items() if k != "none")
     params = layers * (width * width + width)
     return (
         "attribution cost",

@@ -46,6 +46,8 @@ MARGIN = 1.5
 """The late read starts this many read-lengths before the window's predicted end."""
 WINDOWS = 8
 """Windows whose shortest predicts the next one's end."""
+JOIN_S = 10.0
+"""How long closing waits for a worker thread to end."""
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -151,6 +153,7 @@ class RestReader:
             self._window = None
         if self._thread is not None:
             self._jobs.put(None)
+            self._thread.join(timeout=JOIN_S)  # ended before the interpreter is, never half-way
             self._thread = None
 
 
@@ -193,4 +196,5 @@ class Deferred:
         """End the worker thread once its jobs have run."""
         if self._thread is not None:
             self._jobs.put(None)
+            self._thread.join(timeout=JOIN_S)
             self._thread = None

@@ -94,6 +94,10 @@ class PendingAudit:
         return self._result
 
 
+JOIN_S = 10.0
+"""How long closing waits for a worker thread to end (it has nothing left to run by then)."""
+
+
 class _Worker:
     """One daemon thread that runs the audits handed to it, in order."""
 
@@ -230,6 +234,7 @@ class OverlapWindow:
                 self._hook = None
             if self._worker is not None:
                 self._worker.jobs.put(None)
+                self._worker.thread.join(timeout=JOIN_S)  # ended before the interpreter is, never half-way
                 self._worker = None
 
 

@@ -140,8 +140,8 @@ class WeightSyncAuditMixin:
         sinks: Sequence[RecordSink] = (),
         attribution: Any = False,
         overlap: bool = False,
-        options: AuditOptions | None = None,
         check_batches: bool = False,
+        options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
         reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
