@@ -12,8 +12,8 @@ FusedAdam, which would compile another op.
 
 from __future__ import annotations
 
-import traceback
 import os
+import traceback
 from typing import Any
 
 import pytest

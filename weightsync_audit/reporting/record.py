@@ -269,7 +269,9 @@ class AuditResult:
         _put_present(d, self, {"nonfinite_count": int})
         if self.hosts:
             d["hosts"] = dict(self.hosts)
-        _put_present(d, self, {"checkpoint": dict, "blame": dict, "overlap": dict, "nothing_compared": bool, "torchft": dict})
+        _put_present(
+            d, self, {"checkpoint": dict, "blame": dict, "overlap": dict, "nothing_compared": bool, "torchft": dict}
+        )
         return d
 
     @classmethod
