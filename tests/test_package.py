@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -83,7 +84,13 @@ def test_the_core_imports_no_transformers_and_only_the_hf_adapter_names_it() -> 
 def _make_dry_run(target: str, tmp_path: Path) -> list[str]:
     """The commands ``make TARGET`` would run on a fresh machine (no venv yet), without running them."""
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=root, capture_output=True, text=True)
+    # Run under `make test` (CI), the outer make's variables would make this one print its directory
+    # ("make[1]: Entering directory ..."), and pass its own overrides: a fresh make, as a user runs it.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    proc = subprocess.run(
+        ["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}"],
+        cwd=root, capture_output=True, text=True, env=env,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     return [line for line in proc.stdout.splitlines() if not line.lstrip().startswith("#")]
 
