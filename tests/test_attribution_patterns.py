@@ -233,7 +233,8 @@ def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int
     """``overlap=True``: the at-rest reads and the collective check's digests run on workers. Each step's forward
     and backward take about 30 ms (a sleep stands for them); after step 3's launch ``faulty``'s weight gets a bit
     flipped at once (between the reads), or is written through torch right before step 4 (after the late read:
-    its counter tells), or at step 4 its gradient is halved after the all-reduce."""
+    its counter tells), or at step 4 its gradient is halved after the all-reduce, or at step 4 its weight gets a
+    bit flipped right before the optimizer step (after the late read: the replay's pre-step copy tells)."""
     import time
 
     model, ddp, opt = build(rank)
@@ -249,6 +250,8 @@ def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int
         if rank == faulty and step == 4 and how == "grad after reduce":
             with torch.no_grad():
                 model[2].weight.grad.mul_(0.5)  # local code between the all-reduce and the step
+        if rank == faulty and step == 4 and how == "flip late":
+            flip_bit(model[0].weight, 5, 27)  # right before the step: after every late read began
         opt.step()
         audit.step(step)
         if rank == faulty and step == 3 and how == "flip":
@@ -264,6 +267,7 @@ def _offloaded(rank: int, world: int, how: str, faulty: int, report: str) -> int
         ("flip", 1, "at_rest_change"),
         ("write late", 0, "at_rest_write"),
         ("grad after reduce", 1, "deterministic_difference"),
+        ("flip late", 0, "at_rest_change"),  # seen through the replay's pre-step copy, not the late read
     ],
 )
 def test_with_overlap_the_at_rest_check_runs_off_the_training_thread_and_still_names_the_rank(

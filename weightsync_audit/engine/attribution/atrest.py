@@ -11,12 +11,13 @@ from the manifest once per structure, not per step.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from weightsync_audit.engine.attribution.offload import RestReader
-from weightsync_audit.engine.attribution.rest import rest_evidence, tensors_at, versions
+from weightsync_audit.engine.attribution.rest import count_changes, rest_evidence, tensors_at, versions
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
@@ -46,6 +47,9 @@ class AtRest:
         self.names: list[str] = []
         self.versions: np.ndarray | None = None
         """Every manifest tensor's version counter right after the last step (:func:`.rest.versions`)."""
+        self.pre_now: np.ndarray | None = None
+        """Offloaded: what the pre-step hook took the bytes before this step to be (the late read, or the
+        post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
         self._layout: tuple[int, list[int], list[str]] | None = None
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
         self._awaiting: dict[str, Any] | None = None  # offloaded: the record whose ``post`` the worker reads
@@ -100,6 +104,7 @@ class AtRest:
             moved = [i for i, pos in enumerate(keep) if now[pos] != self.versions[pos]]
             if moved:
                 pre[moved] = digest_tensors(tensors_at(prepared, [keep[i] for i in moved]), method=self.method)
+        self.pre_now = pre if self.reader is not None else None
         if self.reader is None or rec["rest_read"] == "late" or moved:
             # without a late read nothing says what the bytes were before the step, but for the counters
             rec["pre"] = overall_digest(pre, prepared.structure)
@@ -112,6 +117,51 @@ class AtRest:
             rec["rest_count"] = len(changed)
             where = [keep[i] for i in changed[:MAX_NAMES]]
             rec["rest_evidence"] = rest_evidence(prepared, where, rec["rest"], self.versions, reference)
+
+    def copy_check(
+        self, rec: dict[str, Any], copies: Sequence[tuple[str, torch.Tensor, int]], reference: dict[str, torch.Tensor]
+    ) -> Callable[[], None] | None:
+        """Offloaded: a job comparing the update replay's pre-step copies (name, copy, the tensor's version
+        counter when copied) with the post-step read. A change that lands after the late read began (or with
+        no late read) is then seen for every parameter the replay copies, as the synchronous check sees it:
+        ``rest``, ``rest_evidence`` and ``pre`` completed in ``rec``. What it reads is captured now, on the
+        training thread; the copies must not change until the job has run. ``None``: nothing to compare."""
+        post, stamps, keep, structure = self.post, self.versions, self.keep, self.structure
+        if self.reader is None or post is None or stamps is None or not copies or len(keep) != len(post):
+            return None
+        index = {n: i for i, n in enumerate(self.names)}
+        pre0 = self.pre_now if self.pre_now is not None and len(self.pre_now) == len(post) else post
+        wanted = [(index[n], n, c, v) for n, c, v in copies if n in index]
+        if not wanted:
+            return None
+
+        def job() -> None:
+            pre = pre0.copy()
+            got = digest_tensors([c for _, _, c, _ in wanted], method=self.method)
+            found = []
+            for (i, name, copy, version), d in zip(wanted, got):
+                if d != post[i] and d != pre0[i]:  # changed since the post-step read, unseen by the late one
+                    pre[i] = d
+                    found.append((i, name, copy, version))
+            if not found:
+                return
+            rec["pre"] = overall_digest(pre, structure)
+            names, evidence = list(rec.get("rest", [])), list(rec.get("rest_evidence", []))
+            for i, name, copy, version in found:
+                if name in names:
+                    continue
+                ev: dict[str, Any] = {"name": name, "numel": int(copy.numel())}
+                if version >= 0 and stamps[keep[i]] >= 0:
+                    ev["moved"] = bool(version != stamps[keep[i]])
+                ref = reference.get(name)
+                if ref is not None:
+                    ev.update(count_changes(copy, ref) or {})
+                names.append(name)
+                evidence.append(ev)
+                rec["rest_count"] = rec.get("rest_count", 0) + 1
+            rec["rest"], rec["rest_evidence"] = names[:MAX_NAMES], evidence[:MAX_NAMES]
+
+        return job
 
     def rebase(self) -> None:
         """A confirmed repair: what every rank holds now is the baseline the next step is checked against

@@ -125,6 +125,12 @@ class UpdateReplay:
         scaler = {a: _copy(getattr(opt, a)) for a in _SCALER_ATTRS if getattr(opt, a, None) is not None}
         self._kept[id(opt)] = (groups, scaler)
 
+    def copies(self, opt: torch.optim.Optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The parameters :meth:`before` copied for ``opt``'s step, each with its copy (read-only until
+        :meth:`after` replays the update on the copies)."""
+        groups, _ = self._kept.get(id(opt), ([], {}))
+        return [(real, value) for _, kept in groups for real, value, _, _ in kept]
+
     def _select(self, opt: torch.optim.Optimizer, params: list[torch.Tensor]) -> set[int]:
         """The parameters this step covers: the next ones in turn, at most 1 in ``slices`` and ``budget`` bytes."""
         n = len(params)

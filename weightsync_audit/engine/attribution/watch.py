@@ -23,6 +23,7 @@ about once, and the other checks run as usual.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import deque
@@ -44,6 +45,10 @@ from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
+
+COPIES_WAIT_S = 30.0
+"""How long the post-step hook waits for the offloaded check of the replay's copies (a worker that never
+runs it leaves that step's check unknown, never wrong: the replay still runs after)."""
 
 
 def hyper_text(optimizers: Sequence[torch.optim.Optimizer]) -> str:
@@ -112,6 +117,8 @@ class StepWatch:
         if self.replay is not None:
             self.replay.names = names
         self._handles: list[Any] = []
+        self._copies_read: dict[int, threading.Event] = {}  # offloaded: the copies' check of a step under way
+        self._reference_before: dict[str, torch.Tensor] = {}
         self._depth: dict[int, int] = {}
         self._copied: set[int] = set()  # optimizers whose replay copy this step has (a closure runs many times)
         self._said: set[str] = set()
@@ -208,9 +215,35 @@ class StepWatch:
             if self.replay is not None and id(opt) not in self._copied:
                 self._copied.add(id(opt))
                 self.replay.before(opt, self.steps_taken)
+                self._check_copies(opt)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "update replay")
         self.hook_s += time.perf_counter() - t0
+
+    def _check_copies(self, opt: torch.optim.Optimizer) -> None:
+        """Offloaded at-rest check: the replay's pre-step copies against the post-step read, on the worker
+        (inline without one); the replay waits for it before it updates the copies (:meth:`_after_step`)."""
+        if self.rest is None or self.replay is None or self.current is None:
+            return
+        pairs = [(self.names.get(id(real)), copy, tensor_version(real)) for real, copy in self.replay.copies(opt)]
+        named = [(n, c, v) for n, c, v in pairs if n is not None]
+        job = self.rest.copy_check(self.current, named, self._reference_before)
+        self._reference_before = {}
+        if job is None:
+            return
+        if self.deferred is None:
+            job()
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                done.set()
+
+        self._copies_read[id(opt)] = done
+        self.deferred.submit(run)
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1
@@ -227,6 +260,9 @@ class StepWatch:
             self.current = {"stepped": True}
         rec = self.current
         rec["stepped"] = True
+        done = self._copies_read.pop(id(opt), None)
+        if done is not None:  # the copies are read before the replay updates them
+            done.wait(timeout=COPIES_WAIT_S)
         if self.replay is not None and id(opt) in self._copied:
             self._copied.discard(id(opt))
             try:
@@ -271,6 +307,7 @@ class StepWatch:
             if self.rest is not None:
                 self.rest.before_step(rec, reference)
         finally:
+            self._reference_before = dict(reference)  # for the copies' check (offloaded), then dropped
             reference.clear()  # the last step's post-step bytes: read, and now to be replaced
         hyper = hyper_text(self.optimizers)
         rec["hyper"] = _word(hyper)
