@@ -57,9 +57,22 @@ def _ema(old: float | None, new: float) -> float:
 class _Window:
     """One window between two steps: what was prepared after the step, and what the worker read."""
 
-    def __init__(self, prepared: PreparedManifest, keep: Sequence[int], method: str) -> None:
+    def __init__(
+        self,
+        prepared: PreparedManifest,
+        keep: Sequence[int],
+        method: str,
+        stamp: Callable[[], np.ndarray] | None = None,
+        stamped: np.ndarray | None = None,
+    ) -> None:
         self.prepared, self.keep, self.method = prepared, list(keep), method
         self.t_post = time.perf_counter()
+        self.stamp = stamp
+        """Every manifest tensor's version counters now (read on the worker right after its post read)."""
+        self.stamped = stamped[self.keep] if stamped is not None and stamp is not None else None
+        self.raced = False
+        """The post-step read overlapped a write through torch (a counter moved while it read): its bytes may
+        be some before and some after the write, so the step's ``post`` word is unknown, not wrong."""
         self.post: np.ndarray | None = None
         self.late: np.ndarray | None = None
         self.error: BaseException | None = None
@@ -87,12 +100,18 @@ class RestReader:
         self._thread: threading.Thread | None = None
         self._window: _Window | None = None
 
-    def launch(self, prepared: PreparedManifest, keep: Sequence[int]) -> None:
+    def launch(
+        self,
+        prepared: PreparedManifest,
+        keep: Sequence[int],
+        stamp: Callable[[], np.ndarray] | None = None,
+        stamped: np.ndarray | None = None,
+    ) -> None:
         """Right after a step, on the training thread: the worker reads ``prepared``'s ``keep`` positions."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="weightsync-audit-at-rest", daemon=True)
             self._thread.start()
-        self._window = _Window(prepared, keep, self.method)
+        self._window = _Window(prepared, keep, self.method, stamp, stamped)
         self._jobs.put(self._window)
 
     def post(self) -> np.ndarray | None:
@@ -104,6 +123,10 @@ class RestReader:
         if w.error is not None:
             raise w.error
         return w.post
+
+    def raced(self) -> bool:
+        """Whether the post-step read of the window under way overlapped a write through torch."""
+        return self._window is not None and self._window.raced
 
     def collect(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         """At the pre-step hook, on the training thread: the window's post read (waited for: the step must not
@@ -125,6 +148,8 @@ class RestReader:
             try:
                 t0 = time.perf_counter()
                 w.post = w.read(fresh=False)
+                if w.stamp is not None and w.stamped is not None:
+                    w.raced = bool((w.stamp()[w.keep] != w.stamped).any())
                 self.read_s = _ema(self.read_s, time.perf_counter() - t0)
             except BaseException as exc:  # noqa: BLE001 - handed to the training thread
                 w.error = exc
