@@ -16,7 +16,10 @@ window between two steps to a worker thread; the at-rest reads go there too, on 
 
 So a write through torch anywhere in the window is seen exactly (its counter); a change that moves no
 counter (a bit flip, a write through ``.data`` or a raw pointer) is seen when it lands between the two
-reads: not in the time of one read right after the step, nor after the late read began. The audit still
+reads: not in the time of one read right after the step, nor after the late read began, but for the
+parameters the update replay copies that step (their pre-step copies are digested on the collective
+check's worker against the post-step read: ``AtRest.copy_check``). A post-step read during which a counter
+moved (a write racing it) leaves the step's ``post`` word unknown. The audit still
 finds what the check misses; its blame is then the vote's, or undecided. On the training thread this costs
 the structure check, the small tensors and the counters; the reads use a core of their own where one is
 free (benchmarks/bench_attribution.py).
