@@ -284,3 +284,27 @@ def test_with_overlap_the_at_rest_check_runs_off_the_training_thread_and_still_n
     blame = bad[0]["blame"]
     assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], evidence, 4), blame
     assert blame["hardware_suspect"] is (evidence == "at_rest_change")
+
+
+def test_an_at_rest_rebase_that_fails_after_a_repair_is_recorded_and_warned_never_raised() -> None:
+    """After a confirmed repair the watch re-reads its at-rest baseline; a failure there is the watch's to
+    report (the step's record and one warning), never an exception out of the user's training."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
+                         model, [opt])  # fmt: skip
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    watch.mark(1)
+    assert watch.last_post is not None
+
+    def broken() -> None:
+        raise RuntimeError("no baseline")
+
+    watch.rest.rebase = broken  # type: ignore[method-assign]
+    with pytest.warns(Warning, match="at-rest check after a repair failed"):
+        watch.repaired()
+    assert watch.current is not None and watch.current["failed"].startswith("at-rest check after a repair: ")
+    assert watch.last_post is None
+    watch.detach()

@@ -375,7 +375,7 @@ class StepWatch:
         self.records.clear()
         self.found = None
         if self.current is not None:
-            for key in ("pre", "rest", "rest_count", "hyper_changed"):
+            for key in ("pre", "rest", "rest_count", "rest_evidence", "hyper_changed"):
                 self.current.pop(key, None)
         self.last_hyper = hyper_text(self.optimizers)
         if self.replay is not None:
@@ -385,7 +385,7 @@ class StepWatch:
                 self.rest.rebase()
             except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
                 self.last_post = None
-                self._failed(exc)
+                self._failed(exc, "at-rest check after a repair")
 
     def _rebase_reference(self, reference: dict[str, torch.Tensor]) -> None:
         """After a repair, the replay's reference (what a change at rest is counted against, bits and
