@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from weightsync_audit.engine.attribution.offload import RestReader
-from weightsync_audit.engine.attribution.rest import count_changes, rest_evidence, tensors_at, versions
+from weightsync_audit.engine.attribution.rest import change_evidence, rest_evidence, tensors_at, versions
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
@@ -51,6 +51,7 @@ class AtRest:
         """Offloaded: what the pre-step hook took the bytes before this step to be (the late read, or the
         post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
         self._layout: tuple[int, list[int], list[str]] | None = None
+        self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
         self._awaiting: dict[str, Any] | None = None  # offloaded: the record whose ``post`` the worker reads
 
@@ -61,6 +62,12 @@ class AtRest:
             keep = at_rest_positions(entries)
             self._layout = (prepared.structure, keep, [entries[i].name for i in keep])
         return self._layout[1], self._layout[2]
+
+    def _name_index(self) -> dict[str, int]:
+        """Name -> position among the at-rest tensors (:attr:`names`), built once per structure."""
+        if self._index is None or self._index[0] != self.structure:
+            self._index = (self.structure, {n: i for i, n in enumerate(self.names)})
+        return self._index[1]
 
     def after_step(self, rec: dict[str, Any]) -> None:
         """The optimizer's post-step hook: this rank's bytes at rest from here (``rec["post"]``)."""
@@ -129,7 +136,7 @@ class AtRest:
         post, stamps, keep, structure = self.post, self.versions, self.keep, self.structure
         if self.reader is None or post is None or stamps is None or not copies or len(keep) != len(post):
             return None
-        index = {n: i for i, n in enumerate(self.names)}
+        index = self._name_index()
         pre0 = self.pre_now if self.pre_now is not None and len(self.pre_now) == len(post) else post
         wanted = [(index[n], n, c, v) for n, c, v in copies if n in index]
         if not wanted:
@@ -150,14 +157,8 @@ class AtRest:
             for i, name, copy, version in found:
                 if name in names:
                     continue
-                ev: dict[str, Any] = {"name": name, "numel": int(copy.numel())}
-                if version >= 0 and stamps[keep[i]] >= 0:
-                    ev["moved"] = bool(version != stamps[keep[i]])
-                ref = reference.get(name)
-                if ref is not None:
-                    ev.update(count_changes(copy, ref) or {})
                 names.append(name)
-                evidence.append(ev)
+                evidence.append(change_evidence(name, copy, version, int(stamps[keep[i]]), reference.get(name)))
                 rec["rest_count"] = rec.get("rest_count", 0) + 1
             rec["rest"], rec["rest_evidence"] = names[:MAX_NAMES], evidence[:MAX_NAMES]
 

@@ -32,7 +32,16 @@ import torch
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
-__all__ = ["FLIP_BITS", "FLIP_ELEMENTS", "classify", "count_changes", "rest_evidence", "tensors_at", "versions"]
+__all__ = [
+    "FLIP_BITS",
+    "FLIP_ELEMENTS",
+    "change_evidence",
+    "classify",
+    "count_changes",
+    "rest_evidence",
+    "tensors_at",
+    "versions",
+]
 
 FLIP_ELEMENTS = 2
 """At most this many elements changed, by at most :data:`FLIP_BITS` bits each: what the memory does."""
@@ -98,17 +107,26 @@ def rest_evidence(
     now = versions(prepared) if stamped is not None else None
     out = []
     for pos, name, t in zip(positions, names, tensors_at(prepared, positions)):
-        ev: dict[str, Any] = {"name": name, "numel": int(t.numel()) if t is not None else None}
-        if now is not None and stamped is not None and pos < len(stamped) and min(now[pos], stamped[pos]) >= 0:
-            ev["moved"] = bool(now[pos] != stamped[pos])
-        ref = reference.get(name)
-        if ref is not None and t is not None:
-            try:
-                ev.update(count_changes(t, ref) or {})
-            except Exception:  # noqa: BLE001 - the count is evidence, never a failure of the step
-                pass
-        out.append(ev)
+        known = now is not None and stamped is not None and pos < len(stamped)
+        out.append(change_evidence(name, t, int(now[pos]) if known else -1, int(stamped[pos]) if known else -1,
+                                   reference.get(name)))  # fmt: skip
     return out
+
+
+def change_evidence(
+    name: str, t: torch.Tensor | None, version: int, stamp: int, reference: torch.Tensor | None
+) -> dict[str, Any]:
+    """How ``t`` (``name``) changed: whether its version counter moved (``version`` now against ``stamp``,
+    the post-step one; -1 where either is unknown) and, against ``reference``, how many elements and bits."""
+    ev: dict[str, Any] = {"name": name, "numel": int(t.numel()) if t is not None else None}
+    if min(version, stamp) >= 0:
+        ev["moved"] = version != stamp
+    if reference is not None and t is not None:
+        try:
+            ev.update(count_changes(t, reference) or {})
+        except Exception:  # noqa: BLE001 - the count is evidence, never a failure of the step
+            pass
+    return ev
 
 
 def classify(evidence: Sequence[dict[str, Any]]) -> str:
