@@ -7,6 +7,7 @@ partitions), so the unwrapping remembers it here, weakly (nothing is kept alive 
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -41,12 +42,7 @@ def unwrap_optimizer(opt: Any) -> Any:
     """
     import torch
 
-    chain = [opt]
-    while len(chain) < 6:
-        inner = getattr(chain[-1], "optimizer", None)
-        if inner is None or any(inner is c for c in chain):
-            break
-        chain.append(inner)
+    chain = _chain(opt)
     engine = next((i for i, o in enumerate(chain) if not isinstance(o, torch.optim.Optimizer)), None)
     if engine is None:
         return opt
@@ -70,10 +66,18 @@ def stepping_optimizer(opt: Any) -> Any:
     """
     import torch
 
-    seen = [opt]
-    while len(seen) < 6:
-        inner = getattr(seen[-1], "optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or any(inner is o for o in seen):
+    if hasattr(opt, "_optimizer_step_pre_hooks"):
+        return opt
+    torch_ones = list(itertools.takewhile(lambda o: isinstance(o, torch.optim.Optimizer), _chain(opt)[1:]))
+    return torch_ones[-1] if torch_ones else opt
+
+
+def _chain(opt: Any) -> list[Any]:
+    """``opt`` and the optimizers it wraps (``.optimizer``, link after link; at most 6, never a cycle)."""
+    chain = [opt]
+    while len(chain) < 6:
+        inner = getattr(chain[-1], "optimizer", None)
+        if inner is None or any(inner is c for c in chain):
             break
-        seen.append(inner)
-    return seen[-1] if len(seen) > 1 and not hasattr(opt, "_optimizer_step_pre_hooks") else opt
+        chain.append(inner)
+    return chain
