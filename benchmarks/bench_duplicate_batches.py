@@ -28,7 +28,7 @@ import torch
 from harness import launch, machine, median, own_copy, table, timed
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.duplicate_batches import DuplicateBatches, batch_digest
+from weightsync_audit.engine.duplicate_batches import batch_digest, shared_batches
 
 BATCHES = {
     "tokens": lambda: torch.randint(0, 50_000, (32, 512)),
@@ -41,14 +41,13 @@ def _rank(rank: int, world: int, reps: int) -> list[list[str]]:
     model = own_copy(torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]))
     auditor = Auditor(model)
     auditor.setup()
-    check = DuplicateBatches()
     rows = []
     for name, make in BATCHES.items():
         torch.manual_seed(rank)
         batch = make()
         audit_s = median(timed(lambda: auditor.audit(step=0), reps))
         digest_s = median(timed(lambda b=batch: batch_digest(b), reps))
-        check_s = median(timed(lambda b=batch: check(auditor.comm, b, step=0), reps))
+        check_s = median(timed(lambda b=batch: shared_batches(auditor.comm, batch_digest(b)), reps))
         mb = batch.numel() * batch.element_size() / 2**20
         rows.append([
             name, f"{mb:.1f}", f"{audit_s * 1e3:.2f}", f"{digest_s * 1e3:.2f}", f"{check_s * 1e3:.2f}",

@@ -1,6 +1,7 @@
 """Duplicate batches: data-parallel ranks that trained on identical batches at a step.
 
-Off by default (``LoopAudit(check_batches=True)`` turns it on, ``AuditConfig.check_batches``). At an
+Off by default (``check_batches=True`` on ``LoopAudit`` or the Lightning callback turns it on,
+``AuditConfig.check_batches``). At an
 audited step every rank digests its own batch (xxh3-64 over every tensor's exact bytes, in order, with
 dtype and shape) into its auditor's :class:`BatchRecords`; the audit that covers the step, synchronous or
 overlapped, takes that digest into its context and one round of the audit channel gathers them: ranks
@@ -10,9 +11,8 @@ rank). The same finding on every rank, from the same data.
 
 >>> import torch
 >>> from weightsync_audit.channel.star import Comm
->>> check = DuplicateBatches()
->>> check(Comm(None, 60.0), {"x": torch.ones(2)}, step=3) is None  # one rank: nothing to compare
-True
+>>> shared_batches(Comm(None, 60.0), batch_digest({"x": torch.ones(2)}))  # one rank: nothing to compare
+[]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from weightsync_audit.engine.checkpoints.sidecar import flat_tensors
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.errors import WeightSyncWarning
 
-__all__ = ["BatchRecords", "DuplicateBatches", "batch_digest", "describe", "shared_batches"]
+__all__ = ["BatchRecords", "batch_digest", "describe", "shared_batches"]
 
 
 def batch_digest(batch: Any) -> str | None:
@@ -89,26 +89,6 @@ def shared_batches(comm: Comm, digest: str | None) -> list[list[int]]:
         if d is not None:
             by.setdefault(d, []).append(g)
     return sorted(sorted(rs) for rs in by.values() if len(rs) > 1)
-
-
-class DuplicateBatches:
-    """The check on its own, callable at a step on every rank of a group (collective when it has more than
-    one rank); an audit with ``check_batches`` runs the same exchange as one of its phases."""
-
-    def __init__(self) -> None:
-        self.records = BatchRecords()
-
-    def __call__(self, comm: Comm, batch: Any, *, step: int, is_main: bool = False) -> dict[str, Any] | None:
-        """``{"step", "groups": [[ranks trained on one batch], ...]}`` when some ranks shared a batch, else
-        ``None``. Warns on the main process when a new grouping appears."""
-        if comm.world_size < 2:
-            return None
-        groups = shared_batches(comm, batch_digest(batch))
-        if not groups:
-            return None
-        if is_main:
-            self.records.warn_new(groups, step)
-        return {"step": step, "groups": groups}
 
 
 def describe(groups: list[list[int]], step: int) -> str:

@@ -236,7 +236,7 @@ class WeightSyncAuditMixin:
     ) -> None:
         # Once per optimizer step: with gradient accumulation several batches share a global_step.
         model, optimizers, step = trainer.strategy.model, list(trainer.optimizers), trainer.global_step
-        if self.session.after_step(model, optimizers, step, batch=batch if self.check_batches else None):
+        if self.session.after_step(model, optimizers, step, batch=batch):  # recorded with check_batches only
             self._run(trainer, "on_train_batch_end", after_step=True)  # overlap=True: launched here
 
     @override
