@@ -160,6 +160,11 @@ class StepWatch:
             self.deferred.close()
 
     @property
+    def _offloaded(self) -> bool:
+        """The at-rest reads run on a worker (``offload``): the replay's copies are checked too."""
+        return self.rest is not None and self.rest.reader is not None
+
+    @property
     def last_post(self) -> np.ndarray | None:
         """This rank's at-rest digests right after the last step (None: none kept). Set to None to forget them
         (after a repair, what was kept is no longer what is held)."""
@@ -223,7 +228,7 @@ class StepWatch:
     def _check_copies(self, opt: torch.optim.Optimizer) -> None:
         """Offloaded at-rest check: the replay's pre-step copies against the post-step read, on the worker
         (inline without one); the replay waits for it before it updates the copies (:meth:`_after_step`)."""
-        if self.rest is None or self.replay is None or self.current is None:
+        if not self._offloaded or self.replay is None or self.current is None:
             return
         pairs = [(self.names.get(id(real)), copy, tensor_version(real)) for real, copy in self.replay.copies(opt)]
         named = [(n, c, v) for n, c, v in pairs if n is not None]
@@ -307,7 +312,8 @@ class StepWatch:
             if self.rest is not None:
                 self.rest.before_step(rec, reference)
         finally:
-            self._reference_before = dict(reference)  # for the copies' check (offloaded), then dropped
+            if self._offloaded:
+                self._reference_before = dict(reference)  # for the copies' check, then dropped
             reference.clear()  # the last step's post-step bytes: read, and now to be replaced
         hyper = hyper_text(self.optimizers)
         rec["hyper"] = _word(hyper)
