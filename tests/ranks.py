@@ -35,10 +35,30 @@ class RankDied:
         return f"RankDied({self.rank})"
 
 
+_NEXT_PORT: list[int] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a rendezvous, below the kernel's ephemeral range and in a slice of its own per test process.
+
+    ``bind(0)`` then close leaves a window in which a connection's ephemeral port, or another pytest worker's
+    ``bind(0)``, may take the same number; ports below 32768 are never handed out that way, and each process
+    (an xdist worker by its number, a plain run by its pid) walks its own slice of 400 ports.
+    """
+    if not _NEXT_PORT:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        slot = int(worker[2:]) if worker.startswith("gw") else 8 + os.getpid() % 40
+        _NEXT_PORT.append(12000 + slot * 400)
+    for _ in range(400):
+        port = _NEXT_PORT[0]
+        _NEXT_PORT[0] = port + 1 if (port + 1 - 12000) % 400 else port - 399
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in this process's slice")
 
 
 def _entry(
