@@ -15,7 +15,7 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import AuditOptions, Auditor, AuditResult, ResyncError, WeightDivergenceError, audit, resync
-from weightsync_audit.engine.repair.resync_plan import plan_resync
+from weightsync_audit.engine.repair.plan import plan_resync
 from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.record import Mismatch
 

@@ -18,9 +18,9 @@ from weightsync_audit import Auditor, resync
 from weightsync_audit.engine import phases
 from weightsync_audit.engine.context import AuditContext
 from weightsync_audit.engine.overlap.race import OverlapRun
-from weightsync_audit.engine.repair import state as state_module
+from weightsync_audit.engine.repair import plan as state_module
+from weightsync_audit.engine.repair.plan import plan_resync
 from weightsync_audit.engine.repair.resync import resync_planned
-from weightsync_audit.engine.repair.resync_plan import plan_resync
 from weightsync_audit.engine.run import AuditRun
 
 

@@ -112,7 +112,7 @@ def test_resync_never_copies_a_minority_value_over_the_majority(mode: str) -> No
 
 
 def test_resync_plan_takes_each_tensor_from_a_reference_holder_and_honours_the_source_on_a_tie() -> None:
-    from weightsync_audit.engine.repair.resync_plan import plan_resync
+    from weightsync_audit.engine.repair.plan import plan_resync
 
     ms = [
         Mismatch("a", "param", [0], [1, 2]),

@@ -15,7 +15,7 @@ import warnings
 from typing import Any
 
 from weightsync_audit.ddp.inspect import covered_flags, flags_change, trainable_flags, watched_parameters
-from weightsync_audit.engine.explain.trainable import ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.engine.explain.evidence import ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.engine.inventory.reducer import find_ddp, fix_for
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 

@@ -39,7 +39,7 @@ from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
 from weightsync_audit.engine.inventory.reducer import find_ddp, syncs_buffers
 from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
-from weightsync_audit.engine.repair.state import RESYNC_KINDS, ResyncState, prepare_resync
+from weightsync_audit.engine.repair.plan import RESYNC_KINDS, ResyncState, prepare_resync
 from weightsync_audit.engine.run import AuditRun, gc_paused
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer

@@ -107,7 +107,7 @@ def resync_source(mismatches: Sequence[Mismatch], blame: Mapping[str, Any] | Non
     rank involved that is not (never the blamed side over the other). With nothing but the tie, ``src`` is
     kept and the words say it was chosen without evidence. A tensor whose copies differ in holding NaN/inf
     is not counted: its finite copy is the evidence
-    (:func:`~weightsync_audit.engine.repair.resync_plan.plan_resync`).
+    (:func:`~weightsync_audit.engine.repair.plan.plan_resync`).
 
     >>> tie = Mismatch("w", "param", [1], [0], detail="tie vote: rank 0 vs rank 1, no majority")
     >>> resync_source([tie], None, 0)[1]

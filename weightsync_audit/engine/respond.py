@@ -16,9 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from weightsync_audit.engine.culprit import resync_source
+from weightsync_audit.engine.repair.plan import ResyncPlan, ResyncSource, ResyncState, plan_resync
 from weightsync_audit.engine.repair.resync import resync_planned
-from weightsync_audit.engine.repair.resync_plan import ResyncPlan, ResyncSource, plan_resync
-from weightsync_audit.engine.repair.state import ResyncState
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.errors import ResyncError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import AuditResult
@@ -66,7 +65,7 @@ def respond(
 
 
 def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:
-    """Each tensor from a rank holding its reference value (engine/repair/resync_plan.py): the same plan on
+    """Each tensor from a rank holding its reference value (engine/repair/plan.py): the same plan on
     every rank, from the same record; ``None`` (the result raised, with a note why) when nothing may move."""
     structural = [m.name for m in result.mismatches if m.kind == "structure"]
     if structural:

@@ -15,7 +15,7 @@ from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag
 from weightsync_audit.engine.inventory.manifest import as_optimizers
-from weightsync_audit.engine.repair.resync_plan import ResyncSource
+from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.arguments import check_every_n, check_module, reject_unknown_options
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession

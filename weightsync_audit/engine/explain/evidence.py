@@ -5,6 +5,16 @@ rule in :mod:`~weightsync_audit.engine.explain.rules`; it also keeps the ledger 
 accounts for (``explained``), so that each mismatch feeds at most one parameter hint. What the wrapper
 tells (the reducer's coverage, the ignore list) is read lazily: only a rule that needs it pays for it.
 
+Two findings the rules and the DDP watch share live here too. **Followers**: when a parameter outside DDP's
+reducer is stepped from local gradients, the parameters inside it agree unless something couples them to
+the local gradients: clipping by the global gradient norm (the Hugging Face Trainer's ``max_grad_norm``,
+Lightning's ``gradient_clip_val``) scales every gradient by one factor computed from all of them
+(:func:`followers`). **A trainable set changed after the DDP wrap** (Lightning #20340): DDP builds its
+reducer once, over the parameters that require grad then; a parameter unfrozen later is stepped from local
+gradients on each rank, one frozen later stalls the bucket that holds it. The rules state these as fact
+when the wrapper proves them, and the trainable-set watch (:mod:`weightsync_audit.ddp.watch`) words the
+change the same way when it sees it happen (:func:`ddp_unsynced_hint`, :func:`ddp_frozen_hint`).
+
 >>> from weightsync_audit.reporting.record import Mismatch
 >>> ev = Evidence([Mismatch("0.weight", "param", [1], [0])], state_names=["0.weight.exp_avg"])
 >>> ev.open("param"), ev.state_agrees("0.weight")
@@ -14,15 +24,25 @@ tells (the reducer's coverage, the ignore list) is read lazily: only a rule that
 from __future__ import annotations
 
 from functools import cached_property
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.engine.inventory.reducer import live_ddp, remembered_flags, synced_parameter_names
 from weightsync_audit.reporting.record import Mismatch
+from weightsync_audit.text import brief_names
 
-__all__ = ["GRADIENT_STATE", "Evidence", "uses_fsdp2"]
+__all__ = [
+    "GRADIENT_STATE",
+    "Evidence",
+    "ddp_frozen_hint",
+    "ddp_unsynced_hint",
+    "followers",
+    "followers_accounts",
+    "followers_hint",
+    "uses_fsdp2",
+]
 
 #: Per-parameter optimizer state that each step builds from the gradient (torch's optimizers and
 #: Adafactor): equal on every rank only if the gradients that fed it were. ``step`` counts, it is not fed.
@@ -187,3 +207,79 @@ class Evidence:
         on every rank: then the gradients that stepped it were equal too."""
         keys = [k for k in self._state.get(param, ()) if f"{param}.{k}" in self._compared]
         return bool(keys) and not any(f"{param}.{k}" in self._differing for k in keys)
+
+
+def followers(ev: Evidence, unsynced: list[str]) -> list[str]:
+    """Differing parameters the reducer covers, when ``unsynced`` (trainable ones it does not) differ too."""
+    covered = ev.covered
+    if not unsynced or covered is None:
+        return []
+    return [n for n in ev.open("param") if n in covered and n not in unsynced]
+
+
+def followers_hint(names: list[str]) -> str:
+    """The likely cause, worded."""
+    return (
+        f"{brief_names(names)} differ although DistributedDataParallel all-reduces their gradients, alongside "
+        "parameters it does not: likely a consequence of those: clipping by the global gradient norm "
+        "(the Hugging Face Trainer's max_grad_norm, Lightning's gradient_clip_val) scales every gradient by "
+        "a factor computed from the unreduced ones too. The fix for those removes this as well."
+    )
+
+
+def followers_accounts(ev: Evidence, names: list[str]) -> Iterable[str]:
+    """The followers and the optimizer state stepped from their gradients."""
+    keep = set(names)
+    return [*names, *(n for n in ev.names("optimizer") if n.rsplit(".", 1)[0] in keep)]
+
+
+_FIX = (
+    "Fix: re-create the DDP wrapper whenever the trainable set changes: add "
+    "weightsync_audit.DDPRewrapOnTrainableChange() to the Trainer's callbacks, or, in a plain loop, "
+    "ddp = weightsync_audit.maybe_rewrap(ddp) (or rewrap_ddp(ddp)) on every rank after unfreezing or freezing."
+)
+
+
+def _resync_too(state: Sequence[str]) -> str:
+    """The second half of the fix once replicas drifted, naming only optimizer state that exists."""
+    stepped = (
+        f"their {', '.join(state)} were stepped from local gradients too and bring"
+        if state
+        else "any state the optimizer keeps per parameter was stepped from local gradients too and brings"
+    )
+    return (
+        " Re-wrapping stops new drift but does not undo what already differs: resync it once, optimizer state "
+        f"included ({stepped} the drift back a few steps later): WeightSyncAudit(on_mismatch='resync'), or "
+        "weightsync_audit.resync(model, optimizer, src='majority') on every rank right after the re-wrap."
+    )
+
+
+def ddp_unsynced_hint(
+    unsynced: Sequence[str], *, drifted: bool = False, state: Sequence[str] = (), fix: str | None = None
+) -> str:
+    """The proven cause of Lightning #20340: trainable parameters outside DDP's reducer.
+
+    ``drifted``: the replicas already differ, so the fix must also resync them, optimizer state included;
+    ``state``: the optimizer state keys those parameters have (``exp_avg``...), named in that advice.
+    ``fix``: the fix to offer instead of the re-wrap (a Trainer whose loop keeps its own wrapper), whole.
+
+    >>> "Adam" in ddp_unsynced_hint(["fc.weight"], drifted=True)  # no optimizer named that is not known
+    False
+    """
+    return (
+        f"{brief_names(unsynced)} require grad, but DistributedDataParallel does not all-reduce their "
+        "gradients: they became trainable after DDP wrapped the model (DDP builds its gradient reducer "
+        "once, over the parameters that required grad then; BackboneFinetuning's unfreeze is one way), so "
+        "each rank steps them with its own local gradient. "
+        + (fix if fix is not None else _FIX + (_resync_too(state) if drifted else ""))
+    )
+
+
+def ddp_frozen_hint(left: Sequence[str], *, fix: str | None = None) -> str:
+    """Parameters frozen after the wrap: DDP's reducer still waits for their gradients."""
+    return (
+        f"{brief_names(left)} were frozen after DistributedDataParallel wrapped the model; its reducer still "
+        "expects their gradients, so the bucket holding them is never all-reduced (without "
+        "find_unused_parameters=True the next forward fails with 'Expected to have finished reduction "
+        f"in the prior iteration'). {_FIX if fix is None else fix}"
+    )

@@ -17,9 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from weightsync_audit.engine.explain.evidence import Evidence, uses_fsdp2
-from weightsync_audit.engine.explain.follow import followers, followers_accounts, followers_hint
-from weightsync_audit.engine.explain.trainable import ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.engine.explain.evidence import (
+    Evidence,
+    ddp_frozen_hint,
+    ddp_unsynced_hint,
+    followers,
+    followers_accounts,
+    followers_hint,
+    uses_fsdp2,
+)
 from weightsync_audit.engine.inventory.reducer import fix_for, syncs_buffers
 from weightsync_audit.text import BEFORE_STEP, brief_names
 

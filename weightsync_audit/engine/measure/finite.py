@@ -4,7 +4,7 @@ Replicas that agree bit for bit can all hold the same NaN (an overflow that hit 
 digests agree, the audit is "in sync", and training is ruined all the same. And on a divergence, which
 side holds the non-finite value decides which side may be copied over the other (a resync never takes
 its source from a NaN where another rank holds a finite value; see
-:mod:`~weightsync_audit.engine.repair.resync_plan`).
+:mod:`~weightsync_audit.engine.repair.plan`).
 
 - :func:`mark_nonfinite` (collective, off the healthy path): each rank counts the NaN/inf elements of
   its own copy of every diverged tensor; the counts are gathered, so every rank writes the same

@@ -1,67 +1,54 @@
-"""Making replicas equal again: broadcast parameters, buffers and optimizer state from one rank.
+"""Making replicas equal again: parameters, buffers, optimizer state and gradients copied from their source.
 
-Tensors travel over the audit's data plane (:mod:`~weightsync_audit.engine.repair.resync_transfer`): in
-chunks from the source straight to every other rank, every wait bounded by a deadline that grows with
-the bytes, so a source that dies or stops makes the others raise :class:`~weightsync_audit.ResyncError`
-naming it, with the tensors that may be left partial, instead of waiting out the process group's
-timeout. Python values (learning rates, betas) are read back from the source's exact encoding. Before anything moves,
-the ranks compare what they hold; a tensor whose shape differs is refused on every rank alike, and
-optimizer state that exists on the source only is created on the others, so that afterwards every
-replica is bit-identical to the source.
+A resync decides everything in one round of the audit channel: every rank sends the rows of what it holds
+(:class:`~weightsync_audit.engine.repair.plan.Holding`), the coordinator plans every copy once
+(:func:`~weightsync_audit.engine.repair.plan.plan_copies`: plain tensors, tensors held by some ranks by
+design and DTensor shards alike), and every rank makes the same copies in the same order. A tensor whose
+structure differs within its replica group is refused on every rank alike before anything moves; optimizer
+state that exists on the source only is created on the others first (a second round), so that afterwards
+every replica is bit-identical to its source.
+
+Tensors travel over the audit's data plane (:func:`move_copies`): in chunks from the source straight to each
+receiver, written in place, every wait bounded by a deadline that grows with the bytes
+(``grace_s + bytes / FLOOR_BYTES_PER_S``, bytes counted once per receiver; the closing exchange
+``timeout_s + grace_s`` beyond whatever of that is left). After the transfers every rank tells the others
+whether its part went through, so they all return, or all raise :class:`~weightsync_audit.ResyncError`
+together, naming the rank that failed (the source, when it died or stopped), this rank's tensors that may
+hold a mix of old and new values (``partial``) and the ones not written at all (``untouched``).
 """
 
 from __future__ import annotations
 
 import ast
 import json
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
+from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.hashing.digest import structure_digest
-from weightsync_audit.engine.hashing.hostbytes import host_bytes
-from weightsync_audit.engine.inventory.manifest import Entry, build_manifest
-from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups, replica_manifest
-from weightsync_audit.engine.inventory.replicas.keys import HOLDERS, is_holders, unreplicated_label_of
-from weightsync_audit.engine.repair.held_resync import resync_held
-from weightsync_audit.engine.repair.resync_plan import (
+from weightsync_audit.engine.hashing.digest import digest_entries
+from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.inventory.replicas import replica_manifest
+from weightsync_audit.engine.inventory.replicas.keys import is_holders, unreplicated_label_of
+from weightsync_audit.engine.measure.transfer import receive_tensor, send_tensor, tensor_bytes
+from weightsync_audit.engine.repair.plan import (
+    Holding,
     ResyncPlan,
     ResyncSource,
+    ResyncState,
     check_resync_src,
-    is_derived,
+    plan_copies,
     plan_resync,
+    prepare_resync,
 )
-from weightsync_audit.engine.repair.resync_transfer import move_copies, move_tensors
-from weightsync_audit.engine.repair.shard_resync import plan_held_copies, resync_shards
-from weightsync_audit.engine.repair.state import ResyncState, prepare_resync
+from weightsync_audit.errors import ResyncError, WeightSyncAuditError
+from weightsync_audit.text import brief_names
 
-__all__ = ["resync", "resync_from", "resync_planned", "state_device"]
-
-
-def _decode_value(entry: Entry, blob: bytes) -> Any:
-    """The Python value the source holds, rebuilt from its exact tensor encoding."""
-    if entry.dtype == "none":
-        return None
-    if entry.dtype == "object":
-        text = blob.decode("utf-8")
-        try:
-            return ast.literal_eval(text)  # literals only: never executes code
-        except (ValueError, SyntaxError) as exc:
-            raise TypeError(f"cannot resync {entry.name!r}: its value {text[:80]!r} is not a Python literal") from exc
-    t = (
-        torch.frombuffer(bytearray(blob), dtype=entry.tensor.dtype)
-        if blob
-        else torch.empty(0, dtype=entry.tensor.dtype)
-    )
-    old = entry.container[entry.key]
-    values = t.tolist()
-    if isinstance(old, (tuple, list)):
-        return type(old)(values)
-    return values[0] if isinstance(values, list) else values
+__all__ = ["Copy", "move_copies", "resync", "resync_from", "resync_planned", "state_device"]
 
 
 def resync(
@@ -81,7 +68,7 @@ def resync(
 
     Collective over ``group``. ``src`` is a rank of ``group``, or ``"majority"``: the ranks audit first
     and each diverged tensor comes from a rank holding its reference value (see
-    :mod:`weightsync_audit.engine.repair.resync_plan`). Without a process group it does nothing.
+    :mod:`weightsync_audit.engine.repair.plan`). Without a process group it does nothing.
     A sharded tensor (DTensor) is copied shard by shard within its peer set, from ``src`` when it holds
     that shard, else from the rank holding the shard's majority value (see docs/sharded.md).
 
@@ -99,18 +86,32 @@ def resync(
 
 
 def resync_planned(state: ResyncState, plan: ResyncPlan) -> None:
-    """Carry out ``plan`` (the same on every rank) from ``state``: each source rank's tensors and gradients,
-    the sources in ascending order. The plan names global ranks, as the record does."""
+    """Carry out ``plan`` (the same on every rank) from ``state``, every source's tensors and gradients in
+    one round. The plan names global ranks, as the record does."""
+    if not plan.ranks():
+        return
     position = {g: i for i, g in enumerate(state.comm.global_ranks)}
+    chosen: dict[str, list[int]] = {}
     for source in plan.ranks():
-        tensors, grads = plan.sources.get(source, []), plan.grads.get(source, [])
-        state = resync_from(state, position[source], names=tensors, grads=grads)
+        for name in plan.sources.get(source, []):
+            chosen.setdefault(name, []).append(position[source])
+        for name in plan.grads.get(source, []):
+            chosen.setdefault(f"grad:{name}", []).append(position[source])
+    tensors = [n for names in plan.sources.values() for n in names]
+    grads = [n for names in plan.grads.values() for n in names]
+    resync_from(state, position[plan.ranks()[0]], names=tensors, grads=grads, chosen=chosen)
 
 
 def resync_from(
-    state: ResyncState, src: int, *, names: Sequence[str] | None = None, grads: bool | Sequence[str] = False
+    state: ResyncState,
+    src: int,
+    *,
+    names: Sequence[str] | None = None,
+    grads: bool | Sequence[str] = False,
+    chosen: Mapping[str, Sequence[int]] | None = None,
 ) -> ResyncState:
     """:func:`resync` from the rank ``src`` of ``state``'s channel, reading ``state`` (collective).
+    ``chosen``: another source (positions) for some tensors (see :func:`~weightsync_audit.engine.repair.plan.plan_copies`).
 
     Returns the state for a next resync: ``state`` itself, or one that builds its manifests anew when this
     one created or deleted optimizer state (the structures differed: the same on every rank)."""
@@ -118,31 +119,28 @@ def resync_from(
     if not _moves(comm, src):
         return state
     wanted = set(names) if names is not None else None
-    if declares_groups(state.module):  # pipeline stages, expert groups: copied within each group
-        resync_held(comm, state.entries(wanted) + _held_grads(state.module, state.optimizers, grads, wanted), src)
-        return state
-    entries, held = _split(picked := state.entries(wanted))
-    grad_entries = _grad_entries(comm, state.module, grads, wanted)
-
-    # Agree on what is held before moving anything: the same structure everywhere is the fast path.
-    structure = structure_digest(entries, devices=False)
-    table = comm.exchange(np.array([structure, len(entries), len(held)], dtype=np.int64), "the resync")
-    # Tensors some ranks hold by design: planned (or refused, on every rank alike) before anything moves.
-    held_copies = plan_held_copies(comm, held, src, is_derived) if table[:, 2].any() else []
-    reconciled = not (table[:, :2] == table[0, :2]).all()
-    if reconciled:
-        entries = _reconcile(comm, src, entries, state.optimizers, state.module, picked)
-        entries = [e for e in entries if wanted is None or e.name in wanted]
-        again = comm.exchange(
-            np.array([structure_digest(entries, devices=False), len(entries)], dtype=np.int64), "the resync"
-        )
-        if not (again == again[0]).all():
+    entries = _entries(state, grads, wanted)
+    plan = _decide(comm, entries, src, chosen, "")
+    if plan["install"] is not None:  # optimizer state differs in structure: the source's, then plan again
+        failure = ""
+        if comm.rank != src:
+            held = {
+                id(e.container) for e in entries if e.kind == "optimizer" and e.shard and is_holders(e.shard.layout)
+            }
+            try:
+                _install_state(plan["install"], state.optimizers, state.module, held)
+            except ValueError as exc:  # refused before anything was changed; every rank raises it alike
+                failure = str(exc)
+        state = state.rebuilt()
+        entries = _entries(state, grads, wanted)
+        plan = _decide(comm, entries, src, chosen, failure)
+        if plan["install"] is not None:
             raise ValueError(
                 "cannot resync: the optimizers differ in structure between ranks (param groups or parameters "
                 "not in the same order); rebuild the optimizer the same way on every rank"
             )
-    _move(comm, src, entries, grad_entries, held_copies)
-    return state.rebuilt() if reconciled else state
+    _move(comm, src, entries, plan)
+    return state
 
 
 def _moves(comm: Comm, src: int) -> bool:
@@ -153,150 +151,61 @@ def _moves(comm: Comm, src: int) -> bool:
     return comm.distributed
 
 
-def _move(comm: Comm, src: int, entries: list[Entry], grad_entries: list[Entry], held_copies: list[Any]) -> None:
-    """The copies, once the structures agree: tensors in place, Python values replaced in their dict."""
-    # Tensors are overwritten in place; Python values (learning rates, integer steps) replaced in their dict.
-    value_entries = [e for e in entries if e.container is not None and not isinstance(e.container[e.key], torch.Tensor)]
-    tensor_entries = [
-        e
-        for e in entries
-        if e.dtype != "none" and (e.container is None or isinstance(e.container[e.key], torch.Tensor))
+def _entries(state: ResyncState, grads: bool | Sequence[str], wanted: set[str] | None) -> list[Entry]:
+    """This rank's entries to plan: those ``wanted`` with a replica somewhere, and the gradients asked for."""
+    entries = state.entries(wanted)
+    if grads and state.module is not None:  # False, or no gradient named: the same on every rank
+        pick = wanted if grads is True else set(grads)  # type: ignore[arg-type]
+        got = replica_manifest(state.module, state.optimizers, include=("grads",)).entries
+        entries += [e for e in got if pick is None or e.name in pick]
+    # One owner: nothing to copy it from, nothing to copy it to; None: nothing to copy.
+    return [
+        e for e in entries if e.dtype != "none" and unreplicated_label_of(e.shard.layout if e.shard else "") is None
     ]
-    # The structures agree here, and a DTensor's layout is part of them: every rank splits alike.
-    shard_entries = [e for e in tensor_entries if e.shard is not None]
-    if shard_entries:
-        tensor_entries = [e for e in tensor_entries if e.shard is None]
-        resync_shards(comm, shard_entries, src)
-    tensor_entries += [e for e in grad_entries if e.dtype != "none"]
-    if tensor_entries:
-        move_tensors(comm, src, [(e.name, e.tensor) for e in tensor_entries])
-    if held_copies:  # the same list on every rank (drawn from the gathered table)
-        move_copies(comm, src, held_copies)
-    if value_entries:
-        blob = json.dumps([host_bytes(e.tensor).hex() for e in value_entries]).encode() if comm.rank == src else None
-        values = json.loads(comm.share_bytes(src, blob, "the resync values"))
-        for e, hexed in zip(value_entries, values):
-            e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
 
 
-def _split(entries: list[Entry]) -> tuple[list[Entry], list[Entry]]:
-    """``(compared everywhere, held by some ranks by design)``; what has no replica, and the checks drawn
-    from other tensors (never copied themselves), are left out of the first."""
-    plain, held = [], []
-    for e in entries:
-        layout = e.shard.layout if e.shard is not None else ""
-        if unreplicated_label_of(layout) is not None:
-            continue  # one owner: nothing to copy it from, nothing to copy it to
-        if layout.startswith(HOLDERS):
-            held.append(e)
-        elif not is_derived(e.name):
-            plain.append(e)
-    return plain, held
+def _decide(
+    comm: Comm, entries: list[Entry], src: int, chosen: Mapping[str, Sequence[int]] | None, failure: str
+) -> dict[str, Any]:
+    """The plan of the copies, decided by the coordinator from every rank's rows (one round); raises
+    ``ValueError`` on every rank alike when a rank's ``failure`` says or the plan refuses something."""
+    digests = digest_entries(entries).tolist() if entries else []
+    rows = [Holding.of(e, d, comm.global_ranks).row() for e, d in zip(entries, digests)]
+    g = comm.global_ranks
 
+    def rule(parts: list[bytes]) -> bytes:
+        got = [json.loads(p) for p in parts]
+        failed = [f"rank {g[r]}: {x['failed']}" for r, x in enumerate(got) if x["failed"]]
+        if failed:
+            return json.dumps({"failed": failed}).encode()
+        return json.dumps(plan_copies([[Holding.read(h) for h in x["rows"]] for x in got], src, chosen)).encode()
 
-def _grad_entries(
-    comm: Comm, module: nn.Module | None, grads: bool | Sequence[str], wanted: set[str] | None
-) -> list[Entry]:
-    """The gradients to broadcast (collective when any: their structure must agree on every rank)."""
-    if not grads or module is None:  # False, or no gradient named (the same on every rank: the same plan)
-        return []
-    pick = wanted if grads is True else set(grads)  # type: ignore[arg-type]
-    entries = [e for e in build_manifest(module, include=("grads",)).entries if pick is None or e.name in pick]
-    table = comm.exchange(np.array([structure_digest(entries), len(entries)], dtype=np.int64), "the resync")
-    if not (table == table[0]).all():
+    plan = json.loads(comm.decide(json.dumps({"rows": rows, "failed": failure}).encode(), rule, "the resync plan"))
+    if plan.get("failed"):
+        raise ValueError("cannot resync (nothing was changed): " + "; ".join(plan["failed"][:3]))
+    if plan["refused"]:
         raise ValueError(
-            "cannot resync gradients: they differ in structure between ranks (a gradient is None on some "
-            f"ranks, or has another shape or dtype): {', '.join(sorted(e.name for e in entries)[:5])}"
+            "cannot resync (nothing was changed): some tensors differ in structure within their replica group, "
+            "not only in values: " + "; ".join(plan["refused"][:10])
         )
-    return entries
+    return plan
 
 
-def _held_grads(
-    module: nn.Module | None,
-    optimizers: list[torch.optim.Optimizer],
-    grads: bool | Sequence[str],
-    wanted: set[str] | None,
-) -> list[Entry]:
-    """The gradients to copy along with a declared layout's tensors, named as the audit names them."""
-    if not grads or module is None:
-        return []
-    pick = wanted if grads is True else set(grads)  # type: ignore[arg-type]
-    entries = assign_replicas(build_manifest(module, include=("grads",)), module, optimizers).entries
-    return [e for e in entries if pick is None or e.name in pick]
-
-
-def _reconcile(
-    comm: Comm,
-    src: int,
-    entries: list[Entry],
-    optimizers: list[torch.optim.Optimizer],
-    module: nn.Module | None,
-    every: list[Entry],
-) -> list[Entry]:
-    """Structures differ: keep what matches the source, create missing optimizer state, refuse the rest.
-
-    ``every``: this rank's entries before :func:`_split`; the state of a parameter any of them holds in
-    pieces (an engine's) is never deleted nor created here."""
-    rows = [[e.kind, e.name, e.dtype, list(e.shape)] for e in entries]
-    manifests = [json.loads(b) for b in comm.exchange_bytes(json.dumps(rows).encode(), "the resync manifests")]
-    src_rows = {(k, n): (d, tuple(s)) for k, n, d, s in manifests[src]}
-    problems = []
-    for r, rows_r in enumerate(manifests):
-        held = {(k, n): (d, tuple(s)) for k, n, d, s in rows_r}
-        for key, sig in held.items():
-            if key in src_rows and src_rows[key] != sig and key[0] != "optimizer":
-                problems.append(
-                    f"{key[0]} {key[1]!r} is {sig[0]} {list(sig[1])} on rank {comm.global_ranks[r]} but {src_rows[key][0]} {list(src_rows[key][1])} on the source"
-                )
-            if key not in src_rows and key[0] != "optimizer":
-                problems.append(f"{key[0]} {key[1]!r} exists on rank {comm.global_ranks[r]} but not on the source")
-        for key in src_rows:
-            if key not in held and key[0] != "optimizer":
-                problems.append(f"{key[0]} {key[1]!r} is missing on rank {comm.global_ranks[r]}")
-    if problems:
-        raise ValueError(
-            "cannot resync: the models differ in structure, not only in values: " + "; ".join(problems[:10])
-        )
-
-    # Optimizer state: give every rank exactly the source's entries. Only their description (dtype and
-    # shape of a tensor, the literal of a Python value) goes through the star; the bytes of the tensors
-    # follow over the data plane with the other tensors (move_tensors: chunked, every wait bounded).
-    if comm.rank == src:
-        payload = {}
-        for e in entries:
-            if e.kind == "optimizer" and e.container is not None and not _is_param_group(e):
-                value = e.container[e.key]
-                if isinstance(value, torch.Tensor):
-                    payload[e.name] = {"t": [str(value.dtype).removeprefix("torch."), list(value.shape)]}
-                else:
-                    payload[e.name] = {"v": repr(value)}
-        blob = json.dumps(payload).encode()
-    else:
-        blob = None
-    src_state = json.loads(comm.share_bytes(src, blob, "the resync optimizer state"))
-    failure = ""
-    if comm.rank != src:
-        engine_held = {
-            id(e.container) for e in every if e.kind == "optimizer" and e.shard and is_holders(e.shard.layout)
-        }
-        try:
-            _install_state(src_state, optimizers, module, engine_held)
-        except ValueError as exc:  # refused before anything was changed; every rank raises it alike
-            failure = str(exc)
-    said = comm.exchange_bytes(failure.encode(), "the resync optimizer state check")
-    refused = [f"rank {comm.global_ranks[r]}: {b.decode()}" for r, b in enumerate(said) if b]
-    if refused:
-        raise ValueError("cannot resync (nothing was changed): " + "; ".join(refused[:3]))
-    if comm.rank != src:
-        entries = _split(replica_manifest(module, optimizers).entries)[0]
-    # Installed Python values are already the source's; tensors (created empty) and the rest are
-    # broadcast by the (now equal) structure.
-    installed = {name for name, spec in src_state.items() if "v" in spec}
-    return [e for e in entries if e.name not in installed]
-
-
-def _is_param_group(e: Entry) -> bool:
-    return isinstance(e.container, dict) and "params" in e.container
+def _move(comm: Comm, src: int, entries: list[Entry], plan: dict[str, Any]) -> None:
+    """The planned copies (the same on every rank): tensors in place, then Python values replaced in their dict."""
+    mine = {e.uid: e for e in entries}
+    copies = []
+    for uid, source, receivers, dtype, shape in plan["copies"]:
+        e = mine.get(uid)
+        # A rank outside the group moves nothing, but counts the bytes alike (the deadlines agree).
+        t = e.tensor if e is not None else torch.empty(shape, dtype=getattr(torch, dtype), device="meta")
+        copies.append((uid.split(":", 1)[1], t, int(source), [int(r) for r in receivers]))
+    if copies:
+        move_copies(comm, src, copies)
+    for uid, _, receivers, literal in plan["values"]:
+        if comm.rank in receivers:
+            e = mine[uid]
+            e.container[e.key] = ast.literal_eval(literal)  # checked a literal by the plan: never executes
 
 
 def _install_state(
@@ -375,3 +284,101 @@ def _resync_by_majority(
     wanted = set(names) if names is not None else None
     chosen = [m for m in result.mismatches if wanted is None or m.name in wanted]
     resync_planned(auditor.resync_state(result), plan_resync(chosen, "majority"))
+
+
+_OK, _TIMED_OUT, _BROKEN, _LOCAL = range(4)
+
+
+def _write(view: torch.Tensor, chunk: torch.Tensor) -> None:
+    with torch.no_grad():
+        view.copy_(chunk)
+
+
+def _code(f: TransferFailure) -> int:
+    return _TIMED_OUT if f.timed_out else _BROKEN
+
+
+Copy = tuple[str, torch.Tensor, int, list[int]]
+"""``(name, this rank's tensor, source rank, receiving ranks)``: ranks are positions in the group."""
+
+
+def move_copies(comm: Comm, src: int, copies: list[Copy]) -> None:
+    """Make each copy (the same list on every rank): its source sends, its receivers write in place.
+
+    ``src`` is the rank a failure is blamed on in a tie (the resync's source). Collective over ``comm``:
+    every rank takes part in the closing exchange, also one that moves nothing.
+    """
+    plane = DataPlane(comm)
+    sched = Schedule(comm.grace_s)
+    total = sum(tensor_bytes(t) * len(dsts) for _, t, _, dsts in copies)
+    mine: tuple[int, int] = (_OK, -1)  # this rank's first failure: (code, peer as a group position)
+    why = ""
+    partial: list[str] = []
+    untouched: list[str] = []
+    try:
+        plane.open(Schedule.bound_s(0, comm.grace_s) + (comm.timeout_s or 0.0))
+    except TransferFailure as f:
+        mine, why = (_LOCAL, -1), str(f)
+    dead: set[int] = set()  # receivers that failed: sent nothing more
+    before = 0
+    for name, t, source, dsts in copies:
+        if comm.rank == source:
+            alive = [r for r in dsts if r not in dead]
+            if mine[0] != _LOCAL:
+                for peer, f in send_tensor(plane, t, alive, sched, before).items():
+                    dead.add(peer)
+                    if mine[0] == _OK:
+                        mine, why = (_code(f), peer), str(f)
+        elif comm.rank not in dsts:
+            pass
+        elif mine[0] != _OK:
+            untouched.append(name)
+        else:
+            f, written, error = receive_tensor(plane, t, source, sched, before, len(dsts), _write)
+            if f is not None or error is not None:
+                (partial if written else untouched).append(name)
+                mine, why = (
+                    ((_code(f), source), str(f)) if f is not None else ((_LOCAL, -1), f"writing {name}: {error}")
+                )
+        before += tensor_bytes(t) * len(dsts)
+
+    g = comm.global_ranks
+    try:
+        table = comm.exchange_within(np.array(mine, dtype=np.int64), "the resync result", sched.left_s(total))
+    except WeightSyncAuditError as exc:
+        missing = list(getattr(exc, "missing_ranks", []))
+        failed = missing[0] if missing else (g[mine[1]] if mine[1] >= 0 else None)
+        raise _error(comm, src, failed, f"{exc}", partial, untouched) from exc
+    if (table[:, 0] == _OK).all():
+        return
+    plane.discard()  # every rank sees the same table: every rank retires the data group alike
+    bad = [r for r in range(comm.world_size) if table[r, 0] != _OK]
+    # The rank most often named by the others is the one that failed; a tie goes to the source.
+    named = [int(table[r, 1]) for r in bad if table[r, 1] >= 0]
+    blamed = max(set(named), key=lambda p: (named.count(p), p == src)) if named else bad[0]
+    reasons = "; ".join(
+        f"rank {g[r]}: "
+        + ("timed out" if table[r, 0] == _TIMED_OUT else "failed")
+        + (f" with rank {g[int(table[r, 1])]}" if table[r, 1] >= 0 else "")
+        for r in bad
+    )
+    here = f" (here: {why})" if why else ""
+    raise _error(comm, src, g[blamed], reasons + here, partial, untouched)
+
+
+def _error(comm: Comm, src: int, failed: int | None, why: str, partial: list[str], untouched: list[str]) -> ResyncError:
+    g = comm.global_ranks
+    who = f"rank {failed} failed (died, stopped or lost its connection)" if failed is not None else "a rank failed"
+    left = []
+    if partial:
+        left.append(f"may be left partial: {brief_names(partial)}")
+    if untouched:
+        left.append(f"not resynced: {brief_names(untouched)}")
+    state = "; ".join(left) if left else "no tensor of this rank was left partial"
+    return ResyncError(
+        f"weightsync resync from rank {g[src]} did not complete: {who}: {why}. On rank {g[comm.rank]}, {state}; "
+        "replicas may differ: resync again or restore a checkpoint before training on",
+        failed,
+        partial,
+        untouched,
+    )

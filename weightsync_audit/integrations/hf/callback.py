@@ -34,7 +34,7 @@ from typing_extensions import override
 from weightsync_audit.engine.config import OnMismatch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
-from weightsync_audit.engine.repair.resync_plan import ResyncSource
+from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
 from weightsync_audit.integrations.hf.resume import checkpoint_dir, resumed_folder
 from weightsync_audit.integrations.resume_sources import hf_resume

@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch, check_flag
-from weightsync_audit.engine.repair.resync_plan import ResyncSource
+from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.lightning.hook_routes import route_hooks
 from weightsync_audit.integrations.resume_sources import lightning_resume
 from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options

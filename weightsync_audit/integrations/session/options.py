@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, TypeVar
 
 from weightsync_audit.engine.attribution.config import AttributionConfig, check_attribution
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_flag, check_on_mismatch, parse_coverage
-from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
+from weightsync_audit.engine.repair.plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.integrations.session.arguments import check_exit_code
 from weightsync_audit.reporting.jsonl import check_report_path
