@@ -23,7 +23,7 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.hashing.digest import structure_digest
-from weightsync_audit.engine.hashing.hostbytes import host_bytes
+from weightsync_audit.engine.hashing.reader import host_bytes
 from weightsync_audit.engine.inventory.manifest import Entry, build_manifest
 from weightsync_audit.engine.inventory.replicas import assign_replicas, declares_groups, replica_manifest
 from weightsync_audit.engine.inventory.replicas.keys import HOLDERS, is_holders, unreplicated_label_of
