@@ -26,7 +26,7 @@ import torch.distributed as dist
 import xxhash
 from torch import nn
 
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, host_view
+from weightsync_audit.engine.hashing.reader import CHUNK, host_view
 
 
 def seed_check(model: nn.Module) -> bool:

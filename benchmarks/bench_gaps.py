@@ -33,7 +33,7 @@ from torch import nn
 
 from weightsync_audit import audit
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.hashing.hostbytes import host_bytes
+from weightsync_audit.engine.hashing.reader import host_bytes
 
 
 def _old_gap(comm: Comm, t: torch.Tensor) -> float:

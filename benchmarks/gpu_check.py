@@ -62,7 +62,7 @@ from torch import nn
 from weightsync_audit import audit, compat, resync
 from weightsync_audit.engine.hashing import device_digest as D
 from weightsync_audit.engine.hashing.digest import digest_tensors, workers
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, host_bytes
+from weightsync_audit.engine.hashing.reader import CHUNK, host_bytes
 
 _M64 = (1 << 64) - 1
 

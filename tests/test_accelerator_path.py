@@ -22,7 +22,7 @@ from weightsync_audit import Auditor, compat, resync
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing import device_digest as D
 from weightsync_audit.engine.hashing.digest import digest_tensors, workers
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, host_bytes
+from weightsync_audit.engine.hashing.reader import CHUNK, host_bytes
 from weightsync_audit.engine.repair.resync import _install_state, move_copies, state_device
 
 # -- 2: where rebuilt optimizer state lives ----------------------------------------------------------

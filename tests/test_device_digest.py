@@ -21,7 +21,7 @@ from weightsync_audit import Auditor
 from weightsync_audit.engine.hashing import device_digest as D
 from weightsync_audit.engine.hashing.device_digest import device_digests
 from weightsync_audit.engine.hashing.digest import digest_tensor, digest_tensors
-from weightsync_audit.engine.hashing.hostbytes import host_bytes
+from weightsync_audit.engine.hashing.reader import host_bytes
 
 _M64 = (1 << 64) - 1
 _G = 0x9E3779B97F4A7C15

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightsync_audit.engine.hashing import digest as D
-from weightsync_audit.engine.hashing import sampling
+from weightsync_audit.engine.hashing import reader as sampling
 from weightsync_audit.engine.hashing.digest import (
     digest_entries,
     digest_tensor,
@@ -23,7 +23,7 @@ from weightsync_audit.engine.hashing.digest import (
     overall_digest,
     structure_digest,
 )
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, host_bytes
+from weightsync_audit.engine.hashing.reader import CHUNK, host_bytes
 from weightsync_audit.engine.inventory.manifest import build_manifest
 
 METHODS = ("xxh3", "device")

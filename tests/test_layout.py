@@ -129,6 +129,29 @@ def test_private_torch_internals_are_reached_only_through_compat() -> None:
         assert not used & internals, f"{p.relative_to(PACKAGE)} uses {sorted(used & internals)} outside compat.py"
 
 
+def test_no_raw_read_of_memory_outside_the_reader() -> None:
+    """Every read of a tensor's bytes goes through engine/hashing/reader.py: no module but the reader imports
+    ``ctypes``, reads memory by address (``from_address``, ``from_buffer``, ``numpy.ctypeslib``) or does
+    arithmetic on a ``data_ptr()`` (an address compared for identity, as the digest plan does, is no read)."""
+    raw = {"from_address", "from_buffer", "from_buffer_copy", "ctypeslib", "string_at", "memmove", "cast"}
+    found = []
+    for p in MODULES:
+        if p.relative_to(PACKAGE).as_posix() == "engine/hashing/reader.py":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
+                found += [f"{p.name}: import {n}" for n in names if n.split(".")[0] in ("ctypes", "cffi")]
+            elif isinstance(node, ast.Attribute) and node.attr in raw and getattr(node.value, "id", "") != "torch":
+                if node.attr != "cast" or getattr(node.value, "id", "") == "ctypes":
+                    found.append(f"{p.name}:{node.lineno}: .{node.attr}")
+            elif isinstance(node, ast.BinOp):
+                for side in (node.left, node.right):
+                    if isinstance(side, ast.Call) and getattr(side.func, "attr", "") == "data_ptr":
+                        found.append(f"{p.name}:{node.lineno}: arithmetic on data_ptr()")
+    assert not found, found
+
+
 def test_compat_self_check_passes_here_and_names_the_versions_when_an_internal_is_gone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

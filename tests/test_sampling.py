@@ -17,7 +17,7 @@ from torch import nn
 from weightsync_audit import Auditor, AuditOutOfStepError
 from weightsync_audit.engine.config import parse_coverage
 from weightsync_audit.engine.hashing.digest import digest_tensor
-from weightsync_audit.engine.hashing.sampling import SAMPLE_ALIGN, SMALL, sample_bounds, sample_pieces
+from weightsync_audit.engine.hashing.reader import SAMPLE_ALIGN, SMALL, sample_bounds, sample_pieces
 
 
 @given(numel=st.integers(0, 50_000), slices=st.integers(1, 40))
@@ -46,7 +46,7 @@ def test_pieces_are_views_that_spell_the_flat_slice_in_any_layout(
     if t.dim() >= 2:
         t = t.t().contiguous().t() if t.dim() == 2 else t.permute(2, 1, 0).contiguous().permute(2, 1, 0)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("weightsync_audit.engine.hashing.sampling.SMALL", 0)
+        mp.setattr("weightsync_audit.engine.hashing.reader.SMALL", 0)
         pieces = sample_pieces(t, index, slices)
     a, b = sample_bounds(t.numel(), index, slices)
     got = torch.cat([p.reshape(-1) for p in pieces]) if pieces else torch.empty(0, dtype=t.dtype)
@@ -73,7 +73,7 @@ def test_slices_spanning_several_leaves_do_not_depend_on_layout(method: str) -> 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("weightsync_audit.engine.hashing.digest.CHUNK", 1000)  # slices of ~6 KB: several leaves each
         mp.setattr("weightsync_audit.engine.hashing.digest.SMALL", 0)
-        mp.setattr("weightsync_audit.engine.hashing.sampling.SMALL", 0)
+        mp.setattr("weightsync_audit.engine.hashing.reader.SMALL", 0)
         for i in range(4):
             a = digest_tensor(t, slice_index=i, slices=4, method=method)
             assert a == digest_tensor(twin, slice_index=i, slices=4, method=method)

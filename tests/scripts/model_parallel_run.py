@@ -1,7 +1,8 @@
 """Run by tests through Lightning's ModelParallelStrategy (its subprocess launcher) on 2 CPU ranks.
 
 Usage: python model_parallel_run.py OUT_DIR MODE. MODE ``fsdp`` (``pytorch_lightning``): FSDP2 over
-2 ranks, an lr changed on rank 1 at step 3, ``on_mismatch="warn"``. MODE ``tp`` (``lightning.pytorch``):
+2 ranks, an lr changed on rank 1 at step 3, ``on_mismatch="warn"`` (``fsdp-attribution``: the same with
+``attribution=True``). MODE ``tp`` (``lightning.pytorch``):
 tensor parallel over 2 ranks, the replicated RowwiseParallel bias nudged on rank 1 at step 3,
 ``on_mismatch="raise"``. Each rank writes ``rank{r}.json`` saying how it ended.
 """
@@ -96,6 +97,7 @@ if __name__ == "__main__":
             WeightSyncAudit(
                 every_n_train_steps=1,
                 on_mismatch="raise" if MODE == "tp" else "warn",
+                attribution=MODE == "fsdp-attribution",
                 report_path=str(OUT / "audit.jsonl"),
             ),
         ],

@@ -41,6 +41,7 @@ from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
 from weightsync_audit.errors import WeightSyncWarning
 
@@ -326,8 +327,8 @@ class StepWatch:
         """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
         guarded by their version counters: gradients written before it read them leave the check unknown)."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
-        grads = [p.grad.detach() for p in params]
         names = [self.names.get(id(p), "?") for p in params]
+        grads = [readable(p.grad, f"{n}.grad") for p, n in zip(params, names)]  # a DTensor's: its local shard
         ids = [id(p) for p in params]
         if self.deferred is None:
             self._compare_gradients(rec, ids, grads, names, None)

@@ -48,6 +48,7 @@ from weightsync_audit.engine.checkpoints.resume_rules import (
     unchecked_notes,
     with_cause,
 )
+from weightsync_audit.engine.hashing.reader import host_view, readable
 from weightsync_audit.errors import CheckpointError
 
 __all__ = [
@@ -81,9 +82,9 @@ the same on every replica). ``lr_scheduler.1`` (a second scheduler) reads as ``l
 def _feed(h: Any, obj: Any) -> None:
     """Feed ``obj``'s exact content into the hash: tensors and arrays by their bytes, containers in order."""
     if isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous()
+        t = readable(obj, "a resume-state tensor")  # its local data; what has no bytes refused
         h.update(f"T{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(host_view(t))
     elif type(obj).__module__ == "numpy" and hasattr(obj, "tobytes"):
         h.update(f"A{getattr(obj, 'dtype', '')}{getattr(obj, 'shape', '')}".encode())
         h.update(obj.tobytes())

@@ -39,6 +39,7 @@ from weightsync_audit.engine.checkpoints.files import SIDECAR_NAME, dcp_shards, 
 from weightsync_audit.engine.checkpoints.load import read_json
 from weightsync_audit.engine.checkpoints.sidecar_schema import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
 from weightsync_audit.engine.hashing.digest import digest_tensors
+from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import dtype_name
 from weightsync_audit.errors import CheckpointError
 
@@ -94,7 +95,7 @@ def _hex(d: int) -> str:
 
 def tensor_digests(obj: Any) -> dict[str, dict[str, Any]]:
     """Name -> ``{"digest", "dtype", "shape"}`` for every tensor in ``obj`` (xxh3 of its exact bytes)."""
-    flat = {n: t.detach() for n, t in flat_tensors(obj).items()}
+    flat = {n: readable(t, n) for n, t in flat_tensors(obj).items()}
     host = [t if t.device.type == "cpu" else t.cpu() for t in flat.values()]
     digests = digest_tensors(host, method="xxh3").tolist() if host else []
     return {

@@ -18,8 +18,14 @@ import torch
 
 from weightsync_audit import compat
 from weightsync_audit.compat import flatten_tensors
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_chunk
-from weightsync_audit.engine.hashing.sampling import sample_pieces
+from weightsync_audit.engine.hashing.reader import (
+    CHUNK,
+    chunk_views,
+    contiguous_blocks,
+    host_chunk,
+    sample_pieces,
+    word_aligned,
+)
 
 __all__ = ["device_digests", "device_ok", "digest_streams"]
 
@@ -155,10 +161,6 @@ def _scratch(words: int, device: torch.device) -> tuple[torch.Tensor, int]:
             _step_of[device.type] = step
 
 
-def _aligned(u8: torch.Tensor) -> bool:
-    return u8.storage_offset() % 8 == 0 and u8.data_ptr() % 8 == 0
-
-
 class _WordStream:
     """Feeds a logical byte stream, piece by piece, into the positional word sum on one device.
 
@@ -186,7 +188,7 @@ class _WordStream:
         self.nbytes += n
         pos = 0
         while pos < n:
-            if self.fill == 0 and n - pos >= 8 and _aligned(u8[pos:]):
+            if self.fill == 0 and n - pos >= 8 and word_aligned(u8[pos:]):
                 k = (n - pos) // 8
                 self.acc += _words_sum(u8[pos : pos + 8 * k].view(torch.int64), self.words)
                 self.words += k
@@ -252,7 +254,7 @@ def _flat_bytes(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int
     if not parts:
         return torch.empty(0, dtype=torch.uint8, device=tensors[0].device), order
     out = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if not _aligned(out):
+    if not word_aligned(out):
         out = out.clone()
     return out, order
 

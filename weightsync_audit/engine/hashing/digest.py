@@ -12,12 +12,11 @@ not leave the other cores idle. Leaf boundaries are offsets in the logical strea
 on layout either. Only a non-contiguous tensor is copied, one leaf at a time.
 
 The on-device method lives in :mod:`weightsync_audit.engine.hashing.device_digest`; sampling in
-:mod:`weightsync_audit.engine.hashing.sampling`.
+:mod:`weightsync_audit.engine.hashing.reader`.
 """
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import os
 import threading
@@ -30,10 +29,20 @@ import xxhash
 
 from weightsync_audit import compat
 from weightsync_audit.engine.hashing.device_digest import digest_streams
-from weightsync_audit.engine.hashing.hostbytes import CHUNK, chunk_views, contiguous_blocks, host_view
-from weightsync_audit.engine.hashing.sampling import SMALL, sample_bounds, sample_pieces
+from weightsync_audit.engine.hashing.reader import (
+    CHUNK,
+    FREED,
+    SMALL,
+    chunk_views,
+    contiguous_blocks,
+    host_view,
+    in_place,
+    readable,
+    sample_bounds,
+    sample_pieces,
+    storage_fits,
+)
 from weightsync_audit.engine.inventory.manifest import Entry
-from weightsync_audit.engine.inventory.storage import storage_fits
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
@@ -54,8 +63,6 @@ _PARALLEL_MIN_BYTES = 2 << 20
 
 _xxh = xxhash.xxh3_64_intdigest
 _EMPTY = _xxh(b"")
-_MASK64 = (1 << 64) - 1
-
 _MASK64 = (1 << 64) - 1
 
 _pool: ThreadPoolExecutor | None = None
@@ -186,8 +193,7 @@ def _run_jobs(jobs: list[tuple[int, int, int, object]]) -> list[int | list[int]]
 
 def _in_place(t: torch.Tensor) -> memoryview:
     """A byte view of a contiguous CPU tensor that the caller keeps alive while the view is used."""
-    n = t.nbytes
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B") if n else memoryview(b"")
+    return memoryview(in_place(t)).cast("B") if t.nbytes else memoryview(b"")
 
 
 def _plan_host(
@@ -266,18 +272,23 @@ def digest_tensors(
     sampled = slices > 1
     copied: set[torch.device] = set()  # devices whose tensors are copied to the host
     all_on_device = method == "device"
-    xxh, c_char, small = _xxh, ctypes.c_char, SMALL
+    xxh, small, plain, param = _xxh, SMALL, torch.Tensor, torch.nn.Parameter
     for i, t in enumerate(tensors):
         on_host = t.is_cpu and not all_on_device
-        if on_host:
-            size = t.nbytes
-            if size <= small and t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-                # The common case, thousands of times per audit: hash the memory in place, no job. A lazy
-                # conjugate or negative view holds the unresolved bytes: it goes the way that resolves them.
-                out[i] = xxh((c_char * size).from_address(t.data_ptr())) if size else _EMPTY
+        cls = type(t)
+        if on_host and (cls is plain or cls is param) and t.nbytes <= small:
+            # The common case, thousands of times per audit: hash the memory in place, no job. The reader
+            # gives no buffer for what it cannot read so (a lazy conjugate or negative view, a non-contiguous
+            # or freed one): that goes the way that resolves or refuses it.
+            buf = in_place(t)
+            if buf is not None:
+                out[i] = xxh(buf) if t.nbytes else _EMPTY
                 continue
-        if not storage_fits(t):  # every other way reads it whole, by pointer or by a torch kernel
-            raise UnauditableTensorError(f"tensors[{i}]", "its storage is smaller than its view needs; not read")
+        if cls is not plain:
+            t = readable(t, f"tensors[{i}]")  # a DTensor's local shard; what has no bytes refused by name
+            on_host = t.is_cpu and not all_on_device
+        elif not storage_fits(t):  # every other way reads it whole, by pointer or by a torch kernel
+            raise UnauditableTensorError(f"tensors[{i}]", FREED)
         if not on_host:
             pieces = sample_pieces(t, slice_index, slices) if sampled else [t]
             if all_on_device or method == "auto":
@@ -319,9 +330,7 @@ def digest_tensor(t: torch.Tensor, *, slice_index: int = 0, slices: int = 1, met
     >>> digest_tensor(torch.ones(3)) == digest_tensor(torch.ones(3, 2)[:, 0])
     True
     """
-    t = t.detach()
-    if not storage_fits(t):
-        raise UnauditableTensorError("t", "its storage is smaller than its view needs (freed or resized); not read")
+    t = readable(t, "t")
     return int(digest_tensors([t], slice_index=slice_index, slices=slices, method=method)[0])
 
 

@@ -2,7 +2,7 @@
 and :class:`PreparedManifest`, what one audit needs from its manifest.
 
 :func:`~weightsync_audit.engine.hashing.digest.digest_tensors` hashes a small contiguous CPU tensor by wrapping
-its memory in a fresh ``ctypes`` array (about a microsecond each). A :class:`DigestPlan` makes those
+its memory in a fresh buffer (:func:`~weightsync_audit.engine.hashing.reader.in_place`) (about a microsecond each). A :class:`DigestPlan` makes those
 wrappers once, when a manifest is built, and each audit then runs ``map(xxh3_64, wrappers)``: one pass in
 C over the entries, creating nothing but the result. The digests are exactly the ones ``digest_tensors``
 gives (the same bytes through the same xxh3); everything else (large or non-contiguous tensors, tensors
@@ -18,7 +18,6 @@ the tensors' metadata read by the check is still in the CPU's cache for the next
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import weakref
 from dataclasses import dataclass, field
@@ -30,9 +29,8 @@ import xxhash
 
 from weightsync_audit.compat import layout_guard
 from weightsync_audit.engine.hashing.digest import digest_tensors, structure_digest
-from weightsync_audit.engine.hashing.sampling import SMALL
+from weightsync_audit.engine.hashing.reader import SMALL, in_place_views, storage_fits
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest, has_shards
-from weightsync_audit.engine.inventory.storage import storage_fits
 
 __all__ = ["DigestPlan", "PreparedManifest", "StructureSnapshot"]
 
@@ -46,10 +44,17 @@ def _hashed_in_place(t: torch.Tensor) -> bool:
     either bit, like one of ``requires_grad``, changes the tensor's dispatch keys, which the layout
     guard compares: the plan is then stale and rebuilt.
     """
-    return t.is_cpu and 0 < t.nbytes <= SMALL and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+    return (
+        type(t) in _PLAIN
+        and t.is_cpu
+        and 0 < t.nbytes <= SMALL
+        and t.is_contiguous()
+        and not (t.is_conj() or t.is_neg())
+    )
 
 
 _T = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # what the reader's in_place() reads
 _PTR = _T.data_ptr
 CHUNK = 512
 """Sources verified and hashed per pass: the tensors' metadata read by one check is still in the CPU's
@@ -116,7 +121,6 @@ class DigestPlan:
         self.slow_index = index[~mask] if len(index) else index
         self.dyn_index = np.asarray(self.dynamic_index, dtype=np.intp)
         self.fast_count = int(mask.sum())
-        c_char = ctypes.c_char
         for lo in range(0, len(sources), CHUNK):
             part, fast = sources[lo : lo + CHUNK], self.fast_mask[lo : lo + CHUNK]
             guard = layout_guard(part)
@@ -129,9 +133,9 @@ class DigestPlan:
                     layouts=_layouts(part) if guard is None else [],
                     mask=None if all(fast) else fast,
                     ptrs=list(map(_PTR, inplace)),
-                    # The ctypes array itself, not a memoryview over it: one object less to touch per tensor
+                    # The reader's buffer itself, not a memoryview over it: one object less to touch per tensor
                     # (4-8% of a cached audit of 20,000 tensors, measured).
-                    views=[(c_char * t.nbytes).from_address(t.data_ptr()) for t in inplace],
+                    views=in_place_views(inplace),
                 )
             )
         views_all = [v for c in self.chunks for v in c.views]

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from weightsync_audit.compat import is_dtensor, peel_wrapper
+from weightsync_audit.engine.hashing.reader import FREED, readable, storage_fits
 from weightsync_audit.engine.inventory.peers import ShardInfo, shard_info
-from weightsync_audit.engine.inventory.storage import storage_fits
 from weightsync_audit.engine.inventory.wrappers import unwrap_optimizer
 from weightsync_audit.errors import UnauditableTensorError
 
@@ -226,36 +226,16 @@ def _tensor_entry(
             t = t.detach()
         if t.layout is torch.strided and not t.is_meta and not t.is_nested:
             if not storage_fits(t):
-                raise UnauditableTensorError(name, _FREED)
+                raise UnauditableTensorError(name, FREED)
             return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key)
     note = None
     shard = None
     if is_dtensor(t):
         # Compared among its peers only (engine/peers.py); the structure holds the global shape.
         shard = shard_info(t)
-        t = t.to_local()
-    if t.requires_grad or isinstance(t, nn.Parameter):
-        t = t.data  # the same storage without autograd; cheaper than detach()
-    if t.is_meta:
-        raise UnauditableTensorError(name, "it is a meta tensor (it has no data); materialise the model first")
-    if t.layout is not torch.strided:
-        if t.layout == torch.sparse_coo:
-            raise UnauditableTensorError(
-                name, "sparse COO tensors are not audited; exclude it or convert with .to_dense()"
-            )
-        raise UnauditableTensorError(name, f"layout {t.layout} is not audited; exclude it")
-    if getattr(t, "is_nested", False):
-        raise UnauditableTensorError(name, "nested tensors are not audited; exclude it")
-    if not storage_fits(t):
-        raise UnauditableTensorError(name, _FREED)
+    t = readable(t, name)  # its local data; what cannot be read refused by name
     shape = shard.shape if shard is not None else tuple(t.shape)
     return Entry(name, kind, t, dtype_name(t.dtype), shape, container, key, note, shard)
-
-
-_FREED = (
-    "its storage is smaller than its view needs (freed or resized under it, e.g. by "
-    "untyped_storage().resize_(0)); it is not read"
-)
 
 
 def _value_entries(

@@ -27,7 +27,7 @@ import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
-from weightsync_audit.engine.hashing.hostbytes import chunk_views
+from weightsync_audit.engine.hashing.reader import chunk_views
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks
 

@@ -34,7 +34,7 @@ import xxhash
 from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.framing import compact_rows, expand_rows
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.hashing.hostbytes import host_chunk
+from weightsync_audit.engine.hashing.reader import host_chunk
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.measure.gaps import GapMeter
 from weightsync_audit.engine.measure.transfer import Sink, receive_tensor, send_tensor, tensor_bytes

@@ -1,6 +1,6 @@
 """One tensor over the data plane: sent from its logical chunks, received chunk by chunk into a sink.
 
-Both sides cut the tensor with :func:`~weightsync_audit.engine.hashing.hostbytes.chunk_views`, which depends
+Both sides cut the tensor with :func:`~weightsync_audit.engine.hashing.reader.chunk_views`, which depends
 on the shape and dtype only, so every chunk is received into a buffer of exactly the size sent (gloo
 aborts the process on a size mismatch), whatever the layouts and devices on either side. A rank never
 holds more than one chunk of the copy.
@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from weightsync_audit.channel.dataplane import CHUNK_BYTES, DataPlane, Schedule, TransferFailure
-from weightsync_audit.engine.hashing.hostbytes import chunk_views, host_chunk
+from weightsync_audit.engine.hashing.reader import chunk_views, host_chunk
 
 __all__ = ["Sink", "receive_tensor", "send_tensor", "tensor_bytes"]
 
