@@ -42,13 +42,14 @@ from weightsync_audit.engine.agreement.consensus import (
     structure_row,
     tie_detail,
 )
-from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
 from weightsync_audit.engine.agreement.rounds import (
     Agreement,
     agree,
     bucket_sketch,
     compare_structures,
     localize_values,
+    raise_failed,
+    raise_out_of_step,
 )
 from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.attribution.settle import attribute_audit
@@ -61,9 +62,9 @@ from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.inventory.replicas import reducing_engine
 from weightsync_audit.engine.measure.finite import NonfiniteCount, apply_nonfinite, count_everywhere, nonfinite_row
+from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_arguments
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
-from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
 from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note

@@ -34,10 +34,9 @@ import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import majority_within
-from weightsync_audit.engine.agreement.holders import carriers, replica_groups
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
-from weightsync_audit.engine.inventory.peers import ALL, peer_sets
+from weightsync_audit.engine.inventory.peers import ALL, carriers, peer_sets, replica_groups
 from weightsync_audit.engine.inventory.replicas.keys import FOUND, is_holders
 from weightsync_audit.engine.repair.resync_transfer import move_copies
 from weightsync_audit.text import fmt_ranks

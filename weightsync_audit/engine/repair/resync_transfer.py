@@ -17,7 +17,7 @@ import torch
 
 from weightsync_audit.channel.dataplane import DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.measure.transfer import receive_tensor, send_tensor, tensor_bytes
+from weightsync_audit.engine.measure.remote_gaps import receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.errors import ResyncError, WeightSyncAuditError
 from weightsync_audit.text import brief_names
 
