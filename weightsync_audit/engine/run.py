@@ -46,12 +46,15 @@ from weightsync_audit.engine.agreement.rounds import (
     Agreement,
     agree,
     bucket_sketch,
+    compare_sharded,
     compare_structures,
+    compared_counts,
     localize_values,
     raise_failed,
     raise_out_of_step,
+    shard_names,
+    sharded_notes,
 )
-from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.context import AuditContext
