@@ -8,7 +8,7 @@ For each number of gloo ranks (forked on this machine), between barriers, slowes
 median repetition:
 
 - ``all_gather 64 B`` / ``all_reduce 64 B``: bare gloo collectives of one audit summary, on the job's group;
-- ``round``: the channel's healthy round alone (every rank's 64-byte summary to the coordinator, a
+- ``round``: the channel's healthy round alone (every rank's 104-byte summary to the coordinator, a
   fixed-size verdict back: ``engine.agreement.agree``);
 - ``audit``: ``Auditor(model).audit()`` in sync on a small model (two ``Linear(8, 8)``: 4 tensors), so that
   the channel, not the hashing of 2 cores shared by up to 32 ranks, is what is measured;

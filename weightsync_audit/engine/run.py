@@ -7,7 +7,7 @@ run holds one :class:`~weightsync_audit.engine.context.AuditContext`, everything
 small frozen value (:mod:`~weightsync_audit.engine.phases`), so what each phase needs and leaves is its
 signature:
 
-- **prepare**: this rank's manifest (cached while the structure holds), its digests and 72-byte summary;
+- **prepare**: this rank's manifest (cached while the structure holds), its digests and 104-byte summary;
 - **agree**: the summaries meet at the coordinator, which answers every rank the same verdict;
 - **localize**: off the healthy path, which tensors differ on which ranks (digest columns, structures,
   DTensor peer sets);
