@@ -2,6 +2,7 @@
 
     python benchmarks/bench_audit.py                      # everything (about 5 minutes on 2 cores)
     python benchmarks/bench_audit.py --models 100M --worlds 2 --reps 9
+    python benchmarks/bench_audit.py --adam                # small models with Adam: the fixed cost (1 minute)
 
 For each model and number of gloo ranks (forked on this machine, each rank owning its copy of the
 model), every method runs on all ranks at once, between barriers; a repetition lasts until the slowest
@@ -12,6 +13,11 @@ rank is done, and the median repetition is printed:
 - ``seed``: sha256 + ``all_gather_object`` (the Lightning #20340 report's check);
 - ``megatron``: per-parameter sha1 of a CPU float copy + a tensor all-gather (Megatron-LM);
 - ``memcpy``: a copy of the same bytes into a preallocated twin, on the same threads as the digest.
+
+``--adam``: instead, the healthy audit of the parameters *and* Adam's state on 2 ranks against the seed's
+and Megatron's checks of the parameters alone, on the seed's model (``Linear(32, 16)``, ``Linear(16, 2)``:
+4 tensors), a 29-tensor toy, 1M and 10M parameters; the three methods taken in turns, rounds of
+``--reps`` repetitions each, the median repetition and the ratios of the same run.
 
 Also printed: the peak resident memory each method adds (``VmHWM``, max over ranks) and the bytes the
 audit puts on the wire per rank on the healthy path. ``--json`` writes the raw figures.
@@ -33,7 +39,7 @@ import torch
 import torch.distributed as dist
 from baselines import MemoryCopy, megatron_check, plain_xxh3_check, seed_check
 from harness import launch, machine, median, own_copy, peak_extra_bytes, table, timed
-from models import SPECS, build, count, nbytes
+from models import SPECS, ModelSpec, build, count, nbytes
 
 from weightsync_audit import Auditor
 from weightsync_audit.engine.hashing.digest import workers
@@ -106,6 +112,56 @@ def _rank(rank: int, world: int, reps: int, methods: list[str]) -> dict[str, Any
         del fn
     out["wire"] = wire_bytes(audit_full)
     return out
+
+
+def _adam_model(key: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    if key == "seed4":
+        model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 2))
+    elif key == "toy29":  # an embedding and 14 linear layers: 29 tensors
+        model = torch.nn.Sequential(torch.nn.Embedding(64, 32), *(torch.nn.Linear(32, 32) for _ in range(14)))
+    else:
+        model = build(SPECS.get(key) or ModelSpec("1M fp32", "gpt", d=64, layers=10))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    opt.step()  # Adam's state exists, alike on every rank
+    return model, opt
+
+
+def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model, opt = _adam_model(key)
+    auditor = Auditor(model, opt)
+    auditor.setup()
+    fns: dict[str, Callable[[], Any]] = {
+        "audit": lambda: auditor.audit(),
+        "seed": lambda: seed_check(model),
+        "megatron": lambda: megatron_check(model),
+    }
+    assert auditor.audit().in_sync
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(rounds):
+        for name in list(fns)[:: 1 if i % 2 else -1]:  # in turns, the order reversed every other round
+            times[name] += timed(fns[name], reps)
+    out: dict[str, Any] = {k: median(v) for k, v in times.items()}
+    out["tensors"] = len(list(model.parameters()))
+    out["params"] = count(model)
+    return out
+
+
+def run_adam(keys: list[str], reps: int, rounds: int) -> str:
+    rows = []
+    for key in keys:
+        r = launch(_rank_adam, 2, key, reps, rounds)[0]
+        a, s, m = r["audit"], r["seed"], r["megatron"]
+        rows.append(
+            [key, str(r["tensors"]), f"{r['params']:,}", *(f"{x * 1e3:.2f}" for x in (a, s, m)), f"{a / s:.2f}x"]
+        )
+        rows[-1] += [f"{a / m:.2f}x", f"{os.getloadavg()[0]:.2f}"]
+        print("  " + " ".join(rows[-1]), flush=True)
+    headers = ["model", "tensors", "params", "audit ms", "seed ms", "megatron ms", "audit/seed", "audit/megatron"]
+    return table([*headers, "load"], rows)
 
 
 def run(keys: list[str], worlds: list[int], reps: int, methods: list[str]) -> list[dict[str, Any]]:
@@ -234,8 +290,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--methods", default="audit,1/8,seed,megatron,xxh3,memcpy")
     p.add_argument("--json", type=Path, help="write the raw figures here")
+    p.add_argument("--adam", action="store_true", help="the small models with Adam's state (the fixed cost)")
+    p.add_argument("--rounds", type=int, default=5, help="with --adam: rounds of --reps repetitions each")
     args = p.parse_args(argv)
     print(f"# {machine()}; digest threads per rank: {workers()}", flush=True)
+    if args.adam:
+        keys = args.models.split(",") if args.models != ",".join(SPECS) else ["seed4", "toy29", "1M", "10M"]
+        print(run_adam(keys, args.reps, args.rounds))
+        return
     rows = run(args.models.split(","), [int(w) for w in args.worlds.split(",")], args.reps, args.methods.split(","))
     print()
     print(render(rows))

@@ -2,12 +2,13 @@
 
     python benchmarks/bench_channel.py                    # 2, 4, 8, 16 and 32 ranks (about 3 minutes on 2 cores)
     python benchmarks/bench_channel.py --worlds 2 4 --reps 20
+    python benchmarks/bench_channel.py --fleet            # healthy path only, 2..64 ranks, fitted to 1,024 and 16,384
 
 For each number of gloo ranks (forked on this machine), between barriers, slowest rank per repetition,
 median repetition:
 
 - ``all_gather 64 B`` / ``all_reduce 64 B``: bare gloo collectives of one audit summary, on the job's group;
-- ``round``: the channel's healthy round alone (every rank's 64-byte summary to the coordinator, a
+- ``round``: the channel's healthy round alone (every rank's 104-byte summary to the coordinator, a
   fixed-size verdict back: ``engine.agreement.agree``);
 - ``audit``: ``Auditor(model).audit()`` in sync on a small model (two ``Linear(8, 8)``: 4 tensors), so that
   the channel, not the hashing of 2 cores shared by up to 32 ranks, is what is measured;
@@ -18,6 +19,13 @@ median repetition:
 Bytes are counted by the channel itself (``Comm.sent_bytes``): what rank 0 and the other ranks send per
 healthy audit, and the most bytes through any one rank (sent + received) per diverged audit. Also: rank 0's
 CPU time per healthy audit, and the time to open the audit channel (once per process).
+
+``--fleet``: the healthy path only, at 2, 4, 8, 16, 32 and 64 ranks: the audit's latency (slowest rank),
+the coordinator's and another rank's CPU time per audit and bytes per audit, and a bare all_gather of the
+same summary; each fitted by least squares to ``a + b * ranks`` and the fits' figures printed for 1,024 and
+16,384 ranks next to the all-gather's (gloo's ring: ``ranks - 1`` steps, and as many summaries through
+every rank). Ranks beyond the cores share them, so latencies are upper bounds; the coordinator's CPU time
+per peer is the figure that says how far one coordinator goes.
 """
 
 from __future__ import annotations
@@ -49,6 +57,67 @@ def _many() -> torch.nn.Module:
 def _small() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+
+
+def _rank_fleet(rank: int, world: int, reps: int) -> dict[str, Any]:
+    """The healthy path only: latency, CPU time and bytes per audit, and a bare all_gather of 64 bytes."""
+    torch.set_num_threads(1)
+    auditor = Auditor(_small(), timeout_s=300)
+    auditor.setup()
+    comm = auditor.comm
+    one = torch.zeros(8, dtype=torch.int64)
+    gathered = [torch.zeros(8, dtype=torch.int64) for _ in range(world)]
+    out: dict[str, Any] = {"all_gather": median(timed(lambda: dist.all_gather(gathered, one), reps))}
+    assert auditor.audit().in_sync
+    out["audit"] = median(timed(lambda: auditor.audit(), reps))
+    sent, cpu = comm.sent_bytes, time.process_time()
+    for _ in range(reps):
+        auditor.audit()
+    out["cpu"] = (time.process_time() - cpu) / reps
+    out["sent"] = (comm.sent_bytes - sent) / reps
+    return out
+
+
+def _fit(xs: list[int], ys: list[float]) -> tuple[float, float]:
+    """``(a, b)`` of the least-squares line ``a + b * x``."""
+    b, a = np.polyfit(np.array(xs, dtype=float), np.array(ys, dtype=float), 1)
+    return float(a), float(b)
+
+
+def fleet(worlds: list[int], reps: int) -> None:
+    rows, fits = [], {}
+    series: dict[str, list[float]] = {k: [] for k in ("audit", "all_gather", "cpu0", "cpu1", "recv0", "sent1")}
+    for world in worlds:
+        res = launch(_rank_fleet, world, reps or max(5, 160 // world), timeout=900)
+        recv0 = sum(r["sent"] for r in res[1:])
+        vals = {
+            "audit": res[0]["audit"] * 1e3,
+            "all_gather": res[0]["all_gather"] * 1e3,
+            "cpu0": res[0]["cpu"] * 1e3,
+            "cpu1": max(r["cpu"] for r in res[1:]) * 1e3,
+            "recv0": recv0,
+            "sent1": max(r["sent"] for r in res[1:]),
+        }
+        for k, v in vals.items():
+            series[k].append(v)
+        rows.append([str(world)] + [f"{vals[k]:.2f}" for k in ("audit", "all_gather", "cpu0", "cpu1")])
+        rows[-1] += [f"{res[0]['sent']:.0f} B", f"{recv0:.0f} B", f"{vals['sent1']:.0f} B"]
+        print(f"{world} ranks done", flush=True)
+    headers = ["ranks", "audit ms", "all_gather 64 B ms", "coordinator CPU ms", "other rank CPU ms"]
+    print(table([*headers, "coordinator sends", "coordinator receives", "other rank sends"], rows))
+    for k, v in series.items():
+        fits[k] = _fit(worlds, v)
+    print("\nfitted a + b * ranks: " + ", ".join(f"{k} {a:.3g} + {b:.3g} n" for k, (a, b) in fits.items()))
+    out = []
+    for n in (1024, 16384):
+        f = {k: a + b * n for k, (a, b) in fits.items()}
+        ring = 64 * (n - 1)  # gloo's ring all_gather: every summary passes through every rank
+        row = [f"{n:,}", f"{f['audit']:.0f}", f"{f['all_gather']:.0f}", f"{f['cpu0']:.0f}", f"{f['cpu1']:.2f}"]
+        out.append([*row, f"{f['recv0'] / 1e6:.2f} MB", f"{f['sent1']:.0f} B", f"{ring / 1e6:.2f} MB"])
+    headers = ["ranks", "audit ms", "all_gather ms", "coordinator CPU ms", "other rank CPU ms"]
+    print(table([*headers, "coordinator receives", "other rank sends", "all_gather through each rank"], out))
+    per_1000 = fits["cpu0"][1] * 1000
+    print(f"\ncoordinator's CPU share: {per_1000:.1f} ms per 1,000 ranks (the issue's bound: 10 ms)")
 
 
 def _rank(rank: int, world: int, reps: int) -> dict[str, Any]:
@@ -103,8 +172,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16, 32])
     parser.add_argument("--reps", type=int, default=0, help="repetitions (default: fewer as ranks grow)")
+    parser.add_argument("--fleet", action="store_true", help="healthy path only, fitted to a fleet")
     args = parser.parse_args()
     print(machine())
+    if args.fleet:
+        fleet(args.worlds if args.worlds != [2, 4, 8, 16, 32] else [2, 4, 8, 16, 32, 64], args.reps)
+        return
     rows = []
     for world in args.worlds:
         reps = args.reps or max(5, 80 // world)

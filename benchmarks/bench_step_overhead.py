@@ -11,7 +11,12 @@ ranks (one torch thread per rank), the same batch every step, audited after ever
 - **overlap**: ``LoopAudit(every_n_steps=1, overlap=True)``, step s digested and compared on a worker
   thread while step s+1's forward and backward run, settled before its optimizer step;
 - **sampled 1/8**: ``LoopAudit(every_n_steps=1, coverage="1/8")``, synchronous, an eighth of each large
-  tensor per audit (every byte once in 8 steps).
+  tensor per audit (every byte once in 8 steps);
+- **overlap 1/8**: both: a rotating eighth of each large tensor (over 64 KiB) on the worker each step, small
+  tensors whole every step: no byte goes unaudited longer than 8 steps.
+
+Also printed: the bytes each configuration's audit reads per step and rank (``overlap 1/8`` reads about an
+eighth of what ``overlap`` reads: the worker's memory traffic, which competes with training's).
 
 Two placements, each a separate run of both ranks:
 
@@ -49,8 +54,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import LoopAudit
+from weightsync_audit.engine.hashing.reader import SMALL, sample_bounds
 
-CONFIGS = ("none", "sync", "overlap", "sampled 1/8")
+CONFIGS = ("none", "sync", "overlap", "sampled 1/8", "overlap 1/8")
 DIMS = (1536, 4096, 3072, 512)  # 20.45M parameters; with Adam's two moments 245 MB audited per rank
 
 
@@ -74,6 +80,7 @@ def _rank(rank: int, world: int, pin: bool, rounds: int, steps: int, batch: int,
         "sync": LoopAudit(model, opt, every_n_steps=1, verbose=False),
         "overlap": LoopAudit(model, opt, every_n_steps=1, overlap=True, verbose=False, report_path=report),
         "sampled 1/8": LoopAudit(model, opt, every_n_steps=1, coverage="1/8", verbose=False),
+        "overlap 1/8": LoopAudit(model, opt, every_n_steps=1, overlap=True, coverage="1/8", verbose=False),
     }
     step = 0
 
@@ -109,7 +116,21 @@ def _rank(rank: int, world: int, pin: bool, rounds: int, steps: int, batch: int,
     for audit in audits.values():
         if audit is not None:
             audit.close()
-    return {"blocks": blocks, "report": report}
+    return {"blocks": blocks, "report": report, "read": read_per_step(net, opt)}
+
+
+def read_per_step(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, float]:
+    """Bytes an audit of every step reads per rank: every byte in full; in 1/8, small tensors whole and
+    an eighth of each larger one (the mean over the 8 slices)."""
+    tensors = [*net.parameters(), *(v for s in opt.state.values() for v in s.values() if torch.is_tensor(v))]
+    full = sum(t.nbytes for t in tensors)
+    eighth = 0.0
+    for t in tensors:
+        if t.nbytes <= SMALL:
+            eighth += t.nbytes
+        else:
+            eighth += sum(b - a for a, b in (sample_bounds(t.numel(), i, 8) for i in range(8))) * t.element_size() / 8
+    return {"full": full, "1/8": eighth}
 
 
 def placement(pin: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -131,6 +152,7 @@ def placement(pin: bool, args: argparse.Namespace) -> dict[str, Any]:
         "overlap_waited_ms_median": statistics.median(waited) if waited else None,
         "overlap_audit_ms_median": statistics.median(worker) if worker else None,
         "in_sync": all(r["in_sync"] for r in records),
+        "read_per_step": {c: 0 if c == "none" else out[0]["read"]["1/8" if "1/8" in c else "full"] for c in CONFIGS},
         "load": [load0, os.getloadavg()[0]],
         "wall_s": wall,
     }
@@ -153,14 +175,26 @@ def main(argv: list[str] | None = None) -> None:
         run = placement(pin, args)
         runs.append(run)
         rows = [
-            [c, f"{run['median_step_ms'][c]:.1f}", f"{run['ratio_vs_none'][c]:.3f}",
+            [c, f"{run['read_per_step'][c] / 1e6:.1f}", f"{run['median_step_ms'][c]:.1f}", f"{run['ratio_vs_none'][c]:.3f}",
              f"{(run['ratio_vs_none'][c] - 1) * 100:+.1f}%",
              " ".join(f"{b:.0f}" for b in run["blocks_ms"][c])]
             for c in CONFIGS
         ]  # fmt: skip
         where = "a core free (training pinned to core 0)" if pin else "both cores busy (nothing pinned)"
         print(f"\n## {where}; load average {run['load'][0]:.1f} -> {run['load'][1]:.1f}; {run['wall_s']:.0f} s")
-        print(table(["config", "step ms (median block)", "ratio vs none", "overhead", "blocks (ms/step)"], rows))
+        print(
+            table(
+                [
+                    "config",
+                    "MB read/step/rank",
+                    "step ms (median block)",
+                    "ratio vs none",
+                    "overhead",
+                    "blocks (ms/step)",
+                ],
+                rows,
+            )
+        )
         print(
             f"overlap: the worker's audit {run['overlap_audit_ms_median']:.1f} ms (median), the step waited "
             f"{run['overlap_waited_ms_median']:.2f} ms for it (median); every record in sync: {run['in_sync']}"

@@ -15,7 +15,7 @@ these small CPU messages apart from the training traffic (which may be NCCL) and
 What gloo does on failure (a timed-out wait closes every pair of the process's context; a message
 larger than its receive buffer aborts the process) shapes the protocol: the failure verdicts also go
 through the job's store (:mod:`~weightsync_audit.channel.verdicts`, which says how), and every message
-starts with a frame that names its exchange (:mod:`~weightsync_audit.channel.framing`), so a rank at
+starts with a frame that names its exchange (:mod:`~weightsync_audit.channel.wire`), so a rank at
 another point of the protocol is reported as :class:`~weightsync_audit.AuditOutOfStepError` on every
 rank, never a crash.
 
@@ -38,19 +38,20 @@ from typing import Any, Callable, Hashable
 import numpy as np
 import torch.distributed as dist
 
-from weightsync_audit.channel.framing import (
+from weightsync_audit.channel.groups import AuditGroup, forget_groups, open_group
+from weightsync_audit.channel.verdicts import (
+    Who,
+    out_of_step_error,
+)
+from weightsync_audit.channel.wire import (
+    Rule,
+    StarWire,
     as_u8,
     compact_rows,
     expand_rows,
     join_parts,
     split_parts,
 )
-from weightsync_audit.channel.groups import AuditGroup, forget_groups, open_group
-from weightsync_audit.channel.verdicts import (
-    Who,
-    out_of_step_error,
-)
-from weightsync_audit.channel.wire import Rule, StarWire
 from weightsync_audit.compat import default_process_group, describe_this_rank, new_named_gloo_group
 
 __all__ = ["DEFAULT_GRACE_S", "Comm", "Rule", "Tail", "forget_groups"]

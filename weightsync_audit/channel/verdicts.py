@@ -12,7 +12,7 @@ What gloo does on failure shapes the protocol (measured with torch 2.13):
   the punctual ones over gloo. The verdict therefore also goes through the job's key-value store (the
   one ``init_process_group`` set up), under a key per exchange; a rank whose gloo reply fails reads it
   there. Only failures touch the store: a healthy exchange is one gloo message up and one down per rank.
-  Every store call is bounded (:mod:`~weightsync_audit.channel.storelink`): a stopped store host
+  Every store call is bounded (:mod:`~weightsync_audit.channel.groups`): a stopped store host
   cannot hold a rank past ``timeout_s`` + grace.
 * When the coordinator cannot answer a rank after the others already have their answer (that rank died
   or gave up), the answer stands for this exchange on every rank that has it, and the coordinator

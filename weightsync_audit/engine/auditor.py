@@ -2,7 +2,7 @@
 
 An audit runs in phases so the healthy case costs one tiny message per rank:
 
-(a) every rank contributes a 64-byte summary (protocol, step, epoch, tensor count, structure digest,
+(a) every rank contributes a 104-byte summary (protocol, step, epoch, tensor count, structure digest,
     overall digest, settings digest, sample slice); the coordinator compares them and answers every rank
     a fixed-size verdict; all equal means in sync;
 (b) only when the overall digests differ, the per-tensor digests (8 bytes a tensor) go to the

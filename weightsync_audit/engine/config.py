@@ -10,7 +10,7 @@ from typing import Literal, get_args
 
 from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.inventory.manifest import check_include
-from weightsync_audit.engine.measure.tolerance import check_tolerance
+from weightsync_audit.engine.measure.gaps import check_tolerance
 
 __all__ = [
     "AuditConfig",

@@ -7,7 +7,7 @@ run holds one :class:`~weightsync_audit.engine.context.AuditContext`, everything
 small frozen value (:mod:`~weightsync_audit.engine.phases`), so what each phase needs and leaves is its
 signature:
 
-- **prepare**: this rank's manifest (cached while the structure holds), its digests and 72-byte summary;
+- **prepare**: this rank's manifest (cached while the structure holds), its digests and 104-byte summary;
 - **agree**: the summaries meet at the coordinator, which answers every rank the same verdict;
 - **localize**: off the healthy path, which tensors differ on which ranks (digest columns, structures,
   DTensor peer sets);
@@ -42,15 +42,19 @@ from weightsync_audit.engine.agreement.consensus import (
     structure_row,
     tie_detail,
 )
-from weightsync_audit.engine.agreement.failures import raise_failed, raise_out_of_step
 from weightsync_audit.engine.agreement.rounds import (
     Agreement,
     agree,
     bucket_sketch,
+    compare_sharded,
     compare_structures,
+    compared_counts,
     localize_values,
+    raise_failed,
+    raise_out_of_step,
+    shard_names,
+    sharded_notes,
 )
-from weightsync_audit.engine.agreement.sharded import compare_sharded, compared_counts, shard_names, sharded_notes
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.context import AuditContext
@@ -61,9 +65,9 @@ from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.inventory.replicas import reducing_engine
 from weightsync_audit.engine.measure.finite import NonfiniteCount, apply_nonfinite, count_everywhere, nonfinite_row
+from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_arguments
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
-from weightsync_audit.engine.measure.tolerance import apply_tolerance, drift_arguments
 from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
 from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note

@@ -13,8 +13,7 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.agreement.holders import carriers, replica_groups
-from weightsync_audit.engine.inventory.peers import ALL, column_peers, peer_sets
+from weightsync_audit.engine.inventory.peers import ALL, carriers, column_peers, peer_sets, replica_groups
 from weightsync_audit.engine.inventory.replicas.keys import FOUND, holders_label, is_holders, unreplicated_label_of
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks
 from weightsync_audit.vote import majority

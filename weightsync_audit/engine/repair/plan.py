@@ -49,10 +49,9 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import MASTER_CHECK, STATE_CHECK
 from weightsync_audit.engine.agreement.consensus import majority_within
-from weightsync_audit.engine.agreement.holders import carriers, replica_groups
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers
-from weightsync_audit.engine.inventory.peers import ALL, peer_sets
+from weightsync_audit.engine.inventory.peers import ALL, carriers, peer_sets, replica_groups
 from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
 from weightsync_audit.engine.inventory.replicas.keys import FOUND, is_holders
 from weightsync_audit.errors import ResyncError

@@ -34,7 +34,7 @@ from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.inventory.replicas import replica_manifest
 from weightsync_audit.engine.inventory.replicas.keys import is_holders, unreplicated_label_of
-from weightsync_audit.engine.measure.transfer import receive_tensor, send_tensor, tensor_bytes
+from weightsync_audit.engine.measure.remote_gaps import receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.engine.repair.plan import (
     Holding,
     ResyncPlan,

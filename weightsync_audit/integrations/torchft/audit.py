@@ -30,8 +30,8 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from torch import nn
 
+from weightsync_audit.channel.groups import StoreLink
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
-from weightsync_audit.channel.storelink import StoreLink
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.inventory.manifest import unwrap_module

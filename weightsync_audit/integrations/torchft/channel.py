@@ -25,9 +25,8 @@ from typing import Any, Callable, Hashable, TypeVar
 import torch.distributed as dist
 
 from weightsync_audit.channel.dataplane import DataPlane
-from weightsync_audit.channel.groups import AuditGroup
+from weightsync_audit.channel.groups import AuditGroup, StoreLink, run_bounded
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
-from weightsync_audit.channel.storelink import StoreLink, run_bounded
 from weightsync_audit.errors import AuditTimeoutError
 
 __all__ = ["QuorumComm", "drop_store", "quorum_store", "within"]

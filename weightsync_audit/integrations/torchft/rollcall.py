@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Sequence
 
-from weightsync_audit.channel.storelink import StoreLink, StoreUnreachable
+from weightsync_audit.channel.groups import StoreLink, StoreUnreachable
 from weightsync_audit.errors import AuditTimeoutError
 
 __all__ = ["Member", "Roll", "call_roll", "order"]

@@ -2,7 +2,7 @@
 
 Every audited entry may carry a :class:`~weightsync_audit.engine.inventory.peers.ShardInfo`; the audit
 gathers one peer key per rank and entry and compares a tensor only among the ranks with equal keys
-(:mod:`~weightsync_audit.engine.agreement.sharded`). The engines add two layouts to the DTensor ones:
+(:mod:`~weightsync_audit.engine.agreement.rounds`). The engines add two layouts to the DTensor ones:
 
 - :func:`among`: "compared among the ranks of this group" (an FSDP1 HYBRID_SHARD replicate group, the
   data-parallel group of a pipeline stage, an expert's data-parallel group). The key hashes the group's
