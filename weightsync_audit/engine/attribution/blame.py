@@ -157,8 +157,10 @@ def _at_step(
     recs: list[dict[str, Any] | None],
     g: list[int],
     measured: dict[str, tuple[int, int]] | None = None,
+    ongoing: bool = False,
 ) -> dict[str, Any] | None:
-    """What the records at step ``s`` say, or None when the ranks agree at it."""
+    """What the records at step ``s`` say, or None when the ranks agree at it (``ongoing``: or differ only as
+    a divergence decided earlier left them)."""
     full = [r or {} for r in recs]
     n = len(full)
     names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
@@ -209,11 +211,11 @@ def _at_step(
                           f"step of step {s}, on that rank only (local code: clipping, unscaling, a hook)")  # fmt: skip
         return _blame([], "deterministic_difference", False, s,
                       f"the gradients differ after the all-reduce at step {s}; no rank alone changed its own")  # fmt: skip
-    return _update(s, full, g, pre_known, pre_differ)
+    return _update(s, full, g, pre_known, pre_differ, ongoing)
 
 
 def _update(
-    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool
+    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool, ongoing: bool = False
 ) -> dict[str, Any] | None:
     """The update at step ``s``, read from the ranks' replays of it (the last part of :func:`_at_step`)."""
     names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
@@ -225,6 +227,8 @@ def _update(
         return _blame(at(side), "update_not_reproducible", True, s,
                       f"{_whose(at(side), 'optimizer step')} at step {s} gave other bytes ({what}) than its own replay "
                       "of it from the same pre-step values: the computation is not reproducible there")  # fmt: skip
+    if ongoing:  # the ranks' steps differ as the earlier divergence left them: nothing new here
+        return None
     if _differ(full, "post") and pre_known and not pre_differ:
         if all(flagged):
             return _blame([], "undecided", False, s,
@@ -263,8 +267,10 @@ def decide(
     ranks: Sequence[int],
     mismatches: Sequence[Any],
     audit_rest: Sequence[Sequence[str]] | None = None,
+    ongoing: bool = False,
 ) -> dict[str, Any]:
-    """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame."""
+    """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame;
+    ``ongoing``: a divergence decided earlier persists, so ranks that differ before a step tell nothing."""
     g = list(ranks)
     per = [{(int(r["step"]), int(r.get("seq", 0))): r for r in p.get("records", [])} for p in payloads]
     keys = sorted(set().union(*per)) if per else []
@@ -275,7 +281,7 @@ def decide(
     }
     prev = None
     for key in keys:
-        found = _at_step(key[0], prev, [d.get(key) for d in per], g, measured)
+        found = _at_step(key[0], prev, [d.get(key) for d in per], g, measured, ongoing)
         if found is not None:
             return found
         prev = key[0]

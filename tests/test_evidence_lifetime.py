@@ -1,0 +1,83 @@
+"""A blame lives as long as its evidence explains the mismatches, on real gloo ranks (plain DDP + Adam,
+LoopAudit with attribution): a divergence that persists (a drift within tolerance), then a second fault on
+another rank, is decided afresh; the resync copies from the healthy rank and the evict file names the
+flipped one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from attribution_faults import build, flip_bit, train_step
+from ranks import RankDied, run_ranks
+
+from weightsync_audit import LoopAudit
+from weightsync_audit.integrations.evict import EVICT_FILE_ENV, read_evict
+
+DRIFT_AFTER, FLIP_AFTER, STEPS = 2, 4, 6
+
+
+def _drift(p: torch.Tensor) -> None:
+    """A drift within tolerance, spread over every element (a write at rest on one rank)."""
+    with torch.no_grad():
+        p.mul_(1 + 1e-6)
+
+
+def _persisting_then_flip(
+    rank: int, world: int, drifting: int, flipped: int | None, on_mismatch: str, evict: str | None
+) -> dict[str, Any]:
+    if evict is not None:
+        os.environ[EVICT_FILE_ENV] = evict
+    _, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch=on_mismatch, verbose=False, attribution=True,
+                      tolerance=1e-4, exit_code=17 if on_mismatch == "raise" else None)  # fmt: skip
+    params = list(ddp.parameters())
+    records: list[dict[str, Any] | None] = []
+    for step in range(1, STEPS + 1):
+        train_step(ddp, opt, rank, step, None)
+        r = audit.step(step)  # with exit_code: every rank exits 17 at the flip's audit
+        records.append(None if r is None else r.to_dict())
+        if step == DRIFT_AFTER and rank == drifting:
+            _drift(params[2])
+        if step == FLIP_AFTER and rank == flipped:
+            flip_bit(params[0], 5, 27)
+    audit.close()
+    return {"records": records, "w0": params[0].detach().clone()}
+
+
+def _divergent(records: list[dict[str, Any] | None]) -> list[dict[str, Any]]:
+    return [r for r in records if r is not None and not r["in_sync"]]
+
+
+def test_a_flip_while_a_tolerated_drift_persists_is_blamed_afresh_and_repaired_from_the_healthy_rank() -> None:
+    out = run_ranks(_persisting_then_flip, 2, 1, 0, "resync", None)
+    divergent = _divergent(out[0]["records"])
+    first = divergent[0]
+    assert first["blame"]["ranks"] == [1] and first["blame"]["step"] == DRIFT_AFTER + 1, first["blame"]
+    flipped = next(r for r in divergent if any(m["name"].endswith("0.weight") for m in r["mismatches"]))
+    assert flipped["blame"]["ranks"] == [0], flipped["blame"]  # decided afresh, not "decided at step 3"
+    assert flipped["blame"]["evidence"] == "at_rest_change" and flipped["blame"]["hardware_suspect"]
+    assert flipped["action"] == "resynced"
+    # the repair copied rank 1's healthy weight over rank 0's flipped one (never the other way)
+    assert torch.equal(out[0]["w0"], out[1]["w0"])
+    assert not any(
+        m["name"].endswith("0.weight") for r in out[0]["records"][FLIP_AFTER + 1 :] if r for m in r["mismatches"]
+    )
+
+
+def test_a_flip_while_a_tolerated_drift_persists_evicts_the_flipped_rank(tmp_path: Path) -> None:
+    evict = tmp_path / "evict.json"
+    out = run_ranks(_persisting_then_flip, 3, 2, 0, "raise", str(evict), may_die=range(3))
+    assert all(isinstance(o, RankDied) and o.exitcode == 17 for o in out), out
+    doc = read_evict(evict)
+    assert doc is not None and [h["rank"] for h in doc["hosts"]] == [0], doc
+    assert "attribution's blame (at_rest_change)" in doc["hosts"][0]["why"], doc  # not the stale drift's
+
+
+def test_a_persisting_blame_is_kept_while_it_explains_the_mismatches() -> None:
+    out = run_ranks(_persisting_then_flip, 2, 1, None, "warn", None)
+    divergent = _divergent(out[0]["records"])
+    assert len(divergent) == STEPS - DRIFT_AFTER
+    assert all(r["blame"]["ranks"] == [1] and r["blame"]["step"] == DRIFT_AFTER + 1 for r in divergent)
