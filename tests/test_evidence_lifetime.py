@@ -81,3 +81,56 @@ def test_a_persisting_blame_is_kept_while_it_explains_the_mismatches() -> None:
     divergent = _divergent(out[0]["records"])
     assert len(divergent) == STEPS - DRIFT_AFTER
     assert all(r["blame"]["ranks"] == [1] and r["blame"]["step"] == DRIFT_AFTER + 1 for r in divergent)
+
+
+# -- issue 49 item 5: sentences true at the moment they are said ------------------------------------------
+
+
+def _raising(rank: int, world: int) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    from weightsync_audit import WeightDivergenceError
+
+    _, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch="raise", verbose=False, attribution=True)
+    said, err = io.StringIO(), ""
+    with contextlib.redirect_stderr(said):
+        try:
+            for step in range(1, STEPS + 1):
+                train_step(ddp, opt, rank, step, None)
+                audit.step(step)
+                if step == FLIP_AFTER and rank == 0:
+                    flip_bit(next(iter(ddp.parameters())), 5, 27)
+        except WeightDivergenceError as exc:
+            err = str(exc)
+    return {"error": err, "stderr": said.getvalue()}
+
+
+def test_the_exception_every_rank_raises_names_ranks_and_tensors_and_each_rank_says_it_first() -> None:
+    out = run_ranks(_raising, 3)
+    first = out[0]["error"].splitlines()[0]
+    assert first.startswith(f"weights diverged across ranks at step {FLIP_AFTER + 1}: 1 tensor(s) differ (0.weight)")
+    assert "on rank 0 against ranks [1, 2]" in first and "blamed: rank 0 (at_rest_change)" in first, first
+    assert all(o["error"].splitlines()[0] == first for o in out)
+    for rank in (1, 2):  # the main rank prints its table; every other rank one line, before it raises
+        assert f"weightsync audit [rank {rank}]: {first}" in out[rank]["stderr"], out[rank]["stderr"]
+
+
+def _right_after_a_load(rank: int, world: int) -> dict[str, Any]:
+    from weightsync_audit import Auditor
+    from weightsync_audit.engine.config import AuditConfig
+
+    model, ddp, opt = build(rank)
+    if rank == 1:
+        _drift(model[0].weight)  # a rank that loaded other bytes: no step taken yet
+    r = Auditor(ddp, opt, config=AuditConfig(pinpoint=True)).audit(step=0)
+    return r.to_dict()
+
+
+def test_no_pinpoint_note_and_no_none_before_any_step_was_taken() -> None:
+    out = run_ranks(_right_after_a_load, 2)
+    assert not out[0]["in_sync"]
+    said = " ".join([*out[0].get("notes", []), *out[0].get("hints", []), str(out[0].get("pinpoint"))])
+    assert "record_step" not in said and "pinpoint:" not in said, said
+    assert "None" not in said
