@@ -134,3 +134,47 @@ def test_no_pinpoint_note_and_no_none_before_any_step_was_taken() -> None:
     said = " ".join([*out[0].get("notes", []), *out[0].get("hints", []), str(out[0].get("pinpoint"))])
     assert "record_step" not in said and "pinpoint:" not in said, said
     assert "None" not in said
+
+
+# -- issue 49 items 2 and 4: the checkpoint is evidence, one mismatch per tensor --------------------------
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _save_then_load(rank: int, world: int, folder: str, off: tuple[int, ...]) -> dict[str, Any]:
+    path = os.path.join(folder, "step5.pt")
+    model = _model()
+    audit = LoopAudit(model, None, on_mismatch="resync", verbose=False)
+    if rank == 0:
+        torch.save(model.state_dict(), path)
+    audit.checkpoint_saved(path, 5)
+    with torch.no_grad():  # a rank that resumed from something else
+        for p in model.parameters():
+            p.mul_(1.5 + rank) if rank in off else None
+    r = audit.checkpoint_loaded(path, 5)
+    audit.close()
+    saved = torch.load(path, weights_only=True)
+    return {"record": r.to_dict() if r else None, "holds": all(torch.equal(saved[k], v) for k, v in
+                                                                model.state_dict().items())}  # fmt: skip
+
+
+def test_at_a_resume_the_ranks_off_the_checkpoint_are_blamed_and_repaired_from_one_that_holds_it(
+    tmp_path: Path,
+) -> None:
+    out = run_ranks(_save_then_load, 2, str(tmp_path), (1,))
+    r = out[0]["record"]
+    assert r["blame"]["ranks"] == [1] and r["blame"]["evidence"] == "checkpoint", r["blame"]
+    names = [m["name"] for m in r["mismatches"]]
+    assert len(names) == len(set(names)) == 4, names  # one mismatch per tensor, counted once
+    assert all(m["ranks"] == [1] and m["reference_ranks"] == [0] for m in r["mismatches"])  # table = blame
+    assert r["hints"][0].startswith("the checkpoint load: rank 1 does not hold 0.bias, 0.weight"), r["hints"][0]
+    assert r["action"] == "resynced" and out[0]["holds"] and out[1]["holds"]  # copied from the saved bytes
+
+
+def test_where_no_rank_holds_the_saved_bytes_the_blame_says_so(tmp_path: Path) -> None:
+    out = run_ranks(_save_then_load, 2, str(tmp_path), (0, 1))
+    r = out[0]["record"]
+    assert r["blame"]["ranks"] == [] and "as saved in step5.pt at step 5 (its sidecar)" in r["blame"]["detail"]

@@ -42,10 +42,10 @@ from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
-__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "decide", "vote_blame"]
+__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "checkpoint_blame", "decide", "vote_blame"]
 
 Evidence = Literal["vote", "at_rest_change", "at_rest_write", "update_not_reproducible", "collective_mismatch",
-                   "deterministic_difference", "undecided"]  # fmt: skip
+                   "deterministic_difference", "undecided", "checkpoint"]  # fmt: skip
 EVIDENCE: tuple[str, ...] = BLAME_EVIDENCE
 assert EVIDENCE == get_args(Evidence), "one list of evidence"
 CAUSES = {
@@ -56,6 +56,7 @@ CAUSES = {
     "deterministic_difference": "a software difference",
     "vote": "unknown",
     "undecided": "unknown",
+    "checkpoint": "the checkpoint load",
 }
 """The class each evidence names (the ``cause`` of the record's ``blame``); a change at rest not told from a
 write is ``a change at rest`` (:data:`UNTOLD`)."""
@@ -262,6 +263,22 @@ def vote_blame(mismatches: Sequence[Any]) -> dict[str, Any]:
     return _blame(odd, "vote", False, None, f"{fmt_ranks(odd)} hold the minority value(s)")
 
 
+def checkpoint_blame(changed: Sequence[Any], saved: str, step: int | None) -> dict[str, Any]:
+    """At a load, from the sidecar: the ranks not holding what ``saved`` (the file, at its step) holds of the
+    ``changed`` tensors, when every one of them has a rank holding it; else no rank named, and why."""
+    names = ", ".join(sorted({m.name for m in changed})[:5])
+    lost = sorted({m.name for m in changed if not m.reference_ranks})
+    if lost:
+        return _blame([], "undecided", False, step,
+                      f"no rank holds {', '.join(lost[:5])} as saved in {saved} (its sidecar): the checkpoint "
+                      "cannot say which side is right")  # fmt: skip
+    odd = sorted({r for m in changed for r in m.ranks})
+    held = sorted({r for m in changed for r in m.reference_ranks} - set(odd))
+    return _blame(odd, "checkpoint", False, step,
+                  f"{fmt_ranks(odd)} do{'es' if len(odd) == 1 else ''} not hold {names} as saved in {saved} "
+                  f"(its sidecar); {fmt_ranks(held)} hold{'s' if len(held) == 1 else ''} it")  # fmt: skip
+
+
 def decide(
     payloads: Sequence[dict[str, Any]],
     ranks: Sequence[int],
@@ -321,6 +338,8 @@ def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
                 "diagnostics before it trains again")  # fmt: skip
     if blame["evidence"] == "collective_mismatch":
         return f"the collective: {detail}{where}. Check the link and the communication library on that rank"
+    if blame["evidence"] == "checkpoint":
+        return f"the checkpoint load: {detail}{where}. Load the checkpoint again on that rank (or resync from a rank that holds it)"
     if blame["evidence"] == "deterministic_difference":
         return f"a software difference: {detail}. Not the machine: the ranks ran other code or settings"
     return f"by vote: {detail}{where}"
