@@ -141,7 +141,7 @@ def test_a_distributed_checkpoint_folder_records_each_shard_with_its_owner(tmp_p
     assert {s["rank"] for s in sidecar["shards"].values()} == {0, 1}
     assert set(sidecar["rank_tensors"]) == {"0", "1"}
     [m] = [m for m in out[0]["loaded"]["mismatches"] if "sidecar" in (m["detail"] or "")]
-    assert (m["name"], m["ranks"], m["reference_ranks"]) == ("model.0.weight", [1], [0])
+    assert (m["name"], m["ranks"], m["reference_ranks"]) == ("0.weight", [1], [0])  # the audit's own, one per tensor
 
 
 def test_verify_exits_0_on_a_verified_checkpoint_1_when_changed_or_unverified_2_when_unreadable(

@@ -67,9 +67,22 @@ def brief_names(names: Iterable[str], limit: int = 6) -> str:
     >>> brief_names(["a", "b", "c"], limit=2)
     'a, b and 1 more'
     """
-    names = list(names)
+    names = list(dict.fromkeys(names))  # a tensor named once, however many of its mismatches are listed
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def last_in_sync(first: int | None, last: int | None) -> str:
+    """The clause after "first at step ``first``": never ``None``, never the same step said twice.
+
+    >>> last_in_sync(32, 30), last_in_sync(32, None), last_in_sync(32, 32)
+    ('last in sync at step 30', 'never seen in sync before', 'in sync at an earlier audit of the same step')
+    """
+    if last is None:
+        return "never seen in sync before"
+    if last == first:
+        return "in sync at an earlier audit of the same step"
+    return f"last in sync at step {last}"
 
 
 def fmt_ranks(ranks: Sequence[int]) -> str:

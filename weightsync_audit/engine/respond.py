@@ -11,6 +11,7 @@ report writing happen on the main process.
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
@@ -22,7 +23,7 @@ from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.errors import ResyncError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import AuditResult
 
-__all__ = ["ESCALATE_AFTER", "Voice", "respond"]
+__all__ = ["ESCALATE_AFTER", "Voice", "respond", "say_raising"]
 
 log = logging.getLogger("weightsync_audit")
 
@@ -62,6 +63,16 @@ def respond(
         _confirmed(result, plan, confirmed, history, repaired)
         return plan
     return None
+
+
+def say_raising(result: AuditResult, rank: int | None, is_main: bool) -> None:
+    """Before every rank raises (or exits) on ``result``: a rank other than the main one, whose table is printed,
+    says one line on stderr, so that a launcher killing the others at the first exit leaves each rank's word."""
+    if not is_main:
+        who = f" [rank {rank}]" if rank is not None else ""
+        sys.stderr.write(f"weightsync audit{who}: {result.divergence_message().splitlines()[0]}\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:

@@ -21,6 +21,7 @@ BLAME_EVIDENCE = (
     "collective_mismatch",
     "deterministic_difference",
     "undecided",
+    "checkpoint",
 )
 """What a record's ``blame`` rests on (docs/report-schema.md)."""
 

@@ -332,17 +332,31 @@ class AuditResult:
         if self.first_diverged_step is not None:
             began = f"; diverged from step {self.first_diverged_step} (pinpointed, {self.pinpoint})"
         return (
-            f"{where}: DIVERGED, {len(self.mismatches)} of {n} tensors differ on rank(s) {ranks}"
+            f"{where}: DIVERGED, {self.differing} of {n} tensors differ on rank(s) {ranks}"
             f" (first: {lead.name}){began}{tie_clause}{share}"
         )
 
+    @property
+    def differing(self) -> int:
+        """How many distinct tensors differ (a tensor with several mismatches, across ranks and against a
+        checkpoint, counts once)."""
+        return len({(m.kind, m.name) for m in self.mismatches})
+
     def divergence_message(self) -> str:
-        """The message of the :class:`~weightsync_audit.WeightDivergenceError` this result raises."""
+        """The message of the :class:`~weightsync_audit.WeightDivergenceError` this result raises: its first line
+        names the step, the tensors, the ranks that differ and the blamed ones (enough for a CI log)."""
         ordered = sorted(self.mismatches, key=lambda m: m.kind != "param")
         names = brief_names((m.name for m in ordered), 5)
+        odd = sorted({r for m in self.mismatches for r in m.ranks})
+        held = sorted({r for m in self.mismatches for r in m.reference_ranks} - set(odd))
+        against = f" against {fmt_ranks(held)}" if held else ""
+        tie = " (a tie: no majority)" if any(m.tie for m in self.mismatches) else ""
+        blamed = (self.blame or {}).get("ranks") or []
+        who = f"; blamed: {fmt_ranks(blamed)} ({self.blame['evidence']})" if blamed and self.blame else ""
         message = (
-            f"weights diverged across ranks at step {'-' if self.step is None else self.step}: "
-            f"{len(self.mismatches)} tensor(s) differ ({names})"
+            f"weights diverged across ranks {'at an audit' if self.step is None else f'at step {self.step}'}: "
+            f"{self.differing} tensor(s) differ ({names}) on {fmt_ranks(odd) if odd else 'no rank named'}"
+            f"{against}{tie}{who}"
         )
         if self.hints:
             message += "\nhint: " + "\nhint: ".join(self.hints)

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.text import blame_line, fmt_ranks, fmt_shard, is_tie, layer_of, without_tie
+from weightsync_audit.text import blame_line, fmt_ranks, fmt_shard, is_tie, last_in_sync, layer_of, without_tie
 
 __all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render", "render_group", "render_result"]
 
@@ -147,7 +147,7 @@ def render_result(result: ResultLike) -> Iterator[RenderableType]:
     # The headline carries the pinpointed step; a tie is said once, on its own line below.
     yield Text("weightsync audit: " + result.summary(tie=False), style=style)
     if result.last_in_sync_step is not None and not result.in_sync:
-        yield Text(f"last in sync at step {result.last_in_sync_step}", style="dim")
+        yield Text(last_in_sync(result.step, result.last_in_sync_step), style="dim")
     ties = [m for m in result.mismatches if is_tie(m.detail)]
     if ties:
         sides = sorted({r for m in ties for r in m.reference_ranks}), sorted({r for m in ties for r in m.ranks})

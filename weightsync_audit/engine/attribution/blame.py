@@ -42,10 +42,10 @@ from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
-__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "decide", "vote_blame"]
+__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "checkpoint_blame", "decide", "vote_blame"]
 
 Evidence = Literal["vote", "at_rest_change", "at_rest_write", "update_not_reproducible", "collective_mismatch",
-                   "deterministic_difference", "undecided"]  # fmt: skip
+                   "deterministic_difference", "undecided", "checkpoint"]  # fmt: skip
 EVIDENCE: tuple[str, ...] = BLAME_EVIDENCE
 assert EVIDENCE == get_args(Evidence), "one list of evidence"
 CAUSES = {
@@ -56,6 +56,7 @@ CAUSES = {
     "deterministic_difference": "a software difference",
     "vote": "unknown",
     "undecided": "unknown",
+    "checkpoint": "the checkpoint load",
 }
 """The class each evidence names (the ``cause`` of the record's ``blame``); a change at rest not told from a
 write is ``a change at rest`` (:data:`UNTOLD`)."""
@@ -157,8 +158,10 @@ def _at_step(
     recs: list[dict[str, Any] | None],
     g: list[int],
     measured: dict[str, tuple[int, int]] | None = None,
+    ongoing: bool = False,
 ) -> dict[str, Any] | None:
-    """What the records at step ``s`` say, or None when the ranks agree at it."""
+    """What the records at step ``s`` say, or None when the ranks agree at it (``ongoing``: or differ only as
+    a divergence decided earlier left them)."""
     full = [r or {} for r in recs]
     n = len(full)
     names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
@@ -209,11 +212,11 @@ def _at_step(
                           f"step of step {s}, on that rank only (local code: clipping, unscaling, a hook)")  # fmt: skip
         return _blame([], "deterministic_difference", False, s,
                       f"the gradients differ after the all-reduce at step {s}; no rank alone changed its own")  # fmt: skip
-    return _update(s, full, g, pre_known, pre_differ)
+    return _update(s, full, g, pre_known, pre_differ, ongoing)
 
 
 def _update(
-    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool
+    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool, ongoing: bool = False
 ) -> dict[str, Any] | None:
     """The update at step ``s``, read from the ranks' replays of it (the last part of :func:`_at_step`)."""
     names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
@@ -225,6 +228,8 @@ def _update(
         return _blame(at(side), "update_not_reproducible", True, s,
                       f"{_whose(at(side), 'optimizer step')} at step {s} gave other bytes ({what}) than its own replay "
                       "of it from the same pre-step values: the computation is not reproducible there")  # fmt: skip
+    if ongoing:  # the ranks' steps differ as the earlier divergence left them: nothing new here
+        return None
     if _differ(full, "post") and pre_known and not pre_differ:
         if all(flagged):
             return _blame([], "undecided", False, s,
@@ -258,13 +263,31 @@ def vote_blame(mismatches: Sequence[Any]) -> dict[str, Any]:
     return _blame(odd, "vote", False, None, f"{fmt_ranks(odd)} hold the minority value(s)")
 
 
+def checkpoint_blame(changed: Sequence[Any], saved: str, step: int | None) -> dict[str, Any]:
+    """At a load, from the sidecar: the ranks not holding what ``saved`` (the file, at its step) holds of the
+    ``changed`` tensors, when every one of them has a rank holding it; else no rank named, and why."""
+    names = ", ".join(sorted({m.name for m in changed})[:5])
+    lost = sorted({m.name for m in changed if not m.reference_ranks})
+    if lost:
+        return _blame([], "undecided", False, step,
+                      f"no rank holds {', '.join(lost[:5])} as saved in {saved} (its sidecar): the checkpoint "
+                      "cannot say which side is right")  # fmt: skip
+    odd = sorted({r for m in changed for r in m.ranks})
+    held = sorted({r for m in changed for r in m.reference_ranks} - set(odd))
+    return _blame(odd, "checkpoint", False, step,
+                  f"{fmt_ranks(odd)} do{'es' if len(odd) == 1 else ''} not hold {names} as saved in {saved} "
+                  f"(its sidecar); {fmt_ranks(held)} hold{'s' if len(held) == 1 else ''} it")  # fmt: skip
+
+
 def decide(
     payloads: Sequence[dict[str, Any]],
     ranks: Sequence[int],
     mismatches: Sequence[Any],
     audit_rest: Sequence[Sequence[str]] | None = None,
+    ongoing: bool = False,
 ) -> dict[str, Any]:
-    """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame."""
+    """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame;
+    ``ongoing``: a divergence decided earlier persists, so ranks that differ before a step tell nothing."""
     g = list(ranks)
     per = [{(int(r["step"]), int(r.get("seq", 0))): r for r in p.get("records", [])} for p in payloads]
     keys = sorted(set().union(*per)) if per else []
@@ -275,7 +298,7 @@ def decide(
     }
     prev = None
     for key in keys:
-        found = _at_step(key[0], prev, [d.get(key) for d in per], g, measured)
+        found = _at_step(key[0], prev, [d.get(key) for d in per], g, measured, ongoing)
         if found is not None:
             return found
         prev = key[0]
@@ -315,6 +338,8 @@ def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
                 "diagnostics before it trains again")  # fmt: skip
     if blame["evidence"] == "collective_mismatch":
         return f"the collective: {detail}{where}. Check the link and the communication library on that rank"
+    if blame["evidence"] == "checkpoint":
+        return f"the checkpoint load: {detail}{where}. Load the checkpoint again on that rank (or resync from a rank that holds it)"
     if blame["evidence"] == "deterministic_difference":
         return f"a software difference: {detail}. Not the machine: the ranks ran other code or settings"
     return f"by vote: {detail}{where}"

@@ -18,7 +18,7 @@ from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_b
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
-__all__ = ["attribute", "attribute_audit", "settle_watch"]
+__all__ = ["attribute", "attribute_audit", "explained_pairs", "settle_watch"]
 
 
 def attribute(
@@ -29,9 +29,11 @@ def attribute(
     prepared: PreparedManifest,
     digests: np.ndarray,
     full: bool,
+    ongoing: bool = False,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The blame of a divergence, and where each blamed rank runs; collective when a watch is on (every rank
-    calls it, from the same record)."""
+    calls it, from the same record); ``ongoing``: a divergence decided earlier persists (its difference is
+    no evidence about this one)."""
     if watch is None:
         return vote_blame(mismatches), {}
     mine = watch.payload()
@@ -40,7 +42,7 @@ def attribute(
     mine["host"] = describe_this_rank()
     gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
     ranks = list(comm.global_ranks)
-    blame = decide(gathered, ranks, mismatches, [p.get("audit_rest", []) for p in gathered])
+    blame = decide(gathered, ranks, mismatches, [p.get("audit_rest", []) for p in gathered], ongoing=ongoing)
     hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame["ranks"]}
     return blame, hosts
 
@@ -51,6 +53,14 @@ def settle_watch(watch: StepWatch | None, *, in_sync: bool, full: bool) -> None:
         watch.found = None
         if full:
             watch.in_sync()
+
+
+def explained_pairs(mismatches: Sequence[Any]) -> frozenset[tuple[str, int]]:
+    """The (tensor, rank) pairs a blame explains: each differing tensor with the ranks outside its reference
+    (on a tie, every rank involved: which side is the reference is not evidence)."""
+    return frozenset(
+        (m.name, r) for m in mismatches for r in (*m.ranks, *(m.reference_ranks if getattr(m, "tie", False) else ()))
+    )
 
 
 def attribute_audit(
@@ -65,16 +75,24 @@ def attribute_audit(
     hints: list[str],
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
     """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
-    with a watch, the blame's hint first and the blamed ranks' hosts added (collective as :func:`attribute`)."""
+    with a watch, the blame's hint first and the blamed ranks' hosts added (collective as :func:`attribute`).
+
+    A blame lives as long as its evidence explains the mismatches: every divergent audit exchanges the records
+    taken since the last one; a rank they name decides afresh, and so does a (tensor, rank) pair the kept blame
+    did not explain (a second fault while a tolerated or unrepaired divergence persists: its own records, else
+    the vote)."""
     if not mismatches:
         settle_watch(watch, in_sync=True, full=full)
         return None, hosts, hints
-    if watch is not None and watch.found is not None:  # the same divergence, attributed already (every rank)
-        blame, where = watch.found
-    else:
-        blame, where = attribute(comm, watch, mismatches, prepared=prepared, digests=digests, full=full)
-    if watch is not None:  # decided once; its records reported (a resync after it is no change at rest)
-        watch.found = blame, where
+    pairs = explained_pairs(mismatches)
+    kept = watch.found if watch is not None else None
+    blame, where = attribute(comm, watch, mismatches, prepared=prepared, digests=digests, full=full,
+                             ongoing=kept is not None)  # fmt: skip
+    named = bool(blame["ranks"]) and blame["evidence"] != "vote"
+    if kept is not None and not named and pairs <= kept[2]:  # the same divergence, still explained by its evidence
+        blame, where, pairs = kept
+    if watch is not None:  # its records reported (a resync after it is no change at rest)
+        watch.found = blame, where, pairs
         watch.records.clear()
     if where:
         hosts = {**(hosts or {}), **where}

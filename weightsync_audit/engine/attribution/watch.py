@@ -128,9 +128,9 @@ class StepWatch:
         path; the collective check's own is :attr:`ReducedDigests.hook_s`)."""
         self.audit_evidence: list[dict[str, Any]] = []
         """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
-        self.found: tuple[dict[str, Any], dict[str, str]] | None = None
-        """The blame of the divergence under way (every rank alike): later audits repeat it, no message,
-        until an audit finds the replicas in sync again."""
+        self.found: tuple[dict[str, Any], dict[str, str], frozenset[tuple[str, int]]] | None = None
+        """The blame of the divergence under way (every rank alike), where the blamed run, and the (tensor, rank)
+        pairs it explains: later audits keep it while it explains theirs and their records name no one."""
 
     # -- hooks ---------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import warnings
 from typing import Any
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.attribution.blame import blame_hint, checkpoint_blame
 from weightsync_audit.engine.checkpoints.resume_state import (
     ResumeSources,
     checked_components,
@@ -38,9 +39,38 @@ from weightsync_audit.engine.checkpoints.resume_state import (
 )
 from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
 from weightsync_audit.errors import WeightSyncWarning
-from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.reporting.record import AuditResult, Mismatch
+from weightsync_audit.text import without_tie
 
-__all__ = ["attach_resume", "capture", "finish_resume", "resume_at_load", "resume_at_save"]
+__all__ = ["attach_resume", "capture", "checkpoint_evidence", "finish_resume", "resume_at_load", "resume_at_save"]
+
+
+def _same_tensor(saved: Mismatch, audited: Mismatch) -> bool:
+    """``saved`` (named as in the checkpoint: ``state_dict.net.0.bias``) and ``audited`` are one tensor."""
+    return audited.kind == saved.kind and (saved.name == audited.name or saved.name.endswith("." + audited.name))
+
+
+def checkpoint_evidence(result: AuditResult, changed: list[Mismatch], saved: str) -> None:
+    """The checkpoint is evidence: a tensor some rank holds other than ``saved`` (the file and its step) is one
+    mismatch, the audit's when the ranks differ too (the comparison a property of it): the ranks holding what
+    was saved are its reference, the others the wrong side. The blame names them (evidence ``checkpoint``)
+    unless the records named ranks already; the hint says so, and where no rank holds the saved bytes."""
+    for c in changed:
+        m = next((m for m in result.mismatches if _same_tensor(c, m)), None)
+        if m is None:
+            result.mismatches.append(c)
+            continue
+        if c.reference_ranks:  # the saved bytes decide which side is right (a tie is one no longer)
+            m.ranks, m.reference_ranks = list(c.ranks), list(c.reference_ranks)
+            m.detail = without_tie(m.detail)
+        m.detail = "; ".join(x for x in (m.detail, c.detail or "") if x)
+    if not changed:
+        return
+    held = result.blame or {}
+    if held.get("ranks") and held.get("evidence") not in ("vote", "undecided"):
+        return  # named by their own records: the records decide
+    result.blame = checkpoint_blame(changed, saved, result.step)
+    result.hints = [blame_hint(result.blame, result.hosts), *result.hints]
 
 
 def capture(sources: ResumeSources) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
 from weightsync_audit.engine.checkpoints.files import complete_files, digest_share, list_files
 from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
+from weightsync_audit.engine.checkpoints.resume_check import checkpoint_evidence
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     dcp_shards,
@@ -327,7 +328,8 @@ def checkpoint_loaded(
     lists = [json.loads(p) for p in comm.exchange_bytes(json.dumps(differ).encode(), "the checkpoint comparison")]
     entry["saved_step"] = sidecar.get("step")
     changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))
-    result.mismatches.extend(changed)
+    saved_at = f" at step {sidecar['step']}" if sidecar.get("step") is not None else ""
+    checkpoint_evidence(result, changed, f"{Path(str(path)).name}{saved_at}")  # one mismatch per tensor
     if changed:
         result.hosts = comm.hosts_of(sorted({r for m in result.mismatches for r in m.ranks}))
     verdict = sidecar["verdict"]
@@ -374,7 +376,9 @@ def _changed_mismatches(
                 e["shape"] if e else None,
                 e["dtype"] if e else None,
                 None,
-                f"differs from what {Path(str(path)).name} saved at step {saved_step} (its sidecar); "
+                f"differs from what {Path(str(path)).name} saved"
+                + (f" at step {saved_step}" if saved_step is not None else "")
+                + " (its sidecar); "
                 + ("every rank holds something else" if not ref else "the reference ranks hold what was saved"),
             )
         )

@@ -149,8 +149,10 @@ def locate(blobs: Sequence[bytes], ranks: Sequence[int] | None = None) -> Pinpoi
         if not steps:
             return Pinpoint(
                 state="unseen",
-                note="pinpoint: no optimizer step was recorded on every rank since the last in-sync audit "
-                "(is record_step called each step?)",
+                note=None  # no step recorded yet (a check right after a load): nothing to date
+                if anchor is None
+                else f"pinpoint: no optimizer step was recorded on every rank since step "
+                f"{anchor}, when they were last known in sync: the replicas parted outside a recorded step",
             )
         last = steps[-1]
         return Pinpoint(

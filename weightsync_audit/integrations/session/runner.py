@@ -27,7 +27,7 @@ from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.measure.stability import persistent_hints
-from weightsync_audit.engine.respond import Voice, respond
+from weightsync_audit.engine.respond import Voice, respond, say_raising
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
@@ -45,6 +45,7 @@ from weightsync_audit.integrations.session.worker_history import HistoryHandoff,
 from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSinks
+from weightsync_audit.text import last_in_sync
 
 __all__ = [
     "CADENCE_NAMES",
@@ -283,6 +284,8 @@ class AuditRunner:
         if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
             hand_off(result, self.auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
         if not result.in_sync and result.action == "raised":
+            comm = self.auditor.comm if self.auditor is not None else None
+            say_raising(result, comm.global_ranks[comm.rank] if comm is not None else None, is_main)
             if self.exit_code is not None:
                 self._exit(result, is_main)
             raise WeightDivergenceError(result)
@@ -415,6 +418,6 @@ class AuditRunner:
             first += f"; diverged from step {h.first_diverged_step} (pinpointed)"
         return (
             f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
-            f"{h.first_divergence_step} ({first}); last in sync at step {h.last_in_sync_step}; "
+            f"{h.first_divergence_step} ({first}); {last_in_sync(h.first_divergence_step, h.last_in_sync_step)}; "
             f"{h.resyncs} resync(s){where}"
         )

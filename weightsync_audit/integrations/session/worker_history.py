@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from weightsync_audit.reporting.jsonl import read_report
-from weightsync_audit.text import brief_names
+from weightsync_audit.text import brief_names, last_in_sync
 
 __all__ = ["HistoryHandoff", "summary_outside_workers"]
 
@@ -103,6 +103,6 @@ def summary_outside_workers(report_path: str | None) -> str:
     end = "in sync" if rs[-1].in_sync else "diverged"
     return (
         f"weightsync audit: {len(rs)} audit(s), {len(diverged)} found divergence; first at step {first.step} "
-        f"({brief_names((m.name for m in ordered), 5)}); last in sync at step {first.last_in_sync_step}; "
+        f"({brief_names((m.name for m in ordered), 5)}); {last_in_sync(first.step, first.last_in_sync_step)}; "
         f"{sum(r.action == 'resynced' for r in rs)} resync(s); {end} at the end; {source}"
     )
