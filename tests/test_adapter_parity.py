@@ -12,7 +12,7 @@ import torch
 from ranks import run_ranks
 from torchrun import two_node_job
 
-from weightsync_audit import LoopAudit
+from weightsync_audit import Auditor, LoopAudit
 
 SCRIPT = Path(__file__).parent / "scripts" / "adapter_parity_run.py"
 
@@ -39,10 +39,15 @@ def _loop_rank(rank: int, world: int, options: dict[str, Any]) -> list[dict[str,
                     model[0].weight.grad[0, 0] += 1.0  # after the all-reduce, before the step
             opt.step()
             audit.step(step, 0, batch=batch)
+    auditors = [name for name, value in vars(audit.runner).items() if isinstance(value, Auditor)]
+    assert auditors == ["auditor"]  # one auditor per run: the gradients' audits and the confirmations are its own
     return seen
 
 
-@pytest.mark.parametrize("options", [{}, {"overlap": True}, {"attribution": True}, {"check_batches": True}])
+OPTIONS = [{}, {"overlap": True}, {"attribution": True}, {"check_batches": True}, {"on_mismatch": "resync"}]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
 def test_loop_audit_with_grads_names_a_gradient_changed_on_one_rank_after_the_all_reduce_with_its_step(
     options: dict[str, Any],
 ) -> None:
@@ -51,6 +56,9 @@ def test_loop_audit_with_grads_names_a_gradient_changed_on_one_rank_after_the_al
     assert [r["step"] for r in grads] == [1, 2, 3, 4] and all(r["checked"]["grad"] == 4 for r in grads)
     diverged = [(r["step"], [(m["kind"], m["name"], m["ranks"]) for m in r["mismatches"]]) for r in grads]
     assert [d for d in diverged if d[1]] == [(3, [("grad", "0.weight", [1])])]
+    if options.get("on_mismatch") == "resync":  # repaired before the step, confirmed with the gradients compared
+        assert grads[2]["action"] == "resynced" and all(r["in_sync"] for r in records if r["hook"] == "step")
+        return
     after = next(r for r in records if r["hook"] == "step" and not r["in_sync"])
     assert after["step"] == 3 and [m["name"] for m in after["mismatches"]] == ["0.weight"]
     if options.get("attribution"):
