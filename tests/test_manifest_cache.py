@@ -338,7 +338,7 @@ def test_a_change_in_any_chunk_is_seen(where: str, how: str) -> None:
     oracle = Oracle(model, opt)
     before = oracle.check()
     oracle.check()
-    assert len(oracle.cache._snap.plan.chunks) >= 3  # type: ignore[union-attr]
+    assert len(oracle.cache._snaps.get(()).plan.chunks) >= 3  # type: ignore[union-attr]
     t = {
         "first chunk": model.layers[0].weight,
         "middle chunk": model.layers[400].weight,
@@ -365,17 +365,17 @@ def test_an_ordered_dict_container_is_never_cached_so_a_reorder_is_seen() -> Non
     oracle = Oracle(model, opt)
     for _ in range(3):
         oracle.check()
-    assert oracle.cache.builds == 3 and oracle.cache._snap is None
+    assert oracle.cache.builds == 3 and oracle.cache._snaps.get(()) is None
     model.b[0]._parameters.move_to_end("weight")
     oracle.check()  # equal to a fresh build: bias now comes before weight
     model.b[0]._parameters = dict(model.b[0]._parameters)
     oracle.check()
     oracle.check()
-    assert oracle.cache._snap is not None
+    assert oracle.cache._snaps.get(()) is not None
     builds = oracle.cache.builds
     opt.state[model.a.weight] = collections.OrderedDict(opt.state[model.a.weight])  # same keys and tensors
     oracle.check()
-    assert oracle.cache.builds == builds + 1 and oracle.cache._snap is None
+    assert oracle.cache.builds == builds + 1 and oracle.cache._snaps.get(()) is None
 
 
 def test_values_are_re_read_without_a_rebuild() -> None:
@@ -444,3 +444,17 @@ def test_two_ranks_find_a_divergence_after_cached_audits(how: str, name: str, ki
         found = {(m["name"], m["kind"]) for m in last["mismatches"]}
         assert (name, kind) in found, found
         assert all(m["ranks"] == [1] for m in last["mismatches"])
+
+
+def test_audits_of_different_kinds_alternating_on_one_cache_never_evict_each_other() -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    adam_step(model, opt)
+    cache = ManifestCache()
+    kinds = {"weights": ("params", "buffers"), "optimizer": ("optimizer",)}
+    for _ in range(4):  # the run's audits after each step and another kind beside them, in turn
+        for label, include in kinds.items():
+            cache.prepare(
+                model, [opt], key=include, build=lambda i=include: build_manifest(model, [opt], include=i), kinds=label
+            )
+    assert cache.builds == 4  # each kind: its first use, then the build it keeps; never again

@@ -31,7 +31,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import self_check
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
-from weightsync_audit.engine.config import AuditConfig, Method, parse_coverage
+from weightsync_audit.engine.config import AuditConfig, AuditRequest, Method, parse_coverage
 from weightsync_audit.engine.context import AuditContext
 from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
@@ -48,6 +48,9 @@ from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]
+
+THE_RUNS_OWN = AuditRequest()
+"""An audit of the config's kinds, entered in the run's history: what :meth:`Auditor.audit` makes by default."""
 
 
 class Auditor:
@@ -111,6 +114,8 @@ class Auditor:
         self.config = config
         """The settings, validated once; callbacks build one :class:`AuditConfig` and pass it whole."""
         self.history = AuditHistory()
+        self.side_history = AuditHistory()
+        """The audits beside the run's own (``AuditRequest(counted=False)``: gradients, confirmations)."""
         self._comm: Comm | None = None
         self._manifests = ManifestCache()
         self._rotate_by_step = False  # the one-shot audit() sets it: no history, so the step picks the slice
@@ -141,10 +146,6 @@ class Auditor:
         """Open the audit channel now (collective); otherwise the first audit does it."""
         self.comm.setup()
 
-    def use_channel_of(self, other: Auditor) -> None:
-        """Talk over ``other``'s audit channel (auditors that run in turn at the same points share one)."""
-        self._comm = other.comm
-
     def _skip_buffers_reason(self, ddp: Any) -> str | None:
         broadcast = self.config.ddp_broadcast_buffers
         if broadcast is None:
@@ -157,27 +158,34 @@ class Auditor:
         return None
 
     def prepare(
-        self, module: nn.Module | None, optimizers: list[torch.optim.Optimizer], *, ddp: Any
+        self,
+        module: nn.Module | None,
+        optimizers: list[torch.optim.Optimizer],
+        *,
+        ddp: Any,
+        include: tuple[str, ...] | None = None,
     ) -> PreparedManifest:
         """This audit's manifest: built once and reused while the audited structure holds (see manifest_cache).
 
         ``ddp`` is the wrapper found once for this audit (or ``None``): it decides whether buffers are skipped.
+        ``include``: the kinds this audit compares (default: the config's), each kept in the one cache.
         """
         cfg = self.config
+        include = cfg.include if include is None else include
         skip = self._skip_buffers_reason(ddp)
-        key = (cfg.include, cfg.exclude, skip, self.comm.global_ranks)
+        key = (include, cfg.exclude, skip, self.comm.global_ranks)
 
         def build() -> Manifest:  # under the replica rules: DeepSpeed, FSDP1, stages...
             return replica_manifest(
                 module,
                 optimizers,
-                cfg.include,
+                include,
                 exclude=cfg.exclude,
                 skip_buffers_reason=skip,
                 audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
             )
 
-        return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method)
+        return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method, kinds=include)
 
     def slice_for(self, step: int | None, slices: int | None = None) -> int:
         """The sample slice this audit hashes: by audit count, or by ``step`` in the one-shot API.
@@ -231,23 +239,29 @@ class Auditor:
         step: int | None = None,
         epoch: int | None = None,
         hook: str | None = None,
-        full: bool = False,
+        request: AuditRequest = THE_RUNS_OWN,
         batch: str | BatchRecords | None = None,
     ) -> AuditContext:
         """Everything one audit reads, built here and only here, for :meth:`audit` and :meth:`launch` alike.
 
-        ``full``: every byte this once, whatever ``coverage`` says. ``batch``: this rank's batch digest (a
-        digest, or the records to take the one of ``step`` from). The manifest is prepared now, on the
-        calling thread; an error preparing it travels in the context, so that every rank raises together."""
+        ``request``: the kinds, ``full`` (every byte this once, whatever ``coverage`` says) and whether the
+        audit is the run's own (``counted``: its history and per-step evidence). ``batch``: this rank's batch
+        digest (a digest, or the records to take the one of ``step`` from). The manifest is prepared now, on
+        the calling thread; an error preparing it travels in the context, so that every rank raises together."""
         module, optimizers = self._targets(module, optimizer)
         ddp = find_ddp(module) if module is not None else None
-        config = dataclasses.replace(self.config, slices=1) if full and self.config.slices != 1 else self.config
+        config = request.config(self.config)
         prepared, failure = None, None
         try:
             with gc_paused():
-                prepared = self.prepare(module, optimizers, ddp=ddp)
+                prepared = self.prepare(module, optimizers, ddp=ddp, include=config.include)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the run, which raise together
             failure = exc
+        if not request.counted:  # beside the run's own audits: none of its per-step evidence is read
+            return AuditContext(
+                config, self.comm, self.side_history, None, None, module, optimizers, ddp, prepared, failure,
+                step=step, epoch=epoch, hook=hook, slice_index=0,
+            )  # fmt: skip
         if isinstance(batch, BatchRecords):
             batch = batch.take(step)
         return AuditContext(
@@ -266,11 +280,14 @@ class Auditor:
         epoch: int | None = None,
         hook: str | None = None,
         full: bool = False,
+        request: AuditRequest | None = None,
     ) -> AuditResult:
         """Compare every rank's tensors; collective over the group. Returns the same result everywhere.
 
         ``full``: read every byte this once, whatever ``coverage`` says (every rank passes the same; a
-        checkpoint's ``verified`` needs it). The phases (prepare, agree, localize, measure, explain,
+        checkpoint's ``verified`` needs it). ``request``: what else this audit covers
+        (:class:`~weightsync_audit.engine.config.AuditRequest`: the kinds, and whether it is the run's own
+        or one beside it, as the gradients before a step and a repair's confirmation are). The phases (prepare, agree, localize, measure, explain,
         record) are :class:`AuditRun`'s. An overlapped audit still pending (:meth:`launch`) is settled
         first: the channel is used in order."""
         for name, value in (("step", step), ("epoch", epoch)):
@@ -278,8 +295,12 @@ class Auditor:
                 raise TypeError(f"{name}={value!r}: must be an integer, or None")
         if self.window is not None:
             self.window.settle("another audit")
+        request = (
+            AuditRequest(full=full) if request is None else dataclasses.replace(request, full=request.full or full)
+        )
         batch = self.batches  # this step's digest, consumed by the audit that covers it
-        return self.run(self.context(module, optimizer, step=step, epoch=epoch, hook=hook, full=full, batch=batch))
+        ctx = self.context(module, optimizer, step=step, epoch=epoch, hook=hook, request=request, batch=batch)
+        return self.run(ctx)
 
     def run(self, context: AuditContext) -> AuditResult:
         """:meth:`audit` of a context built by :meth:`context` (collective), on the calling thread."""

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, get_args
 
 from weightsync_audit.engine.attribution.config import AttributionConfig
@@ -14,6 +14,7 @@ from weightsync_audit.engine.measure.gaps import check_tolerance
 
 __all__ = [
     "AuditConfig",
+    "AuditRequest",
     "Method",
     "OnMismatch",
     "check_count",
@@ -198,3 +199,39 @@ class AuditConfig:
         if self.attribution is not None:
             text += self.attribution.fingerprint()
         return text
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRequest:
+    """What one audit covers beside the run's settings: one auditor serves every audit of a run (the weights
+    after a step, the gradients before it, the full audit that confirms a repair).
+
+    >>> base = AuditConfig(slices=4, pinpoint=True)
+    >>> cfg = AuditRequest(include=("grads",), full=True, counted=False).config(base)
+    >>> cfg.include, cfg.slices, cfg.pinpoint
+    (('grads',), 1, False)
+    """
+
+    include: tuple[str, ...] | None = None
+    """The kinds compared (``None``: the config's)."""
+    full: bool = False
+    """Every byte this once, whatever ``coverage`` says."""
+    counted: bool = True
+    """Entered in the run's history and read with its per-step evidence (pinpoint's ring, attribution's
+    records, the batches, the step's hyper-parameters); ``False``: an audit beside the run's own (the
+    gradients before a step, the confirmation of a repair), with a history of its own."""
+
+    def __post_init__(self) -> None:
+        if self.include is not None:
+            object.__setattr__(self, "include", check_include(self.include))
+        object.__setattr__(self, "full", check_flag(self.full, "full"))
+        object.__setattr__(self, "counted", check_flag(self.counted, "counted"))
+
+    def config(self, base: AuditConfig) -> AuditConfig:
+        """``base`` as this audit reads it."""
+        changes: dict[str, object] = {} if self.include is None else {"include": self.include}
+        if self.full:
+            changes["slices"] = 1
+        if not self.counted:
+            changes.update(pinpoint=False, check_batches=False)
+        return replace(base, **changes) if changes else base  # type: ignore[arg-type]

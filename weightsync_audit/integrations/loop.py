@@ -15,6 +15,7 @@ from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag
 from weightsync_audit.engine.inventory.manifest import as_optimizers
+from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.arguments import check_every_n, check_module, reject_unknown_options
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
@@ -108,6 +109,12 @@ class LoopAudit:
         """The lifecycle the callbacks share: opened at the first call, the cadence, the per-step records."""
         self.runner = self.session.runner
         self.is_main = True
+        self.last_step = 0
+        """The step :meth:`step` last named: the optimizer step under way is the next one."""
+        self._epoch: int | None = None
+        self._before: int | None = None
+        # Right before every optimizer step (before attribution's own hook): the callbacks' pre-step moment.
+        self._hooks = [stepping_optimizer(o).register_step_pre_hook(self._before_step) for o in self.optimizers]
 
     def _open(self) -> None:
         if self.session.opened:
@@ -117,13 +124,36 @@ class LoopAudit:
         joined = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if joined else 1
         self.is_main = dist.get_rank() == 0 if joined else True
-        self.session.open(world_size=world, is_main=self.is_main)
+        self.session.open(world_size=world, is_main=self.is_main, grads_with_optimizer=True)
         watch_run(self.runner, self.module, self.optimizers)
+
+    def _before_step(self, *_: Any) -> None:
+        """Before each optimizer step (once per step, however many optimizers): what the callbacks do at
+        their pre-step hook; with ``include`` grads, on the cadence, the gradients after the all-reduce."""
+        upcoming = self.last_step + 1
+        if upcoming == self._before:
+            return
+        self._before = upcoming
+        if "grads" in self.options.include and self.every_n_steps is not None:
+            self._open()  # collective: every rank steps its optimizer here
+        if self.session.before_step(self.module, self.last_step, is_main=self.is_main, optimizers=self.optimizers):
+            self.session.audit(
+                self.module,
+                self.optimizers,
+                step=upcoming,
+                epoch=self._epoch,
+                hook="before_optimizer_step",
+                is_main=self.is_main,
+                grads=True,
+            )
 
     def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
-        ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``."""
+        ``batch``: this rank's batch, compared across ranks at an audited step with ``check_batches``.
+        With ``include`` grads, the gradients are audited right before the optimizer step numbered one
+        more than the last ``step`` (1 at first), on the same cadence."""
         self._open()
+        self.last_step, self._epoch = step, epoch
         if not self.session.after_step(self.module, self.optimizers, step, once=False, batch=batch):
             return None
         # With overlap, launched (the verdict acted on at the next safe point); the same audit either way.
@@ -171,6 +201,8 @@ class LoopAudit:
 
     def _checkpoint(self, checkpoint: Checkpoint, step: int | None, epoch: int | None) -> AuditResult | None:
         self._open()
+        if checkpoint.event == "loaded" and step is not None:
+            self.last_step = step  # resumed: the next optimizer step is the one after it
         hook = f"checkpoint_{checkpoint.event}"
         return self.session.audit(
             self.module, self.optimizers, checkpoint=checkpoint, step=step, epoch=epoch, hook=hook, is_main=self.is_main
@@ -192,6 +224,9 @@ class LoopAudit:
             self.settle()
             self.session.print_summary(self.is_main)
         self.session.close(ended=False)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def __enter__(self) -> LoopAudit:
         return self

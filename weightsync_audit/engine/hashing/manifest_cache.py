@@ -171,14 +171,15 @@ class ManifestCache:
     """
 
     def __init__(self) -> None:
-        self._snap: StructureSnapshot | None = None
+        self._snaps: dict[Hashable, StructureSnapshot] = {}
+        """One structure per kinds audited (an auditor's audits of the weights and of the gradients alternate)."""
         self.builds = 0
         """How many times a manifest was built (for tests and benchmarks)."""
-        self._used = False
+        self._used: set[Hashable] = set()
 
     def clear(self) -> None:
-        """Forget the cached structure: the next :meth:`prepare` builds."""
-        self._snap = None
+        """Forget the cached structures: the next :meth:`prepare` builds."""
+        self._snaps.clear()
 
     def prepare(
         self,
@@ -188,41 +189,43 @@ class ManifestCache:
         key: Hashable,
         build: Callable[[], Manifest],
         method: str = "auto",
+        kinds: Hashable = (),
     ) -> PreparedManifest:
         """The manifest for this audit: the cached one when the structure holds, else ``build()``.
 
         ``key`` holds every setting the manifest depends on (include, exclude, ...); ``build`` builds
         the manifest of ``module`` and ``optimizers`` with those settings. With any ``method`` but
         ``"device"``, the check that the structure holds also hashes the small tensors as it goes.
+        ``kinds``: what is audited (each kept apart, so that audits of different kinds never evict each other).
         """
         hash_in_place = method != "device"
-        snap = self._snap
+        snap = self._snaps.pop(kinds, None)
         if snap is not None:
             try:
                 prepared = _check(snap, module, optimizers, key, build, hash_in_place)
             except Exception:  # noqa: BLE001 - anything odd is a miss: the build reports it properly
                 prepared = None
             if prepared is not None:
+                self._snaps[kinds] = snap
                 return prepared
-        self._snap = None
         self.builds += 1
         manifest = build()
-        if not self._used:  # a one-shot audit (a fresh Auditor) would pay for a snapshot it never uses
-            self._used = True
+        if kinds not in self._used:  # a one-shot audit (a fresh Auditor) would pay for a snapshot it never uses
+            self._used.add(kinds)
             return PreparedManifest.uncached(manifest)
         try:
-            self._snap = _snapshot(module, optimizers, key, manifest)
+            snap = _snapshot(module, optimizers, key, manifest)
         except Exception:  # noqa: BLE001 - a structure this cache does not understand is simply not cached
-            self._snap = None
-        if self._snap is None:
+            snap = None
+        if snap is None:
             return PreparedManifest.uncached(manifest)
         try:
-            prepared = _check(self._snap, module, optimizers, key, build, hash_in_place)
+            prepared = _check(snap, module, optimizers, key, build, hash_in_place)
         except Exception:  # noqa: BLE001
             prepared = None
         if prepared is None:  # the structure moved under the build (it cannot, but never trust a cache)
-            self._snap = None
             return PreparedManifest.uncached(manifest)
+        self._snaps[kinds] = snap
         prepared.built = manifest
         return prepared
 

@@ -1,7 +1,7 @@
 """What every audit callback does, whatever the framework: validate its options, run an audit, act on it.
 
-:class:`AuditRunner` holds the auditors (the main one, one for gradients, one to confirm a resync, all
-over one audit channel), the run's :class:`~weightsync_audit.AuditHistory` and the report writer. The
+:class:`AuditRunner` holds the run's one auditor (its audits after a step, the gradients' before it and
+the full audit confirming a resync are requests to it, over one channel and one manifest cache), the run's :class:`~weightsync_audit.AuditHistory` and the report writer. The
 Lightning and Hugging Face callbacks are adapters: they say *when* to audit and *what* (model,
 optimizers, step, epoch), and where metrics go. Every decision that leads to a collective is taken from
 data that is equal on every rank (the step, the gathered result); the main process only writes the
@@ -25,6 +25,7 @@ from weightsync_audit.engine.checkpoints.resume_check import capture as capture_
 from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
+from weightsync_audit.engine.config import AuditRequest
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.respond import Voice, respond, say_raising
@@ -100,10 +101,11 @@ class AuditRunner:
         self.console: Any = None
         """A ``rich.console.Console`` for reports on the main process (stderr when ``None``)."""
         self.auditor: Auditor | None = None
-        self.grad_auditor: Auditor | None = None
-        self.confirm_auditor: Auditor | None = None
-        self.confirm_grad_auditor: Auditor | None = None
-        """Confirms a resync that moved gradients: the main kinds and the gradients."""
+        """The run's one auditor: its audits after a step, and the ones beside them (:attr:`grads`, confirms)."""
+        self.grads: AuditRequest | None = None
+        """The gradient audit before a step (``include`` grads), made by :meth:`open`."""
+        self.confirms: tuple[AuditRequest, AuditRequest] | None = None
+        """A resync confirmed by a full audit of the kinds compared, and of the gradients too when they moved."""
         self.writer: ReportWriter | None = None
         self.voice = Voice()
         """What the main process has said so far (each fact once; a persisting cause compacted)."""
@@ -148,23 +150,18 @@ class AuditRunner:
             )
         if self.on_mismatch == "resync" and self.resync_src != "majority" and self.resync_src >= world_size:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
-        main = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers)
-        base = replace(main, check_batches=False)  # the batches are compared by the main auditor's audits
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
-        self.auditor = Auditor(config=replace(main, include=main_include))
+        config = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers, include=main_include)
+        self.auditor = Auditor(config=config)
         self.auditor.history = self.history
         self.auditor.step_hyper = self.step_hyper
         if "grads" in self.include:
             with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
-            self.grad_auditor = Auditor(config=replace(base, include=("grads", *with_opt), slices=1, pinpoint=False))
-            self.grad_auditor.use_channel_of(self.auditor)
-        # A resync is confirmed by a full audit (every slice) of what the main auditor compares.
-        self.confirm_auditor = Auditor(config=replace(base, include=main_include, slices=1, pinpoint=False))
-        self.confirm_auditor.use_channel_of(self.auditor)
-        if "grads" in self.include:
-            with_grads = replace(base, include=(*main_include, "grads"), slices=1, pinpoint=False)
-            self.confirm_grad_auditor = Auditor(config=with_grads)
-            self.confirm_grad_auditor.use_channel_of(self.auditor)
+            self.grads = AuditRequest(include=("grads", *with_opt), full=True, counted=False)
+        # A resync is confirmed by a full audit of what the audits compare: the gradients too when they moved.
+        plain = AuditRequest(include=main_include, full=True, counted=False)
+        with_grads = AuditRequest(include=(*main_include, "grads"), full=True, counted=False)
+        self.confirms = (plain, with_grads if self.grads is not None else plain)
         if is_main and self.report_path is not None:
             # A report that cannot be written (full disk) warns and keeps records: it never ends the run.
             self.writer = ReportWriter(self.report_path, keep_on_error=True)
@@ -232,8 +229,8 @@ class AuditRunner:
         ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise. ``audit``
         replaces the auditor's own (a checkpoint's: :meth:`checkpoint`). ``after_step`` with ``overlap=True``:
         launched, acted on at the next safe point (returns ``None``; ``overlap.last``: the last acted on)."""
-        auditor = self.grad_auditor if grads else self.auditor
-        if auditor is None:
+        auditor = self.auditor
+        if auditor is None or self.confirms is None or (grads and self.grads is None):
             return None
         if self.overlap is not None:
             if after_step and audit is None and not grads:
@@ -243,7 +240,9 @@ class AuditRunner:
             self.overlap.settle("another audit")  # the channel is used in order: the pending verdict first
         t0 = time.perf_counter()
         try:
-            result = (audit or auditor.audit)(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+            request = self.grads if grads else None
+            kw: dict[str, Any] = {} if audit is not None else {"request": request}
+            result = (audit or auditor.audit)(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook, **kw)
         except Exception as exc:
             if self.on_mismatch != "warn":
                 raise
@@ -254,13 +253,12 @@ class AuditRunner:
             result.hints += persistent_hints(result.mismatches, result.blame, self.resynced_ranks, result.hosts)
         if grads:
             self._note_grad_result(result)
-        plain, with_grads = self.confirm_auditor, self.confirm_grad_auditor
-        assert plain is not None
+        confirms = self.confirms
 
         def confirm(grads_moved: bool) -> AuditResult:
             # The confirming audit compares every kind that had diverged: gradients too when they had.
-            confirmer = with_grads if grads_moved and with_grads is not None else plain
-            return confirmer.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook)
+            request = confirms[1] if grads_moved else confirms[0]
+            return auditor.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook, request=request)
 
         plan = respond(
             result,
@@ -271,7 +269,7 @@ class AuditRunner:
             confirm=confirm,
             history=self.history,
             prepare=auditor.resync_state,  # the audit's channel and manifest, not prepared again
-            repaired=self.auditor.repaired if self.auditor is not None else None,  # its per-step evidence dropped
+            repaired=auditor.repaired,  # its per-step evidence dropped
         )
         if result.action == "resynced" and plan is not None:  # a rank that diverges again after this: named
             self.resynced_ranks.update({r: step for r in plan.receivers(result.mismatches)})
@@ -281,8 +279,8 @@ class AuditRunner:
                     self.record_hyper(optimizers, step)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics, "grads" if grads else "main")
-        if not result.in_sync and self.auditor is not None:  # the host to evict, where schedulers look
-            hand_off(result, self.auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
+        if not result.in_sync:  # the host to evict, where schedulers look
+            hand_off(result, auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
         if not result.in_sync and result.action == "raised":
             comm = self.auditor.comm if self.auditor is not None else None
             say_raising(result, comm.global_ranks[comm.rank] if comm is not None else None, is_main)

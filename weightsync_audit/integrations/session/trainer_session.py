@@ -140,7 +140,7 @@ class TrainerSession:
             self.runner.voice.note_said(self.trainable.said, f"the warning at step {step}")
         upcoming = step + 1
         on_cadence = self.every_n is not None and upcoming % self.every_n == 0
-        return self.runner.grad_auditor is not None and (on_cadence or hook)
+        return self.runner.grads is not None and (on_cadence or hook)
 
     def after_step(
         self, model: Any, optimizers: Sequence[Any], step: int, *, once: bool = True, batch: Any = None

@@ -1,0 +1,103 @@
+"""One Trainer session for every adapter: ``LoopAudit`` audits the gradients after the all-reduce as the callbacks
+do, and the same planted fault gives the same verdict under ``LoopAudit``, the Lightning and the Hugging Face
+callbacks (real Trainers, 2 gloo ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from ranks import run_ranks
+from torchrun import two_node_job
+
+from weightsync_audit import Auditor, LoopAudit
+
+SCRIPT = Path(__file__).parent / "scripts" / "adapter_parity_run.py"
+
+
+def _loop_rank(rank: int, world: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    seen: list[dict[str, Any]] = []
+
+    class Keep:
+        def write(self, record: Any) -> None:
+            seen.append(record.to_dict())
+
+    include = ("params", "buffers", "optimizer", "grads")
+    with LoopAudit(ddp, opt, every_n_steps=1, include=include, verbose=False, sinks=[Keep()], **options) as audit:
+        for step in range(1, 5):
+            opt.zero_grad()
+            batch = torch.full((2, 4), float(rank + 1))  # each rank its own batch: the all-reduce matters
+            ddp(batch).square().sum().backward()
+            if rank == 1 and step == 3:
+                with torch.no_grad():
+                    model[0].weight.grad[0, 0] += 1.0  # after the all-reduce, before the step
+            opt.step()
+            audit.step(step, 0, batch=batch)
+    auditors = [name for name, value in vars(audit.runner).items() if isinstance(value, Auditor)]
+    assert auditors == ["auditor"]  # one auditor per run: the gradients' audits and the confirmations are its own
+    return seen
+
+
+OPTIONS = [{}, {"overlap": True}, {"attribution": True}, {"check_batches": True}, {"on_mismatch": "resync"}]
+
+
+@pytest.mark.parametrize("options", OPTIONS)
+def test_loop_audit_with_grads_names_a_gradient_changed_on_one_rank_after_the_all_reduce_with_its_step(
+    options: dict[str, Any],
+) -> None:
+    records = run_ranks(_loop_rank, 2, options)[0]
+    grads = [r for r in records if r["hook"] == "before_optimizer_step"]
+    assert [r["step"] for r in grads] == [1, 2, 3, 4] and all(r["checked"]["grad"] == 4 for r in grads)
+    diverged = [(r["step"], [(m["kind"], m["name"], m["ranks"]) for m in r["mismatches"]]) for r in grads]
+    assert [d for d in diverged if d[1]] == [(3, [("grad", "0.weight", [1])])]
+    if options.get("on_mismatch") == "resync":  # repaired before the step, confirmed with the gradients compared
+        assert grads[2]["action"] == "resynced" and all(r["in_sync"] for r in records if r["hook"] == "step")
+        return
+    after = next(r for r in records if r["hook"] == "step" and not r["in_sync"])
+    assert after["step"] == 3 and [m["name"] for m in after["mismatches"]] == ["0.weight"]
+    if options.get("attribution"):
+        assert (
+            after["blame"]["ranks"] == [1]
+            and "gradient of 0.weight changed after the all-reduce" in (after["blame"]["detail"])
+        )
+
+
+def _verdicts(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Each diverged record as the adapters must agree on it: before or after the step, the step, what differs
+    where, and the blame."""
+    out = []
+    for r in records:
+        if r["in_sync"]:
+            continue
+        when = "before" if r["hook"].endswith("optimizer_step") else "after"
+        blame = r.get("blame") or {}
+        blamed = (blame.get("ranks"), blame.get("evidence"), blame.get("cause"), blame.get("step"))
+        out.append((when, r["step"], [(m["kind"], m["name"], m["ranks"]) for m in r["mismatches"]], blamed))
+    return out
+
+
+def test_the_same_planted_gradient_fault_gives_the_same_verdict_under_every_adapter(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("pytorch_lightning")
+    runs = two_node_job(SCRIPT, tmp_path, timeout=400)
+    assert runs["codes"] == [0, 0], runs["log"]
+    verdicts = {}
+    for name in ("loop", "lightning", "hf"):
+        got = runs.get(name, {}).get(0)
+        assert got is not None and "error" not in got, f"{name}: {got}\n{runs['log']}"
+        assert all(r["checked"]["grad"] == 2 for r in got["records"] if r["hook"].endswith("optimizer_step"))
+        verdicts[name] = _verdicts(got["records"])
+    loop = verdicts["loop"]
+    assert loop[0][:3] == ("before", 3, [("grad", "layer.weight", [1])])
+    assert loop[1][:3] == ("after", 3, [("param", "layer.weight", [1])]) and loop[1][3][:2] == (
+        [1],
+        "deterministic_difference",
+    )
+    assert verdicts["lightning"] == loop, verdicts
+    assert verdicts["hf"] == loop, verdicts
