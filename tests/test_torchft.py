@@ -224,11 +224,15 @@ def test_local_sgd_is_audited_at_sync_points_only() -> None:
         assert record["in_sync"] and record["hook"] == "localsgd_sync" and record["checked"]["param"] == 4
         assert record["torchft"]["sync"] == {"algorithm": "LocalSGD", "every": 3, "between_syncs": "not audited"}
         assert any(n.startswith("audited at a LocalSGD sync point") and "no audit runs" in n for n in record["notes"])
+        # torchft healed replica 1 at its first quorum (step 0); the state it loaded has trained and synced since
+        assert record["torchft"]["healed"] == {} and not any("verified" in n for n in record["notes"])
+    assert any("healed from replica 0 before this sync" in n for n in records[0]["notes"])
 
 
 def test_a_difference_at_a_local_sgd_sync_is_found() -> None:
     """Replica group 1 was launched with torchft's spare-replica mode: it counts itself out of the average
-    and copies replica 0's parameters undivided. Its parameters differ from the first sync on."""
+    and copies replica 0's parameters undivided. Its parameters differ from the first sync on: the sync's
+    doing, not the heal's at the first quorum (whose state the sync replaced)."""
     res = run_job([Replica(0), Replica(1, extra={"spares": True})], mode="localsgd", steps=6, sync_every=3, every=1)
     a, b = res[(0, 0)]["snapshots"][3], res[(1, 0)]["snapshots"][3]
     assert not any(torch.equal(a[f"p:{n}"], b[f"p:{n}"]) for n in PARAMS)
@@ -238,6 +242,11 @@ def test_a_difference_at_a_local_sgd_sync_is_found() -> None:
     assert {n: named[n]["ranks"] if n in named else None for n in PARAMS} == {n: [1] for n in PARAMS}
     # 0.weight (1 KiB) went over the quorum channel's data plane: its gap is the one in the bytes.
     assert named["0.weight"]["max_abs_diff"] == pytest.approx((a["p:0.weight"] - b["p:0.weight"]).abs().max().item())
+    blame = record["blame"]
+    assert (blame["evidence"], blame["ranks"], blame["step"]) == ("collective_mismatch", [], 1)  # two: a tie
+    assert "LocalSGD sync committed at step 1" in blame["detail"] and "heal" not in blame["detail"]
+    assert record["torchft"]["healed"] == {} and not any("healed replica" in h for h in record["hints"])
+    assert not any("first committed step" in n for n in record["notes"])
 
 
 def test_diloco_is_audited_at_sync_points_only() -> None:

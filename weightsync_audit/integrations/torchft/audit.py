@@ -252,10 +252,12 @@ class TorchFTAudit:
         try:
             # A must_match that fails keeps this replica from the roll: the others name it absent.
             counters, skipped = collect(self.manager, self.lr_scheduler, self.must_match)
+            # A heal's evidence ends at the replica's first committed step or sync: a sync replaced what it
+            # loaded (its source is still said, but nothing is verified or blamed on it).
             me = Member(
                 quorum.replica_rank,
                 quorum.replica_id(quorum.replica_rank),
-                healed=heals.this_replica,
+                healed=heals.this_replica and point == "step",
                 source=heals.source,
                 counters=counters,
                 last_in_sync_step=self._last_in_sync,

@@ -39,6 +39,7 @@ class Member:
     healed: bool = False
     """It healed from a peer at this step (its state was loaded from ``source``)."""
     source: int | None = None
+    """The replica it healed from; with ``healed`` false, a heal that a sync has replaced since."""
     counters: dict[str, Any] = field(default_factory=dict)
     """Step counters and declared state, each ``[kind, value]`` (:mod:`~.counters`)."""
     last_in_sync_step: int | None = None

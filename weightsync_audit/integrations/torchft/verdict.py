@@ -80,6 +80,11 @@ def _heal_report(result: AuditResult, roll: Roll, at: AuditPoint, compared: str)
     healed: dict[str, Any] = {}
     for member in roll.members:
         if not member.healed:
+            if member.source is not None:  # its evidence ended at the sync: not verified, never blamed
+                result.notes.append(
+                    f"replica {member.replica_rank} ({member.replica_id}) healed from replica {member.source} "
+                    "before this sync; the sync replaced what the heal loaded, so this audit checks the sync"
+                )
             continue
         r = member.replica_rank
         differs = [m.name for m in result.mismatches if r in m.ranks]
@@ -127,6 +132,26 @@ def _blame_heal(result: AuditResult, roll: Roll, step: int) -> None:
     }
 
 
+def _blame_sync(result: AuditResult, at: AuditPoint) -> None:
+    """Right after a committed sync the parameters are the all-reduce's result: a difference there is the
+    sync's (the vote names the odd replicas; a tie, no one), not the vote's guess or a heal's."""
+    params = [m for m in result.mismatches if m.kind == "param"]
+    if at.sync is None or not params or (result.blame or {}).get("evidence") not in (None, "vote", "undecided"):
+        return
+    odd = sorted({r for m in params if not is_tie(m.detail) for r in m.ranks})
+    who = f"on replica(s) {odd}" if odd else "with no majority, so no replica alone is named"
+    result.blame = {
+        "ranks": odd,
+        "evidence": "collective_mismatch",
+        "cause": "the collective",
+        "hardware_suspect": False,
+        "step": at.step,
+        "detail": f"the {at.sync['algorithm']} sync committed at step {at.step} left the synced parameters "
+        f"({brief_names([m.name for m in params], 5)}) different {who}: the all-reduce gave other bytes, or a "
+        "replica did not take part in it as the others did",
+    }
+
+
 def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[str], last_in_sync: int | None) -> None:
     """Add the counters, the ``torchft`` field, the notes and hints to ``result`` (the same on every member)."""
     found, compared_counters = compare([m.counters for m in roll.members], roll.ranks)
@@ -145,6 +170,7 @@ def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[
     compared = ", ".join(what) + ", the Manager's step and committed batches" + "".join(f", {c}" for c in counters)
     healed = _heal_report(result, roll, at, compared)
     _blame_heal(result, roll, at.step)
+    _blame_sync(result, at)
     if roll.absent:
         result.notes.append(
             f"replica(s) {list(roll.absent)} of quorum {at.quorum_id} did not come to this audit within "
