@@ -16,7 +16,8 @@ Counted on rank 0 (the coordinator), over the modules of ``weightsync_audit`` on
 - ``channel``: how many rounds went over the channel (a :data:`ROUNDS` method of ``channel/star.py``
   entered from another module; a resync's closing round of the data plane counts too);
 - ``returns``: the walk's entries into a module it had already left (the path as a sequence of modules,
-  each call from another module a step: the steps that go back to a module seen before).
+  each call from another module a step: the steps that go back to a module seen before), and the number of
+  distinct modules so returned to.
 """
 
 from __future__ import annotations
@@ -76,9 +77,10 @@ class Trace:
         end = end or self.mark()
         walk = self.walk[start[1] : end[1]]
         left: set[str] = set()
-        returns = 0
+        returns, returned = 0, set()
         for i, (m, _) in enumerate(walk):
-            returns += m in left
+            if m in left:
+                returns, returned = returns + 1, returned | {m}
             if i:
                 left.add(walk[i - 1][0])
             left.discard(m)
@@ -87,6 +89,7 @@ class Trace:
             "manifest": [f for m, f in walk if m == MANIFEST and f == "build_manifest"],
             "channel": [f for m, f in walk if m == CHANNEL and f in ROUNDS],
             "returns": returns,
+            "returned": len(returned),
             "names": sorted(set(self.calls[start[0] : end[0]])),
         }
 
@@ -157,12 +160,22 @@ def main() -> None:
         for what in ("resync", "repair", "audit"):
             t = got[what]
             rows.append(
-                [label, what, str(t["modules"]), str(len(t["manifest"])), str(len(t["channel"])), str(t["returns"])]
+                [
+                    label,
+                    what,
+                    str(t["modules"]),
+                    str(len(t["manifest"])),
+                    str(len(t["channel"])),
+                    str(t["returns"]),
+                    str(t["returned"]),
+                ]
             )
             if "-v" in sys.argv:
                 print(label, what, ":", " ".join(t["names"]))
                 print("  manifest:", " ".join(t["manifest"]), "\n  channel:", " ".join(t["channel"]))
-    print(table(["case", "path", "modules", "manifest entered", "channel entered", "returns"], rows))
+    print(
+        table(["case", "path", "modules", "manifests built", "channel rounds", "returns", "modules returned to"], rows)
+    )
 
 
 if __name__ == "__main__":

@@ -15,11 +15,12 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, resync
+from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine import phases
 from weightsync_audit.engine.context import AuditContext
 from weightsync_audit.engine.overlap.race import OverlapRun
 from weightsync_audit.engine.repair import plan as state_module
-from weightsync_audit.engine.repair.plan import plan_resync
+from weightsync_audit.engine.repair.plan import Holding, plan_copies, plan_resync
 from weightsync_audit.engine.repair.resync import resync_planned
 from weightsync_audit.engine.run import AuditRun
 
@@ -131,3 +132,59 @@ def test_the_run_holds_its_inputs_only() -> None:
         run.context.step = 1  # type: ignore[misc]
     result, manifest = run.phases()
     assert result.in_sync and manifest.size == 2
+
+
+def _two_sources(rank: int, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.no_grad():
+        if rank == 0:
+            model[2].bias.add_(1.0)  # resync_src=0 holds a minority value: taken from rank 1
+        if rank == 2:
+            model[0].weight.add_(1.0)  # taken from rank 0
+    auditor = Auditor(model, opt, timeout_s=30)
+    result = auditor.audit(step=1)
+    plan = plan_resync(result.mismatches, 0)
+    rounds: list[str] = []
+    real = Comm._round
+
+    def counted(self: Comm, payload: Any, rule: Any, what: str, *args: Any) -> Any:
+        rounds.append(what)  # the channel's own round runs as ever: only counted here
+        return real(self, payload, rule, what, *args)
+
+    Comm._round = counted  # type: ignore[method-assign]
+    try:
+        resync_planned(auditor.resync_state(result), plan)
+    finally:
+        Comm._round = real  # type: ignore[method-assign]
+    return {"sources": plan.sources, "rounds": rounds, "after": auditor.audit(step=2).in_sync}
+
+
+def test_a_plan_with_two_sources_is_decided_in_one_round_and_moved_in_one_transfer() -> None:
+    for r in run_ranks(_two_sources, 3, timeout=90):
+        assert r["sources"] == {0: ["0.weight"], 1: ["2.bias"]}, r
+        assert r["rounds"] == ["the resync plan", "the resync result"], r  # not one round trip per source
+        assert r["after"], r
+
+
+def test_a_copy_is_planned_over_typed_rows_plain_held_and_sharded_alike() -> None:
+    plain = [Holding("param", "w", "float32", (2,), d) for d in (5, 6, 5, 5)]
+    held = [
+        Holding("param", "e", "float32", (2,), d, "holders:expert", k, ()) for d, k in ((1, 7), (1, 9), (2, 7), (3, 9))
+    ]
+    shard = [Holding("param", "s", "float32", (1,), d, "shard", k) for d, k in ((4, 2), (4, 3), (5, 2), (4, 3))]
+    lr = [
+        Holding("optimizer", "param_groups.0.lr", "float64", (), d, literal=t)
+        for d, t in ((1, "0.1"),) * 3 + ((2, "0.5"),)
+    ]
+    plan = plan_copies([list(row) for row in zip(plain, held, shard, lr)], src=0)
+    # Each within its group: w among all ranks, e among {0, 2} and {1, 3} (a tie: the lower rank), s among its peers.
+    assert plan["copies"] == [["param:w", 0, [1], "float32", [2]], ["param:e", 0, [2], "float32", [2]],
+                              ["param:e", 1, [3], "float32", [2]], ["param:s", 0, [2], "float32", [1]]], plan  # fmt: skip
+    assert plan["values"] == [["optimizer:param_groups.0.lr", 0, [3], "0.1"]] and not plan["refused"], plan
+    assert plan["install"] is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plain[0].digest = 1  # type: ignore[misc]
+    missing = plan_copies([[plain[0]], []], src=0)
+    assert missing["refused"] == ["param:w missing on rank 1"] and not missing["copies"], missing

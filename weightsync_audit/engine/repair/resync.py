@@ -193,7 +193,7 @@ def _decide(
 
 def _move(comm: Comm, src: int, entries: list[Entry], plan: dict[str, Any]) -> None:
     """The planned copies (the same on every rank): tensors in place, then Python values replaced in their dict."""
-    mine = {e.uid: e for e in entries}
+    mine = {f"{e.kind}:{e.name}": e for e in entries}  # Holding.uid
     copies = []
     for uid, source, receivers, dtype, shape in plan["copies"]:
         e = mine.get(uid)
@@ -248,7 +248,7 @@ def _install_state(
             dtype_name, shape = spec["t"][:2]
             dtype = getattr(torch, dtype_name)
             group = next(g for g in opt.param_groups if any(q is p for q in g["params"]))
-            # Created empty where torch's optimizers keep it; the source's bytes arrive by move_tensors.
+            # Created empty where torch's optimizers keep it; the source's bytes arrive with the planned copies.
             opt.state[p][key] = torch.empty(shape, dtype=dtype, device=state_device(p, group, key, len(shape)))
         else:
             opt.state[p][key] = ast.literal_eval(spec["v"])
