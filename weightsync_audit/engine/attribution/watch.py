@@ -42,7 +42,7 @@ from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import readable
-from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
+from weightsync_audit.engine.inventory.manifest import stepping_optimizer
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
