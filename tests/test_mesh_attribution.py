@@ -87,6 +87,9 @@ def test_sharded_attribution_trains_without_crash_and_resync_repairs_the_planted
         assert planted["action"] == "resynced", planted
         assert {r for m in planted["mismatches"] for r in m["ranks"]} == {faulty}, planted["mismatches"]
         assert all(r["in_sync"] for r in recs[PLANT:]), recs[PLANT:]
+        # Each rank's gradient shard is its own: never evidence that "the gradients differ".
+        assert not any("gradients differ" in h for r in recs for h in r["hints"]), planted["hints"]
+        assert all(r.get("blame", {}).get("evidence") != "deterministic_difference" for r in recs), planted
         assert o["same_as_peer"]
 
 

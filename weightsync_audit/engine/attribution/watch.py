@@ -42,7 +42,8 @@ from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import readable
-from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
+from weightsync_audit.engine.inventory.manifest import stepping_optimizer
+from weightsync_audit.engine.inventory.peers import replicated_everywhere
 from weightsync_audit.errors import WeightSyncWarning
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
@@ -327,6 +328,7 @@ class StepWatch:
         """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
         guarded by their version counters: gradients written before it read them leave the check unknown)."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
+        params = [p for p in params if replicated_everywhere(p.grad)]  # a shard's gradient is its rank's own
         names = [self.names.get(id(p), "?") for p in params]
         grads = [readable(p.grad, f"{n}.grad") for p, n in zip(params, names)]  # a DTensor's: its local shard
         ids = [id(p) for p in params]

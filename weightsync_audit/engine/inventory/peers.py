@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import xxhash
 
+from weightsync_audit.compat import is_dtensor
 from weightsync_audit.compat_engines import mesh_pipeline_coordinate
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "NEVER",
     "ShardInfo",
     "carriers",
+    "replicated_everywhere",
     "column_peers",
     "peer_sets",
     "replica_groups",
@@ -145,6 +147,23 @@ def shard_info(t: Any) -> ShardInfo:
     # Keys of real shards avoid the two reserved values ALL and NEVER.
     key = (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2
     return ShardInfo(layout, shape, coords, key, members=FOUND if stage is not None else ())
+
+
+def replicated_everywhere(t: Any) -> bool:
+    """Whether ``t`` holds the same values on every rank by design: a plain tensor, or a DTensor replicated on
+    every dimension of a mesh that spans the world. The gradient of an FSDP2, HSDP or tensor-parallel shard
+    is not (each rank holds its own shard), so attribution never compares it world-wide.
+
+    >>> import torch
+    >>> replicated_everywhere(torch.ones(2))
+    True
+    """
+    if not is_dtensor(t):
+        return True
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return all(pl.is_replicate() for pl in t.placements) and t.device_mesh.size() == world
 
 
 def peer_sets(keys: Sequence[int]) -> list[list[int]]:

@@ -1,12 +1,12 @@
 """Replica discovery: for every audited tensor, which ranks hold a replica of it, decided from the engine.
 
-One adapter per engine fills the same :class:`~weightsync_audit.engine.inventory.replicas.rules.Rules`:
+One adapter per engine fills the same :class:`~weightsync_audit.engine.inventory.replicas.keys.Rules`:
 
 ========================  ===============================================================================
 DDP, plain replicas       nothing to fill: every tensor is compared on every rank (the cached fast path)
 DTensor (FSDP2, HSDP, TP)  the tensor's own peers (:mod:`~weightsync_audit.engine.inventory.peers`)
-DeepSpeed ZeRO 0-3        :mod:`.deepspeed`
-FSDP1                     :mod:`.fsdp1`
+DeepSpeed ZeRO 0-3        :mod:`.engines`
+FSDP1                     :mod:`.engines`
 pipeline stages, experts  :mod:`.declared` (:func:`declare_replicas`)
 Megatron-core             :mod:`.megatron` (its ``parallel_state`` groups, its parameters' attributes)
 ========================  ===============================================================================
@@ -25,14 +25,17 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from weightsync_audit.engine.inventory.manifest import Manifest, build_manifest, unwrap_module
+from weightsync_audit.engine.inventory.manifest import (
+    Manifest,
+    build_manifest,
+    remember_wrapper,
+    unwrap_module,
+    unwrap_optimizer,
+)
 from weightsync_audit.engine.inventory.replicas.declared import declare_replicas, declared_rules, stage_module
-from weightsync_audit.engine.inventory.replicas.deepspeed import deepspeed_rules
-from weightsync_audit.engine.inventory.replicas.fsdp1 import fsdp1_rules
-from weightsync_audit.engine.inventory.replicas.keys import unreplicated_label
+from weightsync_audit.engine.inventory.replicas.engines import deepspeed_rules, fsdp1_rules
+from weightsync_audit.engine.inventory.replicas.keys import Rules, apply_rules, unreplicated_label
 from weightsync_audit.engine.inventory.replicas.megatron import megatron_rules
-from weightsync_audit.engine.inventory.replicas.rules import Rules, apply_rules
-from weightsync_audit.engine.inventory.wrappers import remember_wrapper, unwrap_optimizer
 
 __all__ = [
     "assign_replicas",

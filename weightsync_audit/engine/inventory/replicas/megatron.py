@@ -42,11 +42,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.inventory.manifest import Entry, wrapper_of
 from weightsync_audit.engine.inventory.peers import ShardInfo
-from weightsync_audit.engine.inventory.replicas.keys import alone, among
-from weightsync_audit.engine.inventory.replicas.rules import Rules, named_params
-from weightsync_audit.engine.inventory.wrappers import wrapper_of
+from weightsync_audit.engine.inventory.replicas.keys import Rules, alone, among, named_params
 
 __all__ = [
     "GRAD_SHARD",
