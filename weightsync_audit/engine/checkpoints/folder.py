@@ -186,11 +186,12 @@ def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, Path]:
             tag = ""
         if tag and "/" not in tag and (p / tag).is_dir():
             subdirs = [p / tag]
-    found = [f for f in top if f.is_file() and not _is_sidecar(f.name)]
+    found = [f for f in top if (f.is_file() or f.is_symlink()) and not _is_sidecar(f.name)]
     for d in subdirs:
-        found += sorted(f for f in d.rglob("*") if f.is_file() and not _is_sidecar(f.name))
+        found += sorted(f for f in d.rglob("*") if (f.is_file() or f.is_symlink()) and not _is_sidecar(f.name))
     names = [f.relative_to(p).as_posix() for f in found]
-    return {n: inside(p, n) for n in names}
+    # every symlink is checked, to a folder too (never followed, but named when it leads outside)
+    return {n: f for n in names if (f := inside(p, n)).is_file()}
 
 
 def list_files(path: str | os.PathLike[str], *, shards: bool = True) -> dict[str, list[int]] | None:
