@@ -31,7 +31,7 @@ import torch.distributed as dist
 from harness import launch, machine, median, own_copy, table, timed
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.checkpoints.files import complete_files, list_files
+from weightsync_audit.engine.checkpoints.folder import complete_files, list_files
 
 
 def _rank(rank: int, world: int, mib: int, reps: int, folder: str) -> list[str]:

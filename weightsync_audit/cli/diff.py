@@ -72,7 +72,15 @@ def run(args: argparse.Namespace) -> int:
     )
 
 
-_STYLE = {"missing": "red", "extra": "blue", "shape": "magenta", "dtype": "magenta", "values": "yellow"}
+_STYLE = {
+    "missing": "red",
+    "extra": "blue",
+    "shape": "magenta",
+    "dtype": "magenta",
+    "values": "yellow",
+    "bytes": "yellow",
+}
+_STYLE["unreadable"] = "red"
 
 
 def cmd_diff(
@@ -158,7 +166,7 @@ def sidecar_diff(a: str, b: str, console: Console, as_json: bool = False) -> int
     """``diff`` by the sidecars when both sides have one (no file is loaded; each file's bytes are checked
     against its sidecar's size and digest); ``None`` when the files must be compared instead (either has no
     sidecar, or one that cannot identify its files: said in a note)."""
-    from weightsync_audit.engine.checkpoints.sidecar_diff import diff_sidecars
+    from weightsync_audit.engine.checkpoints.offline import diff_sidecars
 
     compared = diff_sidecars(a, b)
     if compared is None:

@@ -199,27 +199,53 @@ class ReportSummary:
         return ended_in_sync and all(r.action == "resynced" for _, r in self.diverged) and not self.recurred
 
     @property
+    def checkpoint_failures(self) -> list[dict[str, Any]]:
+        """``{"line", "step", "path", "event", "status", "why"}`` of every record whose checkpoint was loaded
+        changed or unverified, or whose resume check found a difference (``checkpoint.resume.status``)."""
+        out = []
+        for i, r in self.records:
+            c = r.checkpoint or {}
+            resume = c.get("resume") if isinstance(c.get("resume"), dict) else {}
+            why = []
+            if c.get("event") == "loaded" and c.get("status") in ("changed", "unverified"):
+                said = [n for n in r.notes if n.startswith(f"checkpoint {c.get('path')} is ")]
+                why.append(said[0] if said else f"checkpoint {c.get('path')} is {c['status']}")
+            if resume.get("status") == "differs":
+                found = [f.get("detail") for f in resume.get("findings", []) if isinstance(f, dict)]
+                why.append("resume differs: " + ("; ".join(str(d) for d in found if d) or "see the record"))
+            if why:
+                row = {"line": i, "step": r.step, "path": c.get("path"), "event": c.get("event")}
+                out.append({**row, "status": c.get("status"), "resume": resume.get("status"), "why": why})
+        return out
+
+    @property
     def status(self) -> str:
-        """``invalid``, ``empty``, ``diverged``, ``repaired`` (only with ``accept_repaired``), ``nothing_compared``
-        (no audit compared a tensor between ranks: no verdict either way) or ``in_sync``."""
+        """``invalid``, ``empty``, ``diverged``, ``repaired`` (only with ``accept_repaired``), ``checkpoint`` (a
+        checkpoint loaded changed or unverified, or a resume that differs), ``nothing_compared`` (no audit
+        compared a tensor between ranks: no verdict either way) or ``in_sync``."""
         if self.blocking_errors:
             return "invalid"
         if not self.records:
             return "empty"
-        if self.diverged and self.accept_repaired and self.repaired:
+        if self.diverged and self.accept_repaired and self.repaired and not self.checkpoint_failures:
             return "repaired"
-        if not self.diverged and len(self.compared_nothing) == len(self.records):
+        if self.diverged:
+            return "diverged"
+        if self.checkpoint_failures:
+            return "checkpoint"
+        if len(self.compared_nothing) == len(self.records):
             return "nothing_compared"
-        return "diverged" if self.diverged else "in_sync"
+        return "in_sync"
 
     @property
     def exit_code(self) -> int:
-        """0 in sync (or repaired, accepted), 1 diverged, 2 invalid, empty or nothing compared (no verdict)."""
+        """0 in sync (or repaired, accepted), 1 diverged or a checkpoint failed, 2 invalid, empty or nothing compared (no verdict)."""
         codes = {
             "invalid": EXIT_ERROR,
             "empty": EXIT_ERROR,
             "nothing_compared": EXIT_ERROR,
             "diverged": EXIT_DIFFERENT,
+            "checkpoint": EXIT_DIFFERENT,
             "repaired": EXIT_OK,
         }
         return codes.get(self.status, EXIT_OK)
@@ -309,6 +335,7 @@ class ReportSummary:
             "sampled_audits": sum(r.sampled for r in rs),
             "last_full_sync_step": rs[-1].last_full_sync_step if rs else None,
             "first_divergence": None,
+            "checkpoints": self.checkpoint_failures,
             "errors": [{"line": e.line, "torn": e.torn, "message": str(e)} for e in self.errors],
         }
         if first is not None:

@@ -139,6 +139,9 @@ def check_report(
         _print_diverged(console, summary)
     for note in dict.fromkeys(n for r in rs for n in r.notes if any(c in n for c in COMPARED_NOTES)):
         console.print(Text("note: " + note, style="yellow"))
+    for f in summary.checkpoint_failures:  # the CI guard reads every verdict: a checkpoint or resume that failed
+        where = f"{f['path']} ({f['event']} at step {f['step']}, line {f['line']})"
+        console.print(Text(f"CHECKPOINT FAILED: {where}: " + "; ".join(f["why"]), style="bold red"))
     _errors(console, summary)
     return summary.exit_code
 

@@ -1,8 +1,9 @@
 """Compare two checkpoints tensor by tensor, without ever executing code from a file.
 
 Accepted inputs: a Lightning ``.ckpt``, a file written by ``torch.save`` (a ``state_dict``, or any
-nesting of dicts, lists and tensors), or a folder of such files (one per rank, say). Files are loaded
-with ``torch.load(..., weights_only=True)``: a file whose unpickling would need to import and call code
+nesting of dicts, lists and tensors), a ``.safetensors`` file, or a folder (per-rank files, a Hugging Face
+``checkpoint-N``, a DCP or DeepSpeed folder), read by ``folder.folder_units`` as ``verify`` reads it, one tensor
+in memory at a time. Files are loaded with ``torch.load(..., weights_only=True, mmap=True)``: a file whose unpickling would need to import and call code
 is refused with :class:`UnsafeCheckpointError`, and nothing in it runs. Only regular files are opened
 (a FIFO or device is refused, never waited on), and a tensor whose strides make it expand past
 :data:`MAX_EXPANDED_BYTES` beyond its stored bytes (a stride-0 tensor of 2^28 elements in a 1.6 KB file)
@@ -33,13 +34,20 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from weightsync_audit.engine.checkpoints.load import load_checkpoint
-from weightsync_audit.engine.checkpoints.sidecar_diff import diff_sidecars
+from weightsync_audit.engine.checkpoints.folder import TENSOR_SUFFIXES, Unit, file_digest, folder_units
+from weightsync_audit.engine.checkpoints.load import (
+    LazyTensor,
+    Progress,
+    UnreadableCheckpointError,
+    flatten,
+    load_checkpoint,
+    open_unit,
+    read_value,
+)
 from weightsync_audit.engine.measure.gaps import max_abs_diff
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
-    "CHECKPOINT_SUFFIXES",
     "CheckpointError",
     "UnsafeCheckpointError",
     "EntryDiff",
@@ -49,66 +57,11 @@ __all__ = [
     "flatten",
     "diff_flat",
     "diff_checkpoints",
-    "diff_sidecars",
 ]
 
-CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth", ".bin", ".tar")
-"""File endings picked up when a folder is given."""
-
-_STATUSES = ("missing", "extra", "shape", "dtype", "values")
 
 MAX_EXPANDED_BYTES = 256 << 20
 """How far past its stored bytes a tensor may expand (overlapping strides) before it is refused."""
-
-
-def is_lightning_checkpoint(obj: Any) -> bool:
-    """True for the dict Lightning saves (a ``state_dict`` next to its version or loop state)."""
-    return (
-        isinstance(obj, Mapping)
-        and isinstance(obj.get("state_dict"), Mapping)
-        and any(k in obj for k in ("pytorch-lightning_version", "lightning_version", "loops", "global_step", "epoch"))
-    )
-
-
-def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """Dotted name -> tensor or plain value, for any nesting of mappings, lists and tuples.
-
-    >>> import torch
-    >>> sorted(flatten({"model": {"w": torch.zeros(1)}, "steps": [1, 2]}))
-    ['model.w', 'steps.0', 'steps.1']
-    """
-    out: dict[str, Any] = {}
-    _flatten_into(obj, prefix, out)
-    return out
-
-
-def _as_tensor(obj: Any) -> Any:
-    """A numpy array (an RNG state's, as the loader allows) as a tensor, compared bit by bit like one; any
-    other value as it is."""
-    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
-        try:
-            return torch.from_numpy(obj.copy())
-        except TypeError:  # a dtype torch has no counterpart for: compared as a value
-            return obj
-    return obj
-
-
-def _flatten_into(obj: Any, prefix: str, out: dict[str, Any]) -> None:
-    obj = _as_tensor(obj)
-    if isinstance(obj, torch.Tensor):
-        out[prefix or "(root)"] = obj
-    elif isinstance(obj, Mapping):
-        if not obj and prefix:
-            out[prefix] = {}
-        for k, v in obj.items():
-            _flatten_into(v, f"{prefix}.{k}" if prefix else str(k), out)
-    elif isinstance(obj, (list, tuple)):
-        if not obj and prefix:
-            out[prefix] = []
-        for i, v in enumerate(obj):
-            _flatten_into(v, f"{prefix}.{i}" if prefix else str(i), out)
-    else:
-        out[prefix or "(root)"] = obj
 
 
 # -- comparing ---------------------------------------------------------------------------------
@@ -120,7 +73,8 @@ class EntryDiff:
 
     name: str
     status: str
-    """``missing`` (only in A), ``extra`` (only in B), ``shape``, ``dtype`` or ``values``."""
+    """``missing`` (only in A), ``extra`` (only in B), ``shape``, ``dtype``, ``values``, ``bytes`` (a metadata or
+    shard file whose bytes differ) or ``unreadable`` (one side cannot be read whole: truncated, damaged)."""
     a: str | None = None
     """A's side in words: ``float32 16x32`` for a tensor, the value's repr otherwise."""
     b: str | None = None
@@ -187,6 +141,8 @@ class DiffResult:
 
 
 def _describe(v: Any) -> str:
+    if isinstance(v, LazyTensor):
+        return f"{str(v.dtype).removeprefix('torch.')} {'x'.join(map(str, v.shape)) or 'scalar'}"
     if isinstance(v, torch.Tensor):
         return f"{str(v.dtype).removeprefix('torch.')} {'x'.join(map(str, v.shape)) or 'scalar'}"
     text = repr(v)
@@ -270,12 +226,14 @@ def diff_flat(
     atol: float | None = None,
     exclude: Sequence[str] = (),
     within: list[EntryDiff] | None = None,
+    progress: Progress | None = None,
 ) -> tuple[int, int, list[EntryDiff]]:
     """Compare two flattened checkpoints: (names compared, names equal, differences in A's order).
 
     ``atol``: tensors whose max |diff| is at most this count as equal (default: equal bits only).
     ``exclude``: glob patterns over names to leave out.
     ``within``: when given, the tensors that differ but only within ``atol`` are appended to it.
+    Lazy tensors (:class:`~weightsync_audit.engine.checkpoints.load.LazyTensor`) are read one pair at a time.
     """
 
     def keep(n: str) -> bool:
@@ -287,11 +245,10 @@ def diff_flat(
     entries: list[EntryDiff] = []
     compared = same = 0
     for name in names_a:
-        va = a[name]
         if name not in in_b:
-            entries.append(EntryDiff(name, "missing", _describe(va), None))
+            entries.append(EntryDiff(name, "missing", _describe(a[name]), None))
             continue
-        vb = b[name]
+        va, vb = read_value(a[name], progress), read_value(b[name], progress)
         compared += 1
         if isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor):
             d = _compare_tensors(name, va, vb, atol, within)
@@ -314,28 +271,86 @@ def diff_flat(
     return compared, same, entries
 
 
-def _natural_key(p: Path) -> list[Any]:
+def _natural_key(p: Any) -> list[Any]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", str(p))]
 
 
-def _files_in(folder: Path) -> list[Path]:
-    files = [p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in CHECKPOINT_SUFFIXES]
-    if not files:
-        raise CheckpointError(f"{folder}: the folder holds no checkpoint files ({', '.join(CHECKPOINT_SUFFIXES)})")
-    return sorted(files, key=_natural_key)
+def _size(unit: Unit) -> int:
+    return sum(f.stat().st_size for f in unit.files)
 
 
-def _diff_files(a: Path, b: Path, atol: float | None, exclude: Sequence[str]) -> PairDiff:
-    oa, ob = load_checkpoint(a), load_checkpoint(b)
+def _by_bytes(ua: Unit, ub: Unit, progress: Progress | None, note: str | None = None) -> PairDiff:
+    """Metadata files, DCP shard files, or files that would need code to load: compared by size and digest."""
+    fa = {f.name: f for f in ua.files}
+    fb = {f.name: f for f in ub.files}
+    pair = PairDiff(str(ua.files[0].parent if ua.kind == "dcp" else ua.files[0]), None, note=note)
+    pair.b = str(ub.files[0].parent if ub.kind == "dcp" else ub.files[0])
+    for name in sorted(set(fa) | set(fb), key=_natural_key):
+        if name not in fb or name not in fa:
+            f = fa.get(name) or fb[name]
+            status, side = ("missing", "a") if name in fa else ("extra", "b")
+            pair.entries.append(EntryDiff(name, status, **{side: f"{f.stat().st_size} bytes"}))
+            continue
+        pair.compared += 1
+        sa, sb = fa[name].stat().st_size, fb[name].stat().st_size
+        same = sa == sb and file_digest(fa[name]) == file_digest(fb[name])
+        if progress is not None:
+            progress(sa + sb)
+        if same:
+            pair.same += 1
+        else:
+            pair.entries.append(EntryDiff(name, "bytes", f"{sa} bytes", f"{sb} bytes"))
+    return pair
+
+
+def _diff_units(ua: Unit, ub: Unit, atol: float | None, exclude: Sequence[str], progress: Progress | None,
+                folders: bool = False) -> PairDiff:  # fmt: skip
+    """Compare one unit of A with one of B. A side that cannot be read whole (truncated, damaged) while the other
+    can differs from it (named with both sizes); a file that is no checkpoint or needs code to load is refused."""
+    if "bytes" in (ua.kind, ub.kind) or "dcp" in (ua.kind, ub.kind):
+        return _by_bytes(ua, ub, progress)
+    sides: list[Any] = []
+    for u in (ua, ub):
+        try:
+            sides.append(open_unit(u.files))
+        except (UnreadableCheckpointError, UnsafeCheckpointError) as exc:
+            sides.append(exc)
+    unsafe = [s for s in sides if isinstance(s, UnsafeCheckpointError)]
+    if folders and len(unsafe) == 2:  # a folder's file that needs code on both sides (an engine's own): by bytes
+        return _by_bytes(ua, ub, progress, note=f"{ua.name}: compared by its bytes (loading it would need code)")
+    bad = [s for s in sides if isinstance(s, Exception)]
+    if unsafe or len(bad) == 2:
+        raise (unsafe or bad)[0]
+    if bad:  # one side truncated or damaged, the other read whole: they differ
+        entry = EntryDiff(ua.name, "unreadable", f"{_size(ua)} bytes", f"{_size(ub)} bytes")
+        return PairDiff(str(ua.files[0]), str(ub.files[0]), 1, 0, [entry], f"not readable whole: {bad[0]}")
+    (oa, la), (ob, lb) = sides
     note = None
-    la, lb = is_lightning_checkpoint(oa), is_lightning_checkpoint(ob)
     if la and not lb:
-        oa, note = oa["state_dict"], f"compared the state_dict of the Lightning checkpoint {a.name} with {b.name}"
+        oa, note = (
+            _under(oa, "state_dict"),
+            f"compared the state_dict of the Lightning checkpoint {ua.name} with {ub.name}",
+        )
     elif lb and not la:
-        ob, note = ob["state_dict"], f"compared {a.name} with the state_dict of the Lightning checkpoint {b.name}"
+        ob, note = (
+            _under(ob, "state_dict"),
+            f"compared {ua.name} with the state_dict of the Lightning checkpoint {ub.name}",
+        )
     within: list[EntryDiff] = []
-    compared, same, entries = diff_flat(flatten(oa), flatten(ob), atol=atol, exclude=exclude, within=within)
-    return PairDiff(str(a), str(b), compared, same, entries, note, within)
+    compared, same, entries = diff_flat(oa, ob, atol=atol, exclude=exclude, within=within, progress=progress)
+    return PairDiff(str(ua.files[0]), str(ub.files[0]), compared, same, entries, note, within)
+
+
+def _under(flat: dict[str, Any], key: str) -> dict[str, Any]:
+    """The entries of a flattened object under ``key.``, named without it."""
+    return {n[len(key) + 1 :]: v for n, v in flat.items() if n.startswith(key + ".")}
+
+
+def _tensor_units(path: Path) -> list[Unit]:
+    units = [u for u in folder_units(path) if u.kind == "tensors"]
+    if not units:
+        raise CheckpointError(f"{path}: the folder holds no checkpoint files ({', '.join(TENSOR_SUFFIXES)})")
+    return sorted(units, key=lambda u: _natural_key(u.name))
 
 
 def diff_checkpoints(
@@ -344,13 +359,18 @@ def diff_checkpoints(
     *,
     atol: float | None = None,
     exclude: Iterable[str] = (),
+    progress: Progress | None = None,
 ) -> DiffResult:
-    """Compare checkpoints A and B; either may be a file or a folder of files.
+    """Compare checkpoints A and B; either may be a file or a folder (read by
+    :func:`~weightsync_audit.engine.checkpoints.folder.folder_units`: which files hold tensors, which are
+    metadata, compared by their bytes), tensor by tensor, one tensor in memory at a time.
 
     - file and file: compared directly;
-    - folder and folder: files paired by their path inside each folder (an unpaired file is a difference);
-    - folder and file: every file of the folder against the file;
-    - one folder alone (``b=None``): every file against the first (``rank0.pt`` before ``rank1.pt``).
+    - folder and folder: units paired by their name inside each folder (an unpaired one is a difference);
+    - folder and file: every file of tensors of the folder against the file;
+    - one folder alone (``b=None``): every file of tensors against the first (``rank0.pt`` before ``rank1.pt``).
+
+    ``progress``: called with the bytes of each tensor (or file) read.
     """
     exclude = tuple(exclude)
     pa = Path(a)
@@ -359,27 +379,36 @@ def diff_checkpoints(
     if b is None:
         if not pa.is_dir():
             raise CheckpointError(f"{pa}: give two checkpoints, or one folder of per-rank checkpoints")
-        files = _files_in(pa)
-        if len(files) < 2:
-            raise CheckpointError(f"{pa}: the folder holds only {files[0].name}; nothing to compare it with")
-        return DiffResult([_diff_files(files[0], f, atol, exclude) for f in files[1:]])
+        units = _tensor_units(pa)
+        if len(units) < 2:
+            raise CheckpointError(f"{pa}: the folder holds only {units[0].name}; nothing to compare it with")
+        return DiffResult([_diff_units(units[0], u, atol, exclude, progress) for u in units[1:]])
     pb = Path(b)
     if not pb.exists():
         raise CheckpointError(f"{pb}: no such file or folder")
     if pa.is_dir() and pb.is_dir():
-        fa = {f.relative_to(pa): f for f in _files_in(pa)}
-        fb = {f.relative_to(pb): f for f in _files_in(pb)}
+        ua = {u.name: u for u in folder_units(pa)}
+        ub = {u.name: u for u in folder_units(pb)}
+        if not any(u.kind != "bytes" for u in (*ua.values(), *ub.values())):
+            _tensor_units(pa)  # neither holds a checkpoint: said as such
         pairs = []
-        for rel in sorted(set(fa) | set(fb), key=_natural_key):
-            if rel in fa and rel in fb:
-                pairs.append(_diff_files(fa[rel], fb[rel], atol, exclude))
-            elif rel in fa:
-                pairs.append(PairDiff(str(fa[rel]), None, note=f"{rel} is missing from {pb}"))
+        for rel in sorted(set(ua) | set(ub), key=_natural_key):
+            if rel in ua and rel in ub:
+                pairs.append(_diff_units(ua[rel], ub[rel], atol, exclude, progress, folders=True))
+            elif rel in ua:
+                pairs.append(PairDiff(str(ua[rel].files[0]), None, note=f"{rel} is missing from {pb}"))
             else:
-                pairs.append(PairDiff(None, str(fb[rel]), note=f"{rel} is only in {pb}"))
+                pairs.append(PairDiff(None, str(ub[rel].files[0]), note=f"{rel} is only in {pb}"))
         return DiffResult(pairs)
-    if pa.is_dir():
-        return DiffResult([_diff_files(f, pb, atol, exclude) for f in _files_in(pa)])
-    if pb.is_dir():
-        return DiffResult([_diff_files(pa, f, atol, exclude) for f in _files_in(pb)])
-    return DiffResult([_diff_files(pa, pb, atol, exclude)])
+    file_a, file_b = folder_units(pa)[0] if pa.is_file() else None, folder_units(pb)[0] if pb.is_file() else None
+    if file_a is None and file_b is not None:
+        return DiffResult([_diff_units(u, file_b, atol, exclude, progress) for u in _tensor_units(pa)])
+    if file_b is None and file_a is not None:
+        return DiffResult([_diff_units(file_a, u, atol, exclude, progress) for u in _tensor_units(pb)])
+    assert file_a is not None and file_b is not None
+    return DiffResult([_diff_units(_as_tensors(file_a), _as_tensors(file_b), atol, exclude, progress)])
+
+
+def _as_tensors(u: Unit) -> Unit:
+    """A file named on the command line is read for its tensors whatever its name (refused if it holds none)."""
+    return u._replace(kind="tensors")

@@ -8,6 +8,9 @@ DeepSpeed and Hugging Face folders. Nothing it reads can execute code.
   (:class:`UnsafeCheckpointError`, naming the file and what it asked for), never loaded unsafely; a file
   that is no checkpoint at all (a report, a text, an image) is refused in one plain line.
 - :func:`load_tensors`: a ``.safetensors`` file (no code by design) or, else, :func:`load_checkpoint`.
+- :func:`stream_tensors`: the same, one tensor at a time (``diff`` and ``verify``): a ``.safetensors`` file by
+  its header, each tensor read when asked for (memory: one tensor); a ``torch.save`` zip file memory-mapped
+  (``torch.load(mmap=True, weights_only=True)``), its pages read as each tensor is.
 - :func:`read_json`: a JSON file (sidecars, ``trainer_state.json``): a regular file of bounded size, parsed
   with ``json.loads`` only; nesting too deep or a number too long is an error naming the file.
 
@@ -23,19 +26,41 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import pickle
 import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "load_checkpoint", "load_tensors", "read_json"]
+__all__ = [
+    "CheckpointError",
+    "LazyTensor",
+    "UnreadableCheckpointError",
+    "UnsafeCheckpointError",
+    "flatten",
+    "is_lightning_checkpoint",
+    "load_checkpoint",
+    "open_unit",
+    "read_value",
+    "stream_flat",
+    "load_tensors",
+    "read_json",
+    "safetensors_header",
+    "stream_tensors",
+]
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A file that is a checkpoint by its first bytes (or its name) but cannot be read whole: truncated or
+    damaged. Beside a readable counterpart it is a difference (exit 1), never bad input."""
+
 
 MAX_JSON_BYTES = 512 << 20
 """The largest JSON file read (a sidecar of a million tensors is about 100 MiB)."""
@@ -85,7 +110,7 @@ def _allowed() -> Iterator[None]:
             yield
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> Any:
+def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False) -> Any:
     """Load one ``torch.save`` file with ``weights_only=True`` onto the CPU; refuse anything that needs code.
 
     Raises :class:`UnsafeCheckpointError` for a file whose unpickling would import or call something outside
@@ -93,10 +118,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
     unreadable file; each names the file.
     """
     p = regular_file(path)
-    _check_looks_like_a_checkpoint(p)
+    zipped = _check_looks_like_a_checkpoint(p)
     try:
         with _allowed():
-            return torch.load(p, map_location="cpu", weights_only=True)
+            return torch.load(p, map_location="cpu", weights_only=True, mmap=mmap and zipped)
     except pickle.UnpicklingError as exc:
         text = str(exc)
         if "weights_only" in text or "Weights only" in text or "Unsupported" in text:
@@ -112,28 +137,169 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Any:
                 f"{p}: refused: loading it would need code from outside PyTorch's weights-only allow-list{what}; "
                 "weightsync-audit loads with weights_only=True and never executes a file's code"
             ) from None
-        raise CheckpointError(f"{p}: not a readable PyTorch checkpoint ({_first_line(text)})") from None
+        raise UnreadableCheckpointError(f"{p}: not a readable PyTorch checkpoint ({_first_line(text)})") from None
     except (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, TypeError, IndexError) as exc:
         why = _first_line(str(exc)) if isinstance(exc, (RuntimeError, OSError)) else ""
-        raise CheckpointError(
+        raise UnreadableCheckpointError(
             f"{p}: not a readable PyTorch checkpoint ({why or 'neither a torch.save file nor a pickle of tensors'})"
         ) from None
 
 
 def load_tensors(path: str | os.PathLike[str]) -> Any:
-    """The tensors of one file: a ``.safetensors`` file by safetensors (which holds no code), any other by
-    :func:`load_checkpoint`."""
+    """The tensors of one file, all read: :func:`stream_tensors`'s, each lazy tensor read."""
+    obj = stream_tensors(path)
+    return {n: v.read() for n, v in obj.items()} if regular_file(path).suffix == ".safetensors" else obj
+
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "C64": torch.complex64,
+}  # fmt: skip
+
+
+def safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """Name -> ``(dtype, shape, start, end)`` (byte offsets in the file) of a ``.safetensors`` file, read from
+    its header alone and checked against the file's size: a truncated or malformed file is a
+    :class:`CheckpointError` naming it (and its sizes), before any tensor is read."""
+    p = regular_file(path)
+    size = p.stat().st_size
+
+    def bad(why: str) -> CheckpointError:
+        return UnreadableCheckpointError(f"{p}: not a readable safetensors file ({why})")
+
+    with open(p, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if n < 0 or n > min(size - 8, MAX_JSON_BYTES):
+            raise bad(f"its header claims {n} bytes; the file has {size}")
+        try:
+            doc = json.loads(f.read(n))
+        except (ValueError, RecursionError) as exc:
+            raise bad(f"header: {_first_line(str(exc))[:120]}") from None
+    out = {}
+    for name, e in (doc if isinstance(doc, dict) else {None: None}).items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (a, b) = _ST_DTYPES[e["dtype"]], [int(x) for x in e["shape"]], e["data_offsets"]
+            ok = 0 <= a <= b and 8 + n + b <= size and b - a == math.prod(shape) * dtype.itemsize
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"header entry {str(name)[:80]!r}") from None
+        if not ok:
+            raise bad(f"{name!r} lies at bytes {a}..{b} past a {n}-byte header; the file has {size} bytes")
+        out[str(name)] = (dtype, shape, 8 + n + a, 8 + n + b)
+    return out
+
+
+class LazyTensor:
+    """One tensor of a ``.safetensors`` file, read when :meth:`read` is called (its bytes only, no mmap)."""
+
+    __slots__ = ("dtype", "end", "path", "shape", "start")
+
+    def __init__(self, path: Path, dtype: torch.dtype, shape: list[int], start: int, end: int) -> None:
+        self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
+
+    def read(self) -> torch.Tensor:
+        if self.end == self.start:
+            return torch.empty(self.shape, dtype=self.dtype)
+        buf = bytearray(self.end - self.start)
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            if f.readinto(buf) != len(buf):
+                raise UnreadableCheckpointError(
+                    f"{self.path}: not a readable safetensors file (shorter than its header)"
+                )
+        return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
+
+
+def stream_tensors(path: str | os.PathLike[str]) -> Any:
+    """The tensors of one file, read lazily: a ``.safetensors`` file as name -> a reader whose ``read()`` gives
+    the tensor (one at a time in memory); any other as :func:`load_checkpoint` memory-mapped."""
     p = regular_file(path)
     if p.suffix != ".safetensors":
-        return load_checkpoint(p)
-    try:
-        from safetensors.torch import load_file
-    except ImportError:
-        raise CheckpointError(f"{p}: reading a .safetensors file needs the safetensors package") from None
-    try:
-        return load_file(str(p))
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own types: said as unreadable
-        raise CheckpointError(f"{p}: not a readable safetensors file ({_first_line(str(exc))})") from None
+        return load_checkpoint(p, mmap=True)  # pages read as each tensor is: the kernel's cache, not the heap
+    return {n: LazyTensor(p, *e) for n, e in safetensors_header(p).items()}
+
+
+def is_lightning_checkpoint(obj: Any) -> bool:
+    """True for the dict Lightning saves (a ``state_dict`` next to its version or loop state)."""
+    return (
+        isinstance(obj, Mapping)
+        and isinstance(obj.get("state_dict"), Mapping)
+        and any(k in obj for k in ("pytorch-lightning_version", "lightning_version", "loops", "global_step", "epoch"))
+    )
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted name -> tensor or plain value, for any nesting of mappings, lists and tuples.
+
+    >>> import torch
+    >>> sorted(flatten({"model": {"w": torch.zeros(1)}, "steps": [1, 2]}))
+    ['model.w', 'steps.0', 'steps.1']
+    """
+    out: dict[str, Any] = {}
+    _flatten_into(obj, prefix, out)
+    return out
+
+
+def _as_tensor(obj: Any) -> Any:
+    """A numpy array (an RNG state's, as the loader allows) as a tensor, compared bit by bit like one; any
+    other value as it is."""
+    if type(obj).__name__ == "ndarray" and type(obj).__module__ == "numpy":
+        try:
+            return torch.from_numpy(obj.copy())
+        except TypeError:  # a dtype torch has no counterpart for: compared as a value
+            return obj
+    return obj
+
+
+def _flatten_into(obj: Any, prefix: str, out: dict[str, Any]) -> None:
+    obj = _as_tensor(obj)
+    if isinstance(obj, torch.Tensor):
+        out[prefix or "(root)"] = obj
+    elif isinstance(obj, Mapping):
+        if not obj and prefix:
+            out[prefix] = {}
+        for k, v in obj.items():
+            _flatten_into(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif isinstance(obj, (list, tuple)):
+        if not obj and prefix:
+            out[prefix] = []
+        for i, v in enumerate(obj):
+            _flatten_into(v, f"{prefix}.{i}" if prefix else str(i), out)
+    else:
+        out[prefix or "(root)"] = obj
+
+
+Progress = Callable[[int], None]
+
+
+def read_value(v: Any, progress: Progress | None) -> Any:
+    """A value of a flattened file as itself, a lazy tensor read now (``progress`` told its bytes)."""
+    if isinstance(v, LazyTensor):
+        v = v.read()
+    if progress is not None and isinstance(v, torch.Tensor):
+        progress(v.nbytes)
+    return v
+
+
+def open_unit(files: Sequence[Path]) -> tuple[dict[str, Any], bool]:
+    """The flattened names -> values, its tensors read lazily, and whether it is a Lightning checkpoint."""
+    if len(files) == 1:
+        obj = stream_tensors(files[0])
+        return flatten(obj), is_lightning_checkpoint(obj)
+    out: dict[str, Any] = {}
+    for f in files:  # the shards one index names: one set of names
+        out.update(flatten(stream_tensors(f)))
+    return out, False
+
+
+def stream_flat(files: Sequence[Path], progress: Progress | None = None) -> Iterator[tuple[str, Any]]:
+    """``(name, value)`` of every entry of the files (one, or the shards one index names), each tensor read as it is reached."""
+    flat, _ = open_unit(files)
+    for name in list(flat):
+        yield name, read_value(flat.pop(name), progress)
 
 
 def read_json(path: str | os.PathLike[str], what: str = "JSON file") -> Any:
@@ -154,7 +320,7 @@ def read_json(path: str | os.PathLike[str], what: str = "JSON file") -> Any:
         raise CheckpointError(f"{p}: unreadable {what} ({_first_line(str(exc))[:200]})") from None
 
 
-def _check_looks_like_a_checkpoint(p: Path) -> None:
+def _check_looks_like_a_checkpoint(p: Path) -> bool:
     """Refuse, in one plain line, a file that is no ``torch.save`` output at all (a report, a text, an image).
 
     ``torch.save`` writes a zip archive (``PK``), or with ``_use_new_zipfile_serialization=False`` a
@@ -166,7 +332,7 @@ def _check_looks_like_a_checkpoint(p: Path) -> None:
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from None
     if head.startswith((b"PK\x03\x04", b"\x80")) or head[257:262] == b"ustar":
-        return
+        return head.startswith(b"PK")  # a zip archive: memory-mappable
     if not head:
         why = "the file is empty"
     elif head.lstrip()[:1] in (b"{", b"["):

@@ -14,6 +14,11 @@ refused, never run.
   (``rank 1's rng_state_1.pth holds rank 0's RNG state``: the file a resume of rank 1 would load);
 - its ``trainer_state.json`` resumes at the step the sidecar saved, and its ``scheduler.pt`` is there.
 
+And :func:`diff_sidecars`: two checkpoints compared by their sidecars, loading neither: the digests of their
+tensors, trusted only while each file is still the one its sidecar identifies (``files``); a file changed
+since makes the comparison fail naming it; a sidecar that cannot tell (without ``files``), a malformed one,
+or a DCP folder's is no basis for a comparison (``why_not``): the files themselves are compared.
+
 >>> verify_resume(Path("."), {})["status"]
 'unchecked'
 """
@@ -21,17 +26,18 @@ refused, never run.
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from weightsync_audit.engine.checkpoints.diff import CHECKPOINT_SUFFIXES
-from weightsync_audit.engine.checkpoints.files import checkpoint_files, dcp_shards, file_changes
-from weightsync_audit.engine.checkpoints.load import load_checkpoint, load_tensors, read_json
+from weightsync_audit.engine.checkpoints.folder import Unit, dcp_shards, file_changes, folder_units
+from weightsync_audit.engine.checkpoints.load import UnreadableCheckpointError, open_unit, read_json, stream_flat
 from weightsync_audit.engine.checkpoints.resume_state import compare, is_error, rng_file_state, saved_differences
-from weightsync_audit.engine.checkpoints.sidecar import read_sidecar, sidecar_path, tensor_digests
+from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, tensor_digests
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
-__all__ = ["verify_checkpoint", "verify_resume"]
+__all__ = ["SidecarDiff", "diff_sidecars", "verify_checkpoint", "verify_resume"]
 
 
 def _rng_files(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -92,14 +98,6 @@ def verify_resume(path: Path, sidecar: Mapping[str, Any]) -> dict[str, Any]:
     return {"status": "differs" if any(is_error(f) for f in findings) else "exact", "findings": findings}
 
 
-_SKIPPED = ("training_args.bin", "rng_state")
-"""Files of a checkpoint folder that hold no tensors the sidecar records (Hugging Face's own): covered by
-``files``, never loaded for tensors (``training_args.bin`` needs code; the RNG files are read by
-:func:`verify_resume`)."""
-
-TENSOR_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".safetensors")
-
-
 def _best_prefix(digests: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
     """The prefix under which ``wanted`` (a sidecar's names) sit among ``digests`` (a file's): where most of
     them are found, and among those, where most have the digest saved (a file holding the model twice,
@@ -127,32 +125,47 @@ def _match(digests: Mapping[str, Any], saved: Mapping[str, Any], found: dict[str
     found.update({n: digests[prefix + n] for n in wanted if prefix + n in digests})
 
 
-def _folder_digests(folder: Path, saved: Mapping[str, Any], out: dict[str, Any], as_saved: set[str] | None) -> Any:
-    """Name (as in the sidecar) -> digest entry of every saved tensor found in the folder's files, read in
-    name order until every one is found. A file that would need code to load is refused
-    (:class:`UnsafeCheckpointError`), unless it is one ``as_saved`` names (its bytes are those identified at
-    the save: the engine's own, such as DeepSpeed's optimizer files), then it is listed in ``out["skipped"]``;
-    with a sidecar that identifies no file (``as_saved`` is ``None``), listed likewise, as before."""
+def _units(p: Path) -> list[Unit]:
+    """The units of tensors ``verify`` reads (a file named on the command line whatever its name)."""
+    if p.is_file():
+        return [u._replace(kind="tensors") for u in folder_units(p)]
+    return [u for u in folder_units(p) if u.kind == "tensors"]
+
+
+def _digests(p: Path, sidecar: Mapping[str, Any], out: dict[str, Any], gone: set[str] | None, progress: Any) -> Any:
+    """Name (as in the sidecar) -> digest entry of every saved tensor found in the checkpoint's units of
+    tensors, read one tensor at a time, in name order until every one is found. A file known changed
+    (``gone``) that cannot be read whole (truncated) is reported changed with its sizes, never as unreadable. A file that would need
+    code to load is refused (:class:`UnsafeCheckpointError`), unless it is still as saved (the engine's own,
+    such as DeepSpeed's optimizer files), then it is listed in ``out["skipped"]``; with a sidecar that
+    identifies no file (``gone`` is ``None``), listed likewise, as before."""
+    saved, recorded = sidecar["tensors"], sidecar.get("files")
     found: dict[str, dict[str, Any]] = {}
-    for name, f in checkpoint_files(folder).items():
+    for u in _units(p):
+        names = [f.relative_to(p).as_posix() if p.is_dir() else f.name for f in u.files]
         if len(found) == len(saved):
             break
-        if f.name.startswith(_SKIPPED) or f.suffix not in TENSOR_SUFFIXES:
-            continue
+        digests: dict[str, Any] = {}
         try:
-            obj = load_tensors(f)
-        except UnsafeCheckpointError:
-            if as_saved is not None and name not in as_saved:
+            for n, v in stream_flat(u.files, progress):
+                digests.update(tensor_digests({n: v}))
+        except UnreadableCheckpointError:
+            if not (gone and (p.is_file() or gone & set(names))):
                 raise
-            out["skipped"].append(name)
+            out["unread"].append(u.name)  # known changed (sizes said): its tensors are not named missing
             continue
-        _match(tensor_digests(obj), saved, found)
+        except UnsafeCheckpointError:
+            if p.is_file() or (recorded is not None and not set(names) <= set(recorded) - (gone or set())):
+                raise
+            out["skipped"].append(u.name)
+            continue
+        _match(digests, saved, found)
     return found
 
 
 def _check_files(p: Path, sidecar: Mapping[str, Any], out: dict[str, Any]) -> set[str] | None:
     """The files of ``p`` against the sidecar's ``files`` (DCP shards against ``shards``, naming their
-    rank) into ``out``; the names of the files still as saved (``None``: the sidecar identifies none)."""
+    rank) into ``out``; the names of the files changed or gone (``None``: the sidecar identifies none)."""
     shards = sidecar.get("shards") or {}
     if shards:
         now = dcp_shards(p)
@@ -160,7 +173,9 @@ def _check_files(p: Path, sidecar: Mapping[str, Any], out: dict[str, Any]) -> se
             if f not in now:
                 out["missing"].append(f"{f} (rank {s['rank']})")
             elif now[f]["digest"] != s["digest"]:
-                out["changed"].append(f"{f} (rank {s['rank']})")
+                size = now[f]["bytes"]
+                how = f": {s['bytes']} bytes when saved, {size} now" if size != s["bytes"] else ""
+                out["changed"].append(f"{f} (rank {s['rank']}{how})")
     files = sidecar.get("files")
     if files is None:  # a sidecar of an earlier version: the tensors are checked, the files unidentified
         out["files"] = "unidentified"
@@ -172,37 +187,37 @@ def _check_files(p: Path, sidecar: Mapping[str, Any], out: dict[str, Any]) -> se
     out["changed_files"] += now.changed
     out["missing_files"] += now.missing
     out["added_files"] += now.added
-    gone = {c.split(" (", 1)[0] for c in now.changed} | set(now.missing)
-    return {f for f in files if f not in gone}
+    return {c.split(" (", 1)[0] for c in now.changed} | set(now.missing)
 
 
-def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+def verify_checkpoint(path: str | Path, progress: Any = None) -> dict[str, Any]:
     """The outcome of checking ``path`` against its sidecar: ``status`` (``verified``, ``unverified``,
     ``diverged``, ``changed``), ``changed`` (names, or shard files with their ``rank``), ``missing``,
     ``changed_files``, ``missing_files`` and ``added_files`` (the files no longer as saved: ``files``), ``files``
     (``identified``, or ``unidentified`` for a sidecar of an earlier version that names none).
 
-    Raises :class:`CheckpointError` when the checkpoint or its sidecar cannot be read, or a file of it would
-    need code to load (:class:`UnsafeCheckpointError`, never loaded).
+    Raises :class:`CheckpointError` when the checkpoint or its sidecar cannot be read, it is no checkpoint
+    (a text, a report), a path in it leads outside its folder, or a file of it would need code to load
+    (:class:`UnsafeCheckpointError`, never loaded). ``progress``: called with the bytes of each tensor read.
     """
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
     sidecar = read_sidecar(p)
     out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
-    out.update(changed_files=[], missing_files=[], added_files=[], skipped=[])
+    out.update(changed_files=[], missing_files=[], added_files=[], skipped=[], unread=[])
     if sidecar is None:
+        units = _units(p)
+        if not units:
+            raise CheckpointError(f"{p}: the folder holds no checkpoint files, nor a sidecar")
+        open_unit(units[0].files)  # no checkpoint at all (a text, a report): refused as diff refuses it
         return {**out, "status": "unverified", "why": f"no sidecar ({sidecar_path(p).name})"}
     out.update(step=sidecar.get("step"), world_size=sidecar.get("world_size"), saved=sidecar["verdict"])
     out["not_compared"] = list(sidecar.get("partitioned") or [])  # saved as each rank's partition only
-    as_saved = _check_files(p, sidecar, out)
+    gone = _check_files(p, sidecar, out)
     if "shards" not in sidecar:
         saved = sidecar["tensors"]
-        now: dict[str, Any] = {}
-        if p.is_dir():
-            now = _folder_digests(p, saved, out, as_saved)
-        else:
-            _match(tensor_digests(load_checkpoint(p)), saved, now)
+        now = _digests(p, sidecar, out, gone, progress)
         tied = sidecar.get("tied") or {}
         partitioned = bool(sidecar.get("partitioned"))
         for n, e in sorted(saved.items()):
@@ -210,7 +225,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
             if held is None and tied.get(n) in now and saved.get(tied[n], {}).get("digest") == e["digest"]:
                 held = now[tied[n]]  # saved once for both names (tied weights), as the sidecar recorded
             if held is None:
-                out["missing"].append(n)
+                if not out["unread"]:  # else in a file changed and unreadable, reported as changed
+                    out["missing"].append(n)
             elif partitioned and not math.prod(held["shape"]) and math.prod(e["shape"]):
                 out["not_compared"].append(n)  # ZeRO-3 saves every parameter as a placeholder in the model file
             elif (held["digest"], held["shape"], held["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
@@ -229,3 +245,54 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         out["diverged"] = sidecar.get("diverged", [])
     out["resume"] = verify_resume(p, sidecar)  # each rank's own RNG, position, schedulers (below)
     return {**out, "status": status}
+
+
+@dataclass(slots=True)
+class SidecarDiff:
+    """The outcome of comparing two checkpoints by their sidecars."""
+
+    rows: list[tuple[str, str]] = field(default_factory=list)
+    """``(name, missing|extra|values)`` for every tensor whose saved digest differs."""
+    count: int = 0
+    """How many tensors A's sidecar records."""
+    stale: list[str] = field(default_factory=list)
+    """``A: m.pt (1200 bytes when saved, 1300 now)``: files no longer as their sidecar identifies them."""
+    why_not: str | None = None
+    """Why the sidecars are no basis for a comparison (then the files are compared); ``None`` when they are."""
+
+    @property
+    def identical(self) -> bool:
+        """Every tensor has the same saved digest and every file is still the one its sidecar identifies."""
+        return self.why_not is None and not self.rows and not self.stale
+
+
+def diff_sidecars(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> SidecarDiff | None:
+    """Compare A and B by their sidecars; ``None`` when either has none. Each file is checked against its
+    sidecar's ``files`` first (its bytes are read, never interpreted)."""
+    sides = {}
+    for label, path in (("A", a), ("B", b)):
+        if not os.path.exists(path):
+            return None  # the files are compared: "no such file"
+        try:
+            sidecar = read_sidecar(path)
+        except SidecarError as exc:
+            return SidecarDiff(why_not=f"{label}'s sidecar is unusable ({exc})")
+        if sidecar is None:
+            return None
+        if "shards" in sidecar:
+            return SidecarDiff(why_not=f"{label} is a torch.distributed.checkpoint folder (its sidecar records shards)")
+        if "files" not in sidecar:
+            return SidecarDiff(
+                why_not=f"{label}'s sidecar does not identify its files (written by an earlier version): unidentified"
+            )
+        sides[label] = (path, sidecar)
+    out = SidecarDiff()
+    for label, (path, sidecar) in sides.items():
+        now = file_changes(path, sidecar["files"])
+        out.stale += [f"{label}: {c}" for c in now.changed] + [f"{label}: {m} is gone" for m in now.missing]
+        out.stale += [f"{label}: {m} was added" for m in now.added]
+    ta, tb = sides["A"][1]["tensors"], sides["B"][1]["tensors"]
+    out.rows = [(n, "missing") for n in sorted(set(ta) - set(tb))] + [(n, "extra") for n in sorted(set(tb) - set(ta))]
+    out.rows += [(n, "values") for n in sorted(set(ta) & set(tb)) if ta[n] != tb[n]]
+    out.count = len(ta)
+    return out

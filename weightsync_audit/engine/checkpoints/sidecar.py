@@ -35,7 +35,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from weightsync_audit.compat import is_dtensor
-from weightsync_audit.engine.checkpoints.files import SIDECAR_NAME, dcp_shards, file_digest, is_dcp_folder
+from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME, dcp_shards, file_digest, is_dcp_folder
 from weightsync_audit.engine.checkpoints.load import read_json
 from weightsync_audit.engine.checkpoints.sidecar_schema import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
 from weightsync_audit.engine.hashing.digest import digest_tensors

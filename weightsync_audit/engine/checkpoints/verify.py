@@ -6,7 +6,7 @@ Both are collective (every rank of the audit calls them at the same point) and r
 - :func:`checkpoint_saved` audits the replicas at the save step; the group's first rank writes the
   sidecar (:mod:`~weightsync_audit.engine.checkpoints.sidecar`) with the verdict, the digest of every tensor
   saved and the size and digest of every file of the checkpoint (``files``; every rank digests its share,
-  :mod:`~weightsync_audit.engine.checkpoints.files`). A ``torch.distributed.checkpoint`` folder gets, in
+  :mod:`~weightsync_audit.engine.checkpoints.folder`). A ``torch.distributed.checkpoint`` folder gets, in
   addition, each shard file's digest with the rank that wrote it, and every rank's local tensors.
 - :func:`checkpoint_loaded` audits the replicas and compares, on every rank, what the rank now holds with
   what the sidecar says was saved: a tensor that differs is a mismatch naming the ranks that hold
@@ -37,7 +37,7 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
-from weightsync_audit.engine.checkpoints.files import complete_files, digest_share, list_files
+from weightsync_audit.engine.checkpoints.folder import complete_files, digest_share, list_files
 from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
 from weightsync_audit.engine.checkpoints.resume_check import checkpoint_evidence
 from weightsync_audit.engine.checkpoints.sidecar import (

@@ -1,4 +1,13 @@
-"""The files a checkpoint consists of, and their identity (size and xxh3-64 of their bytes) at save time.
+"""The one reader of a checkpoint folder: which of its files hold tensors and which are metadata, every
+path confined to the folder, and each file's identity (size and xxh3-64 of its bytes) at save time.
+
+:func:`folder_units` is the one rule ``diff``, ``verify``, the resume checks and ``check`` read a folder by:
+a ``torch.distributed.checkpoint`` folder (``.metadata`` and ``__<rank>_<n>.distcp``) is one unit read per
+tensor; the shards an ``*.index.json`` names (``model-00001-of-00002.safetensors``, sharded ``.bin``) are one
+unit; every other file ending in :data:`TENSOR_SUFFIXES` is a unit of tensors, except the metadata
+:data:`METADATA_FILES` (Hugging Face's ``training_args.bin``, a pickle of code); the rest (JSON, text,
+``.pkl``) is metadata, compared by its bytes. No file is read whose path leaves the folder (a symlink, ``..``):
+it is named and refused (:class:`CheckpointError`) before anything is read.
 
 A sidecar's ``files`` names every file a resume reads: the file itself for a single-file checkpoint; for a
 folder, every regular file in it (a Hugging Face ``checkpoint-N``: the weights, ``optimizer.pt``,
@@ -25,8 +34,17 @@ from typing import Any, Collection, Mapping, NamedTuple
 
 import xxhash
 
+from weightsync_audit.engine.checkpoints.load import read_json
+from weightsync_audit.errors import CheckpointError
+
 __all__ = [
+    "METADATA_FILES",
     "SIDECAR_NAME",
+    "TENSOR_SUFFIXES",
+    "Unit",
+    "folder_units",
+    "holds_tensors",
+    "inside",
     "checkpoint_files",
     "complete_files",
     "FileChanges",
@@ -42,6 +60,82 @@ SIDECAR_NAME = "weightsync.json"
 """The sidecar's name inside a checkpoint folder (never one of the files it describes)."""
 
 DCP_FILE = re.compile(r"__(\d+)_(\d+)\.distcp")
+
+TENSOR_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".tar")
+"""The endings of the files that hold tensors (``.pkl`` is a pickle of anything: metadata, compared by bytes)."""
+
+METADATA_FILES = ("training_args.bin",)
+"""Files with a tensor ending that hold no tensors (a Trainer's arguments: a pickle that needs code to load)."""
+
+
+def holds_tensors(name: str) -> bool:
+    """Whether the file ``name`` (relative, ``/``-separated) holds tensors: the one rule every command reads.
+
+    >>> holds_tensors("checkpoint-8/model.safetensors"), holds_tensors("training_args.bin")
+    (True, False)
+    """
+    base = name.rsplit("/", 1)[-1]
+    return base.lower().endswith(TENSOR_SUFFIXES) and base not in METADATA_FILES
+
+
+class Unit(NamedTuple):
+    """What a folder is compared and verified by: a file of tensors, the shards one index names, a DCP folder,
+    or a metadata file (``kind``: ``tensors``, ``dcp`` or ``bytes``)."""
+
+    name: str
+    """The relative name both sides are paired by (a sharded set: its index's name without ``.index.json``)."""
+    kind: str
+    files: tuple[Path, ...]
+
+
+def inside(folder: str | os.PathLike[str], name: str) -> Path:
+    """``folder/name``, refused (:class:`CheckpointError`, nothing read) when it leads outside ``folder``."""
+    root = Path(folder)
+    f = root / name
+    try:
+        ok = f.resolve().is_relative_to(root.resolve())
+    except (OSError, RuntimeError):  # a symlink loop
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{f}: leads outside the checkpoint folder {root} (a symlink or '..'); refused, not read")
+    return f
+
+
+def _is_dcp_file(base: str) -> bool:
+    return base == ".metadata" or DCP_FILE.fullmatch(base) is not None
+
+
+def _index_shards(root: Path, name: str, f: Path) -> list[str]:
+    """The files an ``*.index.json`` names (its ``weight_map``'s values), relative to ``root``."""
+    doc = read_json(f, "checkpoint index")
+    wmap = doc.get("weight_map") if isinstance(doc, dict) else None
+    where = name.rpartition("/")[0]
+    return sorted({f"{where}/{v}" if where else str(v) for v in (wmap or {}).values() if isinstance(v, str)})
+
+
+def folder_units(path: str | os.PathLike[str]) -> list[Unit]:
+    """The units of the checkpoint at ``path`` (a file: itself), in name order (see the module's docstring)."""
+    p = Path(path)
+    files = checkpoint_files(p)
+    if p.is_file():
+        return [Unit(p.name, "tensors" if holds_tensors(p.name) else "bytes", (p,))]
+    taken: set[str] = set()
+    units = []
+    dcp = sorted({n.rpartition("/")[0] for n in files if DCP_FILE.fullmatch(n.rsplit("/", 1)[-1])})
+    dcp += [n.rpartition("/")[0] for n in files if n.rsplit("/", 1)[-1] == ".metadata"]
+    for d in sorted(set(dcp)):
+        mine = [n for n in files if n.rpartition("/")[0] == d and _is_dcp_file(n.rsplit("/", 1)[-1])]
+        units.append(Unit(d or ".", "dcp", tuple(files[n] for n in mine)))
+        taken.update(mine)
+    for n, f in files.items():
+        if n.endswith(".index.json") and n not in taken:
+            shards = [s for s in _index_shards(p, n, f) if s in files]
+            units.append(Unit(n.removesuffix(".index.json"), "tensors", tuple(files[s] for s in shards)))
+            taken.update([n, *shards])
+    for n, f in files.items():
+        if n not in taken:
+            units.append(Unit(n, "tensors" if holds_tensors(n) else "bytes", (f,)))
+    return sorted(units)
 
 
 def file_digest(path: str | os.PathLike[str], block: int = 16 << 20) -> str:
@@ -64,13 +158,13 @@ def dcp_shards(folder: str | os.PathLike[str], rank: int | None = None) -> dict[
     out = {}
     for q in sorted(Path(folder).iterdir()):
         m = DCP_FILE.fullmatch(q.name)
-        if m and (rank is None or int(m.group(1)) == rank):
+        if m and inside(folder, q.name) and (rank is None or int(m.group(1)) == rank):
             out[q.name] = {"rank": int(m.group(1)), "digest": file_digest(q), "bytes": q.stat().st_size}
     return out
 
 
 def _is_sidecar(name: str) -> bool:
-    return name == SIDECAR_NAME or name.startswith(SIDECAR_NAME + ".tmp")
+    return name == SIDECAR_NAME or name.startswith(SIDECAR_NAME + ".tmp") or name.endswith("." + SIDECAR_NAME)
 
 
 def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, Path]:
@@ -92,10 +186,12 @@ def checkpoint_files(path: str | os.PathLike[str]) -> dict[str, Path]:
             tag = ""
         if tag and "/" not in tag and (p / tag).is_dir():
             subdirs = [p / tag]
-    found = [f for f in top if f.is_file() and not _is_sidecar(f.name)]
+    found = [f for f in top if (f.is_file() or f.is_symlink()) and not _is_sidecar(f.name)]
     for d in subdirs:
-        found += sorted(f for f in d.rglob("*") if f.is_file())
-    return {f.relative_to(p).as_posix(): f for f in found}
+        found += sorted(f for f in d.rglob("*") if (f.is_file() or f.is_symlink()) and not _is_sidecar(f.name))
+    names = [f.relative_to(p).as_posix() for f in found]
+    # every symlink is checked, to a folder too (never followed, but named when it leads outside)
+    return {n: f for n in names if (f := inside(p, n)).is_file()}
 
 
 def list_files(path: str | os.PathLike[str], *, shards: bool = True) -> dict[str, list[int]] | None:
@@ -114,7 +210,7 @@ def list_files(path: str | os.PathLike[str], *, shards: bool = True) -> dict[str
 
 def _located(path: str | os.PathLike[str], name: str) -> Path:
     p = Path(path)
-    return p / name if p.is_dir() else p
+    return inside(p, name) if p.is_dir() else p
 
 
 def digest_share(
@@ -178,7 +274,7 @@ def file_changes(path: str | os.PathLike[str], recorded: Mapping[str, Any], skip
     for name, saved in sorted(recorded.items()):
         if name in skip:
             continue
-        f = p if single else p / name
+        f = p if single else inside(p, name)
         if not f.is_file():
             missing.append(name)
             continue
