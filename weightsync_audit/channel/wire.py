@@ -21,6 +21,7 @@ gloo message brings its own handshake and acknowledgements: about 500 bytes on l
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from typing import Any, Callable
@@ -81,10 +82,14 @@ REPLY_WORDS = 4 + INLINE_BYTES // 8  # magic, seq, status, nbytes, inline
 OK, MISSING, OUT_OF_STEP, RULE_FAILED = 0, 1, 2, 3
 
 
+@functools.lru_cache(maxsize=512)
 def what_words(what: str) -> tuple[int, np.ndarray]:
+    """An exchange's name as the frame carries it: its hash and its first ``WHAT_BYTES`` (read-only; the
+    names are few and fixed, so they are said once)."""
     raw = what.encode("utf-8", "replace")[:WHAT_BYTES]
     words = np.zeros(WHAT_BYTES // 8, dtype=np.int64)
     words.view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    words.flags.writeable = False
     return xxhash.xxh3_64_intdigest(what.encode("utf-8", "replace")) >> 1, words
 
 

@@ -161,8 +161,30 @@ def _glob_excluded(name: str, exclude: Sequence[str]) -> bool:
 _TORCH_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
 
+_SCALARS: dict[tuple[type, Any], tuple[torch.Tensor, str]] = {}
+"""Encoded scalars by type and value: an optimizer's hyper-parameters are re-read at every audit and
+mostly unchanged, and making a tensor costs microseconds (nothing writes into these tensors)."""
+
+
 def value_as_tensor(value: Any) -> tuple[torch.Tensor, str]:
     """Encode a Python value as a tensor and a dtype label, exactly (no rounding)."""
+    kind = type(value)
+    key: Any = None
+    if kind is bool or kind is int or value is None or (kind is float and value):  # 0.0 == -0.0: never cached
+        key = (kind, value)
+    elif (kind is tuple or kind is list) and value and all(type(v) is float and v for v in value):  # betas
+        key = (kind, tuple(value))
+    if key is not None:
+        hit = _SCALARS.get(key)
+        if hit is None:
+            if len(_SCALARS) > 4096:
+                _SCALARS.clear()
+            hit = _SCALARS[key] = _encode(value)
+        return hit
+    return _encode(value)
+
+
+def _encode(value: Any) -> tuple[torch.Tensor, str]:
     if isinstance(value, bool):
         return torch.tensor(value, dtype=torch.bool), "bool"
     if isinstance(value, int) and -(2**63) <= value < 2**63:

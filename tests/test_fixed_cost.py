@@ -1,0 +1,57 @@
+"""The fixed cost of a small audit: what is said once instead of at every audit, and one figure in the docs.
+
+Real forked gloo ranks; the healthy answer's short cut must leave every other verdict as it was.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from ranks import run_ranks
+
+from weightsync_audit import Auditor
+from weightsync_audit.engine.inventory.manifest import value_as_tensor
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_hyper_parameters_are_encoded_once_and_exactly() -> None:
+    lr, again = value_as_tensor(1e-3), value_as_tensor(1e-3)
+    assert lr[0] is again[0] and lr[1] == "float64"  # re-read at every audit: made once
+    assert value_as_tensor((0.9, 0.999))[0] is value_as_tensor((0.9, 0.999))[0]
+    assert value_as_tensor(None)[0] is value_as_tensor(None)[0]
+    assert value_as_tensor(True)[1] == "bool" and value_as_tensor(1)[1] == "int64"  # True == 1, told apart
+    zero, minus = value_as_tensor(0.0)[0], value_as_tensor(-0.0)[0]  # equal as keys, not as bytes
+    assert zero.numpy().tobytes() != minus.numpy().tobytes()
+    assert value_as_tensor((0.0, 1.0))[0].tolist() == [0.0, 1.0]
+
+
+def _verdicts(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Linear(16, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    auditor = Auditor(model, opt)
+    out = []
+    for step in range(3):
+        if step == 2 and rank == world - 1:
+            with torch.no_grad():
+                model[1].bias.add_(1.0)
+        result = auditor.audit(step=step)
+        out.append("in_sync" if result.in_sync else ",".join(sorted(m.name for m in result.mismatches)))
+    return out
+
+
+def test_healthy_short_cut_keeps_every_verdict() -> None:
+    results = run_ranks(_verdicts, 3)
+    assert all(r == results[0] for r in results)
+    assert results[0][:2] == ["in_sync", "in_sync"] and "1.bias" in results[0][2]
+
+
+def test_one_figure_for_the_healthy_message() -> None:
+    text = {p.name: p.read_text() for p in DOCS.glob("*.md")}
+    sizes = {int(n) for t in text.values() for n in re.findall(r"(\d+)-byte summary", t)}
+    assert sizes == {104}, sizes
+    perf = text["performance.md"]
+    assert "184-byte" in perf and "72-byte answer" in perf
