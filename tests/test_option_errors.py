@@ -194,3 +194,31 @@ def test_the_variables_typo_suggests_the_option_and_lists_only_real_ones(monkeyp
 
     with pytest.raises(ValueError, match=r"coverage='1/0'"):
         callbacks_from_env(WeightSyncAudit)
+
+
+def _torchft(**kw: Any) -> Any:
+    from weightsync_audit.integrations.torchft.audit import TorchFTAudit
+
+    return TorchFTAudit(None, **kw)  # the option is answered before the manager is looked at
+
+
+MISSPELT: dict[str, Callable[..., Any]] = {
+    **ENTRY_POINTS,
+    "Auditor.audit": lambda **kw: Auditor(nn.Linear(2, 2)).audit(**kw),
+    "TorchFTAudit": _torchft,
+}
+
+
+@pytest.mark.parametrize("entry", list(MISSPELT))
+def test_every_entry_point_answers_a_misspelt_option_with_the_one_meant(entry: str) -> None:
+    misspelt, meant = ("stpe", "step") if entry == "Auditor.audit" else ("tolerence", "tolerance")
+    with pytest.raises(TypeError, match=rf"got an unexpected option {misspelt}=0.5: did you mean {meant}=0.5\?"):
+        MISSPELT[entry](**{misspelt: 0.5})
+
+
+@pytest.mark.parametrize("entry", ["LoopAudit", "TorchFTAudit", "WeightSyncAuditCallback", "WeightSyncAudit"])
+def test_the_other_frameworks_cadence_name_is_answered_with_this_ones(entry: str) -> None:
+    own = "every_n_train_steps" if entry == "WeightSyncAudit" else "every_n_steps"
+    other = "every_n_steps" if entry == "WeightSyncAudit" else "every_n_train_steps"
+    with pytest.raises(TypeError, match=rf"{other}=5: did you mean {own}=5\? \({other} is "):
+        MISSPELT[entry](**{other: 5})

@@ -31,7 +31,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import self_check
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
-from weightsync_audit.engine.config import AuditConfig, AuditRequest, Method, parse_coverage
+from weightsync_audit.engine.config import AuditConfig, AuditRequest, Method, parse_coverage, with_checked_options
 from weightsync_audit.engine.context import AuditContext
 from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
@@ -53,6 +53,7 @@ THE_RUNS_OWN = AuditRequest()
 """An audit of the config's kinds, entered in the run's history: what :meth:`Auditor.audit` makes by default."""
 
 
+@with_checked_options
 class Auditor:
     """The audit engine with its configuration and history, for custom training loops.
 
@@ -271,6 +272,7 @@ class Auditor:
             step_hyper=self.step_hyper,
         )  # fmt: skip
 
+    @with_checked_options
     def audit(
         self,
         module: nn.Module | None = None,
@@ -374,6 +376,7 @@ class Auditor:
         return checkpoint_loaded(self, path, step, state=state, **kwargs)
 
 
+@with_checked_options
 def audit(
     module: nn.Module | None,
     optimizer: Any = None,

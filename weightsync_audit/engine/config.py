@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass, replace
-from typing import Literal, get_args
+from typing import Any, Callable, Literal, Mapping, TypeVar, get_args
 
 from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.inventory.manifest import check_include
@@ -17,12 +19,15 @@ __all__ = [
     "AuditRequest",
     "Method",
     "OnMismatch",
+    "CADENCE_NAMES",
     "check_count",
     "check_exclude",
     "check_flag",
     "check_on_mismatch",
     "check_seconds",
+    "checked_options",
     "parse_coverage",
+    "with_checked_options",
 ]
 
 Method = Literal["auto", "xxh3", "device"]
@@ -30,6 +35,80 @@ Method = Literal["auto", "xxh3", "device"]
 
 OnMismatch = Literal["warn", "raise", "resync"]
 """What a callback does when ranks disagree: report, raise on every rank together, or repair and confirm."""
+
+
+#: Each framework's name for the audit cadence: a name meant for another entry point is answered with this one's.
+CADENCE_NAMES = {
+    "every_n_train_steps": "the Lightning callback's (WeightSyncAudit), after Lightning's own",
+    "every_n_steps": "the Hugging Face callback's, LoopAudit's and TorchFTAudit's, after TrainingArguments' logging_steps",
+}
+
+_ADAPTER_ONLY = {
+    "check_batches": "check_batches is LoopAudit's and the Lightning callback's (WeightSyncAudit): the Hugging "
+    "Face Trainer hands its callbacks no batch to compare",
+}
+"""Options some entry points cannot take, with the reason (the unknown-option error says it)."""
+
+_NOT_OPTIONS = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def checked_options(owner: Callable[..., Any], given: Mapping[str, Any], name: str | None = None) -> None:
+    """Every entry point's answer to a keyword it does not take (``given`` holds the keywords): the option meant,
+    the other framework's cadence name answered with this one's, a typo with its closest option
+    (``TypeError``, as Python's own, with the suggestion). ``name``: the entry point as the user wrote it.
+
+    >>> def f(every_n_steps: int = 1, report_path: str = "") -> None: ...
+    >>> checked_options(f, {"every_n_train_steps": 5})
+    Traceback (most recent call last):
+    TypeError: f() got an unexpected option every_n_train_steps=5: did you mean every_n_steps=5? (every_n_train_steps is the Lightning callback's (WeightSyncAudit), after Lightning's own)
+    """
+    params = inspect.signature(owner).parameters
+    known = [n for n, p in params.items() if p.kind not in _NOT_OPTIONS and n != "self"]
+    unknown = [k for k in given if k not in known]
+    if not unknown:
+        return
+    import difflib
+
+    given_name, value = unknown[0], given[unknown[0]]
+    cadence = next((c for c in CADENCE_NAMES if c in known), None)
+    if given_name in _ADAPTER_ONLY:
+        suggestion = _ADAPTER_ONLY[given_name]
+    elif given_name in CADENCE_NAMES and cadence is not None:
+        suggestion = f"did you mean {cadence}={value!r}? ({given_name} is {CADENCE_NAMES[given_name]})"
+    else:
+        close = difflib.get_close_matches(given_name, known, n=1, cutoff=0.6)
+        suggestion = f"did you mean {close[0]}={value!r}?" if close else f"the options are {', '.join(known)}"
+    what = name or getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
+    raise TypeError(f"{what}() got an unexpected option {given_name}={value!r}: {suggestion}")
+
+
+T = TypeVar("T")
+
+
+def with_checked_options(target: T) -> T:
+    """A class (its constructor) or a function whose misspelt keyword is answered by :func:`checked_options`.
+
+    >>> @with_checked_options
+    ... def run(step: int = 0, *, tolerance: float | None = None) -> None: ...
+    >>> run(tolerence=0.1)
+    Traceback (most recent call last):
+    TypeError: run() got an unexpected option tolerence=0.1: did you mean tolerance=0.1?
+    """
+    is_class = isinstance(target, type)
+    fn: Callable[..., Any] = target.__init__ if is_class else target  # type: ignore[assignment, misc]
+    known = frozenset(inspect.signature(fn).parameters)
+    name = target.__name__ if is_class else fn.__qualname__  # type: ignore[attr-defined]
+
+    @functools.wraps(fn)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if not known.issuperset(kwargs):
+            checked_options(fn, kwargs, name)
+        return fn(*args, **kwargs)
+
+    if not is_class:
+        return checked  # type: ignore[return-value]
+    target.__init__ = checked  # type: ignore[misc]
+    return target
 
 
 def check_on_mismatch(on_mismatch: object) -> OnMismatch:
@@ -114,6 +193,7 @@ def check_exclude(exclude: object, argument: str = "exclude") -> tuple[str, ...]
     return patterns
 
 
+@with_checked_options
 @dataclass(kw_only=True, slots=True)
 class AuditConfig:
     """How to audit. Every rank must use the same settings (checked: a difference is out of step)."""

@@ -13,11 +13,10 @@ from typing import Any, Optional, Sequence
 
 from weightsync_audit.engine.attribution.attach import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
-from weightsync_audit.engine.config import OnMismatch, check_flag
-from weightsync_audit.engine.inventory.manifest import as_optimizers
-from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
+from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
+from weightsync_audit.engine.inventory.manifest import as_optimizers, stepping_optimizer
 from weightsync_audit.engine.repair.plan import ResyncSource
-from weightsync_audit.integrations.session.arguments import check_every_n, check_module, reject_unknown_options
+from weightsync_audit.integrations.session.arguments import check_every_n, check_module
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
@@ -97,7 +96,7 @@ class LoopAudit:
         options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
-        reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
+        checked_options(type(self).__init__, unknown, type(self).__name__)
         self.module = check_module(module)
         self.optimizers = as_optimizers(optimizer)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 from transformers import TrainerCallback
 from typing_extensions import override
 
-from weightsync_audit.engine.config import OnMismatch
+from weightsync_audit.engine.config import OnMismatch, checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.plan import ResyncSource
@@ -39,7 +39,7 @@ from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reas
 from weightsync_audit.integrations.hf.resume import checkpoint_dir, resumed_folder
 from weightsync_audit.integrations.resume_sources import hf_resume
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
-from weightsync_audit.integrations.session.runner import audit_metrics, check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.runner import audit_metrics, check_every_n
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
@@ -203,7 +203,7 @@ class WeightSyncAuditCallback(TrainerCallback):
         options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
-        reject_unknown_options(type(self).__init__, unknown, "every_n_steps", type(self).__name__)
+        checked_options(type(self).__init__, unknown, type(self).__name__)
         self.every_n_steps = check_every_n(every_n_steps, "every_n_steps")
         self.options = AuditOptions.given(locals(), options)
         """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""

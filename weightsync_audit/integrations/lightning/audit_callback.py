@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 from typing_extensions import override
 
 from weightsync_audit.engine.checkpoints.resume_state import rng_now
-from weightsync_audit.engine.config import OnMismatch, check_flag
+from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.lightning.hook_routes import route_hooks
 from weightsync_audit.integrations.resume_sources import lightning_resume
-from weightsync_audit.integrations.session.arguments import check_every_n, reject_unknown_options
+from weightsync_audit.integrations.session.arguments import check_every_n
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
 from weightsync_audit.reporting.record import AuditResult
@@ -144,7 +144,7 @@ class WeightSyncAuditMixin:
         options: AuditOptions | None = None,
         **unknown: Any,
     ) -> None:
-        reject_unknown_options(type(self).__init__, unknown, "every_n_train_steps", type(self).__name__)
+        checked_options(type(self).__init__, unknown, type(self).__name__)
         self.check_batches = check_flag(check_batches, "check_batches")
         super().__init__()
         check_every_n(every_n_train_steps, "every_n_train_steps")

@@ -1,5 +1,5 @@
-"""The adapters' own arguments, checked at construction: the cadence, the exit code, and an unknown
-keyword answered with the option meant (the other framework's cadence name, or the closest option).
+"""The adapters' own arguments, checked at construction: the cadence, the module and the exit code (an
+unknown keyword: :func:`~weightsync_audit.engine.config.checked_options`).
 
 >>> check_every_n(50, "every_n_steps")
 50
@@ -7,15 +7,13 @@ keyword answered with the option meant (the other framework's cadence name, or t
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 __all__ = [
-    "CADENCE_NAMES",
     "EXIT_DIVERGED",
     "check_every_n",
     "check_exit_code",
     "check_module",
-    "reject_unknown_options",
 ]
 
 EXIT_DIVERGED = 17
@@ -31,49 +29,6 @@ def check_every_n(value: object, argument: str) -> Optional[int]:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{argument}={value!r}: must be an integer >= 1, or None to turn the cadence off")
     return value
-
-
-#: Each framework's name for the audit cadence: a name meant for another callback is answered with this one's.
-CADENCE_NAMES = {
-    "every_n_train_steps": "the Lightning callback's (WeightSyncAudit), after Lightning's own",
-    "every_n_steps": "the Hugging Face callback's and LoopAudit's, after TrainingArguments' logging_steps",
-}
-
-
-_ADAPTER_ONLY = {
-    "check_batches": "check_batches is LoopAudit's and the Lightning callback's (WeightSyncAudit): the Hugging "
-    "Face Trainer hands its callbacks no batch to compare",
-}
-"""Options some adapters cannot take, with the reason (the unknown-option error says it)."""
-
-
-def reject_unknown_options(
-    owner: Callable[..., Any], unknown: dict[str, Any], cadence: str, name: str | None = None
-) -> None:
-    """Answer an unknown keyword with the option meant: the other framework's cadence name gets this
-    callback's, a typo its closest option (``TypeError``, as Python's own, with the suggestion).
-
-    >>> def f(every_n_steps: int = 1, report_path: str = "") -> None: ...
-    >>> reject_unknown_options(f, {"every_n_train_steps": 5}, "every_n_steps")
-    Traceback (most recent call last):
-    TypeError: f() got an unexpected option every_n_train_steps=5: did you mean every_n_steps=5? (every_n_train_steps is the Lightning callback's (WeightSyncAudit), after Lightning's own)
-    """
-    if not unknown:
-        return
-    import difflib
-    import inspect
-
-    known = [n for n in inspect.signature(owner).parameters if n not in ("self", "args", "kwargs", "unknown")]
-    given, value = next(iter(unknown.items()))
-    if given in _ADAPTER_ONLY and given not in known:
-        suggestion = _ADAPTER_ONLY[given]
-    elif given in CADENCE_NAMES and given != cadence:
-        suggestion = f"did you mean {cadence}={value!r}? ({given} is {CADENCE_NAMES[given]})"
-    else:
-        close = difflib.get_close_matches(given, known, n=1, cutoff=0.6)
-        suggestion = f"did you mean {close[0]}={value!r}?" if close else f"the options are {', '.join(known)}"
-    what = name or getattr(owner, "__qualname__", str(owner)).removesuffix(".__init__")
-    raise TypeError(f"{what}() got an unexpected option {given}={value!r}: {suggestion}")
 
 
 def check_module(module: object, argument: str = "module") -> Any:

@@ -20,7 +20,14 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, TypeVar
 
 from weightsync_audit.engine.attribution.config import AttributionConfig, check_attribution
-from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_flag, check_on_mismatch, parse_coverage
+from weightsync_audit.engine.config import (
+    AuditConfig,
+    OnMismatch,
+    check_flag,
+    check_on_mismatch,
+    parse_coverage,
+    with_checked_options,
+)
 from weightsync_audit.engine.repair.plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
 from weightsync_audit.integrations.session.arguments import check_exit_code
@@ -33,6 +40,7 @@ AuditKind = Literal["params", "buffers", "optimizer", "grads"]
 """What an audit compares: parameters, buffers, optimizer state (and each group's hyper-parameters), gradients."""
 
 
+@with_checked_options
 @dataclass(kw_only=True, slots=True, frozen=True)
 class AuditOptions:
     """How an adapter audits and what it does with a divergence; validated at construction, each error

@@ -34,11 +34,9 @@ from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
 from weightsync_audit.integrations.session.arguments import (
-    CADENCE_NAMES,
     EXIT_DIVERGED,
     check_every_n,
     check_exit_code,
-    reject_unknown_options,
 )
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.overlap import OverlapDriver
@@ -49,13 +47,11 @@ from weightsync_audit.reporting.sinks import RecordSinks
 from weightsync_audit.text import last_in_sync
 
 __all__ = [
-    "CADENCE_NAMES",
     "EXIT_DIVERGED",
     "AuditRunner",
     "audit_metrics",
     "check_every_n",
     "check_exit_code",
-    "reject_unknown_options",
 ]
 
 log = logging.getLogger("weightsync_audit")

@@ -33,7 +33,7 @@ from torch import nn
 from weightsync_audit.channel.groups import StoreLink
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.config import AuditConfig
+from weightsync_audit.engine.config import AuditConfig, with_checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.respond import Voice
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
@@ -77,6 +77,7 @@ class QuorumAuditor(Auditor):
         return 0  # every byte at every audit: a replica that joins has no audit count to agree on
 
 
+@with_checked_options
 class TorchFTAudit:
     """Audit the replica groups of a torchft job at committed steps, after heals and at sync points.
 
