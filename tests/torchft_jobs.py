@@ -17,45 +17,38 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import select
 import signal
-import socket
 import subprocess
 import sys
 import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def lighthouse(min_replicas: int) -> Iterator[str]:
-    """torchft's lighthouse (its Rust binary from the wheel) on localhost; yields its address."""
-    port = free_port()
-    binary = Path(sys.executable).with_name("torchft_lighthouse")
-    cmd = [str(binary), "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}", "--join_timeout_ms", "300",
-           "--quorum_tick_ms", "20", "--heartbeat_timeout_ms", "1500"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """torchft's lighthouse (its Rust server from the wheel) on localhost, in a process of its own, on a port
+    it picks itself (no free port guessed and raced for); yields its address."""
+    code = (
+        "import sys; from torchft._torchft import LighthouseServer as L; "
+        "s = L(bind='[::]:0', min_replicas=int(sys.argv[1]), join_timeout_ms=300, quorum_tick_ms=20, "
+        "heartbeat_timeout_ms=1500); print(s.address(), flush=True); sys.stdin.read()"
+    )
+    env = {**os.environ, "RUST_LOG": "warn"}
+    proc = subprocess.Popen([sys.executable, "-c", code, str(min_replicas)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the torchft lighthouse did not start") from None
-                time.sleep(0.05)
-        yield f"http://localhost:{port}"
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        line = proc.stdout.readline().decode().strip() if ready else ""
+        if not line:
+            raise RuntimeError("the torchft lighthouse did not start")
+        yield f"http://localhost:{line.rpartition(':')[2]}"
     finally:
         proc.kill()
         proc.wait()
@@ -96,8 +89,11 @@ def _state(model: torch.nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
     return out
 
 
-def _model(seed: int, width: int = 64) -> torch.nn.Module:
+def _model(seed: int, width: int = 64, square: int = 0) -> torch.nn.Module:
+    """The tests' MLP, 4 -> ``width`` -> 2; ``square``: 4 x Linear(square, square) instead (benchmarks)."""
     torch.manual_seed(seed)
+    if square:
+        return torch.nn.Sequential(*[torch.nn.Linear(square, square) for _ in range(4)])
     return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(), torch.nn.Linear(width, 2))
 
 
@@ -127,7 +123,13 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
 
     rank, mode = plan["rank"], plan["mode"]
     # The group's store, served by its rank 0 for the whole run (the Manager connects to it).
-    _store = dist.TCPStore("127.0.0.1", plan["store_port"], is_master=rank == 0, wait_for_workers=False)
+    box, end = plan["port_box"], time.monotonic() + 30
+    if rank == 0:  # on a port it picks: its number handed to the group's other ranks
+        _store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        box.value = _store.port
+    while not box.value and time.monotonic() < end:
+        time.sleep(0.01)
+    _store = _store if rank == 0 else dist.TCPStore("127.0.0.1", box.value, is_master=False, wait_for_workers=False)
     if mode == "hsdp":  # FSDP2 within the group (the shard dimension), torchft across groups (replicate)
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -135,11 +137,11 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         dist.init_process_group(
             "gloo", store=dist.PrefixStore("fsdp", _store), rank=rank, world_size=plan["group_size"]
         )
-        model = _model(seed=100, width=plan.get("width", 64))
+        model = _model(seed=100, width=plan.get("width", 64), square=plan.get("square", 0))
         fully_shard(model, mesh=init_device_mesh("cpu", (plan["group_size"],), mesh_dim_names=("shard",)))
     else:
         model = _model(
-            seed=100 + rank, width=plan.get("width", 64)
+            seed=100 + rank, width=plan.get("width", 64), square=plan.get("square", 0)
         )  # group ranks hold different shards; replicas of a shard start equal
     snapshots: dict[int, dict[str, Any]] = {}
     if mode in ("ddp", "hsdp"):
@@ -172,7 +174,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         state_dict=state_dict,
         replica_id=f"replica{plan['index']}",
         store_addr="127.0.0.1",
-        store_port=plan["store_port"],
+        store_port=box.value,
         rank=rank,
         world_size=plan["group_size"],
         lighthouse_addr=plan["lighthouse"],
@@ -203,7 +205,8 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         records, raised = [], exc.result.to_dict()
     finally:
         manager.shutdown(wait=False)
-    return {"records": records, "snapshots": snapshots, "step": manager.current_step(), "raised": raised}
+    out = {"records": records, "snapshots": snapshots, "step": manager.current_step(), "raised": raised}
+    return {**out, "step_s": STEP_S}
 
 
 def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
@@ -217,7 +220,7 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     opt.register_step_pre_hook(
         lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
     )
-    audit = TorchFTAudit(
+    audit = (TorchFTAudit if plan.get("audit", True) else _NoAudit)(
         manager,
         ddp,
         wrapped,
@@ -235,7 +238,8 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     opt.register_step_post_hook(committed)
     while manager.current_step() < plan["steps"]:
         wrapped.zero_grad()
-        x = torch.randn(8, 4, generator=gen)
+        t0 = time.perf_counter()
+        x = torch.randn(8, model[0].in_features, generator=gen)
         ddp(x).pow(2).mean().backward()
         if hsdp:  # FSDP2 reduced the gradients within the group; torchft averages each shard across groups
             for work in [manager.allreduce(p.grad.to_local()) for p in model.parameters()]:
@@ -249,6 +253,7 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
                 _mine(model[0].weight)[0, 0] += 1e-3
         if plan.get("die_at") is not None and manager.current_step() == plan["die_at"]:
             os.kill(os.getpid(), signal.SIGKILL)
+        STEP_S.append(time.perf_counter() - t0)
         time.sleep(plan.get("pause_s", 0.0))
     audit.close()
     return [r.to_dict() for r in audit.results]
@@ -280,6 +285,21 @@ def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit
     return [r.to_dict() for r in audit.results]
 
 
+class _NoAudit:
+    """No audit (a benchmark's baseline loop)."""
+
+    results: list[Any] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+STEP_S: list[float] = []
+"""Seconds of each iteration of the DDP loop in this process (benchmarks)."""
+
 SEEN = {"batches": 0}
 """The user's own counter of committed batches (in its state_dict; declared to the audit with must_match)."""
 
@@ -305,13 +325,15 @@ def run_job(
     START = ctx.Barrier(sum(r.group_size for r in replicas))
     results: dict[tuple[int, int], dict[str, Any]] = {}
     procs: dict[tuple[int, int], Any] = {}
+    boxes: list[Any] = []
     with lighthouse(least) as address:
 
         def start(rep: Replica, attempt: int) -> None:
-            port = free_port()
+            port = ctx.Value("i", 0)  # set by the group's rank 0; kept here (Process.start drops its args)
+            boxes.append(port)
             for rank in range(rep.group_size):
                 plan = dict(common, **rep.extra, index=rep.index, rank=rank, group_size=rep.group_size, mode=mode,
-                            steps=steps, store_port=port, lighthouse=address, min_replicas=least,
+                            steps=steps, port_box=port, lighthouse=address, min_replicas=least,
                             attempt=attempt)  # fmt: skip
                 if attempt == 0:
                     plan["die_at"] = rep.die_at

@@ -164,6 +164,7 @@ class TorchFTAudit:
         self._last_in_sync: int | None = None
         self._synced_step = int(manager.current_step())
         self._channel: QuorumComm | None = None
+        self._channel_quorum: int | None = None
         self.tap = QuorumTap.install(manager)
         self._undo: list[Callable[[], None]] = []
         if self.targets is None:
@@ -262,6 +263,7 @@ class TorchFTAudit:
                 source=heals.source,
                 counters=counters,
                 last_in_sync_step=self._last_in_sync,
+                channel=self._held(quorum),
             )
             store = quorum_store(quorum.store_address, bound)
             roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
@@ -270,11 +272,17 @@ class TorchFTAudit:
                     f"this replica ({quorum.replica_rank}) reached the audit after the others had closed its roll "
                     f"(they waited {self.timeout_s:g}s)"
                 )
-            self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
+            # The channel of the last audit when every member holds it whole, over the same members in the
+            # same order (a decision every member takes alike, from the roll); else a new one.
+            held = self._channel
+            if held is None or held.members != roll.ranks or any(m.channel != held.prefix for m in roll.members):
+                self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
+                self._channel_quorum = quorum.quorum_id
             self.auditor.config = replace(self.config, exclude=exclude)
             result = self.auditor.audit(module, optimizers, step=step, hook=hook)
         except Exception as exc:  # noqa: BLE001 - an audit that cannot complete is reported, never raised
             drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
+            self._open(None)  # nor a channel that may hold a half-done exchange
             self._failed(step, hook, exc)
             return None
         result.notes[:0], self.failures = self.failures, []
@@ -290,9 +298,15 @@ class TorchFTAudit:
             raise WeightDivergenceError(result)
         return result
 
-    def _open(self, channel: QuorumComm) -> None:
-        """Use ``channel`` for this audit; the one before the last is released (the last may still be
-        finishing its final answer on a slower member)."""
+    def _held(self, quorum: Quorum) -> str | None:
+        """The prefix of the channel this member can use again under ``quorum`` (made in it, never failed)."""
+        channel = self._channel
+        if channel is None or self._channel_quorum != quorum.quorum_id or not channel.whole:
+            return None
+        return channel.prefix
+
+    def _open(self, channel: QuorumComm | None) -> None:
+        """Use ``channel`` from this audit on (``None``: none); the one it replaces is released."""
         if self._channel is not None:
             self._channel.close()
         self._channel = channel

@@ -101,6 +101,11 @@ class QuorumComm(Comm):
         """Every gloo group of this channel (the star's and the data plane's), released by :meth:`close`."""
         super().__init__(None, timeout_s, grace_s)
 
+    @property
+    def whole(self) -> bool:
+        """No exchange over it has failed: every member that also says so can use it again."""
+        return self._group is None or not self._group.broken
+
     def membership(self, group: Any) -> tuple[int, int, tuple[int, ...]]:
         return len(self.members), self.position, self.members
 
