@@ -26,8 +26,12 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	$(PY) -m pip install -q --no-deps torchtitan spmd_types tyro docstring-parser typeguard
 	touch $(STAMP)
 
+# Most tests wait on rank processes they spawn: two workers keep both cores busy. Files stay whole on one
+# worker (module fixtures are built once); the session's shared runs are built once for all workers
+# (tests/conftest.py once_per_session). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/weightsync-audit demo

@@ -1,6 +1,7 @@
+import json
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 
@@ -26,5 +27,40 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("accelerate")
     from torchrun import OFFLINE, ROOT, two_node_job
 
-    out = tmp_path_factory.mktemp("trainers")
-    return two_node_job(ROOT / "tests" / "scripts" / "trainers_run.py", out, env=OFFLINE)
+    return once_per_session(
+        tmp_path_factory,
+        "trainers",
+        lambda: two_node_job(
+            ROOT / "tests" / "scripts" / "trainers_run.py", tmp_path_factory.mktemp("trainers"), env=OFFLINE
+        ),
+    )
+
+
+def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
+    """``make()`` once per test session, also when pytest-xdist splits the session over workers.
+
+    Under xdist every worker has its own session; the workers share the parent of their temporary folders,
+    so the first to get there runs ``make`` under a file lock and leaves its JSON result, and the others
+    read it. Without xdist, ``make()`` is simply called.
+    """
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return make()
+    from filelock import FileLock
+
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.json"
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return _rank_keys(json.loads(path.read_text()))
+        value = make()
+        path.write_text(json.dumps(value))
+        return value
+
+
+def _rank_keys(value: Any) -> Any:
+    """JSON turns the ranks' integer keys (``{scenario: {rank: ...}}``) into strings: back to integers."""
+    if not isinstance(value, dict):
+        return value
+    return {
+        k: {int(r) if r.isdigit() else r: x for r, x in v.items()} if isinstance(v, dict) else v
+        for k, v in value.items()
+    }
