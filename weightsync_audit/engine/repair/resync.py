@@ -173,11 +173,7 @@ def _move(comm: Comm, src: int, entries: list[Entry], grad_entries: list[Entry],
     if held_copies:  # the same list on every rank (drawn from the gathered table)
         move_copies(comm, src, held_copies)
     if value_entries:
-        blob = (
-            json.dumps([host_bytes(e.tensor, e.name).hex() for e in value_entries]).encode()
-            if comm.rank == src
-            else None
-        )
+        blob = json.dumps([host_bytes(e.tensor).hex() for e in value_entries]).encode() if comm.rank == src else None
         values = json.loads(comm.share_bytes(src, blob, "the resync values"))
         for e, hexed in zip(value_entries, values):
             e.container[e.key] = _decode_value(e, bytes.fromhex(hexed))
