@@ -31,7 +31,6 @@ from weightsync_audit import compat
 from weightsync_audit.engine.hashing.device_digest import digest_streams
 from weightsync_audit.engine.hashing.reader import (
     CHUNK,
-    FREED,
     SMALL,
     chunk_views,
     contiguous_blocks,
@@ -40,10 +39,8 @@ from weightsync_audit.engine.hashing.reader import (
     readable,
     sample_bounds,
     sample_pieces,
-    storage_fits,
 )
 from weightsync_audit.engine.inventory.manifest import Entry
-from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
     "METHODS",
@@ -284,11 +281,10 @@ def digest_tensors(
             if buf is not None:
                 out[i] = xxh(buf) if t.nbytes else _EMPTY
                 continue
-        if cls is not plain:
-            t = readable(t, f"tensors[{i}]")  # a DTensor's local shard; what has no bytes refused by name
-            on_host = t.is_cpu and not all_on_device
-        elif not storage_fits(t):  # every other way reads it whole, by pointer or by a torch kernel
-            raise UnauditableTensorError(f"tensors[{i}]", FREED)
+        # Every other way reads it whole, by pointer or by a torch kernel: resolved (a DTensor's local shard)
+        # and checked (meta, fake, freed storage refused by name) by the reader first.
+        t = readable(t, f"tensors[{i}]")
+        on_host = t.is_cpu and not all_on_device
         if not on_host:
             pieces = sample_pieces(t, slice_index, slices) if sampled else [t]
             if all_on_device or method == "auto":

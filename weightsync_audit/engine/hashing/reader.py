@@ -4,10 +4,10 @@
 ``to_local()``) to its local data, an autograd view to its detached alias; and it refuses, with an error
 naming the tensor, what has no bytes to read: meta and fake tensors, sparse and nested layouts, a subclass
 without a storage of its own, and storage freed or shrunk under its view (``untyped_storage().resize_(0)``,
-a null data pointer with bytes to read). Only a tensor that :func:`readable` returned is read, by one of:
+a null data pointer with bytes to read). Bytes are then read only by:
 
-- :func:`in_place`: a zero-copy buffer over a small contiguous CPU tensor's memory (the digest's fast path
-  and :class:`~weightsync_audit.engine.hashing.digest_plan.DigestPlan`'s cached buffers);
+- :func:`in_place`: a zero-copy buffer over a plain contiguous CPU tensor whose storage holds it (the digest
+  fast path and :class:`~weightsync_audit.engine.hashing.digest_plan.DigestPlan`'s cached buffers);
 - :func:`host_view` / :func:`host_bytes`: bytes that keep their owner alive, an accelerator or
   non-contiguous tensor copied first; :func:`contiguous_blocks`, :func:`chunk_views`, :func:`host_chunk`:
   the same in bounded pieces;
@@ -19,7 +19,7 @@ No other module does pointer arithmetic or reads memory by address (``tests/test
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 
@@ -37,7 +37,6 @@ __all__ = [
     "host_chunk",
     "host_view",
     "in_place",
-    "in_place_views",
     "readable",
     "sample_bounds",
     "sample_pieces",
@@ -171,14 +170,6 @@ def in_place(t: torch.Tensor) -> Any:
     if t.untyped_storage().nbytes() < n + t.storage_offset() * t.element_size():
         return None
     return (_c_char * n).from_address(t.data_ptr())
-
-
-def in_place_views(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    """:func:`in_place` buffers of ``tensors`` (each already checked to be one, by the caller's plan)."""
-    out = [in_place(t) for t in tensors]
-    if any(v is None for v in out):
-        raise ValueError("in_place_views: a tensor that cannot be read in place")
-    return out
 
 
 def word_aligned(u8: torch.Tensor) -> bool:
