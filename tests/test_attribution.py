@@ -105,7 +105,7 @@ def test_resync_on_a_tie_takes_its_source_from_the_blame(tmp_path: Path, faulty:
     assert out[0]["records"][-1]["in_sync"]
     from rich.console import Console
 
-    from weightsync_audit.cli.show import cmd_show
+    from weightsync_audit.cli.reports import cmd_show
     from weightsync_audit.reporting.terminal import check_report
 
     for cmd in (check_report, cmd_show):

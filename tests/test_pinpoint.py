@@ -148,7 +148,7 @@ def test_check_and_show_name_the_pinpointed_step_and_a_report_within_tolerance_p
     from rich.console import Console
 
     from weightsync_audit import Mismatch
-    from weightsync_audit.cli.show import cmd_show
+    from weightsync_audit.cli.reports import cmd_show
     from weightsync_audit.reporting.jsonl import ReportWriter
     from weightsync_audit.reporting.terminal import check_report
 

@@ -1,7 +1,8 @@
 """The ``weightsync-audit`` command: ``demo``, ``check``, ``show``, ``diff``, ``verify``, ``launch``.
 
-Each command is a module of this folder that owns its parser and its run function (``cli/command.py``
-says how); this module builds the top parser and dispatches.
+Each command owns its parser and its run function (``cli/command.py`` says how): ``demo`` and ``launch`` a
+module each, ``check`` and ``show`` in ``reports``, ``diff`` and ``verify`` in ``checkpoints``; this module
+builds the top parser and dispatches.
 
 Exit codes (the contract): ``check`` 0 in sync, 1 diverged, 2 unreadable or nothing compared (0 for a run repaired by
 resync and in sync at the end with ``--accept-repaired``); ``show`` 0 / 2; ``diff`` 0 identical or
@@ -32,10 +33,21 @@ from weightsync_audit.cli.command import (
 )
 from weightsync_audit.errors import CheckpointError, ReportReadError
 
-__all__ = ["main", "build_parser", "EXIT_OK", "EXIT_DIFFERENT", "EXIT_ERROR"]
+__all__ = ["main", "build_parser", "command", "EXIT_OK", "EXIT_DIFFERENT", "EXIT_ERROR"]
 
 COMMANDS = ("demo", "check", "show", "diff", "verify", "launch")
-"""The command modules of this folder, in the order ``--help`` lists them."""
+"""The commands, in the order ``--help`` lists them."""
+
+HOMES = {"demo": "demo", "check": "reports", "show": "reports", "diff": "checkpoints", "verify": "checkpoints"}
+HOMES["launch"] = "launch"
+"""The module of this folder each command lives in."""
+
+
+def command(name: str) -> object:
+    """The command ``name``: its module (``demo``), or the command of that name its module holds (``CHECK``)."""
+    module = importlib.import_module(f"{__name__}.{HOMES[name]}")
+    return getattr(module, name.upper(), module)
+
 
 ONE_LINE_ERRORS = (CliError, ReportReadError, CheckpointError)
 """Errors said to the user in one line (exit 2): a usage the parser could not refuse, an unreadable file."""
@@ -45,12 +57,15 @@ EXIT_CODES = dedent(
     exit codes:
       check  0 every audit in sync (or within the run's tolerance; or, with --accept-repaired, every
                divergence repaired by resync, none back after its repair, and in sync at the end),
-               1 a divergence, 2 unreadable/invalid/empty
+               1 a divergence, a checkpoint loaded changed or unverified, or a resume that differs,
+               2 unreadable/invalid/empty
                or nothing compared (no audit compared a tensor between ranks: no verdict)
       show   0 shown, 2 unreadable or invalid
-      diff   0 identical (or equal within --atol), 1 different (or, by sidecars, a file no longer the one
-               its sidecar identifies), 2 unreadable, refused or not a checkpoint
-      verify 0 verified and unchanged, 1 unverified, diverged or changed, 2 unreadable, malformed or refused
+      diff   0 identical (or equal within --atol), 1 different (a file truncated or damaged beside a readable
+               one included; or, by sidecars, a file no longer the one its sidecar identifies),
+               2 not a checkpoint, unreadable alone, refused, or a path leading outside its folder
+      verify 0 verified and unchanged, 1 unverified, diverged or changed (a truncated file included),
+               2 not a checkpoint, unreadable, malformed, refused, or a path leading outside its folder
       demo   0 the audit told the two runs apart as expected, 1 it did not
     every error is one line on stderr (set WEIGHTSYNC_AUDIT_DEBUG=1 for a traceback)
     """
@@ -84,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name in COMMANDS:
-        add_command(sub, importlib.import_module(f"{__name__}.{name}"))
+        add_command(sub, name, command(name))
     return parser
 
 

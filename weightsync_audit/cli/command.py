@@ -1,9 +1,10 @@
 """What every ``weightsync-audit`` command shares: its parser class, its one-line error, the way it registers.
 
-A command is a module of this folder that owns its parser and its run function: ``SUMMARY``,
-``DESCRIPTION`` and ``EXAMPLES`` (its help), ``add_arguments(parser)`` (its options) and ``run(args) -> int``
-(the exit status). :func:`add_command` registers one, so the dispatcher (``cli/__init__.py``) only builds
-the top parser and calls ``args.run(args)``. A command module imports no torch at import time:
+A command owns its parser and its run function: ``SUMMARY``, ``DESCRIPTION`` and ``EXAMPLES`` (its help),
+``add_arguments(parser)`` (its options) and ``run(args) -> int`` (the exit status): a module of this folder
+(``demo``, ``launch``), or one of the commands a module holds by noun (``reports``: ``CHECK``, ``SHOW``;
+``checkpoints``: ``DIFF``, ``VERIFY``). :func:`add_command` registers one, so the dispatcher
+(``cli/__init__.py``) only builds the top parser and calls ``args.run(args)``. A command module imports no torch at import time:
 ``check --help`` and ``show`` start without it.
 """
 
@@ -58,12 +59,12 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def add_command(sub: Any, command: ModuleType) -> Parser:
-    """Register the command module ``command`` (``cli/check.py``, ...) as the sub-command of its name: its
+def add_command(sub: Any, name: str, command: ModuleType | Any) -> Parser:
+    """Register ``command`` (``cli/demo.py``, ``reports.CHECK``, ...) as the sub-command ``name``: its
     ``SUMMARY`` (a line in the top ``--help``), ``DESCRIPTION`` and ``EXAMPLES`` (its own ``--help``), its
     ``add_arguments(parser)``; the parsed arguments go to its ``run(args)``."""
     parser: Parser = sub.add_parser(
-        command.__name__.rpartition(".")[2],
+        name,
         help=command.SUMMARY,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=one_line(command.DESCRIPTION),

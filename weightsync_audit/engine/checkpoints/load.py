@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 import pickle
 import re
@@ -193,24 +194,21 @@ def safetensors_header(path: str | os.PathLike[str]) -> dict[str, tuple[torch.dt
 
 
 class LazyTensor:
-    """One tensor of a ``.safetensors`` file, read when :meth:`read` is called (its bytes only, no mmap)."""
+    """One tensor of a ``.safetensors`` file, made when :meth:`read` is called: a view of the file's pages
+    (memory-mapped copy-on-write: the kernel's page cache, read as the tensor is; never written back)."""
 
-    __slots__ = ("dtype", "end", "path", "shape", "start")
+    __slots__ = ("dtype", "end", "mapped", "shape", "start")
 
-    def __init__(self, path: Path, dtype: torch.dtype, shape: list[int], start: int, end: int) -> None:
-        self.path, self.dtype, self.shape, self.start, self.end = path, dtype, shape, start, end
+    def __init__(self, mapped: Any, dtype: torch.dtype, shape: list[int], start: int, end: int) -> None:
+        self.mapped, self.dtype, self.shape, self.start, self.end = mapped, dtype, shape, start, end
 
     def read(self) -> torch.Tensor:
         if self.end == self.start:
             return torch.empty(self.shape, dtype=self.dtype)
-        buf = bytearray(self.end - self.start)
-        with open(self.path, "rb") as f:
-            f.seek(self.start)
-            if f.readinto(buf) != len(buf):
-                raise UnreadableCheckpointError(
-                    f"{self.path}: not a readable safetensors file (shorter than its header)"
-                )
-        return torch.frombuffer(buf, dtype=self.dtype).reshape(self.shape)
+        raw = torch.frombuffer(self.mapped, dtype=torch.uint8, count=self.end - self.start, offset=self.start)
+        if self.start % self.dtype.itemsize:  # not aligned for its dtype: copied
+            raw = raw.clone()
+        return raw.view(self.dtype).reshape(self.shape)
 
 
 def stream_tensors(path: str | os.PathLike[str]) -> Any:
@@ -219,7 +217,15 @@ def stream_tensors(path: str | os.PathLike[str]) -> Any:
     p = regular_file(path)
     if p.suffix != ".safetensors":
         return load_checkpoint(p, mmap=True)  # pages read as each tensor is: the kernel's cache, not the heap
-    return {n: LazyTensor(p, *e) for n, e in safetensors_header(p).items()}
+    header = safetensors_header(p)
+    if not any(e[3] > e[2] for e in header.values()):
+        return {n: LazyTensor(b"", *e) for n, e in header.items()}
+    try:
+        with open(p, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc})") from None
+    return {n: LazyTensor(mapped, *e) for n, e in header.items()}
 
 
 def is_lightning_checkpoint(obj: Any) -> bool:
