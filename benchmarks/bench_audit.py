@@ -17,7 +17,8 @@ rank is done, and the median repetition is printed:
 ``--adam``: instead, the healthy audit of the parameters *and* Adam's state on 2 ranks against the seed's
 and Megatron's checks of the parameters alone, on the seed's model (``Linear(32, 16)``, ``Linear(16, 2)``:
 4 tensors), a 29-tensor toy, 1M and 10M parameters; the three methods taken in turns, rounds of
-``--reps`` repetitions each, the median repetition and the ratios of the same run.
+``--reps`` repetitions each, the median repetition and the ratios of the same run; also rank 0's CPU time
+per call on the calling thread (the fixed cost without the waits, steadier than wall time on a busy host).
 
 Also printed: the peak resident memory each method adds (``VmHWM``, max over ranks) and the bytes the
 audit puts on the wire per rank on the healthy path. ``--json`` writes the raw figures.
@@ -145,6 +146,12 @@ def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[
         for name in list(fns)[:: 1 if i % 2 else -1]:  # in turns, the order reversed every other round
             times[name] += timed(fns[name], reps)
     out: dict[str, Any] = {k: median(v) for k, v in times.items()}
+    for name, fn in fns.items():  # this thread's CPU time per call: the fixed cost without the waits
+        dist.barrier()
+        t0 = time.thread_time()
+        for _ in range(reps):
+            fn()
+        out[name + "_cpu"] = (time.thread_time() - t0) / reps
     out["tensors"] = len(list(model.parameters()))
     out["params"] = count(model)
     return out
@@ -158,10 +165,11 @@ def run_adam(keys: list[str], reps: int, rounds: int) -> str:
         rows.append(
             [key, str(r["tensors"]), f"{r['params']:,}", *(f"{x * 1e3:.2f}" for x in (a, s, m)), f"{a / s:.2f}x"]
         )
-        rows[-1] += [f"{a / m:.2f}x", f"{os.getloadavg()[0]:.2f}"]
+        rows[-1] += [f"{a / m:.2f}x", *(f"{r[k + '_cpu'] * 1e6:.0f}" for k in ("audit", "seed", "megatron"))]
+        rows[-1] += [f"{os.getloadavg()[0]:.2f}"]
         print("  " + " ".join(rows[-1]), flush=True)
     headers = ["model", "tensors", "params", "audit ms", "seed ms", "megatron ms", "audit/seed", "audit/megatron"]
-    return table([*headers, "load"], rows)
+    return table([*headers, "audit CPU us", "seed CPU us", "megatron CPU us", "load"], rows)
 
 
 def run(keys: list[str], worlds: list[int], reps: int, methods: list[str]) -> list[dict[str, Any]]:

@@ -15,7 +15,8 @@ ranks (one torch thread per rank), the same batch every step, audited after ever
 - **overlap 1/8**: both: a rotating eighth of each large tensor (over 64 KiB) on the worker each step, small
   tensors whole every step: no byte goes unaudited longer than 8 steps.
 
-Also printed: the bytes each configuration's audit reads per step and rank (``overlap 1/8`` reads about an
+Also printed: rank 0's CPU time per step (every thread of the process: training and the audit's; steadier
+than wall time on a shared host) and the bytes each configuration's audit reads per step and rank (``overlap 1/8`` reads about an
 eighth of what ``overlap`` reads: the worker's memory traffic, which competes with training's).
 
 Two placements, each a separate run of both ranks:
@@ -101,22 +102,24 @@ def _rank(rank: int, world: int, pin: bool, rounds: int, steps: int, batch: int,
     if pin:  # this thread only (Linux: pid 0 is the calling thread); the threads made above keep both cores
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     blocks: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    cpu: dict[str, list[float]] = {c: [] for c in CONFIGS}  # this process's CPU time, every thread
     for r in range(rounds):
         order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
         for config in order:
             audit = audits[config]
             one_step(audit)  # untimed: the overlapped audit in its steady state
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 one_step(audit)
             blocks[config].append((time.perf_counter() - t0) / steps)
+            cpu[config].append((time.process_time() - c0) / steps)
             if audit is not None:
                 audit.settle()  # untimed: the last launch's verdict
     for audit in audits.values():
         if audit is not None:
             audit.close()
-    return {"blocks": blocks, "report": report, "read": read_per_step(net, opt)}
+    return {"blocks": blocks, "cpu": cpu, "report": report, "read": read_per_step(net, opt)}
 
 
 def read_per_step(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, float]:
@@ -147,6 +150,7 @@ def placement(pin: bool, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "pinned": pin,
         "median_step_ms": {c: m * 1e3 for c, m in med.items()},
+        "median_cpu_ms": {c: statistics.median(v) * 1e3 for c, v in out[0]["cpu"].items()},
         "ratio_vs_none": {c: med[c] / med["none"] for c in CONFIGS},
         "blocks_ms": {c: [b * 1e3 for b in v] for c, v in blocks.items()},
         "overlap_waited_ms_median": statistics.median(waited) if waited else None,
@@ -177,7 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         rows = [
             [c, f"{run['read_per_step'][c] / 1e6:.1f}", f"{run['median_step_ms'][c]:.1f}", f"{run['ratio_vs_none'][c]:.3f}",
              f"{(run['ratio_vs_none'][c] - 1) * 100:+.1f}%",
-             " ".join(f"{b:.0f}" for b in run["blocks_ms"][c])]
+             " ".join(f"{b:.0f}" for b in run["blocks_ms"][c]), f"{run['median_cpu_ms'][c]:.1f}",
+             f"{run['median_cpu_ms'][c] / run['median_cpu_ms']['none']:.3f}"]
             for c in CONFIGS
         ]  # fmt: skip
         where = "a core free (training pinned to core 0)" if pin else "both cores busy (nothing pinned)"
@@ -191,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
                     "ratio vs none",
                     "overhead",
                     "blocks (ms/step)",
+                    "rank 0 CPU ms/step",
+                    "CPU vs none",
                 ],
                 rows,
             )
