@@ -196,7 +196,7 @@ class AuditRunner:
                     f"weightsync audit: pinpoint could not digest step {step}; training goes on "
                     f"(on_mismatch='warn'): {type(exc).__name__}: {exc}",
                     WeightSyncWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
 
     def record_hyper(self, optimizers: Sequence[Any], step: int) -> None:
