@@ -17,8 +17,12 @@ from weightsync_audit.engine.config import OnMismatch, check_flag, checked_optio
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.inventory.wrappers import stepping_optimizer
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.integrations.session.arguments import check_every_n, check_module
-from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.options import (
+    AuditOptions,
+    check_every_n,
+    check_module,
+    with_option_properties,
+)
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink

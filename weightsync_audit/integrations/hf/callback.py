@@ -35,8 +35,7 @@ from weightsync_audit.engine.config import OnMismatch, checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
-from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
-from weightsync_audit.integrations.hf.resume import checkpoint_dir, resumed_folder
+from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, resumed_folder
 from weightsync_audit.integrations.resume_sources import hf_resume
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.runner import audit_metrics, check_every_n
@@ -266,7 +265,6 @@ class WeightSyncAuditCallback(TrainerCallback):
         opened = self.session.open(
             world_size=args.world_size,
             is_main=is_main,
-            disabled=sharded_reason(args),
             ddp_broadcast_buffers=buffer_policy(args),
             grads_with_optimizer=True,
         )

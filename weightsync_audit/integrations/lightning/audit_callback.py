@@ -18,8 +18,7 @@ from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.repair.resync_plan import ResyncSource
 from weightsync_audit.integrations.resume_sources import lightning_resume
-from weightsync_audit.integrations.session.arguments import check_every_n
-from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
