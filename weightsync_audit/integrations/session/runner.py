@@ -33,24 +33,15 @@ from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
-from weightsync_audit.integrations.session.options import (
-    EXIT_DIVERGED,
-    AuditOptions,
-    check_every_n,
-    check_exit_code,
-    with_option_properties,
-)
+from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.overlap import OverlapDriver
 from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSinks
 
 __all__ = [
-    "EXIT_DIVERGED",
     "AuditRunner",
     "audit_metrics",
-    "check_every_n",
-    "check_exit_code",
 ]
 
 log = logging.getLogger("weightsync_audit")
