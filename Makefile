@@ -1,6 +1,7 @@
 # `make demo` and `make test` work on a fresh machine: both create .venv when it is missing.
-# `make demo` installs what the demo needs (torch and this package); `make test` adds the test extra on top
-# (Lightning, transformers, DeepSpeed, Ray, Megatron-core, ...), so a first demo stays small and quick.
+# `make demo` installs what the demo needs (torch, this package and its lightning extra: the demo is a Lightning
+# run); `make test` adds the test extra on top (transformers, DeepSpeed, Ray, Megatron-core, ...), so a first
+# demo stays small and quick.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,7 @@ $(DEMO_STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e ".[lightning]"
 	touch $(DEMO_STAMP)
 
 $(STAMP): $(DEMO_STAMP) pyproject.toml

@@ -43,7 +43,7 @@ for _name in ("pytorch_lightning", "lightning.pytorch", "lightning_fabric"):
 import pytorch_lightning as pl  # noqa: E402
 from pytorch_lightning.loggers import Logger  # noqa: E402
 
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit  # noqa: E402
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit  # noqa: E402
 
 WIDTH = 1024
 IN, OUT = 256, 16

@@ -13,8 +13,8 @@ import torch
 
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.integrations.activation import ENV_VAR, parse_options
-from weightsync_audit.integrations.lightning import lightning_pytorch as lp_ns
-from weightsync_audit.integrations.lightning import pytorch_lightning as pl_ns
+from weightsync_audit.lightning import lightning_pytorch as lp_ns
+from weightsync_audit.lightning import pytorch_lightning as pl_ns
 
 NAMESPACES = [(pl, pl_ns.WeightSyncAudit), (lp, lp_ns.WeightSyncAudit)]
 IDS = ["pytorch_lightning", "lightning.pytorch"]

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from attribution_faults import FaultyAdam, flip_bit
 from lightning_helpers import Perturb, SmallModel, fit, records
 
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
 
 class FaultyModel(SmallModel):

@@ -17,7 +17,7 @@ from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.strategies import DDPStrategy
 
 from weightsync_audit.integrations.lightning.audit_callback import sharded_strategy_reason
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 from weightsync_audit.scenarios.lightning_20340 import SeedModel, make_loader
 
 
@@ -298,7 +298,7 @@ def test_resync_src_beyond_the_world_fails_at_setup(tmp_path: Path) -> None:
 def test_both_lightning_namespaces_take_their_own_class(tmp_path: Path) -> None:
     import lightning.pytorch as L
 
-    from weightsync_audit.integrations.lightning.lightning_pytorch import WeightSyncAudit as LWeightSyncAudit
+    from weightsync_audit.lightning.lightning_pytorch import WeightSyncAudit as LWeightSyncAudit
 
     class LModel(L.LightningModule):
         def __init__(self) -> None:
@@ -365,7 +365,7 @@ trainer:
   accelerator: cpu
   logger: false
   callbacks:
-    - class_path: weightsync_audit.integrations.lightning.pytorch_lightning.WeightSyncAudit
+    - class_path: weightsync_audit.lightning.pytorch_lightning.WeightSyncAudit
       init_args:
         every_n_train_steps: 5
         hooks: [on_train_start, on_fit_end]

@@ -16,7 +16,7 @@ from lightning_helpers import Perturb, SmallModel, fit, rank_end, records
 from torch import nn
 
 from weightsync_audit import AuditResult, WeightSyncWarning
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 from weightsync_audit.reporting.jsonl import ReportWriter, read_report
 from weightsync_audit.text import without_tie
 

@@ -275,7 +275,7 @@ def test_an_adapter_takes_its_options_whole_or_flat_never_both(tmp_path: Path) -
     import torch
 
     from weightsync_audit import AuditOptions, LoopAudit
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
     from weightsync_audit.transformers import WeightSyncAuditCallback
 
     options = AuditOptions(include=["params"], on_mismatch="raise", report_path=tmp_path / "a.jsonl", exit_code=17)

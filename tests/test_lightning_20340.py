@@ -20,7 +20,7 @@ import torch.distributed as dist
 from scripts.lightning_20340_run import Probe, run
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
 from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader, seed_model_for
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_20340_run.py"
@@ -226,7 +226,7 @@ def test_freezing_mid_training_without_the_fix_breaks_ddps_reduction(tmp_path: P
 def test_the_lightning_pytorch_namespace_class_fixes_the_seed_too(tmp_path: Path) -> None:
     import lightning.pytorch as L
 
-    from weightsync_audit.integrations.lightning import lightning_pytorch as lp
+    from weightsync_audit.lightning import lightning_pytorch as lp
 
     LSeedModel = seed_model_for(L.LightningModule)
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from weightsync_audit import AuditConfig, AuditOptions, Auditor, LoopAudit, audit
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
 NAN, INF = math.nan, math.inf
 _COVERAGE = ["1/0", "x", None, 0, 2, 0.3, [1], "1/-2", True]

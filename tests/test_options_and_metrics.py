@@ -14,11 +14,11 @@ from weightsync_audit import LoopAudit
 
 
 def _lightning_classes() -> list[type]:
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
     classes: list[type] = [WeightSyncAudit]
     try:
-        from weightsync_audit.integrations.lightning.lightning_pytorch import WeightSyncAudit as LWeightSyncAudit
+        from weightsync_audit.lightning.lightning_pytorch import WeightSyncAudit as LWeightSyncAudit
     except ImportError:  # the `lightning` package is not installed here
         return classes
     return [*classes, LWeightSyncAudit]

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import weightsync_audit
 
 
@@ -96,11 +98,15 @@ def _make_dry_run(target: str, tmp_path: Path) -> list[str]:
 
 
 def test_make_demo_installs_what_the_demo_needs_and_make_test_the_test_extra_on_top(tmp_path: Path) -> None:
-    # The demo needs torch and the package (its core dependencies: Lightning, xxhash, rich); never the
+    # The demo needs torch, the package and its lightning extra (the demo is a Lightning run); never the
     # test extra (DeepSpeed, Ray, Megatron-core...), which make test adds on top.
     demo = _make_dry_run("demo", tmp_path)
     installs = [line for line in demo if " pip install " in line]
-    assert [line.split(" pip install -q ", 1)[1] for line in installs] == ["--upgrade pip", "torch==2.13.0", "-e ."]
+    assert [line.split(" pip install -q ", 1)[1] for line in installs] == [
+        "--upgrade pip",
+        "torch==2.13.0",
+        '-e ".[lightning]"',
+    ]
     assert demo[-1].endswith("weightsync-audit demo")
     test = _make_dry_run("test", tmp_path)
     assert test[: len(demo) - 1] == demo[:-1]  # the demo's install first
@@ -108,3 +114,51 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_the_test_extra_on_
     assert any('-e ".[test]"' in line for line in extra) and test[-1].endswith(
         "pytest -q -p no:cacheprovider -n 2 --dist loadfile"
     )
+
+
+def test_lightning_is_an_extra_that_the_test_extra_and_make_demo_include() -> None:
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    named = [d.split(">")[0].split("[")[0] for d in project["dependencies"]]
+    assert not any("lightning" in n for n in named), named  # an HF or plain-loop install pulls no Lightning
+    extras = project["optional-dependencies"]
+    assert [d.split(">")[0] for d in extras["lightning"]] == ["pytorch-lightning"]
+    assert "pytorch-lightning" in [d.split(">")[0] for d in extras["test"]]
+
+
+@pytest.mark.parametrize(
+    ("blocked", "path", "install"),
+    [
+        (
+            "pytorch_lightning",
+            "weightsync_audit.lightning.pytorch_lightning",
+            "pip install 'weightsync-audit[lightning]'",
+        ),
+        ("lightning", "weightsync_audit.lightning.lightning_pytorch", "pip install lightning"),
+    ],
+)
+def test_the_lightning_callback_without_lightning_says_what_to_install(blocked: str, path: str, install: str) -> None:
+    code = (
+        f"import sys; sys.modules[{blocked!r}] = None\n"
+        "import weightsync_audit; weightsync_audit.LoopAudit  # the rest of the package imports\n"
+        f"try:\n    from {path} import WeightSyncAudit\n"
+        "except ModuleNotFoundError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert "Lightning callbacks" in out and install in out, out
+
+
+def test_every_warning_points_at_the_users_line() -> None:
+    import ast
+
+    root = Path(weightsync_audit.__file__).parent
+    fixed = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            func = getattr(node, "func", None)
+            if isinstance(func, ast.Attribute) and func.attr == "warn" and getattr(func.value, "id", "") == "warnings":
+                levels = [ast.unparse(k.value) for k in node.keywords if k.arg == "stacklevel"]  # type: ignore[attr-defined]
+                if levels != ["user_stacklevel()"]:
+                    fixed.append(f"{path.relative_to(root)}:{node.lineno}")  # type: ignore[attr-defined]
+    assert not fixed, f"warnings whose stacklevel is not user_stacklevel(): {fixed}"

@@ -18,7 +18,7 @@ from torch import nn
 from torchrun import OFFLINE
 
 from weightsync_audit import WeightSyncWarning
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
 
 class SparseBufferModel(SmallModel):

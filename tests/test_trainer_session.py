@@ -13,12 +13,12 @@ import torch
 from weightsync_audit import AuditOptions, WeightSyncWarning
 from weightsync_audit.engine import config, respond
 from weightsync_audit.engine.timeline import step_hyper
-from weightsync_audit.integrations.lightning import hook_routes
-from weightsync_audit.integrations.session import arguments, options, trainer_session
+from weightsync_audit.integrations.lightning import audit_callback
+from weightsync_audit.integrations.session import options, trainer_session
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 
 
-@pytest.mark.parametrize("module", [options, trainer_session, hook_routes, arguments, config, respond, step_hyper])
+@pytest.mark.parametrize("module", [options, trainer_session, audit_callback, config, respond, step_hyper])
 def test_the_examples_in_the_docstrings_run(module: object) -> None:
     failed, tried = doctest.testmod(module, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
     assert tried and not failed

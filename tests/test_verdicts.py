@@ -20,7 +20,7 @@ from weightsync_audit import Auditor, AuditResult, Mismatch, audit, maybe_rewrap
 from weightsync_audit.cli import main
 from weightsync_audit.cli.reports import cmd_show
 from weightsync_audit.engine.explain import Evidence, explain
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 from weightsync_audit.reporting.jsonl import ReportWriter
 
 

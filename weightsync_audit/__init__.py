@@ -36,9 +36,9 @@ if TYPE_CHECKING:
         WeightSyncAuditError,
         WeightSyncWarning,
     )
-    from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
     from weightsync_audit.integrations.loop import LoopAudit
     from weightsync_audit.integrations.session.options import AuditOptions
+    from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
     from weightsync_audit.reporting.jsonl import ReportContents, ReportWriter, read_report
     from weightsync_audit.reporting.record import SCHEMA, AuditResult, Mismatch
     from weightsync_audit.reporting.render import render
@@ -82,9 +82,9 @@ _LAZY = {
     "ResumeSources": "weightsync_audit.engine.checkpoints.resume_state",
     "PendingAudit": "weightsync_audit.engine.overlap",
     # The callbacks for `import pytorch_lightning`; `lightning.pytorch` users import them from
-    # weightsync_audit.integrations.lightning.lightning_pytorch.
-    "WeightSyncAudit": "weightsync_audit.integrations.lightning.pytorch_lightning",
-    "DDPRewrapOnTrainableChange": "weightsync_audit.integrations.lightning.pytorch_lightning",
+    # weightsync_audit.lightning.lightning_pytorch.
+    "WeightSyncAudit": "weightsync_audit.lightning.pytorch_lightning",
+    "DDPRewrapOnTrainableChange": "weightsync_audit.lightning.pytorch_lightning",
 }
 
 __all__ = [

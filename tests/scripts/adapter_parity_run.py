@@ -65,7 +65,7 @@ def loop(path: Path) -> None:
 def lightning(path: Path) -> None:
     import pytorch_lightning as pl
 
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:

@@ -25,7 +25,7 @@ import pytorch_lightning as pl
 import torch
 
 from weightsync_audit.errors import WeightSyncWarning
-from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
 from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 
 FREEZE_EPOCH = 2

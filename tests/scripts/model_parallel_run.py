@@ -25,11 +25,11 @@ OUT, MODE = Path(sys.argv[1]), sys.argv[2]
 if MODE == "tp":
     import lightning.pytorch as L
 
-    from weightsync_audit.integrations.lightning.lightning_pytorch import WeightSyncAudit
+    from weightsync_audit.lightning.lightning_pytorch import WeightSyncAudit
 else:
     import pytorch_lightning as L
 
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
 
 class Net(L.LightningModule):

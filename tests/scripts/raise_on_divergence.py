@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lightning_helpers import Perturb, SmallModel, fit
 
-from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
 
 def nudge(trainer, module):  # type: ignore[no-untyped-def]

@@ -29,7 +29,8 @@ import torch.distributed as dist
 from weightsync_audit import AuditOptions, ResumeSources
 from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
-from weightsync_audit.integrations.session.runner import EXIT_DIVERGED, AuditRunner
+from weightsync_audit.integrations.session.options import EXIT_DIVERGED
+from weightsync_audit.integrations.session.runner import AuditRunner
 
 
 def last_verified(folder: Path) -> tuple[int, Path] | None:

@@ -120,17 +120,20 @@ def _progress_callback(base: type, audit: Any, label: str) -> Any:
 
 
 def _fit(ranks: int, epochs: int, report: Path, fixed: bool, label: str) -> None:
+    try:
+        from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
+    except ModuleNotFoundError as exc:  # Lightning is an extra: say what to install
+        raise CliError(f"the demo is a Lightning run: {exc}") from None
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import BackboneFinetuning
 
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
     from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 
     audit = WeightSyncAudit(every_n_train_steps=1, hooks=("on_train_start",), report_path=str(report), verbose=True)
     callbacks: list[Any] = [BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE_EPOCH), audit]
     if fixed:
         try:
-            from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange
+            from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange
         except ImportError:
             raise CliError("DDPRewrapOnTrainableChange is not available in this installation") from None
         callbacks.append(DDPRewrapOnTrainableChange())

@@ -26,7 +26,7 @@ import xxhash
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.checkpoints.sidecar import flat_tensors
 from weightsync_audit.engine.hashing.digest import digest_tensors
-from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
 __all__ = ["BatchRecords", "batch_digest", "describe", "shared_batches"]
 
@@ -75,7 +75,7 @@ class BatchRecords:
         key = tuple(tuple(g) for g in groups)
         if key not in self.said:
             self.said.add(key)
-            warnings.warn(f"weightsync: {describe(groups, step)}", WeightSyncWarning, stacklevel=3)
+            warnings.warn(f"weightsync: {describe(groups, step)}", WeightSyncWarning, stacklevel=user_stacklevel())
 
 
 def shared_batches(comm: Comm, digest: str | None) -> list[list[int]]:

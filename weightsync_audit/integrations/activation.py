@@ -134,13 +134,13 @@ def _callbacks(cls: type) -> list[Any]:
 
 def pytorch_lightning_callbacks() -> list[Any]:
     """Entry point for ``pytorch_lightning.callbacks_factory``."""
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
     return _callbacks(WeightSyncAudit)
 
 
 def lightning_pytorch_callbacks() -> list[Any]:
     """Entry point for ``lightning.pytorch.callbacks_factory``."""
-    from weightsync_audit.integrations.lightning.lightning_pytorch import WeightSyncAudit
+    from weightsync_audit.lightning.lightning_pytorch import WeightSyncAudit
 
     return _callbacks(WeightSyncAudit)

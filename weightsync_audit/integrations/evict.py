@@ -223,9 +223,11 @@ def write_evict(
     except OSError as exc:  # the hand-off never ends the run by itself; the exit status still says it
         import warnings
 
-        from weightsync_audit.errors import WeightSyncWarning
+        from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
-        warnings.warn(f"weightsync: could not write the evict hand-off: {exc}", WeightSyncWarning, stacklevel=2)
+        warnings.warn(
+            f"weightsync: could not write the evict hand-off: {exc}", WeightSyncWarning, stacklevel=user_stacklevel()
+        )
     return written
 
 

@@ -64,13 +64,13 @@ def is_on(value: str | None) -> bool:
 def _warn(what: str, exc: BaseException) -> None:
     import warnings
 
-    from weightsync_audit.errors import WeightSyncWarning
+    from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
     warnings.warn(
         f"weightsync audit: {ENV_VAR} is set but {what} ({type(exc).__name__}: {exc}); the Trainer is left "
         "without the audit: pass callbacks=WeightSyncAuditCallback.from_env() to it instead",
         WeightSyncWarning,
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 

@@ -16,8 +16,12 @@ from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.inventory.manifest import as_optimizers, stepping_optimizer
 from weightsync_audit.engine.repair.plan import ResyncSource
-from weightsync_audit.integrations.session.arguments import check_every_n, check_module
-from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.options import (
+    AuditOptions,
+    check_every_n,
+    check_module,
+    with_option_properties,
+)
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink

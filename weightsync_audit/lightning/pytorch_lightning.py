@@ -1,5 +1,20 @@
-"""``WeightSyncAudit`` and ``DDPRewrapOnTrainableChange`` for ``import pytorch_lightning`` (defined in :mod:`weightsync_audit.integrations.lightning.pytorch_lightning`)."""
+"""``WeightSyncAudit`` and ``DDPRewrapOnTrainableChange`` for ``import pytorch_lightning`` (without it installed, the import
+says what to install)."""
 
-from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
+from __future__ import annotations
+
+from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
+from weightsync_audit.integrations.lightning.rewrap_callback import DDPRewrapMixin
+from weightsync_audit.lightning import callback_base
 
 __all__ = ["DDPRewrapOnTrainableChange", "WeightSyncAudit"]
+
+Callback = callback_base("pytorch_lightning")
+
+
+class WeightSyncAudit(WeightSyncAuditMixin, Callback):  # type: ignore[misc, valid-type]
+    __doc__ = WeightSyncAuditMixin.__doc__
+
+
+class DDPRewrapOnTrainableChange(DDPRewrapMixin, Callback):  # type: ignore[misc, valid-type]
+    __doc__ = DDPRewrapMixin.__doc__

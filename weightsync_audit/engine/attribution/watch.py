@@ -44,7 +44,7 @@ from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import stepping_optimizer
 from weightsync_audit.engine.inventory.peers import replicated_everywhere
-from weightsync_audit.errors import WeightSyncWarning
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
 
@@ -148,7 +148,7 @@ class StepWatch:
                     f"weightsync audit: attribution's collective check is off ({exc}); pass your comm hook to "
                     "attach_watch(hook=...) so that it runs inside the check",
                     WeightSyncWarning,
-                    stacklevel=2,
+                    stacklevel=user_stacklevel(),
                 )
 
     def detach(self) -> None:
@@ -304,7 +304,7 @@ class StepWatch:
     def _say(self, what: str) -> None:
         if what not in self._said:
             self._said.add(what)
-            warnings.warn(f"weightsync audit: {what}", WeightSyncWarning, stacklevel=4)
+            warnings.warn(f"weightsync audit: {what}", WeightSyncWarning, stacklevel=user_stacklevel())
 
     def _open_step(self) -> dict[str, Any]:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""

@@ -35,11 +35,10 @@ from weightsync_audit.engine.config import OnMismatch, checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.plan import ResyncSource
-from weightsync_audit.integrations.hf.engines import buffer_policy, sharded_reason
-from weightsync_audit.integrations.hf.resume import checkpoint_dir, resumed_folder
+from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, resumed_folder
 from weightsync_audit.integrations.resume_sources import hf_resume
-from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
-from weightsync_audit.integrations.session.runner import audit_metrics, check_every_n
+from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
+from weightsync_audit.integrations.session.runner import audit_metrics
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
@@ -266,7 +265,6 @@ class WeightSyncAuditCallback(TrainerCallback):
         opened = self.session.open(
             world_size=args.world_size,
             is_main=is_main,
-            disabled=sharded_reason(args),
             ddp_broadcast_buffers=buffer_policy(args),
             grads_with_optimizer=True,
         )

@@ -1,16 +1,34 @@
-"""What the Hugging Face Trainer trains with, read from its arguments and Accelerate's state: the engine
-(:func:`engine_of`) and so whether buffers are overwritten from rank 0 at every forward
-(:func:`buffer_policy`). It imports neither ``transformers`` nor Accelerate at import time.
+"""What the Hugging Face Trainer's arguments and state say: what it trains with, read from its arguments
+and Accelerate's state (the engine, :func:`engine_of`, and so whether buffers are overwritten from rank 0
+at every forward, :func:`buffer_policy`), and which checkpoint folder it resumes from (:func:`resumed_folder`).
+It imports neither ``transformers`` nor Accelerate at import time.
 
 >>> from types import SimpleNamespace
 >>> engine_of(SimpleNamespace(world_size=1))
+
+The Trainer keeps the folder given to ``train(resume_from_checkpoint=...)`` (resolved from ``True`` to the
+newest ``checkpoint-N`` of ``output_dir``) only as an argument of its training loop; it loads the weights,
+optimizer, scheduler and ``trainer_state.json`` from there, and each rank's ``rng_state_{rank}.pth`` after
+``on_train_begin``. So the resume check reads that argument from the Trainer's own frame on the stack, the
+frame that dispatches the event (no other attribute holds it); ``args.resume_from_checkpoint`` (which the
+Trainer itself does not use) and ``<output_dir>/checkpoint-<global_step>`` are the fallbacks when it is not
+there (a callback called by hand).
+
+>>> class Args: output_dir, resume_from_checkpoint = "/out", None
+>>> class State: global_step = 4
+>>> resumed_folder(None, Args(), State())
+'/out/checkpoint-4'
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
-__all__ = ["buffer_policy", "engine_of", "sharded_reason"]
+__all__ = ["buffer_policy", "checkpoint_dir", "engine_of", "resumed_folder"]
+
+_MISSING = object()
 
 
 def engine_of(args: Any) -> str | None:
@@ -39,12 +57,6 @@ def engine_of(args: Any) -> str | None:
     return "ddp" if getattr(args, "world_size", 1) > 1 else None
 
 
-def sharded_reason(args: Any) -> str | None:
-    """Kept for callers: no engine the Trainer runs is refused any more (DeepSpeed and FSDP are audited
-    through their replica adapters, see docs/sharded.md), so this is always ``None``."""
-    return None
-
-
 def buffer_policy(args: Any) -> bool | None:
     """Whether the Trainer's engine overwrites buffers from rank 0 at every forward (``None``: no engine).
 
@@ -58,3 +70,34 @@ def buffer_policy(args: Any) -> bool | None:
         return False
     value = getattr(args, "ddp_broadcast_buffers", None)
     return True if value is None else bool(value)
+
+
+def checkpoint_dir(args: Any, state: Any) -> str:
+    """The folder the Trainer saves the checkpoint of this step in: ``<output_dir>/checkpoint-<global_step>``."""
+    return os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
+
+
+def _train_argument(trainer: Any, depth: int) -> Any:
+    """``resume_from_checkpoint`` in the frame of ``trainer``'s training loop up the stack, or ``_MISSING``."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            break
+        local = frame.f_locals
+        if local.get("self") is trainer and "resume_from_checkpoint" in local:
+            return local["resume_from_checkpoint"]
+        frame = frame.f_back  # type: ignore[assignment]
+    return _MISSING
+
+
+def resumed_folder(trainer: Any, args: Any, state: Any, depth: int = 12) -> str | None:
+    """The folder ``trainer`` resumes from (``None``: not resuming, ``state.global_step == 0``)."""
+    if not state.global_step:
+        return None
+    given = _train_argument(trainer, depth) if trainer is not None else _MISSING
+    if isinstance(given, (str, os.PathLike)) and os.path.isdir(given):
+        return os.fspath(given)
+    given = getattr(args, "resume_from_checkpoint", None)
+    if isinstance(given, (str, os.PathLike)) and os.path.isdir(given):
+        return os.fspath(given)
+    return checkpoint_dir(args, state)

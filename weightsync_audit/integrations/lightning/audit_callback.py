@@ -10,17 +10,15 @@ the report, prints, and logs.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from typing_extensions import override
 
 from weightsync_audit.engine.checkpoints.resume_state import rng_now
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.repair.plan import ResyncSource
-from weightsync_audit.integrations.lightning.hook_routes import route_hooks
 from weightsync_audit.integrations.resume_sources import lightning_resume
-from weightsync_audit.integrations.session.arguments import check_every_n
-from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
+from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSink
@@ -50,6 +48,29 @@ AUDIT_HOOKS: tuple[str, ...] = (
 _SHARDED_STRATEGIES = ("XLAFSDP",)
 
 _STATE_VERSION = 1
+
+
+def route_hooks(cls: type, names: Sequence[str], *, to: str) -> None:
+    """Define each Lightning hook in ``names`` on ``cls`` (``(trainer, pl_module, *args)``, the batch hooks'
+    extra arguments ignored) as ``self.<to>(trainer, name)``: the hooks that only say which hook ran.
+
+    >>> class Probe:
+    ...     def seen(self, trainer, hook): print(trainer, hook)
+    >>> route_hooks(Probe, ("on_train_epoch_end",), to="seen")
+    >>> Probe().on_train_epoch_end("trainer", "module")
+    trainer on_train_epoch_end
+    """
+
+    def route(name: str) -> Callable[..., None]:
+        def hook(self: Any, trainer: Any, pl_module: Any, *args: Any) -> None:
+            getattr(self, to)(trainer, name)
+
+        hook.__name__ = hook.__qualname__ = name
+        hook.__doc__ = f"Lightning's ``{name}``: ``self.{to}(trainer, {name!r})``."
+        return hook
+
+    for name in names:
+        setattr(cls, name, route(name))
 
 
 def sharded_strategy_reason(strategy: Any) -> str | None:

@@ -45,7 +45,7 @@ from weightsync_audit.ddp.inspect import (
 )
 from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, agree_trainable, reduce_grads_by_hand, rewrap_ddp
 from weightsync_audit.engine.inventory.reducer import find_ddp
-from weightsync_audit.integrations.lightning.hook_routes import route_hooks
+from weightsync_audit.integrations.lightning.audit_callback import route_hooks
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -33,25 +33,15 @@ from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
-from weightsync_audit.integrations.session.arguments import (
-    EXIT_DIVERGED,
-    check_every_n,
-    check_exit_code,
-)
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.overlap import OverlapDriver
-from weightsync_audit.integrations.session.worker_history import HistoryHandoff, summary_outside_workers
 from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.sinks import RecordSinks
-from weightsync_audit.text import last_in_sync
 
 __all__ = [
-    "EXIT_DIVERGED",
     "AuditRunner",
     "audit_metrics",
-    "check_every_n",
-    "check_exit_code",
 ]
 
 log = logging.getLogger("weightsync_audit")
@@ -108,10 +98,7 @@ class AuditRunner:
         self.failures: list[str] = []
         """Audits that failed under ``warn``, noted in the next record written."""
         self._warned_failures: set[str] = set()
-        self.handoff = HistoryHandoff()
-        """The main process's history back to the process that built the runner (ddp_fork/ddp_spawn)."""
         self.is_main = False
-        self.from_workers = False
         self.last_step_recorded: int | None = None
         self.resynced_ranks: dict[int, int] = {}
         """Ranks a resync repaired (those that received a copy), with the step: a divergence that comes back on
@@ -165,16 +152,12 @@ class AuditRunner:
         self.auditor.setup()
 
     def close(self) -> None:
-        """Close the report (idempotent), and leave the history for the process that built the runner
-        when that is another one (the parent of ddp_fork/ddp_spawn workers). The audit channel stays
-        cached for the process's next run."""
+        """Close the report (idempotent); the audit channel stays cached for the process's next run."""
         if self.overlap is not None:
             self.overlap.close()  # the pending verdict acted on first (collective, as the audit was)
         if self.writer is not None:
             self.writer.close()
             self.writer = None
-        if self.is_main and self.auditor is not None:
-            self.handoff.put(self.history.state_dict())
 
     # -- the audit -----------------------------------------------------------------------------
 
@@ -197,7 +180,7 @@ class AuditRunner:
                     f"weightsync audit: pinpoint could not digest step {step}; training goes on "
                     f"(on_mismatch='warn'): {type(exc).__name__}: {exc}",
                     WeightSyncWarning,
-                    stacklevel=3,
+                    stacklevel=user_stacklevel(),
                 )
 
     def record_hyper(self, optimizers: Sequence[Any], step: int) -> None:
@@ -382,36 +365,3 @@ class AuditRunner:
 
         console = self.console or log_console(sys.stderr)
         console.print(renderable)
-
-    def summary(self, disabled: str | None = None) -> str:
-        """One line over the whole run: audits, the first divergence, resyncs.
-
-        In a process that ran no audit itself (the parent of ddp_fork/ddp_spawn workers) it is the main
-        worker's history, handed back; failing that, the report read back, or a plain statement.
-        """
-        h = self.history
-        if disabled:
-            return f"weightsync audit: not audited ({disabled})"
-        if self.auditor is None and h.audits == 0:
-            state = self.handoff.take()
-            if state is None:
-                return summary_outside_workers(self.report_path)
-            h.load_state_dict(state)
-            self.from_workers = True
-        where = " (audited in the worker processes; this is rank 0's history)" if self.from_workers else ""
-        if h.diverged_audits == 0 and h.audits and h.compared_nothing == h.audits:
-            return (
-                f"weightsync audit: {h.audits} audit(s), none compared a tensor between ranks (nothing to audit, "
-                f"or nothing with a replica: see the records' notes), so none says the replicas agree{where}"
-            )
-        if h.diverged_audits == 0:
-            last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
-            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}{where}"
-        first = ", ".join(h.first_divergence_tensors[:5])
-        if h.first_diverged_step is not None:
-            first += f"; diverged from step {h.first_diverged_step} (pinpointed)"
-        return (
-            f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
-            f"{h.first_divergence_step} ({first}); {last_in_sync(h.first_divergence_step, h.last_in_sync_step)}; "
-            f"{h.resyncs} resync(s){where}"
-        )

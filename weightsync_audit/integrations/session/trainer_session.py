@@ -4,7 +4,10 @@ The Lightning callback, the Hugging Face callback and :class:`~weightsync_audit.
 their framework's events into calls on one: open once (or stay disabled, with a reason said once), step
 aside when the ``WEIGHTSYNC_AUDIT`` variable added a second callback next to the user's, keep pinpoint's
 and attribution's per-step records, audit on the cadence (once per optimizer step), watch the trainable
-set before each step, and audit at the checkpoints the trainer saves and loads (their sidecars). The
+set before each step, audit at the checkpoints the trainer saves and loads (their sidecars), and say the
+run's summary, also in a process that ran no audit itself (the parent of ``ddp_spawn`` / ``ddp_fork``
+workers: global rank 0 hands its history back through a small file, :class:`HistoryHandoff`; failing that,
+the report is read back; failing that, it says plainly where the audits ran). The
 session takes every decision that leads to a collective from data equal on every rank (the step, the
 options); the main process only warns and prints. It imports no framework.
 
@@ -23,8 +26,14 @@ True
 
 from __future__ import annotations
 
+import atexit
+import json
+import os
+import tempfile
+import uuid
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
@@ -34,9 +43,11 @@ from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.session.options import AuditOptions
 from weightsync_audit.integrations.session.runner import AuditRunner
+from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.text import brief_names, last_in_sync
 
-__all__ = ["Checkpoint", "TrainerSession", "added_by_env"]
+__all__ = ["Checkpoint", "HistoryHandoff", "TrainerSession", "added_by_env", "summary_outside_workers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +67,90 @@ def added_by_env(callback: Any) -> bool:
     return getattr(callback, "env_options", None) is not None
 
 
+class HistoryHandoff:
+    """A file through which a worker's audit history reaches the process that built the callback.
+
+    >>> h = HistoryHandoff()
+    >>> h.put({"audits": 3}, force=True)   # a worker process writes without force
+    >>> h.take()
+    {'audits': 3}
+    >>> h.take() is None
+    True
+    """
+
+    def __init__(self) -> None:
+        self.owner = os.getpid()
+        self.path = Path(tempfile.gettempdir()) / f"weightsync-audit-history-{self.owner}-{uuid.uuid4().hex}.json"
+        atexit.register(self._cleanup)
+
+    def put(self, state: dict[str, Any], *, force: bool = False) -> None:
+        """Leave ``state`` for the owner when this is another process (atomically; a failure to write
+        only costs the hand-off). In the owner itself the history is already at hand: nothing is written."""
+        if os.getpid() == self.owner and not force:
+            return
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, self.path)
+        except (OSError, TypeError, ValueError):
+            tmp.unlink(missing_ok=True)
+
+    def take(self) -> dict[str, Any] | None:
+        """The state a worker left, once (in the owner process only), or ``None``."""
+        if os.getpid() != self.owner:
+            return None
+        try:
+            state = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+        self.path.unlink(missing_ok=True)
+        return state if isinstance(state, dict) else None
+
+    def _cleanup(self) -> None:
+        if os.getpid() == self.owner:
+            self.path.unlink(missing_ok=True)
+
+
+def summary_outside_workers(report_path: str | None) -> str:
+    """The run's summary as read from ``report_path``, or a plain statement that this process saw no audit.
+
+    >>> summary_outside_workers(None)[:56]
+    'weightsync audit: no audit ran in this process (under dd'
+    """
+    where = (
+        "no audit ran in this process (under ddp_spawn, ddp_fork and other launchers that start the ranks "
+        "as child processes the audits run in the workers, and their history ends with them)"
+    )
+    if report_path is None:
+        return (
+            f"weightsync audit: {where}; pass report_path=... to keep the run's record and read it here, or see "
+            "the report printed by rank 0 during fit"
+        )
+    if not os.path.isfile(report_path):
+        return f"weightsync audit: {where}; the report {report_path} does not exist (the run did not audit?)"
+    try:
+        contents = read_report(report_path)
+    except OSError as exc:
+        return f"weightsync audit: {where}; the report {report_path} cannot be read ({exc})"
+    rs = [r for _, r in contents.records]
+    if not rs:
+        return f"weightsync audit: {where}; the report {report_path} holds no valid record"
+    diverged = [r for r in rs if not r.in_sync]
+    source = f"read back from {report_path} (the audits ran in the worker processes)"
+    if not diverged:
+        return (
+            f"weightsync audit: {len(rs)} audit(s), replicas in sync throughout, last at step {rs[-1].step}; {source}"
+        )
+    first = diverged[0]
+    ordered = sorted(first.mismatches, key=lambda m: m.kind != "param")
+    end = "in sync" if rs[-1].in_sync else "diverged"
+    return (
+        f"weightsync audit: {len(rs)} audit(s), {len(diverged)} found divergence; first at step {first.step} "
+        f"({brief_names((m.name for m in ordered), 5)}); {last_in_sync(first.step, first.last_in_sync_step)}; "
+        f"{sum(r.action == 'resynced' for r in rs)} resync(s); {end} at the end; {source}"
+    )
+
+
 class TrainerSession:
     """The framework-free lifecycle of an audit callback; the adapters only translate hooks into calls."""
 
@@ -68,6 +163,9 @@ class TrainerSession:
         """Why this run is not audited (a sharded strategy, a duplicate from the variable), or ``None``."""
         self.last_step_audited: int | None = None
         self.trainable = TrainableSetWatch()
+        self.handoff = HistoryHandoff()
+        """The main process's history back to the process that built the session (ddp_fork/ddp_spawn)."""
+        self.from_workers = False
 
     @property
     def options(self) -> AuditOptions:
@@ -122,6 +220,8 @@ class TrainerSession:
         Face Trainer's next ``train()``); ``False`` keeps the auditors for hooks that follow (Lightning's
         ``validate`` after ``fit``)."""
         self.runner.close()
+        if self.runner.is_main and self.runner.auditor is not None:  # for the parent of ddp_fork/ddp_spawn workers
+            self.handoff.put(self.runner.history.state_dict())
         self.opened = self.opened and not ended
 
     # -- the steps -----------------------------------------------------------------------------
@@ -182,8 +282,37 @@ class TrainerSession:
         return self.runner.run(model, optimizers, **kw)
 
     def summary(self) -> str:
-        """One line over the run so far (or why it was not audited)."""
-        return self.runner.summary(self.disabled)
+        """One line over the whole run: audits, the first divergence, resyncs.
+
+        In a process that ran no audit itself (the parent of ddp_fork/ddp_spawn workers) it is the main
+        worker's history, handed back; failing that, the report read back, or a plain statement.
+        """
+        h = self.runner.history
+        if self.disabled:
+            return f"weightsync audit: not audited ({self.disabled})"
+        if self.runner.auditor is None and h.audits == 0:
+            state = self.handoff.take()
+            if state is None:
+                return summary_outside_workers(self.options.report_path)
+            h.load_state_dict(state)
+            self.from_workers = True
+        where = " (audited in the worker processes; this is rank 0's history)" if self.from_workers else ""
+        if h.diverged_audits == 0 and h.audits and h.compared_nothing == h.audits:
+            return (
+                f"weightsync audit: {h.audits} audit(s), none compared a tensor between ranks (nothing to audit, "
+                f"or nothing with a replica: see the records' notes), so none says the replicas agree{where}"
+            )
+        if h.diverged_audits == 0:
+            last = f", last at step {h.last_in_sync_step}" if h.last_in_sync_step is not None else ""
+            return f"weightsync audit: {h.audits} audit(s), replicas in sync throughout{last}{where}"
+        first = ", ".join(h.first_divergence_tensors[:5])
+        if h.first_diverged_step is not None:
+            first += f"; diverged from step {h.first_diverged_step} (pinpointed)"
+        return (
+            f"weightsync audit: {h.audits} audit(s), {h.diverged_audits} found divergence; first at step "
+            f"{h.first_divergence_step} ({first}); {last_in_sync(h.first_divergence_step, h.last_in_sync_step)}; "
+            f"{h.resyncs} resync(s){where}"
+        )
 
     def print_summary(self, is_main: bool) -> None:
         """Print :meth:`summary` on the main process with ``verbose``."""

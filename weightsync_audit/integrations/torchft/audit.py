@@ -36,8 +36,8 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditConfig, with_checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.respond import Voice
-from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning
-from weightsync_audit.integrations.session.arguments import check_every_n
+from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.integrations.session.options import check_every_n
 from weightsync_audit.integrations.torchft.channel import QuorumComm, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
@@ -321,7 +321,7 @@ class TorchFTAudit:
             warnings.warn(
                 f"weightsync audit at step {step} ({hook}) could not complete; training goes on: {text}",
                 WeightSyncWarning,
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
         log.warning("weightsync audit at step %s (%s) could not complete: %s", step, hook, text)
 
