@@ -38,19 +38,18 @@ from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.respond import Voice
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.session.options import check_every_n
-from weightsync_audit.integrations.torchft.channel import QuorumComm, drop_store, quorum_store
+from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, call_roll, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
     Quorum,
     QuorumTap,
+    SyncTargets,
     check_manager,
     group_rank,
+    sync_targets,
     wrap_method,
 )
-from weightsync_audit.integrations.torchft.counters import collect
-from weightsync_audit.integrations.torchft.rollcall import Member, call_roll
-from weightsync_audit.integrations.torchft.syncpoints import SyncTargets, sync_targets
-from weightsync_audit.integrations.torchft.verdict import AuditPoint, complete
+from weightsync_audit.integrations.torchft.verdict import AuditPoint, collect, complete
 from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 
