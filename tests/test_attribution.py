@@ -68,7 +68,7 @@ def test_a_healthy_run_with_attribution_has_no_blame() -> None:
 
 def _collective(rank: int, world: int, faulty: int, offload: bool = False) -> dict[str, Any]:
     from weightsync_audit import AttributionConfig, Auditor
-    from weightsync_audit.engine.attribution.attach import attach_watch
+    from weightsync_audit.engine.attribution.settle import attach_watch
     from weightsync_audit.engine.config import AuditConfig
 
     _, ddp, opt = build(rank)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
-    from weightsync_audit.engine.attribution.attach import attach_watch
     from weightsync_audit.engine.attribution.config import AttributionConfig
+    from weightsync_audit.engine.attribution.settle import attach_watch
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
     from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.engine.overlap import PendingAudit
@@ -52,7 +52,7 @@ _LAZY = {
     "rewrap_ddp": "weightsync_audit.ddp.rewrap",
     "AuditConfig": "weightsync_audit.engine.auditor",
     "AttributionConfig": "weightsync_audit.engine.attribution.config",
-    "attach_watch": "weightsync_audit.engine.attribution.attach",
+    "attach_watch": "weightsync_audit.engine.attribution.settle",
     "AuditHistory": "weightsync_audit.engine.auditor",
     "Auditor": "weightsync_audit.engine.auditor",
     "audit": "weightsync_audit.engine.auditor",

@@ -4,7 +4,7 @@ The first step at which the ranks' records part decides, read in the order thing
 
 1. **at rest** (between the step before and this one's optimizer step): a rank whose own parameters or
    optimizer state changed while the others' did not is the one, whatever the vote; how it changed says
-   what (:func:`~.rest.classify`): a version counter that moved, or more elements or bits than the memory
+   what (:func:`~.atrest.classify`): a version counter that moved, or more elements or bits than the memory
    flips, is a write by code (``at_rest_write``, software); one or two elements by a bit or so, no counter
    moved, is the memory (``at_rest_change``, hardware-suspect); neither told is ``at_rest_change`` with
    the cause ``a change at rest`` and no hardware suspicion;
@@ -37,7 +37,7 @@ import math
 from collections import Counter
 from typing import Any, Literal, Sequence, get_args
 
-from weightsync_audit.engine.attribution.rest import FLIP_BITS, FLIP_ELEMENTS, classify
+from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, classify
 from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
@@ -117,7 +117,7 @@ def _rest_blame(
     evidence: Sequence[dict[str, Any]],
     measured: dict[str, tuple[int, int]],
 ) -> dict[str, Any]:
-    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.rest.classify`).
+    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.atrest.classify`).
     ``measured``: name -> (elements differing from the reference at the audit, element count)."""
     kind, counts = classify(evidence), _counts(evidence)
     names = [e["name"] for e in evidence]

@@ -11,7 +11,7 @@ optimizer step: a step marked again with no optimizer step since (gradient accum
 ``on_train_batch_end`` at every micro-batch, or a loop's ``no_sync`` micro-batches) leaves its record as it
 is. Each step leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit
 exchanges it (:mod:`.settle`), and an audit's own digests against the post-step ones say what changed
-after the step. For what changed at rest, the record keeps how (:mod:`.rest`): a version counter moved (a
+after the step. For what changed at rest, the record keeps how (:mod:`.atrest`): a version counter moved (a
 write), how many elements and bits changed. With ``offload`` (what ``overlap=True`` sets) the at-rest reads
 and the collective check's digests run on worker threads (:mod:`.offload`).
 
