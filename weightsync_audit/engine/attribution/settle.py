@@ -17,7 +17,7 @@ import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import describe_this_rank
-from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_blame
+from weightsync_audit.engine.attribution.blame import Blame, blame_hint, decide, vote_blame
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import as_optimizers
@@ -44,7 +44,7 @@ def attribute(
     digests: np.ndarray,
     full: bool,
     ongoing: bool = False,
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[Blame, dict[str, str]]:
     """The blame of a divergence, and where each blamed rank runs; collective when a watch is on (every rank
     calls it, from the same record); ``ongoing``: a divergence decided earlier persists (its difference is
     no evidence about this one)."""
@@ -57,7 +57,7 @@ def attribute(
     gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
     ranks = list(comm.global_ranks)
     blame = decide(gathered, ranks, mismatches, [p.get("audit_rest", []) for p in gathered], ongoing=ongoing)
-    hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame["ranks"]}
+    hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame.ranks}
     return blame, hosts
 
 
@@ -102,17 +102,18 @@ def attribute_audit(
     kept = watch.found if watch is not None else None
     blame, where = attribute(comm, watch, mismatches, prepared=prepared, digests=digests, full=full,
                              ongoing=kept is not None)  # fmt: skip
-    named = bool(blame["ranks"]) and blame["evidence"] != "vote"
-    if kept is not None and not named and pairs <= kept[2]:  # the same divergence, still explained by its evidence
+    if (
+        kept is not None and not blame.by_records and pairs <= kept[2]
+    ):  # the same divergence, still explained by its evidence
         blame, where, pairs = kept
     if watch is not None:  # its records reported (a resync after it is no change at rest)
         watch.found = blame, where, pairs
         watch.records.clear()
     if where:
         hosts = {**(hosts or {}), **where}
-    if watch is not None and blame["detail"]:  # without a watch the vote is said already
+    if watch is not None and blame.detail:  # without a watch the vote is said already
         hints = [blame_hint(blame, hosts), *hints]
-    return dict(blame), hosts, hints
+    return blame.as_dict(), hosts, hints
 
 
 _WRAPPERS = ("module.", "_forward_module.", "_orig_mod.")

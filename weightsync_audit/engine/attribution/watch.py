@@ -35,6 +35,7 @@ import xxhash
 
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
+from weightsync_audit.engine.attribution.blame import Blame
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
 from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.attribution.offload import Deferred
@@ -127,7 +128,7 @@ class StepWatch:
         path; the collective check's own is :attr:`ReducedDigests.hook_s`)."""
         self.audit_evidence: list[dict[str, Any]] = []
         """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
-        self.found: tuple[dict[str, Any], dict[str, str], frozenset[tuple[str, int]]] | None = None
+        self.found: tuple[Blame, dict[str, str], frozenset[tuple[str, int]]] | None = None
         """The blame of the divergence under way (every rank alike), where the blamed run, and the (tensor, rank)
         pairs it explains: later audits keep it while it explains theirs and their records name no one."""
 
