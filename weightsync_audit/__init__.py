@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
-    from weightsync_audit.engine.attribution.config import AttributionConfig
+    from weightsync_audit.engine.attribution import AttributionConfig
     from weightsync_audit.engine.attribution.settle import attach_watch
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
     from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
@@ -51,7 +51,7 @@ _LAZY = {
     "maybe_rewrap": "weightsync_audit.ddp.rewrap",
     "rewrap_ddp": "weightsync_audit.ddp.rewrap",
     "AuditConfig": "weightsync_audit.engine.auditor",
-    "AttributionConfig": "weightsync_audit.engine.attribution.config",
+    "AttributionConfig": "weightsync_audit.engine.attribution",
     "attach_watch": "weightsync_audit.engine.attribution.settle",
     "AuditHistory": "weightsync_audit.engine.auditor",
     "Auditor": "weightsync_audit.engine.auditor",

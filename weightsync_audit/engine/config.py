@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from weightsync_audit.engine.attribution.config import AttributionConfig
+from weightsync_audit.engine.attribution import AttributionConfig
 from weightsync_audit.engine.inventory.manifest import check_include
 from weightsync_audit.engine.measure.tolerance import check_tolerance
 

@@ -34,10 +34,10 @@ import torch
 import xxhash
 
 from weightsync_audit.compat import tensor_version
+from weightsync_audit.engine.attribution import AttributionConfig
 from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
 from weightsync_audit.engine.attribution.blame import Blame
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
-from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, TypeVar
 
-from weightsync_audit.engine.attribution.config import AttributionConfig, check_attribution
+from weightsync_audit.engine.attribution import AttributionConfig, check_attribution
 from weightsync_audit.engine.config import AuditConfig, OnMismatch, check_flag, check_on_mismatch, parse_coverage
 from weightsync_audit.engine.repair.resync_plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
