@@ -38,8 +38,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import AttributionConfig, Auditor, compat
-from weightsync_audit.engine.attribution.attach import attach_watch
-from weightsync_audit.engine.attribution.config import check_attribution
+from weightsync_audit.engine.attribution import check_attribution
+from weightsync_audit.engine.attribution.settle import attach_watch
 from weightsync_audit.engine.config import AuditConfig
 
 ATTRIBUTION = check_attribution(True)

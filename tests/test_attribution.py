@@ -68,7 +68,7 @@ def test_a_healthy_run_with_attribution_has_no_blame() -> None:
 
 def _collective(rank: int, world: int, faulty: int, offload: bool = False) -> dict[str, Any]:
     from weightsync_audit import AttributionConfig, Auditor
-    from weightsync_audit.engine.attribution.attach import attach_watch
+    from weightsync_audit.engine.attribution.settle import attach_watch
     from weightsync_audit.engine.config import AuditConfig
 
     _, ddp, opt = build(rank)
@@ -130,11 +130,11 @@ def test_the_vote_alone_never_names_a_culprit_of_a_tie_and_a_strict_majority_nam
     from weightsync_audit.engine.attribution.blame import decide
 
     tie = Mismatch("w", "param", [1], [0], detail="tie vote: rank 0 vs rank 1, no majority")
-    assert decide([{}, {}], [0, 1], [tie])["ranks"] == []
+    assert decide([{}, {}], [0, 1], [tie]).ranks == ()
     odd = Mismatch("w", "param", [2], [0, 1])
-    assert decide([{}, {}, {}], [0, 1, 2], [odd]) | {"detail": ""} == {
+    assert decide([{}, {}, {}], [0, 1, 2], [odd]).as_dict() | {"detail": ""} == {
         "ranks": [2], "evidence": "vote", "cause": "unknown", "hardware_suspect": False, "step": None, "detail": ""
     }  # fmt: skip
     # Every rank changed at rest (code run everywhere between the steps), to other values: no one alone.
     recs = [{"records": [{"step": 3, "pre": p, "stepped": True, "rest": ["w"]}]} for p in (1, 2)]
-    assert decide(recs, [0, 1], [tie])["ranks"] == []
+    assert decide(recs, [0, 1], [tie]).ranks == ()

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import AttributionConfig, Auditor, LoopAudit
-from weightsync_audit.engine.attribution.attach import attach_watch
+from weightsync_audit.engine.attribution.settle import attach_watch
 from weightsync_audit.engine.config import AuditConfig
 
 

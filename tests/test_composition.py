@@ -210,7 +210,7 @@ def _evicting(rank: int, world: int, folder: str, attribution: bool) -> None:
     """Rank 0's weight corrupted, then an audit with ``exit_code``: every rank exits 17 (os._exit)."""
     os.environ.update({EVICT_FILE_ENV: f"{folder}/evict.json", SEGMENT_DIR_ENV: f"{folder}/health",
                        "SLURM_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": str(rank)})  # fmt: skip
-    from weightsync_audit.engine.attribution.attach import mark_step, watch_run
+    from weightsync_audit.engine.attribution.settle import mark_step, watch_run
     from weightsync_audit.integrations.session.runner import AuditRunner
 
     torch.manual_seed(0)

@@ -26,13 +26,15 @@ def _drift(p: torch.Tensor) -> None:
 
 
 def _persisting_then_flip(
-    rank: int, world: int, drifting: int, flipped: int | None, on_mismatch: str, evict: str | None
-) -> dict[str, Any]:
+    rank: int, world: int, drifting: int, flipped: int | None, on_mismatch: str, evict: str | None,
+    report: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     if evict is not None:
         os.environ[EVICT_FILE_ENV] = evict
     _, ddp, opt = build(rank)
     audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch=on_mismatch, verbose=False, attribution=True,
-                      tolerance=1e-4, exit_code=17 if on_mismatch == "raise" else None)  # fmt: skip
+                      tolerance=1e-4, exit_code=17 if on_mismatch == "raise" else None, overlap=report is not None,
+                      report_path=report)  # fmt: skip
     params = list(ddp.parameters())
     records: list[dict[str, Any] | None] = []
     for step in range(1, STEPS + 1):
@@ -65,6 +67,17 @@ def test_a_flip_while_a_tolerated_drift_persists_is_blamed_afresh_and_repaired_f
     assert not any(
         m["name"].endswith("0.weight") for r in out[0]["records"][FLIP_AFTER + 1 :] if r for m in r["mismatches"]
     )
+
+
+def test_with_overlap_the_flip_is_blamed_afresh_and_repaired_from_the_healthy_rank(tmp_path: Path) -> None:
+    from weightsync_audit import read_report
+
+    out = run_ranks(_persisting_then_flip, 2, 1, 0, "resync", None, str(tmp_path / "r.jsonl"))
+    divergent = [r for _, r in read_report(tmp_path / "r.jsonl").records if not r.in_sync]
+    assert divergent[0].blame is not None and divergent[0].blame["ranks"] == [1]
+    flipped = next(r for r in divergent if any(m.name == "0.weight" for m in r.mismatches))
+    assert flipped.blame is not None and flipped.blame["ranks"] == [0], flipped.blame
+    assert flipped.action == "resynced" and torch.equal(out[0]["w0"], out[1]["w0"])
 
 
 def test_a_flip_while_a_tolerated_drift_persists_evicts_the_flipped_rank(tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
-    from weightsync_audit.engine.attribution.attach import attach_watch
-    from weightsync_audit.engine.attribution.config import AttributionConfig
+    from weightsync_audit.engine.attribution import AttributionConfig
+    from weightsync_audit.engine.attribution.settle import attach_watch
     from weightsync_audit.engine.auditor import AuditConfig, AuditHistory, Auditor, audit
     from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
     from weightsync_audit.engine.overlap import PendingAudit
@@ -51,8 +51,8 @@ _LAZY = {
     "maybe_rewrap": "weightsync_audit.ddp.rewrap",
     "rewrap_ddp": "weightsync_audit.ddp.rewrap",
     "AuditConfig": "weightsync_audit.engine.auditor",
-    "AttributionConfig": "weightsync_audit.engine.attribution.config",
-    "attach_watch": "weightsync_audit.engine.attribution.attach",
+    "AttributionConfig": "weightsync_audit.engine.attribution",
+    "attach_watch": "weightsync_audit.engine.attribution.settle",
     "AuditHistory": "weightsync_audit.engine.auditor",
     "Auditor": "weightsync_audit.engine.auditor",
     "audit": "weightsync_audit.engine.auditor",

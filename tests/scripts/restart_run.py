@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync_audit import AuditOptions, ResumeSources
-from weightsync_audit.engine.attribution.attach import mark_step, watch_run
+from weightsync_audit.engine.attribution.settle import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 from weightsync_audit.integrations.session.options import EXIT_DIVERGED
 from weightsync_audit.integrations.session.runner import AuditRunner

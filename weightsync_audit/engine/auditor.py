@@ -43,8 +43,7 @@ from weightsync_audit.engine.repair.plan import RESYNC_KINDS, ResyncState, prepa
 from weightsync_audit.engine.run import AuditRun, gc_paused
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
-from weightsync_audit.engine.timeline.stalled import StallWatch
-from weightsync_audit.engine.timeline.step_hyper import StepHyper
+from weightsync_audit.engine.timeline.step_hyper import StallWatch, StepHyper
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Mapping, TypeVar, get_args
 
-from weightsync_audit.engine.attribution.config import AttributionConfig
+from weightsync_audit.engine.attribution import AttributionConfig
 from weightsync_audit.engine.inventory.manifest import check_include
 from weightsync_audit.engine.measure.gaps import check_tolerance
 

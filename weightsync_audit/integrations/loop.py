@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-from weightsync_audit.engine.attribution.attach import watch_run
+from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.inventory.manifest import as_optimizers, stepping_optimizer

@@ -4,7 +4,7 @@ The first step at which the ranks' records part decides, read in the order thing
 
 1. **at rest** (between the step before and this one's optimizer step): a rank whose own parameters or
    optimizer state changed while the others' did not is the one, whatever the vote; how it changed says
-   what (:func:`~.rest.classify`): a version counter that moved, or more elements or bits than the memory
+   what (:func:`~.atrest.classify`): a version counter that moved, or more elements or bits than the memory
    flips, is a write by code (``at_rest_write``, software); one or two elements by a bit or so, no counter
    moved, is the memory (``at_rest_change``, hardware-suspect); neither told is ``at_rest_change`` with
    the cause ``a change at rest`` and no hardware suspicion;
@@ -23,11 +23,11 @@ Nothing in the records: a strict majority of the vote (``vote``); a tie names no
 >>> blame = decide([{"records": [{"step": 7, "pre": 1, "post": 5, "stepped": True, "rest": ["0.weight"],
 ...                               "rest_evidence": [flip]}]},
 ...                 {"records": [{"step": 7, "pre": 2, "post": 6, "stepped": True}]}], [0, 1], [])
->>> blame["ranks"], blame["evidence"], blame["hardware_suspect"]
-([0], 'at_rest_change', True)
+>>> blame.ranks, blame.evidence, blame.hardware_suspect
+((0,), 'at_rest_change', True)
 >>> decide([{"records": [{"step": 7, "pre": 1, "stepped": True, "rest": ["0.weight"],
 ...                       "rest_evidence": [{**flip, "moved": True}]}]},
-...         {"records": [{"step": 7, "pre": 2, "stepped": True}]}], [0, 1], [])["evidence"]
+...         {"records": [{"step": 7, "pre": 2, "stepped": True}]}], [0, 1], []).evidence
 'at_rest_write'
 """
 
@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence, get_args
 
-from weightsync_audit.engine.attribution.rest import FLIP_BITS, FLIP_ELEMENTS, classify
+from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, classify
 from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
-__all__ = ["CAUSES", "EVIDENCE", "Evidence", "blame_hint", "checkpoint_blame", "decide", "vote_blame"]
+__all__ = ["CAUSES", "EVIDENCE", "Blame", "Evidence", "blame_hint", "checkpoint_blame", "decide", "vote_blame"]
 
 Evidence = Literal["vote", "at_rest_change", "at_rest_write", "update_not_reproducible", "collective_mismatch",
                    "deterministic_difference", "undecided", "checkpoint"]  # fmt: skip
@@ -63,17 +64,36 @@ write is ``a change at rest`` (:data:`UNTOLD`)."""
 UNTOLD = "a change at rest"
 
 
+@dataclass(frozen=True, slots=True)
+class Blame:
+    """Whom a divergence is blamed on and on what evidence: the record's ``blame`` (:meth:`as_dict`, its JSON)."""
+
+    ranks: tuple[int, ...]
+    """The ranks named (empty: undecided)."""
+    evidence: str
+    """What names them (:data:`EVIDENCE`)."""
+    cause: str
+    """The class the evidence names (:data:`CAUSES`)."""
+    hardware_suspect: bool
+    step: int | None
+    """The step whose records decided (None: the vote)."""
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record's ``blame`` field (docs/report-schema.md)."""
+        return {"ranks": list(self.ranks), "evidence": self.evidence, "cause": self.cause,
+                "hardware_suspect": self.hardware_suspect, "step": self.step, "detail": self.detail}  # fmt: skip
+
+    @property
+    def by_records(self) -> bool:
+        """Names ranks from their own evidence (not the vote)."""
+        return bool(self.ranks) and self.evidence != "vote"
+
+
 def _blame(
     ranks: Sequence[int], evidence: str, hardware: bool, step: int | None, detail: str, cause: str | None = None
-) -> dict[str, Any]:
-    return {
-        "ranks": sorted(ranks),
-        "evidence": evidence,
-        "cause": cause or CAUSES[evidence],
-        "hardware_suspect": bool(hardware and ranks),
-        "step": step,
-        "detail": detail,
-    }
+) -> Blame:
+    return Blame(tuple(sorted(ranks)), evidence, cause or CAUSES[evidence], bool(hardware and ranks), step, detail)
 
 
 def _side(flags: Sequence[bool]) -> list[int] | None:
@@ -116,8 +136,8 @@ def _rest_blame(
     changed: str,
     evidence: Sequence[dict[str, Any]],
     measured: dict[str, tuple[int, int]],
-) -> dict[str, Any]:
-    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.rest.classify`).
+) -> Blame:
+    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.atrest.classify`).
     ``measured``: name -> (elements differing from the reference at the audit, element count)."""
     kind, counts = classify(evidence), _counts(evidence)
     names = [e["name"] for e in evidence]
@@ -159,7 +179,7 @@ def _at_step(
     g: list[int],
     measured: dict[str, tuple[int, int]] | None = None,
     ongoing: bool = False,
-) -> dict[str, Any] | None:
+) -> Blame | None:
     """What the records at step ``s`` say, or None when the ranks agree at it (``ongoing``: or differ only as
     a divergence decided earlier left them)."""
     full = [r or {} for r in recs]
@@ -217,7 +237,7 @@ def _at_step(
 
 def _update(
     s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool, ongoing: bool = False
-) -> dict[str, Any] | None:
+) -> Blame | None:
     """The update at step ``s``, read from the ranks' replays of it (the last part of :func:`_at_step`)."""
     names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
     at = lambda idx: [g[i] for i in idx]  # noqa: E731
@@ -251,7 +271,7 @@ def _update(
     return None
 
 
-def vote_blame(mismatches: Sequence[Any]) -> dict[str, Any]:
+def vote_blame(mismatches: Sequence[Any]) -> Blame:
     """From the vote alone (:func:`~weightsync_audit.engine.culprit.strict_majority`, the one rule): a strict
     majority names the odd ranks; a tie names no one."""
     if not mismatches:
@@ -263,7 +283,7 @@ def vote_blame(mismatches: Sequence[Any]) -> dict[str, Any]:
     return _blame(odd, "vote", False, None, f"{fmt_ranks(odd)} hold the minority value(s)")
 
 
-def checkpoint_blame(changed: Sequence[Any], saved: str, step: int | None) -> dict[str, Any]:
+def checkpoint_blame(changed: Sequence[Any], saved: str, step: int | None) -> Blame:
     """At a load, from the sidecar: the ranks not holding what ``saved`` (the file, at its step) holds of the
     ``changed`` tensors, when every one of them has a rank holding it; else no rank named, and why."""
     names = ", ".join(sorted({m.name for m in changed})[:5])
@@ -285,7 +305,7 @@ def decide(
     mismatches: Sequence[Any],
     audit_rest: Sequence[Sequence[str]] | None = None,
     ongoing: bool = False,
-) -> dict[str, Any]:
+) -> Blame:
     """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame;
     ``ongoing``: a divergence decided earlier persists, so ranks that differ before a step tell nothing."""
     g = list(ranks)
@@ -313,33 +333,33 @@ def decide(
     failed = [f"rank {g[i]} at step {r['step']}: {r['failed']}" for i, p in enumerate(payloads)
               for r in p.get("records", []) if r.get("failed")]  # fmt: skip
     if failed:  # never in silence: why the records could not tell
-        blame["detail"] += f"; the watch failed ({'; '.join(failed[:3])})"
+        blame = replace(blame, detail=f"{blame.detail}; the watch failed ({'; '.join(failed[:3])})")
     return blame
 
 
-def blame_hint(blame: dict[str, Any], hosts: dict[str, str] | None) -> str:
+def blame_hint(blame: Blame, hosts: dict[str, str] | None) -> str:
     """The hint that names the class: memory at rest, compute in the step, the collective, software."""
-    ranks, detail = blame["ranks"], blame["detail"]
+    ranks, detail = blame.ranks, blame.detail
     where = "; ".join(f"rank {r} runs on {hosts[str(r)]}" for r in ranks if hosts and str(r) in hosts)
     where = f" ({where})" if where else ""
     if not ranks:
-        return f"attribution undecided ({blame['cause']}): {detail}"
-    if blame["evidence"] == "at_rest_change" and blame["hardware_suspect"]:
+        return f"attribution undecided ({blame.cause}): {detail}"
+    if blame.evidence == "at_rest_change" and blame.hardware_suspect:
         return (f"memory at rest: {detail}{where}. A bit flip: run a memory test on that device "
                 "(dcgmi diag -r 3, compute-sanitizer) before it trains again")  # fmt: skip
-    if blame["evidence"] == "at_rest_change":
+    if blame.evidence == "at_rest_change":
         return (f"a change at rest: {detail}{where}. Look for code writing to the weights between steps on that rank "
                 "(through .data or a raw pointer); if there is none, test the device's memory")  # fmt: skip
-    if blame["evidence"] == "at_rest_write":
+    if blame.evidence == "at_rest_write":
         return (f"a write at rest: {detail}{where}. Not the machine: look for code writing to the weights between "
                 "steps on that rank (a load or an edit on some ranks only, an EMA kept in the parameters)")  # fmt: skip
-    if blame["evidence"] == "update_not_reproducible":
+    if blame.evidence == "update_not_reproducible":
         return (f"compute in the step: {detail}{where}. Hardware-suspect: drain the host and run the vendor "
                 "diagnostics before it trains again")  # fmt: skip
-    if blame["evidence"] == "collective_mismatch":
+    if blame.evidence == "collective_mismatch":
         return f"the collective: {detail}{where}. Check the link and the communication library on that rank"
-    if blame["evidence"] == "checkpoint":
+    if blame.evidence == "checkpoint":
         return f"the checkpoint load: {detail}{where}. Load the checkpoint again on that rank (or resync from a rank that holds it)"
-    if blame["evidence"] == "deterministic_difference":
+    if blame.evidence == "deterministic_difference":
         return f"a software difference: {detail}. Not the machine: the ranks ran other code or settings"
     return f"by vote: {detail}{where}"

@@ -16,7 +16,7 @@ with the reason: an optimizer that re-evaluates the model inside its step (``LBF
 is not a torch class, one that cannot be rebuilt from its groups.
 
 The replayed values of what reproduced are kept until the next step: they are this rank's post-step
-bytes, against which a change at rest is counted (:mod:`.rest`).
+bytes, against which a change at rest is counted (:mod:`.atrest`).
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.ones(3))

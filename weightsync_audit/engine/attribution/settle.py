@@ -1,24 +1,38 @@
-"""At an audit: the blame for a divergence (collective, off the healthy path), and the watch kept in step.
+"""The watch on a training run: set once (:func:`attach_watch`; the callbacks and ``LoopAudit`` call it), and at
+an audit the blame for a divergence (collective, off the healthy path), the watch kept in step.
 
 On a divergent audit every rank sends its step records (one message, JSON) and every rank decides the
 same blame from the same gathered records (:func:`~.blame.decide`). Without a watch the vote alone
-decides, with no message. An in-sync full audit empties the records: nothing before it is in doubt.
+decides, with no message. An in-sync full audit empties the records: nothing before it is in doubt. A
+blame lives as long as its evidence explains the mismatches (:func:`attribute_audit`).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
+import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import describe_this_rank
-from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_blame
+from weightsync_audit.engine.attribution.blame import Blame, blame_hint, decide, vote_blame
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.inventory.manifest import as_optimizers
+from weightsync_audit.engine.inventory.reducer import find_ddp
 
-__all__ = ["attribute", "attribute_audit", "explained_pairs", "settle_watch"]
+__all__ = [
+    "attach_watch",
+    "attribute",
+    "attribute_audit",
+    "explained_pairs",
+    "mark_step",
+    "param_names",
+    "settle_watch",
+    "watch_run",
+]
 
 
 def attribute(
@@ -30,7 +44,7 @@ def attribute(
     digests: np.ndarray,
     full: bool,
     ongoing: bool = False,
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[Blame, dict[str, str]]:
     """The blame of a divergence, and where each blamed rank runs; collective when a watch is on (every rank
     calls it, from the same record); ``ongoing``: a divergence decided earlier persists (its difference is
     no evidence about this one)."""
@@ -43,7 +57,7 @@ def attribute(
     gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
     ranks = list(comm.global_ranks)
     blame = decide(gathered, ranks, mismatches, [p.get("audit_rest", []) for p in gathered], ongoing=ongoing)
-    hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame["ranks"]}
+    hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame.ranks}
     return blame, hosts
 
 
@@ -88,14 +102,76 @@ def attribute_audit(
     kept = watch.found if watch is not None else None
     blame, where = attribute(comm, watch, mismatches, prepared=prepared, digests=digests, full=full,
                              ongoing=kept is not None)  # fmt: skip
-    named = bool(blame["ranks"]) and blame["evidence"] != "vote"
-    if kept is not None and not named and pairs <= kept[2]:  # the same divergence, still explained by its evidence
+    if (
+        kept is not None and not blame.by_records and pairs <= kept[2]
+    ):  # the same divergence, still explained by its evidence
         blame, where, pairs = kept
     if watch is not None:  # its records reported (a resync after it is no change at rest)
         watch.found = blame, where, pairs
         watch.records.clear()
     if where:
         hosts = {**(hosts or {}), **where}
-    if watch is not None and blame["detail"]:  # without a watch the vote is said already
+    if watch is not None and blame.detail:  # without a watch the vote is said already
         hints = [blame_hint(blame, hosts), *hints]
-    return dict(blame), hosts, hints
+    return blame.as_dict(), hosts, hints
+
+
+_WRAPPERS = ("module.", "_forward_module.", "_orig_mod.")
+
+
+def param_names(model: Any) -> dict[int, str]:
+    """id(parameter) -> its name without the wrappers' prefixes (``module.`` of DDP, Lightning's, compile's)."""
+    if not isinstance(model, torch.nn.Module):
+        return {}
+    out = {}
+    for name, p in model.named_parameters():
+        while name.startswith(_WRAPPERS):
+            name = name.split(".", 1)[1]
+        out.setdefault(id(p), name)
+    return out
+
+
+def attach_watch(
+    auditor: Any,
+    model: Any,
+    optimizers: Sequence[Any],
+    *,
+    hook: Callable[..., Any] | None = None,
+    state: Any = None,
+    offload: bool = False,
+) -> StepWatch:
+    """A :class:`StepWatch` over ``auditor``'s own manifest of ``model`` and ``optimizers``, its hooks set
+    (with ``collective``, DDP's comm hook: ``hook``/``state`` are one the user's DDP already runs).
+    ``offload``: the at-rest reads on a worker thread, off the training thread (what ``overlap=True`` sets;
+    :mod:`~weightsync_audit.engine.attribution.offload`)."""
+    cfg = auditor.config
+    opts = as_optimizers(optimizers)
+    ddp = find_ddp(model) if model is not None else None
+    watch = StepWatch(
+        cfg.attribution,
+        prepare=lambda: auditor.prepare(model, opts, ddp=ddp),
+        optimizers=opts,
+        names=param_names(model),
+        capacity=cfg.pinpoint_ring,
+        method=cfg.method,
+        offload=offload,
+    )
+    watch.attach(ddp, hook, state)
+    return watch
+
+
+def watch_run(runner: Any, model: Any, optimizers: Sequence[Any]) -> None:
+    """For an open :class:`~weightsync_audit.integrations.session.runner.AuditRunner` whose options ask for
+    ``attribution``: set the watch on its main auditor (once, local); with ``overlap``, its at-rest reads
+    off the training thread too."""
+    auditor = runner.auditor
+    if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
+        offload = getattr(runner, "overlap", None) is not None
+        auditor.attribution = attach_watch(auditor, model, optimizers, offload=offload)
+
+
+def mark_step(runner: Any, step: int) -> None:
+    """After every optimizer step: the watch's record of it closed under ``step`` (local, no message)."""
+    watch = getattr(runner.auditor, "attribution", None)
+    if watch is not None:
+        watch.mark(step)

@@ -11,7 +11,7 @@ optimizer step: a step marked again with no optimizer step since (gradient accum
 ``on_train_batch_end`` at every micro-batch, or a loop's ``no_sync`` micro-batches) leaves its record as it
 is. Each step leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit
 exchanges it (:mod:`.settle`), and an audit's own digests against the post-step ones say what changed
-after the step. For what changed at rest, the record keeps how (:mod:`.rest`): a version counter moved (a
+after the step. For what changed at rest, the record keeps how (:mod:`.atrest`): a version counter moved (a
 write), how many elements and bits changed. With ``offload`` (what ``overlap=True`` sets) the at-rest reads
 and the collective check's digests run on worker threads (:mod:`.offload`).
 
@@ -34,9 +34,10 @@ import torch
 import xxhash
 
 from weightsync_audit.compat import tensor_version
+from weightsync_audit.engine.attribution import AttributionConfig
 from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
+from weightsync_audit.engine.attribution.blame import Blame
 from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
-from weightsync_audit.engine.attribution.config import AttributionConfig
 from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import UpdateReplay
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
@@ -129,7 +130,7 @@ class StepWatch:
         path; the collective check's own is :attr:`ReducedDigests.hook_s`)."""
         self.audit_evidence: list[dict[str, Any]] = []
         """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
-        self.found: tuple[dict[str, Any], dict[str, str], frozenset[tuple[str, int]]] | None = None
+        self.found: tuple[Blame, dict[str, str], frozenset[tuple[str, int]]] | None = None
         """The blame of the divergence under way (every rank alike), where the blamed run, and the (tensor, rank)
         pairs it explains: later audits keep it while it explains theirs and their records name no one."""
 

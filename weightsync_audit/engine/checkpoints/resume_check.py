@@ -69,8 +69,9 @@ def checkpoint_evidence(result: AuditResult, changed: list[Mismatch], saved: str
     held = result.blame or {}
     if held.get("ranks") and held.get("evidence") not in ("vote", "undecided"):
         return  # named by their own records: the records decide
-    result.blame = checkpoint_blame(changed, saved, result.step)
-    result.hints = [blame_hint(result.blame, result.hosts), *result.hints]
+    blame = checkpoint_blame(changed, saved, result.step)
+    result.blame = blame.as_dict()
+    result.hints = [blame_hint(blame, result.hosts), *result.hints]
 
 
 def capture(sources: ResumeSources) -> dict[str, Any]:

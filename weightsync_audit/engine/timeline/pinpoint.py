@@ -48,15 +48,17 @@ from weightsync_audit.engine.hashing.digest import overall_digest, structure_dig
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import KINDS
 from weightsync_audit.engine.timeline.answer import (
+    MAX_DATED,
     NO_STEP,
     Pinpoint,
+    TensorRing,
     compared_steps,
+    date_tensors,
     decode_ring,
     locate,
     step_differs,
     with_drift,
 )
-from weightsync_audit.engine.timeline.tensor_dates import MAX_DATED, TensorRing, date_tensors
 from weightsync_audit.reporting.record import AuditResult, PinpointState
 from weightsync_audit.text import brief_names
 

@@ -1,4 +1,5 @@
-"""The hyper-parameters each optimizer step read, kept per step until the audit that covers it.
+"""What each optimizer step read and did, locally: the hyper-parameters it read, kept per step until the audit
+that covers it (:class:`StepHyper`), and a step that changed nothing (:class:`StallWatch`).
 
 A learning rate set differently on one rank for one step parts the parameters at that step, and a
 scheduler sets it equal again right after (the Hugging Face Trainer steps it before ``on_step_end``): the
@@ -10,6 +11,11 @@ names the same hyper-parameters that differed at a step (:meth:`StepHyper.differ
 mismatches whose ``detail`` says at which step (:data:`~weightsync_audit.text.BEFORE_STEP`), so the hint
 names the learning rate. What it found stays the evidence of the divergence in front of it until the
 replicas agree again or a resync is confirmed (:meth:`StepHyper.forget`).
+
+A step that changed nothing: with ``pinpoint=True`` each optimizer step's digest is at hand, so a rank whose
+audited tensors are bit for bit the same after a step as before it, while its learning rate is not zero, is
+told so (a model frozen by mistake: ``requires_grad`` off, gradients zeroed after backward, an optimizer over
+other parameters). Local to the rank, a warning only: no message, nothing collective.
 
 >>> import torch
 >>> ring = StepHyper()
@@ -28,14 +34,15 @@ import fnmatch
 import json
 import math
 import threading
+import warnings
 from typing import Any, Sequence
 
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import BEFORE_STEP
 from weightsync_audit.vote import majority
 
-__all__ = ["StepHyper", "hyper_values"]
-
+__all__ = ["hyper_values", "StallWatch", "StepHyper"]
 _KEPT = 1024
 """Steps kept between two audits (the oldest dropped first): a cadence longer than that sees the last ones."""
 
@@ -144,3 +151,39 @@ class StepHyper:
     def forget(self) -> None:
         """A confirmed repair: what was found is about a divergence that is over."""
         self.found.clear()
+
+
+def _largest_lr(optimizers: Sequence[Any]) -> float:
+    lrs = [g.get("lr", 0.0) for opt in optimizers for g in getattr(opt, "param_groups", ())]
+    values = [float(x) for x in lrs if isinstance(x, (int, float)) or hasattr(x, "item")]
+    return max(values, default=0.0)
+
+
+class StallWatch:
+    """Compares each step's digest with the previous step's; warns once per stretch of unchanged steps."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.previous: tuple[int, int] | None = None
+        self.warned = False
+
+    def check(self, step: int, digest: int | None, optimizers: Sequence[Any]) -> str | None:
+        """The warning given for ``step`` (``None`` when the weights moved, lr is zero, or already said)."""
+        if digest is None:
+            self.previous = None
+            return None
+        previous, self.previous = self.previous, (step, digest)
+        if previous is None or step <= previous[0] or previous[1] != digest:
+            self.warned = False
+            return None
+        lr = _largest_lr(optimizers)
+        if self.warned or lr <= 0:
+            return None
+        self.warned = True
+        text = (
+            f"weightsync: on rank {self.rank} nothing audited changed over optimizer step {step} although lr={lr:g}: "
+            "a model frozen by mistake? (requires_grad off, gradients zeroed after backward, an optimizer over "
+            "other parameters)"
+        )
+        warnings.warn(text, WeightSyncWarning, stacklevel=user_stacklevel())  # the user's loop, not ours
+        return text

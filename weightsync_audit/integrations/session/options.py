@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, TypeVar
 
-from weightsync_audit.engine.attribution.config import AttributionConfig, check_attribution
+from weightsync_audit.engine.attribution import AttributionConfig, check_attribution
 from weightsync_audit.engine.config import (
     AuditConfig,
     OnMismatch,

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 
 from weightsync_audit.ddp.watch import TrainableSetWatch
-from weightsync_audit.engine.attribution.attach import mark_step, watch_run
+from weightsync_audit.engine.attribution.settle import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
