@@ -19,8 +19,8 @@ from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.arguments import check_every_n, check_module
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
+from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["LoopAudit"]
 

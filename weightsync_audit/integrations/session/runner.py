@@ -41,9 +41,8 @@ from weightsync_audit.integrations.session.arguments import (
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.overlap import OverlapDriver
 from weightsync_audit.integrations.session.worker_history import HistoryHandoff, summary_outside_workers
-from weightsync_audit.reporting.jsonl import ReportWriter
+from weightsync_audit.reporting.jsonl import RecordSinks, ReportWriter
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSinks
 from weightsync_audit.text import last_in_sync
 
 __all__ = [

@@ -27,7 +27,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional, Sequence
 
-from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.ddp.inspect import TrainableSetWatch
 from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
