@@ -31,10 +31,10 @@ from weightsync_audit.ddp.inspect import TrainableSetWatch
 from weightsync_audit.engine.attribution.attach import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.session.options import AuditOptions
 from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.record import AuditResult
+from weightsync_audit.text import ENV_VAR, dropped_message
 
 __all__ = ["Checkpoint", "TrainerSession", "added_by_env"]
 
