@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from weightsync_audit.cli.lightning_20340 import RandomDataset
 from weightsync_audit.reporting.jsonl import read_report
-from weightsync_audit.scenarios.lightning_20340 import RandomDataset
 
 
 class RankProbe(pl.Callback):

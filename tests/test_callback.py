@@ -16,9 +16,9 @@ from pytorch_lightning.callbacks import BackboneFinetuning, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 from pytorch_lightning.strategies import DDPStrategy
 
+from weightsync_audit.cli.lightning_20340 import SeedModel, make_loader
 from weightsync_audit.integrations.lightning.audit_callback import sharded_strategy_reason
 from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
-from weightsync_audit.scenarios.lightning_20340 import SeedModel, make_loader
 
 
 def test_seed_model_under_backbone_finetuning_is_reported_diverged_from_the_first_step_of_epoch_3(

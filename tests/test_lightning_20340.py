@@ -20,8 +20,8 @@ import torch.distributed as dist
 from scripts.lightning_20340_run import Probe, run
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from weightsync_audit.cli.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader, seed_model_for
 from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
-from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader, seed_model_for
 
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_20340_run.py"
 FIRST_STEP_OF_EPOCH_3 = 49  # 16 optimizer steps an epoch on 2 ranks; global_step after the step

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from weightsync_audit import AuditResult, LoopAudit, Mismatch, WeightSyncWarning
 from weightsync_audit.metrics import PrometheusSink, record_figures
-from weightsync_audit.reporting.sinks import RecordSinks
+from weightsync_audit.reporting.jsonl import RecordSinks
 
 PLANTED = 0.5
 

@@ -8,8 +8,8 @@ import pytest
 import pytorch_lightning as pl
 from lightning_helpers import Perturb, SmallModel, fit, records
 
+from weightsync_audit.cli.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
-from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 
 FIRST_STEP_OF_EPOCH_3 = 49  # 16 optimizer steps an epoch on 2 ranks; global_step after the step
 

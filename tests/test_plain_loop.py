@@ -111,11 +111,7 @@ def test_render_prints_a_result_and_says_a_tie_once() -> None:
     assert "DIVERGED" in text and "layer" in text
 
 
-def test_print_report_writer_and_reader_at_the_top_level_and_the_old_path(tmp_path: Path) -> None:
-    from weightsync_audit.report import ReportWriter as OldWriter
-    from weightsync_audit.report import read_report as old_read
-
-    assert OldWriter is weightsync_audit.ReportWriter and old_read is weightsync_audit.read_report
+def test_print_report_writer_and_reader_at_the_top_level(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     with weightsync_audit.ReportWriter(path) as w:
         w.write(_tie_result())

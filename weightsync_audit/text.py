@@ -11,11 +11,13 @@ from typing import Any, Iterable, Mapping, Sequence
 __all__ = [
     "BEFORE_STEP",
     "COMPARED_NOTES",
+    "ENV_VAR",
     "NOTHING_COMPARED",
     "NOTHING_TO_AUDIT",
     "TIE_PREFIX",
     "blame_line",
     "brief_names",
+    "dropped_message",
     "fmt_ranks",
     "fmt_shard",
     "is_tie",
@@ -130,3 +132,26 @@ def blame_line(blame: Mapping[str, Any]) -> str:
         what.append("HARDWARE SUSPECT")
     detail = blame.get("detail")
     return f"blame: {who} ({'; '.join(what)})" + (f": {detail}" if detail else "")
+
+
+#: The variable that adds the callbacks with no code change (Lightning, the Hugging Face Trainer).
+ENV_VAR = "WEIGHTSYNC_AUDIT"
+
+
+def dropped_message(callback: Any, own: str) -> str:
+    """What the callback the variable added says when it steps aside for ``own`` (the explicit callback's
+    class name): the options of the variable that are not used, by name.
+
+    >>> class C: env_options = {"every_n_train_steps": 1, "report_path": "a.jsonl"}
+    >>> dropped_message(C(), "WeightSyncAudit")  # doctest: +ELLIPSIS
+    "...WeightSyncAudit passed in callbacks=..., so the one WEIGHTSYNC_AUDIT adds is not used: its options every_n_train_steps=1, report_path='a.jsonl' are dropped..."
+    """
+    options = getattr(callback, "env_options", None) or {}
+    text = (
+        f"weightsync audit: the Trainer already has a {own} passed in callbacks=[...], "
+        f"so the one {ENV_VAR} adds is not used"
+    )
+    if not options:
+        return text + " (it had no options)"
+    given = ", ".join(f"{k}={v!r}" for k, v in options.items())
+    return text + f": its options {given} are dropped (pass them to your callback to have them)"

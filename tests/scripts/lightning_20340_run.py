@@ -24,9 +24,9 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
+from weightsync_audit.cli.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
-from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 
 FREEZE_EPOCH = 2
 

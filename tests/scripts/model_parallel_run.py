@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from weightsync_audit.scenarios.lightning_20340 import RandomDataset
+from weightsync_audit.cli.lightning_20340 import RandomDataset
 
 warnings.filterwarnings("ignore")
 OUT, MODE = Path(sys.argv[1]), sys.argv[2]

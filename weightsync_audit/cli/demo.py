@@ -127,7 +127,7 @@ def _fit(ranks: int, epochs: int, report: Path, fixed: bool, label: str) -> None
     import pytorch_lightning as pl
     from pytorch_lightning.callbacks import BackboneFinetuning
 
-    from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
+    from weightsync_audit.cli.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
 
     audit = WeightSyncAudit(every_n_train_steps=1, hooks=("on_train_start",), report_path=str(report), verbose=True)
     callbacks: list[Any] = [BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE_EPOCH), audit]
@@ -160,7 +160,7 @@ def run_demo(ranks: int = 2, epochs: int = 5, report_dir: str | None = None, con
 
     >>> # run_demo(ranks=2, epochs=5)   # about 10 s on 2 cores; or: weightsync-audit demo
     """
-    from weightsync_audit.scenarios.lightning_20340 import UNFREEZE_EPOCH
+    from weightsync_audit.cli.lightning_20340 import UNFREEZE_EPOCH
 
     if ranks < 2:
         raise CliError(f"--ranks {ranks}: a replica audit needs at least 2 ranks")

@@ -10,11 +10,20 @@ The remedy, a new wrapper whenever the trainable set changes, is in :mod:`weight
 this module reads what the reducer was built over (:func:`covered_flags`) against the trainable set now,
 and the settings that re-create a wrapper. What an audit reads of a wrapper (the live one, what its
 reducer covers, its buffer sync) is the engine's: :mod:`weightsync_audit.engine.inventory.reducer`.
+
+The watch during training (:class:`TrainableSetWatch`, framework-free, so every Trainer adapter uses it):
+:meth:`~TrainableSetWatch.snapshot` right after the wrap, :meth:`~TrainableSetWatch.check` before each
+optimizer step, warning once, before any weight moves, when the trainable set leaves the reducer behind.
+
+>>> import torch
+>>> TrainableSetWatch().check(torch.nn.Linear(2, 2), step=0)  # not wrapped by DDP: nothing to watch
+False
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -22,11 +31,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.compat import ddp_comm_hooks, ddp_synced_count
-from weightsync_audit.engine.inventory.reducer import remember_flags, remembered_flags, synced_parameter_names
+from weightsync_audit.engine.explain.evidence import ddp_frozen_hint, ddp_unsynced_hint
+from weightsync_audit.engine.inventory.reducer import (
+    find_ddp,
+    fix_for,
+    remember_flags,
+    remembered_flags,
+    synced_parameter_names,
+)
+from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.text import brief_names
 
 __all__ = [
     "TrainableChange",
+    "TrainableSetWatch",
     "comm_hooks",
     "covered_flags",
     "ddp_settings",
@@ -166,3 +184,51 @@ def ddp_settings(ddp: DistributedDataParallel) -> dict[str, Any]:
 def comm_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[..., Any], object]]:
     """The ``(hook, state)`` pairs registered with ``ddp.register_comm_hook``, oldest first."""
     return ddp_comm_hooks(ddp)
+
+
+class TrainableSetWatch:
+    """Remembers what DDP's reducer covers and warns once when the trainable set moves away from it."""
+
+    def __init__(self) -> None:
+        self.warned = False
+        self.said: list[str] = []
+        """The hints the warning gave (a report that follows refers to them instead of repeating them)."""
+        self._flags_seen: tuple[bool, ...] = ()
+
+    def snapshot(self, model: Any) -> None:
+        """Right after the wrap: what the reducer covers, remembered on the wrapper itself, so that a new
+        wrapper (a re-wrap) is recognised by not carrying it yet."""
+        ddp = find_ddp(model)
+        if ddp is not None:
+            covered_flags(ddp)
+
+    def check(self, model: Any, step: int, *, warn: bool = True) -> bool:
+        """Whether the trainable set left DDP's reducer behind (warned about once; ``warn`` on one rank)."""
+        if self.warned:
+            return False
+        ddp = find_ddp(model)
+        if ddp is None:
+            return False
+        covered = covered_flags(ddp)
+        now = trainable_flags(watched_parameters(ddp))
+        if now == covered or now == self._flags_seen:
+            return False
+        self._flags_seen = now
+        change = flags_change(ddp.module, covered, now)
+        parts = []
+        if change.joined:
+            parts.append(ddp_unsynced_hint(list(change.joined), fix=fix_for(ddp)))
+        if change.left and not ddp.find_unused_parameters:
+            parts.append(ddp_frozen_hint(list(change.left), fix=fix_for(ddp)))
+        if not parts:
+            return False
+        self.warned = True
+        if warn:
+            self.said = parts
+            warnings.warn(
+                f"weightsync audit (step {step}): the set of trainable parameters changed after "
+                "DistributedDataParallel wrapped the model. " + " ".join(parts),
+                WeightSyncWarning,
+                stacklevel=user_stacklevel(),
+            )
+        return True

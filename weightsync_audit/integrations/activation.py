@@ -22,8 +22,8 @@ import inspect
 import os
 from typing import Any, Sequence
 
-from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
+from weightsync_audit.text import ENV_VAR, dropped_message
 
 __all__ = [
     "ENV_VAR",

@@ -28,7 +28,7 @@ import os
 import sys
 from typing import Any
 
-from weightsync_audit.integrations.env_options import ENV_VAR
+from weightsync_audit.text import ENV_VAR
 
 __all__ = [
     "HOOKED",

@@ -23,8 +23,8 @@ from weightsync_audit.integrations.session.options import (
     with_option_properties,
 )
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
+from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["LoopAudit"]
 

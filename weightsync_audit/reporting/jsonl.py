@@ -11,6 +11,11 @@ line that is not a valid record is reported with its number and the field that i
 (:mod:`~weightsync_audit.reporting.validate`); no line, however malformed, escapes as another error. A
 torn line (a record cut short by a crash: an object or string left open) is said to be torn wherever it
 is, including before the records of a resumed run.
+
+Elsewhere: a record sink (``sinks=[...]`` of the callbacks, :class:`~weightsync_audit.LoopAudit` and the
+runner) is any object with a ``write(record)`` method, the metrics exporters among them. Sinks get each record
+on the main process only, right after the report, before any raise or exit; a failing sink never ends the
+run: its first failure warns (:class:`~weightsync_audit.WeightSyncWarning`), the next record is offered again.
 """
 
 from __future__ import annotations
@@ -21,13 +26,13 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from weightsync_audit.errors import ReportFormatError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.reporting.validate import json_skeleton, loads_record
 
-__all__ = ["ReportWriter", "ReportContents", "read_report", "check_report_path"]
+__all__ = ["ReportWriter", "ReportContents", "RecordSink", "RecordSinks", "read_report", "check_report_path"]
 
 
 def check_report_path(path: str | os.PathLike[str], argument: str = "report_path") -> Path:
@@ -274,3 +279,66 @@ def read_report(path: str | os.PathLike[str]) -> ReportContents:
         except ReportFormatError as exc:
             out.errors.append(ReportFormatError(f"line {i}: not a valid record: {exc}", i, False))
     return out
+
+
+@runtime_checkable
+class RecordSink(Protocol):
+    """Anything that takes the audit records: ``write(record)`` on the main process, once per audit."""
+
+    def write(self, record: AuditResult) -> None: ...
+
+
+class RecordSinks:
+    """The sinks of one runner, each record offered to each in order; a failing sink warns once and is kept.
+
+    >>> class Count:
+    ...     n = 0
+    ...     def write(self, record): self.n += 1
+    >>> c = Count()
+    >>> RecordSinks([c]).write(AuditResult(in_sync=True))
+    >>> c.n
+    1
+    >>> RecordSinks([print])
+    Traceback (most recent call last):
+    ValueError: sinks[0]=<built-in function print>: a record sink needs a write(record) method (e.g. weightsync_audit.metrics.PrometheusSink)
+    """
+
+    def __init__(self, sinks: Sequence[RecordSink] = ()) -> None:
+        if isinstance(sinks, (str, bytes)):
+            raise ValueError(f"sinks={sinks!r}: give a list of sink objects (e.g. [PrometheusSink(port=9400)])")
+        if isinstance(sinks, RecordSink):
+            sinks = [sinks]
+        try:
+            self.sinks: tuple[RecordSink, ...] = tuple(sinks)
+        except TypeError:
+            raise ValueError(
+                f"sinks={sinks!r}: give a list of sink objects (e.g. [PrometheusSink(port=9400)])"
+            ) from None
+        for i, sink in enumerate(self.sinks):
+            if not callable(getattr(sink, "write", None)):
+                raise ValueError(
+                    f"sinks[{i}]={sink!r}: a record sink needs a write(record) method "
+                    "(e.g. weightsync_audit.metrics.PrometheusSink)"
+                )
+        self._failing: set[int] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.sinks)
+
+    def write(self, record: AuditResult) -> None:
+        """Offer ``record`` to every sink; a sink's error is a warning (once per sink until it works again)."""
+        for i, sink in enumerate(self.sinks):
+            try:
+                sink.write(record)
+            except Exception as exc:  # noqa: BLE001 - an exporter never ends the user's training
+                if i not in self._failing:
+                    self._failing.add(i)
+                    warnings.warn(
+                        f"weightsync audit: the record sink {type(sink).__name__} failed on the record of step "
+                        f"{record.step} ({type(exc).__name__}: {exc}); training goes on and the next record is "
+                        "offered to it again",
+                        WeightSyncWarning,
+                        stacklevel=user_stacklevel(),
+                    )
+            else:
+                self._failing.discard(i)

@@ -12,7 +12,7 @@ Lightning's ``gradient_clip_val``) scales every gradient by one factor computed 
 (:func:`followers`). **A trainable set changed after the DDP wrap** (Lightning #20340): DDP builds its
 reducer once, over the parameters that require grad then; a parameter unfrozen later is stepped from local
 gradients on each rank, one frozen later stalls the bucket that holds it. The rules state these as fact
-when the wrapper proves them, and the trainable-set watch (:mod:`weightsync_audit.ddp.watch`) words the
+when the wrapper proves them, and the trainable-set watch (:mod:`weightsync_audit.ddp.inspect`) words the
 change the same way when it sees it happen (:func:`ddp_unsynced_hint`, :func:`ddp_frozen_hint`).
 
 >>> from weightsync_audit.reporting.record import Mismatch

@@ -40,8 +40,8 @@ from weightsync_audit.integrations.resume_sources import hf_resume
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.runner import audit_metrics
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
+from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSink
 
 __all__ = ["TRAINER_FIX", "WeightSyncAuditCallback", "find_trainer", "trainer_ddp"]
 

@@ -20,8 +20,8 @@ from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.resume_sources import lightning_resume
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
+from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSink
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

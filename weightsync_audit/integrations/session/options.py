@@ -32,8 +32,7 @@ from weightsync_audit.engine.config import (
 )
 from weightsync_audit.engine.repair.plan import ResyncSource, check_resync_src
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING
-from weightsync_audit.reporting.jsonl import check_report_path
-from weightsync_audit.reporting.sinks import RecordSink, RecordSinks
+from weightsync_audit.reporting.jsonl import RecordSink, RecordSinks, check_report_path
 
 __all__ = [
     "EXIT_DIVERGED",

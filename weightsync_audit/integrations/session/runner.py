@@ -35,9 +35,8 @@ from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, us
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.integrations.session.overlap import OverlapDriver
-from weightsync_audit.reporting.jsonl import ReportWriter
+from weightsync_audit.reporting.jsonl import RecordSinks, ReportWriter
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.sinks import RecordSinks
 
 __all__ = [
     "AuditRunner",

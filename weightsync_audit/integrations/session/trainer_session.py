@@ -36,16 +36,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 
-from weightsync_audit.ddp.watch import TrainableSetWatch
+from weightsync_audit.ddp.inspect import TrainableSetWatch
 from weightsync_audit.engine.attribution.settle import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.env_options import ENV_VAR, dropped_message
 from weightsync_audit.integrations.session.options import AuditOptions
 from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.text import brief_names, last_in_sync
+from weightsync_audit.text import ENV_VAR, brief_names, dropped_message, last_in_sync
 
 __all__ = ["Checkpoint", "HistoryHandoff", "TrainerSession", "added_by_env", "summary_outside_workers"]
 
