@@ -1,19 +1,12 @@
 """The one reader of tensor bytes: every byte the package reads from a tensor comes through here.
 
-:func:`readable` resolves what a tensor is before anything reads it: a DTensor (and any wrapper with
-``to_local()``) to its local data, an autograd view to its detached alias; and it refuses, with an error
-naming the tensor, what has no bytes to read: meta and fake tensors, sparse and nested layouts, a subclass
-without a storage of its own, and storage freed or shrunk under its view (``untyped_storage().resize_(0)``,
-a null data pointer with bytes to read). Bytes are then read only by:
-
-- :func:`in_place`: a zero-copy buffer over a plain contiguous CPU tensor whose storage holds it (the digest
-  fast path and :class:`~weightsync_audit.engine.hashing.digest_plan.DigestPlan`'s cached buffers);
-- :func:`host_view` / :func:`host_bytes`: bytes that keep their owner alive, an accelerator or
-  non-contiguous tensor copied first; :func:`contiguous_blocks`, :func:`chunk_views`, :func:`host_chunk`:
-  the same in bounded pieces;
-- :func:`sample_pieces`: what a sampled audit (``slices > 1``) reads of a large tensor.
-
-No other module does pointer arithmetic or reads memory by address (``tests/test_layout.py`` says so).
+:func:`readable` resolves a tensor before anything reads it (a DTensor or other ``to_local()`` wrapper to its
+local data, an autograd tensor to its detached alias) and refuses by name what has no bytes to read: meta and
+fake tensors, sparse and nested layouts, storage freed or shrunk under its view. Bytes are then read only by
+:func:`in_place` (zero-copy, by address, for a plain contiguous CPU tensor whose storage holds it), the
+host views and bounded pieces (:func:`host_view`, :func:`contiguous_blocks`, :func:`chunk_views`,
+:func:`host_chunk`) and a sampled audit's slices (:func:`sample_pieces`). No other module reads memory by
+address (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -69,8 +62,7 @@ _c_char = ctypes.c_char
 def readable(t: Any, name: str = "tensor") -> torch.Tensor:
     """``t`` as a plain strided tensor whose bytes can be read; else :class:`UnauditableTensorError` naming ``name``.
 
-    A DTensor (an FSDP2 parameter or gradient, a tensor-parallel shard) gives its local shard; a tensor that
-    requires grad its detached alias (which shares its version counter). Metadata only: nothing is read.
+    A DTensor (an FSDP2 parameter or gradient, a TP shard) gives its local shard. Metadata only: nothing is read.
 
     >>> import torch
     >>> readable(torch.ones(2, requires_grad=True), "w").requires_grad
