@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
 from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
@@ -116,8 +118,11 @@ class LoopAudit:
         """The step :meth:`step` last named: the optimizer step under way is the next one."""
         self._epoch: int | None = None
         self._before: int | None = None
-        # Right before every optimizer step (before attribution's own hook): the callbacks' pre-step moment.
-        self._hooks = [stepping_optimizer(o).register_step_pre_hook(self._before_step) for o in self.optimizers]
+        # Right before each of its optimizers' steps, as the callbacks' pre-step hooks: a global hook, so it runs
+        # before any hook of the optimizer itself (attribution's), where the overlap settles its verdict.
+        stepped = {id(stepping_optimizer(o)) for o in self.optimizers}
+        hook = lambda opt, *_: self._before_step() if id(opt) in stepped else None  # noqa: E731
+        self._hooks = [register_optimizer_step_pre_hook(hook)] if stepped else []
 
     def _open(self) -> None:
         if self.session.opened:
@@ -130,7 +135,7 @@ class LoopAudit:
         self.session.open(world_size=world, is_main=self.is_main, grads_with_optimizer=True)
         watch_run(self.runner, self.module, self.optimizers)
 
-    def _before_step(self, *_: Any) -> None:
+    def _before_step(self) -> None:
         """Before each optimizer step (once per step, however many optimizers): what the callbacks do at
         their pre-step hook; with ``include`` grads, on the cadence, the gradients after the all-reduce."""
         upcoming = self.last_step + 1
