@@ -1,5 +1,6 @@
-"""One strict validation of a report record, shared by ``AuditResult.from_dict``, ``check``, ``show``
-and ``--plot``.
+"""The one validation kit of what the library reads back: a report record (shared by
+``AuditResult.from_dict``, ``check``, ``show`` and ``--plot``) and its ``blame`` field here; one report line
+read as JSON and a checkpoint sidecar (``weightsync-checkpoint/1``) in :mod:`.json_line`.
 
 The checks are a table: one line per field (:data:`RECORD_FIELDS`, :data:`MISMATCH_FIELDS`), so a new
 field is one new line. Every malformed field raises :class:`~weightsync_audit.errors.ReportFormatError`
@@ -25,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from weightsync_audit.errors import ReportFormatError
-from weightsync_audit.reporting.blame_field import blame_entry
 from weightsync_audit.reporting.json_line import OversizedNumber, json_skeleton, loads_record
 
 __all__ = [
@@ -40,6 +40,8 @@ __all__ = [
     "MISMATCH_FIELDS",
     "validate_record",
     "validate_mismatch",
+    "BLAME_EVIDENCE",
+    "blame_entry",
     "loads_record",
     "OversizedNumber",
 ]
@@ -228,6 +230,36 @@ def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
     one_of(CHECKPOINT_STATES)(v.get("status"), f"{path}.status")
     optional(integer())(v.get("saved_step"), f"{path}.saved_step")
     optional(integer(0))(v.get("not_compared"), f"{path}.not_compared")
+    return dict(v)
+
+
+BLAME_EVIDENCE = (
+    "vote",
+    "at_rest_change",
+    "at_rest_write",
+    "update_not_reproducible",
+    "collective_mismatch",
+    "deterministic_difference",
+    "undecided",
+    "checkpoint",
+)
+"""What a record's ``blame`` rests on (docs/report-schema.md)."""
+
+
+def blame_entry(v: Any, path: str) -> dict[str, Any]:
+    """``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``; ``ranks: []`` is undecided.
+
+    >>> blame_entry({"ranks": [0], "evidence": "at_rest_change", "hardware_suspect": True}, "blame")["ranks"]
+    [0]
+    """
+    if not isinstance(v, dict):
+        raise _fail(path, 'an object {"ranks", "evidence", "hardware_suspect", ...}', v)
+    list_of(integer(0), "ranks (integers >= 0)")(v.get("ranks"), f"{path}.ranks")
+    one_of(BLAME_EVIDENCE)(v.get("evidence"), f"{path}.evidence")
+    boolean(v.get("hardware_suspect"), f"{path}.hardware_suspect")
+    optional(integer())(v.get("step"), f"{path}.step")
+    for key in ("detail", "cause"):
+        optional(string)(v.get(key), f"{path}.{key}")
     return dict(v)
 
 

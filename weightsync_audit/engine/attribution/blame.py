@@ -40,7 +40,7 @@ from typing import Any, Literal, Sequence, get_args
 
 from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, classify
 from weightsync_audit.engine.culprit import strict_majority
-from weightsync_audit.reporting.blame_field import BLAME_EVIDENCE
+from weightsync_audit.reporting.validate import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
 __all__ = ["CAUSES", "EVIDENCE", "Blame", "Evidence", "blame_hint", "checkpoint_blame", "decide", "vote_blame"]

@@ -43,6 +43,7 @@ from weightsync_audit.engine.checkpoints.load import (
     load_checkpoint,
     open_unit,
     read_value,
+    regular_file,
 )
 from weightsync_audit.engine.measure.gaps import max_abs_diff
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
@@ -403,6 +404,9 @@ def diff_checkpoints(
             else:
                 pairs.append(PairDiff(None, str(ub[rel].files[0]), note=f"{rel} is only in {pb}"))
         return DiffResult(pairs)
+    for p in (pa, pb):
+        if not p.is_dir():
+            regular_file(p)  # a FIFO or device is refused, never waited on
     file_a, file_b = folder_units(pa)[0] if pa.is_file() else None, folder_units(pb)[0] if pb.is_file() else None
     if file_a is None and file_b is not None:
         return DiffResult([_diff_units(u, file_b, atol, exclude, progress) for u in _tensor_units(pa)])

@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from weightsync_audit.engine.checkpoints.folder import Unit, dcp_shards, file_changes, folder_units
-from weightsync_audit.engine.checkpoints.load import UnreadableCheckpointError, open_unit, read_json, stream_flat
+from weightsync_audit.engine.checkpoints.load import (
+    UnreadableCheckpointError,
+    open_unit,
+    read_json,
+    regular_file,
+    stream_flat,
+)
 from weightsync_audit.engine.checkpoints.resume_state import compare, is_error, rng_file_state, saved_differences
 from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, tensor_digests
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
@@ -203,6 +209,8 @@ def verify_checkpoint(path: str | Path, progress: Any = None) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or folder")
+    if not p.is_dir():
+        regular_file(p)  # a FIFO or device is refused, never waited on
     sidecar = read_sidecar(p)
     out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
     out.update(changed_files=[], missing_files=[], added_files=[], skipped=[], unread=[])

@@ -16,7 +16,7 @@ the files the sidecar describes; absent in sidecars of earlier versions, which a
 under the other name, and nothing else) and, for a ``torch.distributed.checkpoint`` folder, ``shards`` (file
 -> ``rank`` that wrote it, ``digest`` of the file's bytes, ``bytes``) and ``rank_tensors`` (rank -> that
 rank's local tensors, as ``tensors``, each with its ``offset`` and ``global_shape`` in the global tensor).
-Every read goes through :func:`read_sidecar`, which validates every field (``sidecar_schema``).
+Every read goes through :func:`read_sidecar`, which validates every field (``reporting/json_line.py``, the one validation kit).
 
 >>> import torch
 >>> entry = tensor_digests({"model": {"w": torch.ones(2)}})["model.w"]
@@ -37,11 +37,11 @@ import torch
 from weightsync_audit.compat import is_dtensor
 from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME, dcp_shards, file_digest, is_dcp_folder
 from weightsync_audit.engine.checkpoints.load import read_json
-from weightsync_audit.engine.checkpoints.sidecar_schema import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import dtype_name
 from weightsync_audit.errors import CheckpointError
+from weightsync_audit.reporting.json_line import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
 
 __all__ = [
     "SIDECAR_SCHEMA",
