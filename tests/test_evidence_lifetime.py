@@ -27,13 +27,13 @@ def _drift(p: torch.Tensor) -> None:
 
 def _persisting_then_flip(
     rank: int, world: int, drifting: int, flipped: int | None, on_mismatch: str, evict: str | None,
-    report: str | None = None,
+    report: str | None = None, tolerance: float | None = 1e-4,
 ) -> dict[str, Any]:  # fmt: skip
     if evict is not None:
         os.environ[EVICT_FILE_ENV] = evict
     _, ddp, opt = build(rank)
     audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch=on_mismatch, verbose=False, attribution=True,
-                      tolerance=1e-4, exit_code=17 if on_mismatch == "raise" else None, overlap=report is not None,
+                      tolerance=tolerance, exit_code=17 if on_mismatch == "raise" else None, overlap=report is not None,
                       report_path=report)  # fmt: skip
     params = list(ddp.parameters())
     records: list[dict[str, Any] | None] = []
@@ -42,7 +42,7 @@ def _persisting_then_flip(
         r = audit.step(step)  # with exit_code: every rank exits 17 at the flip's audit
         records.append(None if r is None else r.to_dict())
         if step == DRIFT_AFTER and rank == drifting:
-            _drift(params[2])
+            _drift(params[2]) if tolerance else flip_bit(params[2], 3, 29)
         if step == FLIP_AFTER and rank == flipped:
             flip_bit(params[0], 5, 27)
     audit.close()
@@ -87,6 +87,14 @@ def test_a_flip_while_a_tolerated_drift_persists_evicts_the_flipped_rank(tmp_pat
     doc = read_evict(evict)
     assert doc is not None and [h["rank"] for h in doc["hosts"]] == [0], doc
     assert "attribution's blame (at_rest_change)" in doc["hosts"][0]["why"], doc  # not the stale drift's
+
+
+def test_under_warn_an_unrepaired_flip_persists_and_a_second_flip_on_another_rank_is_blamed_on_it() -> None:
+    out = run_ranks(_persisting_then_flip, 3, 2, 0, "warn", None, None, None)
+    divergent = _divergent(out[0]["records"])
+    assert divergent[0]["blame"]["ranks"] == [2] and divergent[0]["blame"]["evidence"] == "at_rest_change"
+    second = next(r for r in divergent if any(m["name"].endswith("0.weight") for m in r["mismatches"]))
+    assert second["blame"]["ranks"] == [0] and second["blame"]["step"] == FLIP_AFTER + 1, second["blame"]
 
 
 def test_a_persisting_blame_is_kept_while_it_explains_the_mismatches() -> None:

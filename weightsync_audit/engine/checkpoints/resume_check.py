@@ -71,7 +71,8 @@ def checkpoint_evidence(result: AuditResult, changed: list[Mismatch], saved: str
         return  # named by their own records: the records decide
     blame = checkpoint_blame(changed, saved, result.step)
     result.blame = blame.as_dict()
-    result.hints = [blame_hint(blame, result.hosts), *result.hints]
+    said = [h for h in result.hints if not h.startswith(("attribution undecided", "by vote:"))]  # superseded
+    result.hints = [blame_hint(blame, result.hosts), *said]
 
 
 def capture(sources: ResumeSources) -> dict[str, Any]:
