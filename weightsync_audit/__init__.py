@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from weightsync_audit.reporting.render import render
     from weightsync_audit.reporting.terminal import print_report
 
-from weightsync_audit.version import __version__ as __version__
+__version__ = "0.1.0"
 
 _ERRORS = "weightsync_audit.errors"
 _LAZY = {

@@ -74,7 +74,7 @@ EXIT_CODES = dedent(
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line's parser: one sub-command each for ``demo``, ``check``, ``show``, ``diff``, ``verify``, ``launch``."""
-    from weightsync_audit.version import __version__
+    from weightsync_audit import __version__
 
     parser = Parser(
         prog=PROG,

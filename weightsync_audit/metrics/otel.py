@@ -13,9 +13,9 @@ from typing import Any
 
 from opentelemetry import metrics
 
+from weightsync_audit import __version__
 from weightsync_audit.metrics.figures import DURATION_BUCKETS, GAUGES, gauge_values, record_figures
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.version import __version__
 
 __all__ = ["OpenTelemetrySink"]
 
