@@ -238,7 +238,7 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     opt.register_step_post_hook(committed)
     while manager.current_step() < plan["steps"]:
         wrapped.zero_grad()
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), manager.current_step()
         x = torch.randn(8, model[0].in_features, generator=gen)
         ddp(x).pow(2).mean().backward()
         if hsdp:  # FSDP2 reduced the gradients within the group; torchft averages each shard across groups
@@ -253,7 +253,7 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
                 _mine(model[0].weight)[0, 0] += 1e-3
         if plan.get("die_at") is not None and manager.current_step() == plan["die_at"]:
             os.kill(os.getpid(), signal.SIGKILL)
-        STEP_S.append(time.perf_counter() - t0)
+        STEP_S.append((before, time.perf_counter() - t0))
         time.sleep(plan.get("pause_s", 0.0))
     audit.close()
     return [r.to_dict() for r in audit.results]
@@ -297,8 +297,8 @@ class _NoAudit:
         pass
 
 
-STEP_S: list[float] = []
-"""Seconds of each iteration of the DDP loop in this process (benchmarks)."""
+STEP_S: list[tuple[int, float]] = []
+"""Each iteration of the DDP loop in this process (benchmarks): the Manager's step it began at, its seconds."""
 
 SEEN = {"batches": 0}
 """The user's own counter of committed batches (in its state_dict; declared to the audit with must_match)."""
