@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from weightsync_audit.engine.checkpoints.folder import Unit, dcp_shards, file_changes, folder_units
+from weightsync_audit.engine.checkpoints.folder import Unit, dcp_shards, file_changes, folder_units, inside
 from weightsync_audit.engine.checkpoints.load import (
     UnreadableCheckpointError,
     open_unit,
@@ -48,7 +48,7 @@ __all__ = ["SidecarDiff", "diff_sidecars", "verify_checkpoint", "verify_resume"]
 
 def _rng_files(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]]:
     names = {r: f"rng_state_{r}.pth" if len(saved) > 1 else "rng_state.pth" for r in saved}
-    present = {r: folder / n for r, n in names.items() if (folder / n).is_file()}
+    present = {r: inside(folder, n) for r, n in names.items() if (folder / n).is_file()}
     if not present:
         return []
     missing = sorted(int(r) for r in names if r not in present)
@@ -68,7 +68,7 @@ def _rng_files(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _trainer_step(folder: Path, saved: Mapping[str, Any]) -> list[dict[str, Any]]:
-    state = folder / "trainer_state.json"
+    state = inside(folder, "trainer_state.json")
     if not state.is_file():
         return []
     try:

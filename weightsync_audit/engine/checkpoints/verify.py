@@ -38,11 +38,12 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
 from weightsync_audit.engine.checkpoints.folder import complete_files, digest_share, list_files
-from weightsync_audit.engine.checkpoints.reshard import compare_boxes, has_boxes, uncovered_boxes, with_boxes
 from weightsync_audit.engine.checkpoints.resume_check import checkpoint_evidence
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
+    compare_boxes,
     dcp_shards,
+    has_boxes,
     is_dcp_folder,
     match_prefix,
     new_sidecar,
@@ -50,6 +51,8 @@ from weightsync_audit.engine.checkpoints.sidecar import (
     sidecar_path,
     tensor_digests,
     tied_names,
+    uncovered_boxes,
+    with_boxes,
     write_sidecar,
 )
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
@@ -242,7 +245,7 @@ def _boxed_differences(
     comm: Comm, saved: dict[str, Any], state: Any, module: nn.Module | None, optimizer: Any
 ) -> tuple[list[str], list[str]]:
     """Collective: this rank's names that differ from the saved shards it holds whole (any layout: a
-    reshard compares equal when it restores the same global tensors; see ``reshard``), and the names of
+    reshard compares equal when it restores the same global tensors; see ``sidecar.compare_boxes``), and the names of
     tensors whose saved shards no rank compared."""
     names = {n for entries in saved.values() for n in entries}
     groups = (
