@@ -259,3 +259,31 @@ def test_check_fails_when_a_resume_differs_and_json_says_why(
         report.write(audit.checkpoint_loaded("step4.pt", 4))
     doc = json.loads(_cli(capsys, "check", "--json", "resume.jsonl")[1])
     assert [(f["status"], f["resume"]) for f in doc["checkpoints"]] == [("matching", "differs"), ("unverified", None)]
+
+
+def test_the_progress_bar_shows_on_a_terminal_after_a_second_and_never_in_a_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pty
+    import time
+
+    from weightsync_audit.cli.checkpoints import progress_bar
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
+    with progress_bar([str(tmp_path / "m.pt")], "verify") as tick:
+        assert tick is None  # pytest's stderr is no terminal: nothing drawn
+    master, slave = pty.openpty()
+    monkeypatch.setattr("sys.stderr", os.fdopen(slave, "w"))
+    drawn = []
+    for wait in (0.0, 1.1):
+        with progress_bar([str(tmp_path / "m.pt")], "verify") as tick:
+            assert tick is not None
+            tick(100)
+            time.sleep(wait)
+            tick(100)
+        os.set_blocking(master, False)
+        try:
+            drawn.append(os.read(master, 1 << 16).decode(errors="replace"))
+        except BlockingIOError:
+            drawn.append("")
+    assert "verify" not in drawn[0] and "verify" in drawn[1], drawn
