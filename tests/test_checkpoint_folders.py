@@ -166,12 +166,16 @@ def test_a_safetensors_folder_that_differs_is_never_identical_and_training_args_
         save_file({"w": torch.full((4,), value)}, str(tmp_path / name / "model.safetensors"))
         # what the HF Trainer saves: a pickle of its arguments, which needs code to load
         (tmp_path / name / "training_args.bin").write_bytes(b"\x80\x04cbuiltins\nprint\n.")
+        (tmp_path / name / "trainer_state.json").write_text(json.dumps({"log_history": [name]}))
     for extra in ([], ["--full"], ["--atol", "0.1"]):
         code, text = _cli(capsys, "diff", *extra, str(tmp_path / "a"), str(tmp_path / "b"))
         assert code == 1 and "DIFFERENT" in text and "model.safetensors: all" not in text, text
-    assert _cli(capsys, "diff", "--atol", "1", str(tmp_path / "a"), str(tmp_path / "b"))[0] == 0
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    code, text = _cli(capsys, "diff", "--atol", "1", a, b)  # the weights within atol; the metadata differs
+    assert code == 1 and "trainer_state.json   bytes" in text, text
+    assert _cli(capsys, "diff", "--atol", "1", "--exclude", "trainer_state.json", a, b)[0] == 0
     kinds = {u.name: u.kind for u in folder_units(tmp_path / "a")}
-    assert kinds == {"model.safetensors": "tensors", "training_args.bin": "bytes"}
+    assert kinds == {"model.safetensors": "tensors", "trainer_state.json": "bytes", "training_args.bin": "bytes"}
 
 
 def test_sharded_safetensors_are_one_unit_by_their_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -255,3 +259,31 @@ def test_check_fails_when_a_resume_differs_and_json_says_why(
         report.write(audit.checkpoint_loaded("step4.pt", 4))
     doc = json.loads(_cli(capsys, "check", "--json", "resume.jsonl")[1])
     assert [(f["status"], f["resume"]) for f in doc["checkpoints"]] == [("matching", "differs"), ("unverified", None)]
+
+
+def test_the_progress_bar_shows_on_a_terminal_after_a_second_and_never_in_a_pipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pty
+    import time
+
+    from weightsync_audit.cli.checkpoints import progress_bar
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "m.pt")
+    with progress_bar([str(tmp_path / "m.pt")], "verify") as tick:
+        assert tick is None  # pytest's stderr is no terminal: nothing drawn
+    master, slave = pty.openpty()
+    monkeypatch.setattr("sys.stderr", os.fdopen(slave, "w"))
+    drawn = []
+    for wait in (0.0, 1.1):
+        with progress_bar([str(tmp_path / "m.pt")], "verify") as tick:
+            assert tick is not None
+            tick(100)
+            time.sleep(wait)
+            tick(100)
+        os.set_blocking(master, False)
+        try:
+            drawn.append(os.read(master, 1 << 16).decode(errors="replace"))
+        except BlockingIOError:
+            drawn.append("")
+    assert "verify" not in drawn[0] and "verify" in drawn[1], drawn

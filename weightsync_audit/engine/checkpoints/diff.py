@@ -397,6 +397,8 @@ def diff_checkpoints(
             _tensor_units(pa)  # neither holds a checkpoint: said as such
         pairs = []
         for rel in sorted(set(ua) | set(ub), key=_natural_key):
+            if any(fnmatch.fnmatchcase(rel, pat) for pat in exclude):  # a file left out by name (trainer_state.json)
+                continue
             if rel in ua and rel in ub:
                 pairs.append(_diff_units(ua[rel], ub[rel], atol, exclude, progress, folders=True))
             elif rel in ua:

@@ -7,10 +7,9 @@ DeepSpeed and Hugging Face folders. Nothing it reads can execute code.
   module's ``on_save_checkpoint`` store it that way). A file that needs anything else is refused
   (:class:`UnsafeCheckpointError`, naming the file and what it asked for), never loaded unsafely; a file
   that is no checkpoint at all (a report, a text, an image) is refused in one plain line.
-- :func:`load_tensors`: a ``.safetensors`` file (no code by design) or, else, :func:`load_checkpoint`.
-- :func:`stream_tensors`: the same, one tensor at a time (``diff`` and ``verify``): a ``.safetensors`` file by
-  its header, each tensor read when asked for (memory: one tensor); a ``torch.save`` zip file memory-mapped
-  (``torch.load(mmap=True, weights_only=True)``), its pages read as each tensor is.
+- :func:`stream_tensors`: the tensors of a ``.safetensors`` file (no code by design; read by its header, each
+  tensor a view of the file's memory-mapped pages) or of a ``torch.save`` file (:func:`load_checkpoint`,
+  memory-mapped), read as ``diff`` and ``verify`` reach each tensor: the page cache holds them, not the heap.
 - :func:`read_json`: a JSON file (sidecars, ``trainer_state.json``): a regular file of bounded size, parsed
   with ``json.loads`` only; nesting too deep or a number too long is an error naming the file.
 
@@ -51,7 +50,6 @@ __all__ = [
     "open_unit",
     "read_value",
     "stream_flat",
-    "load_tensors",
     "read_json",
     "safetensors_header",
     "stream_tensors",
@@ -144,12 +142,6 @@ def load_checkpoint(path: str | os.PathLike[str], *, mmap: bool = False) -> Any:
         raise UnreadableCheckpointError(
             f"{p}: not a readable PyTorch checkpoint ({why or 'neither a torch.save file nor a pickle of tensors'})"
         ) from None
-
-
-def load_tensors(path: str | os.PathLike[str]) -> Any:
-    """The tensors of one file, all read: :func:`stream_tensors`'s, each lazy tensor read."""
-    obj = stream_tensors(path)
-    return {n: v.read() for n, v in obj.items()} if regular_file(path).suffix == ".safetensors" else obj
 
 
 _ST_DTYPES = {
