@@ -124,31 +124,18 @@ def _fit(ranks: int, epochs: int, report: Path, fixed: bool, label: str) -> None
     from pytorch_lightning.callbacks import BackboneFinetuning
 
     from weightsync_audit.cli.lightning_20340 import UNFREEZE_EPOCH, SeedModel, make_loader
-    from weightsync_audit.integrations.lightning.pytorch_lightning import WeightSyncAudit
+    from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
 
     audit = WeightSyncAudit(every_n_train_steps=1, hooks=("on_train_start",), report_path=str(report), verbose=True)
     callbacks: list[Any] = [BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE_EPOCH), audit]
-    if fixed:
-        try:
-            from weightsync_audit.integrations.lightning.pytorch_lightning import DDPRewrapOnTrainableChange
-        except ImportError:
-            raise CliError("DDPRewrapOnTrainableChange is not available in this installation") from None
-        callbacks.append(DDPRewrapOnTrainableChange())
+    callbacks += [DDPRewrapOnTrainableChange()] if fixed else []
     callbacks.append(_progress_callback(pl.Callback, audit, label))
-    loader = make_loader(0)
-    model = SeedModel()
+    quiet = dict.fromkeys(("enable_progress_bar", "enable_model_summary", "enable_checkpointing", "logger"), False)
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=ranks,
-        strategy="ddp_fork",
-        max_epochs=epochs,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        num_sanity_val_steps=0,
-    )
+        accelerator="cpu", devices=ranks, strategy="ddp_fork", max_epochs=epochs, callbacks=callbacks,
+        num_sanity_val_steps=0, **quiet,
+    )  # fmt: skip
+    model, loader = SeedModel(), make_loader(0)
     trainer.fit(model, loader)
 
 

@@ -23,17 +23,11 @@ from weightsync_audit.engine.inventory.replicas.megatron import (
     MegatronLayout,
     declare_megatron,
     megatron_layout,
-)
+)  # fmt: skip
 
 __all__ = [
-    "GRAD_SHARD",
-    "MAIN_PARAM_SHARD",
-    "TP_SHARD",
-    "MegatronLayout",
-    "declare_megatron",
-    "megatron_groups",
-    "megatron_layout",
-]
+    "GRAD_SHARD", "MAIN_PARAM_SHARD", "TP_SHARD", "MegatronLayout", "declare_megatron", "megatron_groups", "megatron_layout",
+]  # fmt: skip
 
 
 def megatron_groups() -> dict[str, Any]:
