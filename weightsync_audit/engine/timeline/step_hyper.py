@@ -31,8 +31,7 @@ import threading
 from typing import Any, Sequence
 
 from weightsync_audit.reporting.record import Mismatch
-from weightsync_audit.text import BEFORE_STEP
-from weightsync_audit.vote import majority
+from weightsync_audit.text import BEFORE_STEP, majority
 
 __all__ = ["StepHyper", "hyper_values"]
 

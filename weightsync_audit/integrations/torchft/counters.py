@@ -5,7 +5,7 @@ What a healed replica also needs is the same *position* in training: the Manager
 batches, the lr scheduler's state (``last_epoch``, ``_step_count``, its base and last lrs), and whatever
 else the user declares with ``must_match`` (an EMA's step, a curriculum's stage). These are a few small
 values: each member carries them in its roll entry, so every member compares the same gathered values with
-the library's vote (:func:`~weightsync_audit.vote.majority`) and names a value that differs as a mismatch
+the library's vote (:func:`~weightsync_audit.text.majority`) and names a value that differs as a mismatch
 (kind ``optimizer`` for the Manager's and the scheduler's counters, ``buffer`` for declared state).
 
 >>> values = [{"lr_scheduler.last_epoch": ["optimizer", 5]}, {"lr_scheduler.last_epoch": ["optimizer", 0]}]
@@ -23,7 +23,7 @@ import torch
 
 from weightsync_audit.engine.hashing.digest import digest_tensor
 from weightsync_audit.reporting.record import Mismatch
-from weightsync_audit.vote import majority
+from weightsync_audit.text import majority
 
 __all__ = ["collect", "compare"]
 
