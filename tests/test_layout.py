@@ -34,7 +34,7 @@ def _imports(path: Path) -> list[tuple[str, list[str]]]:
 
 
 def test_errors_and_text_import_nothing_of_the_package() -> None:
-    for leaf in ("errors.py", "text.py", "vote.py", "compat.py"):
+    for leaf in ("errors.py", "text.py", "compat.py"):
         assert _imports(PACKAGE / leaf) == [], leaf
 
 

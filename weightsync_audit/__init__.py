@@ -127,13 +127,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'weightsync_audit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    globals()[name] = value = getattr(importlib.import_module(_LAZY[name]), name)  # loaded once
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted({*globals(), *__all__})

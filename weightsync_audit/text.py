@@ -1,4 +1,5 @@
-"""How every message names things: tensors, layers and ranks, worded the same everywhere.
+"""How every message names things: tensors, layers and ranks, worded the same everywhere; and the vote
+(:func:`majority`) that decides which ranks a message names as differing, one rule for every layer.
 
 A leaf module: it imports nothing of the package, so errors, the engine, the DDP hints, reporting and
 the CLI all share it without an import cycle.
@@ -6,7 +7,7 @@ the CLI all share it without an import cycle.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Hashable, Iterable, Mapping, Sequence
 
 __all__ = [
     "BEFORE_STEP",
@@ -22,6 +23,7 @@ __all__ = [
     "fmt_shard",
     "is_tie",
     "layer_of",
+    "majority",
     "without_tie",
 ]
 
@@ -155,3 +157,22 @@ def dropped_message(callback: Any, own: str) -> str:
         return text + " (it had no options)"
     given = ", ".join(f"{k}={v!r}" for k, v in options.items())
     return text + f": its options {given} are dropped (pass them to your callback to have them)"
+
+
+def majority(values: Sequence[Hashable]) -> tuple[list[int], list[int]]:
+    """Split ranks into (reference ranks, differing ranks).
+
+    The reference group is the largest group of equal values; a tie goes to the group holding the
+    lowest rank.
+
+    >>> majority([5, 5, 7, 5])
+    ([0, 1, 3], [2])
+    >>> majority([1, 2])
+    ([0], [1])
+    """
+    groups: dict[Hashable, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    best = min(groups.values(), key=lambda ranks: (-len(ranks), ranks[0]))
+    ref = set(best)
+    return best, [r for r in range(len(values)) if r not in ref]

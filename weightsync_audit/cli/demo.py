@@ -121,7 +121,7 @@ def _progress_callback(base: type, audit: Any, label: str) -> Any:
 
 def _fit(ranks: int, epochs: int, report: Path, fixed: bool, label: str) -> None:
     try:
-        from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
+        from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange, WeightSyncAudit
     except ModuleNotFoundError as exc:  # Lightning is an extra: say what to install
         raise CliError(f"the demo is a Lightning run: {exc}") from None
     import pytorch_lightning as pl
@@ -131,27 +131,14 @@ def _fit(ranks: int, epochs: int, report: Path, fixed: bool, label: str) -> None
 
     audit = WeightSyncAudit(every_n_train_steps=1, hooks=("on_train_start",), report_path=str(report), verbose=True)
     callbacks: list[Any] = [BackboneFinetuning(unfreeze_backbone_at_epoch=UNFREEZE_EPOCH), audit]
-    if fixed:
-        try:
-            from weightsync_audit.lightning.pytorch_lightning import DDPRewrapOnTrainableChange
-        except ImportError:
-            raise CliError("DDPRewrapOnTrainableChange is not available in this installation") from None
-        callbacks.append(DDPRewrapOnTrainableChange())
+    callbacks += [DDPRewrapOnTrainableChange()] if fixed else []
     callbacks.append(_progress_callback(pl.Callback, audit, label))
-    loader = make_loader(0)
-    model = SeedModel()
+    quiet = dict.fromkeys(("enable_progress_bar", "enable_model_summary", "enable_checkpointing", "logger"), False)
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=ranks,
-        strategy="ddp_fork",
-        max_epochs=epochs,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        logger=False,
-        num_sanity_val_steps=0,
-    )
+        accelerator="cpu", devices=ranks, strategy="ddp_fork", max_epochs=epochs, callbacks=callbacks,
+        num_sanity_val_steps=0, **quiet,
+    )  # fmt: skip
+    model, loader = SeedModel(), make_loader(0)
     trainer.fit(model, loader)
 
 

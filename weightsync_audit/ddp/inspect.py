@@ -51,7 +51,6 @@ __all__ = [
     "flags_change",
     "synced_count",
     "trainable_flags",
-    "trainable_names",
     "watched_parameters",
 ]
 
@@ -59,11 +58,6 @@ log = logging.getLogger("weightsync_audit")
 
 _MIB = 1024 * 1024
 _PARAMS_ATTR = "_weightsync_parameters"
-
-
-def trainable_names(module: nn.Module) -> frozenset[str]:
-    """Names of the parameters that require grad now (tied parameters once)."""
-    return frozenset(n for n, p in module.named_parameters() if p.requires_grad)
 
 
 def trainable_flags(module: nn.Module | Sequence[nn.Parameter]) -> tuple[bool, ...]:

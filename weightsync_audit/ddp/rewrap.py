@@ -39,8 +39,7 @@ from weightsync_audit.ddp.inspect import (
 )
 from weightsync_audit.engine.inventory.reducer import mark_retired, remember_flags
 from weightsync_audit.errors import TrainableSetMismatchError
-from weightsync_audit.text import brief_names, fmt_ranks
-from weightsync_audit.vote import majority
+from weightsync_audit.text import brief_names, fmt_ranks, majority
 
 __all__ = ["agree_trainable", "maybe_rewrap", "reduce_grads_by_hand", "retire", "rewrap_ddp"]
 

@@ -1,7 +1,7 @@
 """Audit figures as OpenTelemetry metrics, through the meter of an OpenTelemetry ``MeterProvider``.
 
 :class:`OpenTelemetrySink` is a record sink (``sinks=[...]``): the main process (global rank 0) hands it every
-record and it records the figures of :mod:`~weightsync_audit.metrics.figures` on synchronous instruments
+record and it records the figures of :mod:`weightsync_audit.metrics` on synchronous instruments
 (gauges, counters, a histogram) of the ``weightsync_audit`` meter. Where they go is the provider's
 business: an OTLP exporter to a collector, the Prometheus exporter, an in-memory reader in tests (extra
 ``weightsync-audit[otel]``; the SDK's ``MeterProvider``, or the global one set by the application).
@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry import metrics
 
 from weightsync_audit import __version__
-from weightsync_audit.metrics.figures import DURATION_BUCKETS, GAUGES, gauge_values, record_figures
+from weightsync_audit.metrics import DURATION_BUCKETS, GAUGES, gauge_values, record_figures
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["OpenTelemetrySink"]

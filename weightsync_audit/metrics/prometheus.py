@@ -2,7 +2,7 @@
 
 :class:`PrometheusSink` is a record sink (``sinks=[...]`` in the callbacks and :class:`~weightsync_audit.LoopAudit`):
 the main process (global rank 0) hands it every record and it sets the metrics of
-:mod:`~weightsync_audit.metrics.figures` with the official client, ``prometheus_client`` (extra
+:mod:`weightsync_audit.metrics` with the official client, ``prometheus_client`` (extra
 ``weightsync-audit[prometheus]``). The endpoint starts with the first record, so that only the process that
 exports binds the port (every worker builds the callback; only rank 0 writes). docs/metrics.md lists the
 metrics.
@@ -10,6 +10,7 @@ metrics.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from typing import Any, Callable
@@ -24,7 +25,7 @@ from prometheus_client import (
     write_to_textfile,
 )
 
-from weightsync_audit.metrics.figures import DURATION_BUCKETS, GAUGES, GaugeSpec, gauge_values, record_figures
+from weightsync_audit.metrics import DURATION_BUCKETS, GAUGES, GaugeSpec, gauge_values, record_figures
 from weightsync_audit.reporting.jsonl import check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
@@ -75,7 +76,7 @@ class _Metrics:
         return Gauge(g.prometheus, g.description, labels, namespace=self.namespace, registry=self.registry)
 
 
-class PrometheusSink:
+class PrometheusSink(contextlib.AbstractContextManager["PrometheusSink"]):
     """Publish each audit record as Prometheus metrics (``weightsync_in_sync``, ``weightsync_tensors_differing`` ...).
 
     Args:
@@ -215,9 +216,6 @@ class PrometheusSink:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-    def __enter__(self) -> PrometheusSink:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -15,8 +15,7 @@ import numpy as np
 
 from weightsync_audit.engine.inventory.peers import ALL, carriers, column_peers, peer_sets, replica_groups
 from weightsync_audit.engine.inventory.replicas.keys import FOUND, holders_label, is_holders, unreplicated_label_of
-from weightsync_audit.text import TIE_PREFIX, fmt_ranks
-from weightsync_audit.vote import majority
+from weightsync_audit.text import TIE_PREFIX, fmt_ranks, majority
 
 __all__ = [
     "structure_row",

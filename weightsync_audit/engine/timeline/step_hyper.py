@@ -39,8 +39,7 @@ from typing import Any, Sequence
 
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import Mismatch
-from weightsync_audit.text import BEFORE_STEP
-from weightsync_audit.vote import majority
+from weightsync_audit.text import BEFORE_STEP, majority
 
 __all__ = ["hyper_values", "StallWatch", "StepHyper"]
 _KEPT = 1024

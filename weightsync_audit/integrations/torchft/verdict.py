@@ -32,8 +32,7 @@ import torch
 from weightsync_audit.engine.hashing.digest import digest_tensor
 from weightsync_audit.integrations.torchft.channel import Roll
 from weightsync_audit.reporting.record import AuditResult, Mismatch
-from weightsync_audit.text import TIE_PREFIX, brief_names, is_tie
-from weightsync_audit.vote import majority
+from weightsync_audit.text import TIE_PREFIX, brief_names, is_tie, majority
 
 __all__ = ["AuditPoint", "collect", "compare", "complete", "heal_hints"]
 

@@ -1,4 +1,12 @@
-"""torchtitan: its parallel dims and device meshes read into the audit's peer sets.
+"""Model-parallel layouts read into the audit's peer sets: Megatron-core's groups and torchtitan's meshes.
+
+Megatron-core, nothing to pass by hand: once ``parallel_state.initialize_model_parallel`` ran, ``audit``, ``Auditor`` and
+the callbacks read Megatron's groups (data-parallel with and without context parallel, expert
+data-parallel, pipeline, tensor) and compare each tensor among its holders
+(:mod:`weightsync_audit.engine.inventory.replicas.megatron` says which). This module adds what a Megatron
+user reaches for: the layout as the audit reads it, Megatron's groups by name for an audit over one of
+them, and :func:`declare_megatron` for a module that carries none of Megatron's marks. It imports
+Megatron only when called (``pip install weightsync-audit[megatron]``).
 
 torchtitan lays a job out with ``ParallelDims`` (``dp_replicate``, ``dp_shard``, ``cp``, ``tp``, ``pp``,
 ``ep``) and builds one device mesh per dimension. Under FSDP2, HSDP, TP and expert parallelism its
@@ -9,6 +17,8 @@ world-wide audit of a torchtitan job compares each tensor among the ranks that m
 is imported only by the caller (``pip install --no-deps torchtitan`` plus ``spmd_types``, ``tyro``: see
 docs/torchtitan.md).
 
+>>> megatron_layout() is None  # no initialize_model_parallel in this process
+True
 >>> torchtitan_peer_sets(None)
 {}
 """
@@ -21,8 +31,39 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.engine.inventory.replicas.declared import declare_replicas
+from weightsync_audit.engine.inventory.replicas.megatron import (
+    GRAD_SHARD,
+    MAIN_PARAM_SHARD,
+    TP_SHARD,
+    MegatronLayout,
+    declare_megatron,
+    megatron_layout,
+)
 
-__all__ = ["declare_torchtitan", "torchtitan_peer_sets"]
+__all__ = [
+    "GRAD_SHARD", "MAIN_PARAM_SHARD", "TP_SHARD", "MegatronLayout", "declare_megatron", "declare_torchtitan",
+    "megatron_groups", "megatron_layout", "torchtitan_peer_sets",
+]  # fmt: skip
+
+
+def megatron_groups() -> dict[str, Any]:
+    """Megatron's process groups this rank belongs to, by the names :class:`MegatronLayout` uses, for
+    ``audit(..., group=megatron_groups()["data_parallel"])``. Raises ``RuntimeError`` before
+    ``initialize_model_parallel``."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron_groups(): call megatron.core.parallel_state.initialize_model_parallel first")
+    return {
+        "data_parallel": ps.get_data_parallel_group(),
+        "data_parallel_with_cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "tensor": ps.get_tensor_model_parallel_group(),
+        "pipeline": ps.get_pipeline_model_parallel_group(),
+        "context": ps.get_context_parallel_group(),
+        "stage": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        "expert_data_parallel": ps.get_expert_data_parallel_group(),
+        "expert_model_parallel": ps.get_expert_model_parallel_group(),
+    }
 
 
 def torchtitan_peer_sets(parallel_dims: Any) -> dict[str, tuple[int, ...]]:
