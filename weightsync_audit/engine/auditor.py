@@ -236,18 +236,22 @@ class Auditor:
         module: nn.Module | None = None,
         optimizer: Any = None,
         *,
-        step: int | None = None,
-        epoch: int | None = None,
-        hook: str | None = None,
         request: AuditRequest = THE_RUNS_OWN,
         batch: str | BatchRecords | None = None,
+        **at: Any,
     ) -> AuditContext:
         """Everything one audit reads, built here and only here, for :meth:`audit` and :meth:`launch` alike.
 
         ``request``: the kinds, ``full`` (every byte this once, whatever ``coverage`` says) and whether the
         audit is the run's own (``counted``: its history and per-step evidence). ``batch``: this rank's batch
         digest (a digest, or the records to take the one of ``step`` from). The manifest is prepared now, on
-        the calling thread; an error preparing it travels in the context, so that every rank raises together."""
+        the calling thread; an error preparing it travels in the context, so that every rank raises together.
+        ``at``: the ``step``, ``epoch`` and ``hook`` the audit covers, as :class:`AuditContext` names them."""
+        step = at.get("step")
+        for name in ("step", "epoch"):
+            value = at.get(name)
+            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
+                raise TypeError(f"{name}={value!r}: must be an integer, or None")
         module, optimizers = self._targets(module, optimizer)
         ddp = find_ddp(module) if module is not None else None
         config = request.config(self.config)
@@ -260,15 +264,14 @@ class Auditor:
         if not request.counted:  # beside the run's own audits: none of its per-step evidence is read
             return AuditContext(
                 config, self.comm, self.side_history, None, None, module, optimizers, ddp, prepared, failure,
-                step=step, epoch=epoch, hook=hook, slice_index=0,
+                slice_index=0, **at,
             )  # fmt: skip
         if isinstance(batch, BatchRecords):
             batch = batch.take(step)
         return AuditContext(
             config, self.comm, self.history, self.pinpointer, self.attribution, module, optimizers, ddp,
-            prepared, failure, step=step, epoch=epoch, hook=hook,
-            slice_index=self.slice_for(step, config.slices), batches=self.batches, batch=batch,
-            step_hyper=self.step_hyper,
+            prepared, failure, slice_index=self.slice_for(step, config.slices), batches=self.batches,
+            batch=batch, step_hyper=self.step_hyper, **at,
         )  # fmt: skip
 
     @with_checked_options
@@ -291,9 +294,6 @@ class Auditor:
         or one beside it, as the gradients before a step and a repair's confirmation are). The phases (prepare, agree, localize, measure, explain,
         record) are :class:`AuditRun`'s. An overlapped audit still pending (:meth:`launch`) is settled
         first: the channel is used in order."""
-        for name, value in (("step", step), ("epoch", epoch)):
-            if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
-                raise TypeError(f"{name}={value!r}: must be an integer, or None")
         if self.window is not None:
             self.window.settle("another audit")
         request = (

@@ -50,9 +50,9 @@ class AuditContext:
     """This rank's manifest for the audit (cached while the structure holds); ``None`` when it failed."""
     failure: BaseException | None
     """Why the manifest could not be prepared: every rank raises together after the summaries meet."""
-    step: int | None = field(kw_only=True)
-    epoch: int | None = field(kw_only=True)
-    hook: str | None = field(kw_only=True)
+    step: int | None = field(kw_only=True, default=None)
+    epoch: int | None = field(kw_only=True, default=None)
+    hook: str | None = field(kw_only=True, default=None)
     slice_index: int = field(kw_only=True)
     """The sample slice this audit hashes (part of the gathered summary: ranks that disagree are out of step)."""
     batches: BatchRecords | None = field(kw_only=True, default=None)

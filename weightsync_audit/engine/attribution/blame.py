@@ -337,6 +337,24 @@ def decide(
     return blame
 
 
+_HINTS = {  # by the blame's evidence: the class it names, then what to do about it
+    "at_rest_change": "a change at rest: {detail}{where}. Look for code writing to the weights between steps on that "
+    "rank (through .data or a raw pointer); if there is none, test the device's memory",
+    "at_rest_write": "a write at rest: {detail}{where}. Not the machine: look for code writing to the weights between "
+    "steps on that rank (a load or an edit on some ranks only, an EMA kept in the parameters)",
+    "update_not_reproducible": "compute in the step: {detail}{where}. Hardware-suspect: drain the host and run the "
+    "vendor diagnostics before it trains again",
+    "collective_mismatch": "the collective: {detail}{where}. Check the link and the communication library on that rank",
+    "checkpoint": "the checkpoint load: {detail}{where}. Load the checkpoint again on that rank (or resync from a rank "
+    "that holds it)",
+    "deterministic_difference": "a software difference: {detail}. Not the machine: the ranks ran other code or settings",
+}
+_BIT_FLIP_HINT = (
+    "memory at rest: {detail}{where}. A bit flip: run a memory test on that device "
+    "(dcgmi diag -r 3, compute-sanitizer) before it trains again"
+)
+
+
 def blame_hint(blame: Blame, hosts: dict[str, str] | None) -> str:
     """The hint that names the class: memory at rest, compute in the step, the collective, software."""
     ranks, detail = blame.ranks, blame.detail
@@ -345,21 +363,5 @@ def blame_hint(blame: Blame, hosts: dict[str, str] | None) -> str:
     if not ranks:
         return f"attribution undecided ({blame.cause}): {detail}"
     if blame.evidence == "at_rest_change" and blame.hardware_suspect:
-        return (f"memory at rest: {detail}{where}. A bit flip: run a memory test on that device "
-                "(dcgmi diag -r 3, compute-sanitizer) before it trains again")  # fmt: skip
-    if blame.evidence == "at_rest_change":
-        return (f"a change at rest: {detail}{where}. Look for code writing to the weights between steps on that rank "
-                "(through .data or a raw pointer); if there is none, test the device's memory")  # fmt: skip
-    if blame.evidence == "at_rest_write":
-        return (f"a write at rest: {detail}{where}. Not the machine: look for code writing to the weights between "
-                "steps on that rank (a load or an edit on some ranks only, an EMA kept in the parameters)")  # fmt: skip
-    if blame.evidence == "update_not_reproducible":
-        return (f"compute in the step: {detail}{where}. Hardware-suspect: drain the host and run the vendor "
-                "diagnostics before it trains again")  # fmt: skip
-    if blame.evidence == "collective_mismatch":
-        return f"the collective: {detail}{where}. Check the link and the communication library on that rank"
-    if blame.evidence == "checkpoint":
-        return f"the checkpoint load: {detail}{where}. Load the checkpoint again on that rank (or resync from a rank that holds it)"
-    if blame.evidence == "deterministic_difference":
-        return f"a software difference: {detail}. Not the machine: the ranks ran other code or settings"
-    return f"by vote: {detail}{where}"
+        return _BIT_FLIP_HINT.format(detail=detail, where=where)
+    return _HINTS.get(blame.evidence, "by vote: {detail}{where}").format(detail=detail, where=where)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from weightsync_audit.reporting.record import AuditResult
@@ -54,18 +54,7 @@ class AuditHistory:
                     self.last_in_sync_step = known if prior is None else max(prior, known)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "audits": self.audits,
-            "diverged_audits": self.diverged_audits,
-            "resyncs": self.resyncs,
-            "last_in_sync_step": self.last_in_sync_step,
-            "last_full_sync_step": self.last_full_sync_step,
-            "first_divergence_step": self.first_divergence_step,
-            "first_divergence_tensors": list(self.first_divergence_tensors),
-            "last_diverged_tensors": list(self.last_diverged_tensors),
-            "first_diverged_step": self.first_diverged_step,
-            "compared_nothing": self.compared_nothing,
-        }
+        return asdict(self)  # the lists copied
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Tolerant of older or partial checkpoints: missing keys keep their defaults.

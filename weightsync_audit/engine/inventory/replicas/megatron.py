@@ -46,16 +46,6 @@ from weightsync_audit.engine.inventory.manifest import Entry, wrapper_of
 from weightsync_audit.engine.inventory.peers import ShardInfo
 from weightsync_audit.engine.inventory.replicas.keys import Rules, alone, among, named_params
 
-__all__ = [
-    "GRAD_SHARD",
-    "MAIN_PARAM_SHARD",
-    "TP_SHARD",
-    "MegatronLayout",
-    "declare_megatron",
-    "megatron_layout",
-    "megatron_rules",
-]
-
 _KEEP = (-1,)
 _DECLARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 MAIN_PARAM_SHARD = "Megatron distributed-optimizer main-param shard"
