@@ -116,12 +116,14 @@ class AuditRunner:
         is_main: bool,
         ddp_broadcast_buffers: bool | None = None,
         grads_with_optimizer: bool = False,
+        engine: type[Auditor] = Auditor,
     ) -> None:
-        """Build the auditors and open the audit channel (collective: every rank calls it).
+        """Build the auditor and open the audit channel (collective: every rank calls it).
 
         ``ddp_broadcast_buffers``: the DDP buffer policy when the callback is handed the unwrapped model
         (``None``: read it from the wrapper). ``grads_with_optimizer``: the gradient audit also compares
-        the optimizer (its state and each group's ``lr``), as it stands right before the step.
+        the optimizer (its state and each group's ``lr``), as it stands right before the step. ``engine``: the
+        auditor's class, one whose ``setup`` and ``comm`` are another channel's (torchft's quorum channel).
         """
         self.is_main = is_main
         for problem in hand_off_problems() if is_main else []:  # local: a warning, never a rank of its own
@@ -134,7 +136,7 @@ class AuditRunner:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
         config = replace(self.config, ddp_broadcast_buffers=ddp_broadcast_buffers, include=main_include)
-        self.auditor = Auditor(config=config)
+        self.auditor = engine(config=config)
         self.auditor.history = self.history
         self.auditor.step_hyper = self.step_hyper
         if "grads" in self.include:
@@ -201,12 +203,14 @@ class AuditRunner:
         log_metrics: Callable[[dict[str, float]], None] | None = None,
         audit: Callable[..., AuditResult] | None = None,
         after_step: bool = False,
+        failure_warns: bool = False,
     ) -> AuditResult | None:
         """Audit, act on the result, report it on the main process; raise on every rank if asked.
 
         ``log_metrics`` (main process only) receives :func:`audit_metrics` before any raise. ``audit``
         replaces the auditor's own (a checkpoint's: :meth:`checkpoint`). ``after_step`` with ``overlap=True``:
-        launched, acted on at the next safe point (returns ``None``; ``overlap.last``: the last acted on)."""
+        launched, acted on at the next safe point (returns ``None``; ``overlap.last``: the last acted on).
+        ``failure_warns``: an audit that fails warns and returns ``None`` whatever ``on_mismatch`` (torchft's)."""
         auditor = self.auditor
         if auditor is None or self.confirms is None or (grads and self.grads is None):
             return None
@@ -222,7 +226,7 @@ class AuditRunner:
             kw: dict[str, Any] = {} if audit is not None else {"request": request}
             result = (audit or auditor.audit)(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook, **kw)
         except Exception as exc:
-            if self.on_mismatch != "warn":
+            if self.on_mismatch != "warn" and not failure_warns:
                 raise
             self._audit_failed(hook, step, exc, is_main)
             return None
@@ -311,7 +315,7 @@ class AuditRunner:
         if is_main and kind not in self._warned_failures:
             self._warned_failures.add(kind)
             warnings.warn(
-                f"weightsync audit at step {step} ({hook}) failed; training goes on (on_mismatch='warn'): {text}",
+                f"weightsync audit at step {step} ({hook}) failed; training goes on: {text}",
                 WeightSyncWarning,
                 stacklevel=user_stacklevel(),
             )

@@ -21,10 +21,6 @@ Each group rank audits among the same group rank of the other replica groups (it
 from __future__ import annotations
 
 import collections
-import logging
-import sys
-import time
-import warnings
 from dataclasses import replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
@@ -33,11 +29,10 @@ from torch import nn
 from weightsync_audit.channel.groups import StoreLink
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.config import AuditConfig, with_checked_options
+from weightsync_audit.engine.config import with_checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
-from weightsync_audit.engine.respond import Voice
-from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
-from weightsync_audit.integrations.session.options import check_every_n
+from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
+from weightsync_audit.integrations.session.trainer_session import TrainerSession
 from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, call_roll, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
@@ -50,15 +45,12 @@ from weightsync_audit.integrations.torchft.compat import (
     wrap_method,
 )
 from weightsync_audit.integrations.torchft.verdict import AuditPoint, collect, complete
-from weightsync_audit.reporting.jsonl import ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["DEFAULT_EVERY_N_STEPS", "TorchFTAudit"]
 
 DEFAULT_EVERY_N_STEPS = 100
 """Committed steps between two audits when ``every_n_steps`` is not given (without ``sync=``)."""
-
-log = logging.getLogger("weightsync_audit")
 
 
 class QuorumAuditor(Auditor):
@@ -72,8 +64,18 @@ class QuorumAuditor(Auditor):
             raise RuntimeError("weightsync audit: no quorum channel is open (audits run from TorchFTAudit's hooks)")
         return self.channel
 
-    def slice_for(self, step: int | None, slices: int | None = None) -> int:
-        return 0  # every byte at every audit: a replica that joins has no audit count to agree on
+    def setup(self) -> None:
+        """Nothing to open yet: the channel is made in the quorum's store at an audit, per membership."""
+
+
+class _Keep:
+    """The sink that keeps the records this process took part in (:attr:`TorchFTAudit.results`)."""
+
+    def __init__(self, results: collections.deque[AuditResult]) -> None:
+        self.results = results
+
+    def write(self, record: AuditResult) -> None:
+        self.results.append(record)
 
 
 @with_checked_options
@@ -131,8 +133,6 @@ class TorchFTAudit:
         every = check_every_n(every_n_steps, "every_n_steps")
         self.every_n_steps: int = every if every is not None else (1 if sync is not None else DEFAULT_EVERY_N_STEPS)
         """The cadence in force: committed steps, or syncs with ``sync=``."""
-        self.on_mismatch = on_mismatch
-        self.verbose = verbose
         self.lr_scheduler = lr_scheduler
         self.must_match = dict(must_match or {})
         self.per_replica = tuple(per_replica)
@@ -141,24 +141,21 @@ class TorchFTAudit:
         self.optimizers = (
             self.targets.optimizers if self.targets is not None else [getattr(optimizer, "optim", optimizer)]
         )
-        base_include = self.targets.include if self.targets is not None else tuple(include or AuditConfig().include)
-        # torchft's DDP broadcasts buffers over a process group of one: they are never synced across replicas.
-        self.config = AuditConfig(
-            include=base_include,
-            exclude=tuple(exclude),
-            timeout_s=timeout_s,
-            tolerance=tolerance,
-            ddp_broadcast_buffers=False,
-        )
-        self.timeout_s = float(timeout_s)
-        self.auditor = QuorumAuditor(config=self.config)
-        self.writer = ReportWriter(report_path, keep_on_error=True) if report_path is not None else None
         self.results: collections.deque[AuditResult] = collections.deque(maxlen=1024)
         """The records this process took part in (the last 1024)."""
-        self.failures: list[str] = []
-        """Audits that could not complete, noted in the next record."""
-        self.voice = Voice()
-        self._warned: set[str] = set()
+        self.options = AuditOptions(
+            include=self.targets.include if self.targets is not None else (include or AuditOptions().include),
+            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, on_mismatch=on_mismatch,
+            report_path=report_path, verbose=verbose, sinks=[_Keep(self.results)],
+        )  # fmt: skip
+        """The options, whole, as every adapter's: the session (:attr:`session`) acts on them alike."""
+        self.timeout_s = float(timeout_s)
+        self.session = TrainerSession(self.options, self.every_n_steps)
+        """The cadence, the audit, the response (warn/raise, report, sinks, summary): as under every adapter."""
+        # Every process reports its own records; torchft's DDP syncs no buffer across replicas.
+        self.session.open(world_size=1, is_main=True, ddp_broadcast_buffers=False, engine=QuorumAuditor)
+        self.runner = self.session.runner
+        self.auditor: QuorumAuditor = self.runner.auditor  # type: ignore[assignment]
         self._last_quorum: int | None = None
         self._last_in_sync: int | None = None
         self._synced_step = int(manager.current_step())
@@ -175,20 +172,21 @@ class TorchFTAudit:
 
     # -- the audit points -------------------------------------------------------------------------
 
-    def _due(self, quorum: Quorum, heals: Heals, step: int) -> bool:
-        """The same answer on every member of ``quorum``: from the quorums they all saw and the step only."""
+    def _due(self, quorum: Quorum, heals: Heals, step: int, module: Any, optimizers: list[Any]) -> bool:
+        """The same answer on every member of ``quorum``: from the quorums they all saw and the step only (the
+        session's cadence, as every adapter's, and every quorum change and heal)."""
         changed = quorum.quorum_id != self._last_quorum
         self._last_quorum = quorum.quorum_id
-        cadence = step % self.every_n_steps == 0
+        cadence = self.session.after_step(module, optimizers, step, once=False)
         return changed or heals.someone or cadence
 
     def _before_step(self) -> None:
         quorum, heals = self.tap.latest, self.tap.take_heals()
         # The committed steps the state holds: should_commit already counted the one about to be taken.
         step = int(self.manager.current_step()) - 1
-        if quorum is None or not self._due(quorum, heals, step):
+        if quorum is None or not self._due(quorum, heals, step, self.module, self.optimizers):
             return
-        self._audit(quorum, heals, step, "step", self.module, self.optimizers, self.config.exclude, None)
+        self._audit(quorum, heals, step, "step", self.module, self.optimizers, self.options.exclude, None)
 
     def _after_sync_of(self, fragment: int | None) -> Callable[[Any], None]:
         def after(committed: Any) -> None:
@@ -198,11 +196,11 @@ class TorchFTAudit:
             if committed is False or not moved or quorum is None:
                 return
             heals = self.tap.take_heals()
-            if not self._due(quorum, heals, step):
-                return
             targets = self.targets
             assert targets is not None
-            exclude = self.config.exclude + targets.per_fragment_exclude.get(fragment or 0, ())
+            if not self._due(quorum, heals, step, targets.module, targets.optimizers):
+                return
+            exclude = self.options.exclude + targets.per_fragment_exclude.get(fragment or 0, ())
             self._audit(quorum, heals, step, "sync", targets.module, targets.optimizers, exclude, fragment)
 
         return after
@@ -225,7 +223,7 @@ class TorchFTAudit:
             group_rank=group_rank(self.manager),
             point=point,
             step=step,
-            include=self.config.include,
+            include=self.options.include,
             timeout_s=self.timeout_s,
             sync=sync,
             notes=(targets.note(fragment),) if targets is not None else (),
@@ -241,61 +239,57 @@ class TorchFTAudit:
         point: str,
         module: Any,
         optimizers: list[Any],
-        exclude: tuple[str, ...],
+        exclude: Sequence[str],
         fragment: int | None,
     ) -> AuditResult | None:
-        t0 = time.perf_counter()
         at = self._point(quorum, step, point, fragment)
         hook = "torchft_step" if point == "step" else f"{self.targets.algorithm.lower()}_sync"  # type: ignore[union-attr]
         where = f"{point}{'' if fragment is None else fragment}"
         prefix = f"weightsync_audit/torchft/{quorum.quorum_id}/{at.group_rank}/{where}/{step}"
         bound = self.timeout_s + DEFAULT_GRACE_S
-        try:
-            # A must_match that fails keeps this replica from the roll: the others name it absent.
-            counters, skipped = collect(self.manager, self.lr_scheduler, self.must_match)
-            # A heal's evidence ends at the replica's first committed step or sync: a sync replaced what it
-            # loaded (its source is still said, but nothing is verified or blamed on it).
-            me = Member(
-                quorum.replica_rank,
-                quorum.replica_id(quorum.replica_rank),
-                healed=heals.this_replica and point == "step",
-                source=heals.source,
-                counters=counters,
-                last_in_sync_step=self._last_in_sync,
-                channel=self._held(quorum),
-            )
-            store = quorum_store(quorum.store_address, bound)
-            roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
-            if roll.position is None:
-                raise TimeoutError(
-                    f"this replica ({quorum.replica_rank}) reached the audit after the others had closed its roll "
-                    f"(they waited {self.timeout_s:g}s)"
+
+        def audit(module: Any, optimizers: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
+            try:
+                # A must_match that fails keeps this replica from the roll: the others name it absent.
+                counters, skipped = collect(self.manager, self.lr_scheduler, self.must_match)
+                # A heal's evidence ends at the replica's first committed step or sync: a sync replaced what it
+                # loaded (its source is still said, but nothing is verified or blamed on it).
+                me = Member(
+                    quorum.replica_rank,
+                    quorum.replica_id(quorum.replica_rank),
+                    healed=heals.this_replica and point == "step",
+                    source=heals.source,
+                    counters=counters,
+                    last_in_sync_step=self._last_in_sync,
+                    channel=self._held(quorum),
                 )
-            # The channel of the last audit when every member holds it whole, over the same members in the
-            # same order (a decision every member takes alike, from the roll); else a new one.
-            held = self._channel
-            if held is None or held.members != roll.ranks or any(m.channel != held.prefix for m in roll.members):
-                self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
-                self._channel_quorum = quorum.quorum_id
-            self.auditor.config = replace(self.config, exclude=exclude)
-            result = self.auditor.audit(module, optimizers, step=step, hook=hook)
-        except Exception as exc:  # noqa: BLE001 - an audit that cannot complete is reported, never raised
-            drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
-            self._open(None)  # nor a channel that may hold a half-done exchange
-            self._failed(step, hook, exc)
-            return None
-        result.notes[:0], self.failures = self.failures, []
-        complete(result, roll, at, skipped, roll.members[0].last_in_sync_step)
-        self._last_in_sync = result.last_in_sync_step
-        if result.in_sync or result.within_tolerance:
-            result.action = "none"
-        else:
-            result.action = "raised" if self.on_mismatch == "raise" else "warned"
-        result.duration_ms = (time.perf_counter() - t0) * 1e3
-        self._publish(result)
-        if result.action == "raised":
-            raise WeightDivergenceError(result)
-        return result
+                store = quorum_store(quorum.store_address, bound)
+                roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
+                if roll.position is None:
+                    raise TimeoutError(
+                        f"this replica ({quorum.replica_rank}) reached the audit after the others had closed its "
+                        f"roll (they waited {self.timeout_s:g}s)"
+                    )
+                # The channel of the last audit when every member holds it whole, over the same members in the
+                # same order (a decision every member takes alike, from the roll); else a new one.
+                held = self._channel
+                if held is None or held.members != roll.ranks or any(m.channel != held.prefix for m in roll.members):
+                    self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
+                    self._channel_quorum = quorum.quorum_id
+                self.auditor.config = replace(self.auditor.config, exclude=tuple(exclude))
+                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook)
+            except Exception:
+                drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
+                self._open(None)  # nor a channel that may hold a half-done exchange
+                raise
+            complete(result, roll, at, skipped, roll.members[0].last_in_sync_step)
+            self._last_in_sync = result.last_in_sync_step
+            return result
+
+        # The session's response, as every adapter's; an audit that cannot complete warns, never raises.
+        return self.session.audit(
+            module, optimizers, step=step, epoch=None, hook=hook, is_main=True, audit=audit, failure_warns=True
+        )
 
     def _held(self, quorum: Quorum) -> str | None:
         """The prefix of the channel this member can use again under ``quorum`` (made in it, never failed)."""
@@ -311,25 +305,6 @@ class TorchFTAudit:
         self._channel = channel
         self.auditor.channel = channel
 
-    def _failed(self, step: int, hook: str, exc: Exception) -> None:
-        """An audit that could not complete: reported (a warning, a note in the next record), never waited on."""
-        text = f"{type(exc).__name__}: {exc}"
-        self.failures = [*self.failures[-19:], f"the audit at step {step} ({hook}) could not complete: {text}"]
-        if type(exc).__name__ not in self._warned:
-            self._warned.add(type(exc).__name__)
-            warnings.warn(
-                f"weightsync audit at step {step} ({hook}) could not complete; training goes on: {text}",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
-            )
-        log.warning("weightsync audit at step %s (%s) could not complete: %s", step, hook, text)
-
-    def _publish(self, result: AuditResult) -> None:
-        self.results.append(result)
-        if self.writer is not None:
-            self.writer.write(result)
-        self.voice.speak(result, verbose=self.verbose, print_fn=_print)
-
     # -- lifetime -------------------------------------------------------------------------------
 
     @property
@@ -337,17 +312,30 @@ class TorchFTAudit:
         """The last record this process took part in."""
         return self.results[-1] if self.results else None
 
+    @property
+    def failures(self) -> list[str]:
+        """Audits that could not complete, noted in the next record."""
+        return self.runner.failures
+
+    @property
+    def history(self) -> Any:
+        """This process's :class:`~weightsync_audit.AuditHistory` (audits, first divergence)."""
+        return self.runner.history
+
+    def summary(self) -> str:
+        """One line over the audits this process took part in, as every adapter says it."""
+        return self.session.summary()
+
     def close(self) -> None:
-        """Remove the hooks, release the channel, close the report (idempotent)."""
+        """Remove the hooks, release the channel, close the report; with ``verbose``, print the summary
+        (idempotent)."""
         for undo in reversed(self._undo):
             undo()
+        if self.session.opened:
+            self.session.print_summary(True)
         self._undo.clear()
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
+        self._open(None)
+        self.session.close()
 
     def __enter__(self) -> TorchFTAudit:
         return self
@@ -377,9 +365,3 @@ def _check_arguments(
         raise ValueError("module= and optimizer= are needed without sync= (the optimizer's step is the audit point)")
     if must_match is not None and not all(callable(f) for f in must_match.values()):
         raise TypeError("must_match must map names to callables that return the state to compare")
-
-
-def _print(renderable: Any) -> None:
-    from weightsync_audit.reporting.render import log_console
-
-    log_console(sys.stderr).print(renderable)
