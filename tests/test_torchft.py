@@ -309,3 +309,10 @@ def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: 
     for records, path in ((ft["records"], tmp_path / "ft-0.jsonl"), (loop["records"], tmp_path / "loop.jsonl")):
         assert [r.to_dict() for _, r in read_report(path).records] == records
     assert ft["summary"] == loop["summary"] and "first at step 4 (0.weight)" in ft["summary"]
+
+
+def test_include_grads_compares_the_gradients_after_the_all_reduce_in_the_audit_before_the_step() -> None:
+    res = run_job([Replica(0), Replica(1)], steps=3, options={"include": ("params", "optimizer", "grads")})
+    records = [_same_record([_by_step(res[(i, 0)])[step] for i in range(2)]) for step in (0, 2)]
+    assert records[1]["checked"]["grad"] == 4 and records[1]["checked"]["param"] == 4
+    assert all(r["in_sync"] for r in records)

@@ -195,6 +195,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         every_n_steps=plan.get("every", 2),
         on_mismatch=plan.get("on_mismatch", "warn"),
         report_path=plan["report"].format(**plan) if plan.get("report") else None,
+        **plan.get("options", {}),
     )
     raised = None
     try:
