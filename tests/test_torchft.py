@@ -22,6 +22,7 @@ import torch
 if importlib.util.find_spec("torchft") is None:  # not imported here: each replica process imports it itself
     pytest.skip("the torchft extra: pip install 'weightsync-audit[torchft]'", allow_module_level=True)
 
+from ranks import run_ranks
 from torchft_jobs import Replica, run_job
 
 import weightsync_audit
@@ -258,3 +259,60 @@ def test_diloco_is_audited_at_sync_points_only() -> None:
         # the live parameters, the global copy (buffers) and the outer optimizer's momentum, all compared
         assert record["checked"]["param"] == 4 and record["checked"]["buffer"] == 4
         assert record["torchft"]["sync"]["fragment"] == 0
+
+
+def _loop_rank(rank: int, world: int, report: str) -> dict[str, Any]:
+    """The same job under LoopAudit: two ranks of one torch DDP group, the same model, optimizer, scheduler and
+    cadence, the same fault planted (rank 1's ``0.weight`` moved after step 3), the first state audited too."""
+    from weightsync_audit import LoopAudit
+
+    torch.manual_seed(100)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Tanh(), torch.nn.Linear(64, 2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    gen = torch.Generator().manual_seed(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=2, timeout_s=5.0, verbose=False, report_path=report)
+    records = [audit.audit(0, hook="step")]
+    for step in range(1, 6):
+        opt.zero_grad()
+        ddp(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+        if (rank, step) == (1, 3):
+            with torch.no_grad():
+                model[0].weight[0, 0] += 1e-3
+        records.append(audit.step(step))
+    audit.close()
+    return {"records": [r.to_dict() for r in records if r is not None], "summary": audit.summary()}
+
+
+def _verdict(record: dict[str, Any]) -> tuple[Any, ...]:
+    """What an option decides in a record, whichever adapter took it."""
+    blame = record.get("blame") or {}
+    mismatches = [(m["kind"], m["name"], m["ranks"], m["reference_ranks"], m["shape"]) for m in record["mismatches"]]
+    blamed = (blame.get("ranks"), blame.get("evidence"), blame.get("cause"))
+    return record["step"], record["in_sync"], record["action"], record["last_in_sync_step"], mismatches, blamed
+
+
+def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: Path) -> None:
+    """One session for every adapter: the same fault gives TorchFTAudit and LoopAudit the same verdicts (what
+    differs, where, the action, the blame), the same report written to report_path, the same summary."""
+    from weightsync_audit.reporting.jsonl import read_report
+
+    report = str(tmp_path / "ft-{index}.jsonl")
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, report=report)
+    loop = run_ranks(_loop_rank, 2, str(tmp_path / "loop.jsonl"))[0]
+    ft = res[(0, 0)]
+    assert [_verdict(r) for r in ft["records"]] == [_verdict(r) for r in loop["records"]]
+    assert [r["step"] for r in ft["records"] if not r["in_sync"]] == [4]
+    for records, path in ((ft["records"], tmp_path / "ft-0.jsonl"), (loop["records"], tmp_path / "loop.jsonl")):
+        assert [r.to_dict() for _, r in read_report(path).records] == records
+    assert ft["summary"] == loop["summary"] and "first at step 4 (0.weight)" in ft["summary"]
+
+
+def test_include_grads_compares_the_gradients_after_the_all_reduce_in_the_audit_before_the_step() -> None:
+    res = run_job([Replica(0), Replica(1)], steps=3, options={"include": ("params", "optimizer", "grads")})
+    records = [_same_record([_by_step(res[(i, 0)])[step] for i in range(2)]) for step in (0, 2)]
+    assert records[1]["checked"]["grad"] == 4 and records[1]["checked"]["param"] == 4
+    assert all(r["in_sync"] for r in records)

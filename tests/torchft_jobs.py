@@ -194,6 +194,8 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
         verbose=False,
         every_n_steps=plan.get("every", 2),
         on_mismatch=plan.get("on_mismatch", "warn"),
+        report_path=plan["report"].format(**plan) if plan.get("report") else None,
+        **plan.get("options", {}),
     )
     raised = None
     try:
@@ -206,7 +208,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     finally:
         manager.shutdown(wait=False)
     out = {"records": records, "snapshots": snapshots, "step": manager.current_step(), "raised": raised}
-    return {**out, "step_s": STEP_S}
+    return {**out, "step_s": STEP_S, "summary": SUMMARY[0] if SUMMARY else None}
 
 
 def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
@@ -256,6 +258,7 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
         STEP_S.append((before, time.perf_counter() - t0))
         time.sleep(plan.get("pause_s", 0.0))
     audit.close()
+    SUMMARY.append(audit.summary() if hasattr(audit, "summary") else None)
     return [r.to_dict() for r in audit.results]
 
 
@@ -299,6 +302,9 @@ class _NoAudit:
 
 STEP_S: list[tuple[int, float]] = []
 """Each iteration of the DDP loop in this process (benchmarks): the Manager's step it began at, its seconds."""
+
+SUMMARY: list[str | None] = []
+"""The audit's closing summary in this process (the DDP loop's)."""
 
 SEEN = {"batches": 0}
 """The user's own counter of committed batches (in its state_dict; declared to the audit with must_match)."""

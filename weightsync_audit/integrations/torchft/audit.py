@@ -100,7 +100,8 @@ class TorchFTAudit:
         on_mismatch: ``warn`` (report, train on) or ``raise`` (:class:`~weightsync_audit.WeightDivergenceError`
             from the optimizer step on every replica compared). An audit that could not complete is never raised.
         report_path: a JSONL report this process appends each record it takes part in to.
-        verbose: print a divergence (rich, stderr) when it appears or changes; else log it.
+        verbose: print a divergence (rich, stderr) when it appears or changes, else log it; and the summary
+            at :meth:`close`.
 
     The audits are collective among the replicas: every replica group constructs it alike. A doctest
     needs a lighthouse; docs/torchft.md runs a whole job::
@@ -186,7 +187,7 @@ class TorchFTAudit:
         step = int(self.manager.current_step()) - 1
         if quorum is None or not self._due(quorum, heals, step, self.module, self.optimizers):
             return
-        self._audit(quorum, heals, step, "step", self.module, self.optimizers, self.options.exclude, None)
+        self._audit(quorum, heals, step, "step", self.module, self.optimizers, tuple(self.options.exclude), None)
 
     def _after_sync_of(self, fragment: int | None) -> Callable[[Any], None]:
         def after(committed: Any) -> None:
@@ -200,7 +201,7 @@ class TorchFTAudit:
             assert targets is not None
             if not self._due(quorum, heals, step, targets.module, targets.optimizers):
                 return
-            exclude = self.options.exclude + targets.per_fragment_exclude.get(fragment or 0, ())
+            exclude = tuple(self.options.exclude) + targets.per_fragment_exclude.get(fragment or 0, ())
             self._audit(quorum, heals, step, "sync", targets.module, targets.optimizers, exclude, fragment)
 
         return after
@@ -239,7 +240,7 @@ class TorchFTAudit:
         point: str,
         module: Any,
         optimizers: list[Any],
-        exclude: Sequence[str],
+        exclude: tuple[str, ...],
         fragment: int | None,
     ) -> AuditResult | None:
         at = self._point(quorum, step, point, fragment)
@@ -276,7 +277,8 @@ class TorchFTAudit:
                 if held is None or held.members != roll.ranks or any(m.channel != held.prefix for m in roll.members):
                     self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
                     self._channel_quorum = quorum.quorum_id
-                self.auditor.config = replace(self.auditor.config, exclude=tuple(exclude))
+                # Before the step, after the all-reduce: the gradients (include grads) in this same audit.
+                self.auditor.config = replace(self.auditor.config, include=self.options.include, exclude=exclude)
                 result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook)
             except Exception:
                 drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
