@@ -33,8 +33,8 @@ from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditRequest
+from weightsync_audit.engine.culprit import persistent_hints
 from weightsync_audit.engine.inventory.manifest import as_optimizers
-from weightsync_audit.engine.measure.stability import persistent_hints
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
 from weightsync_audit.engine.timeline.history import AuditHistory
