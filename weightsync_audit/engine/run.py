@@ -58,6 +58,7 @@ from weightsync_audit.engine.agreement.rounds import (
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.culprit import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.duplicate_batches import describe, shared_batches
 from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
@@ -67,7 +68,6 @@ from weightsync_audit.engine.inventory.replicas import reducing_engine
 from weightsync_audit.engine.measure.finite import NonfiniteCount, apply_nonfinite, count_everywhere, nonfinite_row
 from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_arguments
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
-from weightsync_audit.engine.measure.stability import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
 from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note

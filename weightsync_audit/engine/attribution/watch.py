@@ -5,7 +5,7 @@ parameters and optimizer state are compared with this rank's own digests taken r
 before (a post-step hook): a tensor that changed in between changed at rest. The hyperparameters are read
 too (one changed at rest on some rank only is a software difference), and with ``collective`` the
 gradients, once there (after the step's closure, where Lightning runs backward), are compared with what
-the all-reduce gave (:mod:`.collective`). Right after the step the sampled update is replayed
+the all-reduce gave (:mod:`.replay`). Right after the step the sampled update is replayed
 (:mod:`.replay`). :meth:`StepWatch.mark` closes the step's record under the loop's step number, once per
 optimizer step: a step marked again with no optimizer step since (gradient accumulation: Lightning's
 ``on_train_batch_end`` at every micro-batch, or a loop's ``no_sync`` micro-batches) leaves its record as it
@@ -37,9 +37,8 @@ from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution import AttributionConfig
 from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
 from weightsync_audit.engine.attribution.blame import Blame
-from weightsync_audit.engine.attribution.collective import ReducedDigests, attach_collective
 from weightsync_audit.engine.attribution.offload import Deferred
-from weightsync_audit.engine.attribution.replay import UpdateReplay
+from weightsync_audit.engine.attribution.replay import ReducedDigests, UpdateReplay, attach_collective
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import readable

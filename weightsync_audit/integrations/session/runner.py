@@ -7,6 +7,13 @@ optimizers, step, epoch), and where metrics go. Every decision that leads to a c
 data that is equal on every rank (the step, the gathered result); the main process only writes the
 report and prints.
 
+With ``overlap=True`` the audit after each optimizer step runs off the critical path: :class:`OverlapDriver`
+is the runner's side of :class:`~weightsync_audit.engine.overlap.OverlapWindow`. An audit asked for right
+after a step is launched on the worker thread instead of run, and the verdict is acted on (``warn``,
+``raise`` on every rank together, ``resync`` and confirm, the report, the metrics) at the next safe point,
+through :meth:`AuditRunner.run`, so it behaves exactly as the synchronous audit does, one step later. ``raise`` leaves through the next
+``optimizer.step()`` (before it writes anything); the record's ``step`` is the step it covers.
+
 It imports no framework.
 """
 
@@ -26,20 +33,21 @@ from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditRequest
+from weightsync_audit.engine.culprit import persistent_hints
 from weightsync_audit.engine.inventory.manifest import as_optimizers
-from weightsync_audit.engine.measure.stability import persistent_hints
+from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
 from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
-from weightsync_audit.integrations.session.overlap import OverlapDriver
 from weightsync_audit.reporting.jsonl import RecordSinks, ReportWriter
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = [
     "AuditRunner",
+    "OverlapDriver",
     "audit_metrics",
 ]
 
@@ -53,6 +61,67 @@ def audit_metrics(result: AuditResult) -> dict[str, float]:
         "weightsync/diverged_tensors": float(len(result.mismatches)),
         "weightsync/audit_ms": float(result.duration_ms),
     }
+
+
+class OverlapDriver:
+    """Launch the after-step audit on the runner's auditor; act on each verdict when it is settled."""
+
+    def __init__(self, runner: AuditRunner) -> None:
+        self.runner = runner
+        self.last: AuditResult | None = None
+        """The last verdict acted on (``None`` before the first, or when that audit failed under ``warn``)."""
+        self._acting: tuple[Any, list[Any], bool, Callable[[dict[str, float]], None] | None] | None = None
+
+    @classmethod
+    def of(cls, runner: AuditRunner, overlap: object) -> OverlapDriver | None:
+        """The driver for ``overlap=True``, ``None`` for ``False``; anything else is refused, naming it."""
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap={overlap!r}: must be True or False")
+        return cls(runner) if overlap else None
+
+    def launch(
+        self,
+        model: Any,
+        optimizers: Sequence[Any],
+        *,
+        is_main: bool,
+        log_metrics: Callable[[dict[str, float]], None] | None,
+        **at: Any,
+    ) -> None:
+        """Launch the audit of ``model`` at ``at`` (the ``step``, ``epoch`` and ``hook`` the runner's ``run``
+        was given); its verdict is acted on when it settles."""
+        auditor = self.runner.auditor
+        assert auditor is not None
+        if auditor.window is None:
+            auditor.window = OverlapWindow(auditor)
+        auditor.window.on_settled = self._act
+        auditor.launch(model, list(optimizers) or None, **at)
+        self._acting = (model, list(optimizers), is_main, log_metrics)  # set after: launch settles the last one
+
+    def settle(self, where: str) -> AuditResult | None:
+        """Take the pending verdict now (a safe point) and act on it; the last verdict acted on."""
+        auditor = self.runner.auditor
+        if auditor is not None and auditor.window is not None:
+            auditor.window.settle(where)
+        return self.last
+
+    def close(self) -> None:
+        auditor = self.runner.auditor
+        if auditor is not None:
+            auditor.close()
+
+    def _act(self, pending: PendingAudit) -> None:
+        assert self._acting is not None and pending.step is not None
+        model, optimizers, is_main, log_metrics = self._acting
+
+        def verdict(*_: Any, **__: Any) -> AuditResult:
+            return pending.result()
+
+        self.last = None
+        self.last = self.runner.run(
+            model, optimizers, step=pending.step, epoch=pending.epoch, hook=pending.hook or "step",
+            is_main=is_main, log_metrics=log_metrics, audit=verdict,
+        )  # fmt: skip
 
 
 @with_option_properties(skip=("sinks", "overlap"), settable=True)
