@@ -15,11 +15,9 @@ be right by the tie rule.
 
     python benchmarks/campaign_attribution.py --persisting --runs-per-kind 2 --seed 0
 
-``--persisting``: a divergence that persists (a drift within ``tolerance=1e-4`` written on one drawn rank),
-then a bit flip at rest on another drawn rank, on 2, 3 and 4 ranks under ``warn`` and ``resync``, audited
-every step. Scored at the flip's audit: *false blame* (``blame.ranks`` is not exactly the flipped rank),
-*repair from a corrupted source* (after the resync a rank holds the flipped rank's corrupted tensor), and
-*healthy machine named* (the ranks an ``exit_code`` evict file would name, ``evict_targets``, include another).
+``--persisting``: a divergence that persists, then a bit flip at rest on another rank, on 2, 3 and 4 ranks under
+``warn``, ``resync``, ``raise`` + ``exit_code`` and ``overlap`` (:mod:`campaign_lifetime`, which also holds the
+resume rows: ``python benchmarks/campaign_lifetime.py --resume``).
 """
 
 from __future__ import annotations
@@ -31,8 +29,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the faults live with the tests
@@ -107,68 +103,6 @@ def score(fault: Fault, records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def draw_persisting(world: int, n: int, seed: int) -> dict[str, int]:
-    """Run ``n`` of the persisting pattern on ``world`` ranks: who drifts, who flips, when and where."""
-    rng = random.Random(f"{seed}-persisting-{world}-{n}")
-    drifting, flipped = rng.sample(range(world), 2)
-    drift_after = rng.randint(2, 4)
-    return {"drifting": drifting, "flipped": flipped, "drift_after": drift_after,
-            "flip_after": drift_after + rng.randint(1, 3), "param": rng.randrange(4), "element": rng.randrange(64),
-            "bit": rng.randrange(20, 31)}  # fmt: skip
-
-
-def run_persisting(rank: int, world: int, plan: dict[str, int], on_mismatch: str) -> dict[str, Any]:
-    """One run of the persisting pattern on this rank: the flip audit's record, the ranks an evict file would
-    name, and the flipped tensor before and after that audit."""
-    from attribution_faults import flip_bit
-
-    from weightsync_audit import LoopAudit
-    from weightsync_audit.integrations.evict import evict_targets
-
-    _, ddp, opt = build(rank)
-    audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch=on_mismatch, verbose=False, attribution=True,
-                      tolerance=1e-4)  # fmt: skip
-    params = list(ddp.parameters())
-    out: dict[str, Any] = {}
-    for step in range(1, STEPS + 1):
-        train_step(ddp, opt, rank, step, None)
-        before = params[plan["param"]].detach().clone()
-        r = audit.step(step)
-        if step == plan["flip_after"] + 1 and r is not None:
-            out = {"record": r.to_dict(), "named": sorted(evict_targets(r, exiting=True)), "before": before,
-                   "after": params[plan["param"]].detach().clone()}  # fmt: skip
-        if step == plan["drift_after"] and rank == plan["drifting"]:
-            with torch.no_grad():
-                params[2].mul_(1 + 1e-6)  # within the tolerance, spread over every element
-        if step == plan["flip_after"] and rank == plan["flipped"]:
-            flip_bit(params[plan["param"]], plan["element"], plan["bit"])
-    audit.close()
-    return out
-
-
-def persisting(runs: int, seed: int) -> None:
-    """The persisting pattern's table (see the module's docstring)."""
-    rows = []
-    for world in (2, 3, 4):
-        for mode in ("warn", "resync"):
-            counts = {"false": 0, "corrupted": 0, "healthy": 0, "right": 0}
-            for n in range(runs):
-                plan = draw_persisting(world, n, seed)
-                per_rank = launch(run_persisting, world, plan, mode, timeout=300)
-                rec, f = per_rank[0]["record"], plan["flipped"]
-                counts["false"] += rec["blame"]["ranks"] != [f]
-                counts["right"] += rec["blame"]["ranks"] == [f] and rec["blame"]["evidence"] == "at_rest_change"
-                bad = per_rank[f]["before"]
-                counts["corrupted"] += mode == "resync" and any(
-                    q != f and torch.equal(o["after"], bad) for q, o in enumerate(per_rank)
-                )
-                counts["healthy"] += any(r != f for r in per_rank[0]["named"])
-            rows.append([str(world), mode, str(runs), f"{counts['right']}/{runs}", str(counts["false"]),
-                         str(counts["corrupted"]) if mode == "resync" else "-", str(counts["healthy"])])  # fmt: skip
-    print(table(["ranks", "on_mismatch", "runs", "flip blamed (at_rest_change)", "false blame",
-                 "repair from a corrupted source", "healthy machine named"], rows))  # fmt: skip
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs-per-kind", type=int, default=8)
@@ -176,10 +110,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--kinds", default=None, help="comma-separated kinds (default: every kind and healthy)")
     ap.add_argument("--persisting", action="store_true", help="a persisting divergence, then a flip on another rank")
+    ap.add_argument("--variants", default="", help="--persisting: first divergences (drift,tie,raise,overlap)")
     a = ap.parse_args()
     t0 = time.perf_counter()
-    if a.persisting:
-        persisting(a.runs_per_kind, a.seed)
+    if a.persisting:  # benchmarks/campaign_lifetime.py
+        from campaign_lifetime import persisting
+
+        persisting(a.runs_per_kind, a.seed, a.variants)
         print(f"persisting pattern: {time.perf_counter() - t0:.0f} s")
         return
     results = []

@@ -1,0 +1,261 @@
+"""Campaign rows for evidence with a lifetime (issue 49): a divergence that persists, then a second fault on
+another rank; and a resume with one rank off the checkpoint.
+
+    python benchmarks/campaign_attribution.py --persisting --runs-per-kind 2 --seed 0
+    python benchmarks/campaign_lifetime.py --resume --runs 2 --seed 0
+
+**Persisting** (each run a plain gloo DDP + Adam loop, ``tests/attribution_faults.py``, 10 steps, an audit every
+step, ``attribution=True``): a first divergence on one drawn rank that is never repaired, then a bit flip at
+rest on another drawn rank, in a drawn tensor, element and bit (20-30). Variants: ``drift`` (every element of
+``2.weight`` times ``1 + 1e-6`` under ``tolerance=1e-4``: tolerated) on 2, 3 and 4 ranks under ``warn`` and
+``resync``; ``tie`` (the first divergence a bit flip too, no tolerance, 2 ranks, ``warn``: no repair, and two
+ranks only tie); ``raise`` (the drift, 3 ranks, ``on_mismatch="raise"`` + ``exit_code=17``: every rank exits,
+the evict file names the machines); ``overlap`` (the drift, ``overlap=True``, ``resync`` on 2 and 3 ranks).
+
+The truth owes nothing to the library: each rank copies the flipped tensor's bytes right before the audit call
+(``E``), right after it (``X``), at the end of the step's work (``A``) and inside the next optimizer step after
+every pre-step hook (``P``, where an overlapped resync lands). Scored at the flip's audit (the record covering
+the step after the flip): *false blame* (``blame.ranks`` is not exactly the flipped rank), *repair from a
+corrupted source* (between two points with no training between them, ``E``->``X`` or ``A``->``P``, the ranks
+went from differing to equal to the flipped rank's bytes), *healthy machine named* (``evict_targets`` under
+``exit_code``, or the evict file itself under ``raise``, names another rank).
+
+**Resume** (``--resume``): 2 ranks train 3 steps, rank 0 saves the model and every rank records the save
+(``checkpoint_saved``); 2 more steps; every rank loads the file back, but in a faulty run one drawn rank loads
+other bytes (its own, scaled); then ``checkpoint_loaded`` with ``on_mismatch="resync"``. Truth: each rank's
+bytes against the file (``torch.load``, ``torch.equal``) before and after. Columns: *false alarm* (a healthy
+resume reported diverged), *fault not named*, *false blame* (``blame`` not exactly the off rank, or its
+evidence not ``checkpoint``), *repair from a corrupted source* (after the resync a rank does not hold the saved
+bytes), *healthy machine named*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # the faults live with the tests
+
+from attribution_faults import build, flip_bit, train_step
+from harness import launch, table  # puts tests/ on the path
+
+STEPS = 10
+VARIANTS: tuple[tuple[str, int, str], ...] = (
+    *(("drift", w, m) for w in (2, 3, 4) for m in ("warn", "resync")),
+    ("tie", 2, "warn"),
+    ("raise", 3, "raise"),
+    ("overlap", 2, "resync"),
+    ("overlap", 3, "resync"),
+)
+"""``(first divergence, ranks, on_mismatch)`` of each persisting row."""
+
+
+def draw_persisting(world: int, n: int, seed: int) -> dict[str, int]:
+    """Run ``n`` of the persisting pattern on ``world`` ranks: who drifts, who flips, when and where."""
+    rng = random.Random(f"{seed}-persisting-{world}-{n}")
+    drifting, flipped = rng.sample(range(world), 2)
+    drift_after = rng.randint(2, 4)
+    return {"drifting": drifting, "flipped": flipped, "drift_after": drift_after,
+            "flip_after": drift_after + rng.randint(1, 3), "param": rng.randrange(4), "element": rng.randrange(64),
+            "bit": rng.randrange(20, 31)}  # fmt: skip
+
+
+def run_persisting(rank: int, world: int, plan: dict[str, int], first: str, mode: str, folder: str) -> dict[str, Any]:
+    """One run on this rank: the flipped tensor's bytes at each point, and (on a ``raise``) how it ended."""
+    from weightsync_audit import LoopAudit
+
+    os.environ["WEIGHTSYNC_EVICT_FILE"] = os.path.join(folder, "evict.json")
+    _, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch=mode, verbose=False, attribution=True,
+                      tolerance=None if first == "tie" else 1e-4, overlap=first == "overlap",
+                      exit_code=17 if mode == "raise" else None, report_path=os.path.join(folder, "r.jsonl"))  # fmt: skip
+    params = list(ddp.parameters())
+    points: dict[str, torch.Tensor] = {}
+    step = 0
+
+    def snap(label: str) -> None:
+        points[f"{label}{step}"] = params[plan["param"]].detach().clone()
+
+    handle = opt.register_step_pre_hook(lambda *_: snap("P"))  # after the library's own pre-step hooks
+    for step in range(1, STEPS + 1):
+        train_step(ddp, opt, rank, step, None)
+        snap("E")
+        audit.step(step)
+        snap("X")
+        if step == plan["drift_after"] and rank == plan["drifting"]:
+            if first == "tie":
+                flip_bit(params[2], 3, 29)
+            else:
+                with torch.no_grad():
+                    params[2].mul_(1 + 1e-6)  # within the tolerance, spread over every element
+        if step == plan["flip_after"] and rank == plan["flipped"]:
+            flip_bit(params[plan["param"]], plan["element"], plan["bit"])
+        snap("A")
+    handle.remove()
+    audit.close()
+    return points
+
+
+def _corrupted(per_rank: list[dict[str, torch.Tensor]], flipped: int) -> bool:
+    """Between two points with no training between them the ranks went from differing to equal to the flipped
+    rank's bytes."""
+    for s in range(1, STEPS + 1):
+        for a, b in ((f"E{s}", f"X{s}"), (f"A{s}", f"P{s + 1}")):
+            if b not in per_rank[0]:
+                continue
+            before = [p[a] for p in per_rank]
+            after = [p[b] for p in per_rank]
+            differed = any(not torch.equal(before[0], x) for x in before[1:])
+            if differed and all(torch.equal(after[0], x) for x in after[1:]) and torch.equal(after[0], before[flipped]):
+                return any(not torch.equal(before[flipped], x) for i, x in enumerate(before) if i != flipped)
+    return False
+
+
+def one_persisting(world: int, first: str, mode: str, n: int, seed: int) -> dict[str, Any]:
+    """One run, scored (see the module's docstring)."""
+    from ranks import RankDied, run_ranks
+
+    from weightsync_audit import read_report
+    from weightsync_audit.integrations.evict import evict_targets, read_evict
+
+    plan = draw_persisting(world, n, seed)
+    f = plan["flipped"]
+    with tempfile.TemporaryDirectory() as folder:
+        per_rank = run_ranks(run_persisting, world, plan, first, mode, folder, timeout=300, pg_timeout_s=120,
+                             may_die=range(world) if mode == "raise" else ())  # fmt: skip
+        recs = [r for _, r in read_report(os.path.join(folder, "r.jsonl")).records]
+        doc = read_evict(os.path.join(folder, "evict.json"))
+    at = [
+        r for r in recs if int((r.to_dict().get("overlap") or {}).get("covers_step", r.step)) == plan["flip_after"] + 1
+    ]
+    if not at:
+        return {"false": 1, "right": 0, "corrupted": 0, "healthy": 0, "detail": f"no record of the flip's step {plan}"}
+    rec = at[0].to_dict()
+    blame = rec.get("blame") or {}
+    out = {"false": int(blame.get("ranks") != [f]), "detail": f"{plan} blame {blame.get('ranks')} {blame.get('evidence')}",
+           "right": int(blame.get("ranks") == [f] and blame.get("evidence") == "at_rest_change")}  # fmt: skip
+    if mode == "raise":
+        died = all(isinstance(o, RankDied) and o.exitcode == 17 for o in per_rank)
+        hosts = [h["rank"] for h in (doc or {}).get("hosts", [])]
+        out["healthy"] = int(not died or hosts != [f])
+        out["detail"] += f" evict {hosts} exits {[getattr(o, 'exitcode', o) for o in per_rank]}"
+        out["corrupted"] = 0
+        return out
+    out["healthy"] = int(any(r != f for r in evict_targets(at[0], exiting=True)))
+    out["corrupted"] = int(mode == "resync" and _corrupted(per_rank, f))
+    return out
+
+
+def persisting(runs: int, seed: int, only: str = "") -> None:
+    """The persisting pattern's table (see the module's docstring)."""
+    rows = []
+    t0 = time.perf_counter()
+    for first, world, mode in VARIANTS:
+        if only and first not in only.split(","):
+            continue
+        got = [one_persisting(world, first, mode, n, seed) for n in range(runs)]
+        for g in got:
+            print(f"[{time.perf_counter() - t0:5.0f}s] {first} w{world} {mode}: {g['detail']}", file=sys.stderr)
+        c = {k: sum(g[k] for g in got) for k in ("right", "false", "corrupted", "healthy")}
+        rows.append([first, str(world), mode + (" + exit_code" if mode == "raise" else ""), str(runs),
+                     f"{c['right']}/{runs}", str(c["false"]), str(c["corrupted"]) if mode == "resync" else "-",
+                     str(c["healthy"])])  # fmt: skip
+    print(table(["first divergence", "ranks", "on_mismatch", "runs", "flip blamed (at_rest_change)", "false blame",
+                 "repair from a corrupted source", "healthy machine named"], rows))  # fmt: skip
+
+
+def run_resume(rank: int, world: int, off: int | None, folder: str) -> dict[str, Any]:
+    """One resume on this rank: the load's record, the ranks an evict file would name, and whether this rank
+    holds the saved bytes before and after the load's audit (``torch.equal`` against the file)."""
+    import torch.distributed as dist
+
+    from weightsync_audit import LoopAudit
+    from weightsync_audit.integrations.evict import evict_targets
+
+    model, ddp, opt = build(rank)
+    audit = LoopAudit(model, None, on_mismatch="resync", verbose=False)
+    path = os.path.join(folder, "step3.pt")
+    for step in range(1, 6):
+        train_step(ddp, opt, rank, step, None)
+        if step == 3:
+            if rank == 0:
+                torch.save(model.state_dict(), path)
+            audit.checkpoint_saved(path, 3)
+    dist.barrier()
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict({k: v * 1.5 for k, v in saved.items()} if rank == off else saved)
+
+    def holds() -> bool:
+        return all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+    before = holds()
+    r = audit.checkpoint_loaded(path, 3)
+    audit.close()
+    named = sorted(evict_targets(r, exiting=True)) if r is not None and not r.in_sync else []
+    return {"record": None if r is None else r.to_dict(), "named": named, "before": before, "after": holds()}
+
+
+def one_resume(world: int, off: int | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as folder:
+        per_rank = launch(run_resume, world, off, folder, timeout=300)
+    rec, off_ranks = per_rank[0]["record"] or {}, [r for r, o in enumerate(per_rank) if not o["before"]]
+    blame = rec.get("blame") or {}
+    out = {"truth_off": off_ranks, "detail": f"off {off_ranks}: blame {blame.get('ranks')} {blame.get('evidence')}"
+           f" action {rec.get('action')} named {per_rank[0]['named']} holds after {[o['after'] for o in per_rank]}"}  # fmt: skip
+    out["false alarm"] = int(not off_ranks and not rec.get("in_sync", True))
+    out["fault not named"] = int(bool(off_ranks) and not {r for m in rec.get("mismatches") or [] for r in m["ranks"]}
+                                 >= set(off_ranks))  # fmt: skip
+    out["false blame"] = int(
+        bool(off_ranks) and (blame.get("ranks") != off_ranks or blame.get("evidence") != "checkpoint")
+    )
+    out["repair from a corrupted source"] = int(not all(o["after"] for o in per_rank))
+    out["healthy machine named"] = int(bool(set(per_rank[0]["named"]) - set(off_ranks)))
+    return out
+
+
+RESUME_COLUMNS = ("false alarm", "fault not named", "false blame", "repair from a corrupted source",
+                  "healthy machine named")  # fmt: skip
+
+
+def resume(runs: int, seed: int) -> None:
+    """The resume rows' table (see the module's docstring)."""
+    rows = []
+    t0 = time.perf_counter()
+    for world in (2, 3):
+        for variant in ("healthy", "one rank off"):
+            got = []
+            for n in range(runs):
+                off = None if variant == "healthy" else random.Random(f"{seed}-resume-{world}-{n}").randrange(world)
+                got.append(one_resume(world, off))
+                print(f"[{time.perf_counter() - t0:5.0f}s] resume w{world} {variant}: {got[-1]['detail']}",
+                      file=sys.stderr)  # fmt: skip
+            rows.append([str(world), variant, str(runs), *[str(sum(g[c] for g in got)) for c in RESUME_COLUMNS]])
+    print(table(["ranks", "resume", "runs", *RESUME_COLUMNS], rows))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", "--runs-per-kind", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="the resume rows (default: the persisting pattern)")
+    ap.add_argument("--variants", default="", help="persisting: comma-separated first divergences (default all)")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    resume(a.runs, a.seed) if a.resume else persisting(a.runs, a.seed, a.variants)
+    print(
+        f"\n{time.perf_counter() - t0:.0f} s. Command: `python benchmarks/campaign_lifetime.py {' '.join(argv or sys.argv[1:])}`"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
