@@ -128,10 +128,7 @@ class Mismatch:
         if self.diff_count is not None:
             d["diff_count"] = int(self.diff_count)
             d["diff_share"] = self.diff_share
-        if self.stability is not None:
-            d["stability"] = self.stability
-        if self.first_diverged_step is not None:
-            d["first_diverged_step"] = int(self.first_diverged_step)
+        _put_present(d, self, {"stability": str, "first_diverged_step": int})
         return d
 
     @property
