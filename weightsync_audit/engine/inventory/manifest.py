@@ -158,9 +158,6 @@ def _glob_excluded(name: str, exclude: Sequence[str]) -> bool:
     return bool(exclude) and any(fnmatch.fnmatchcase(name, pat) for pat in exclude)
 
 
-_TORCH_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
-
-
 _SCALARS: dict[tuple[type, Any], tuple[torch.Tensor, str]] = {}
 """Encoded scalars by type and value: an optimizer's hyper-parameters are re-read at every audit and
 mostly unchanged, and making a tensor costs microseconds (nothing writes into these tensors)."""
