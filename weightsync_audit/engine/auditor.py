@@ -176,14 +176,7 @@ class Auditor:
         key = (include, cfg.exclude, skip, self.comm.global_ranks)
 
         def build() -> Manifest:  # under the replica rules: DeepSpeed, FSDP1, stages...
-            return replica_manifest(
-                module,
-                optimizers,
-                include,
-                exclude=cfg.exclude,
-                skip_buffers_reason=skip,
-                audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
-            )
+            return replica_manifest(module, optimizers, include, exclude=cfg.exclude, skip_buffers_reason=skip)
 
         return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method, kinds=include)
 
