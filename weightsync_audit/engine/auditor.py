@@ -338,7 +338,7 @@ class Auditor:
         backward run, and every optimizer's next step waits for them first (docs/performance.md). The
         result (:meth:`PendingAudit.result`) covers ``step``; a write to an audited tensor meanwhile,
         outside the optimizer, is named and the step audited again at rest. Call :meth:`close` at the end.
-        See :mod:`weightsync_audit.engine.overlap.window` for an example."""
+        See :mod:`weightsync_audit.engine.overlap` for an example."""
         if self.window is None:
             self.window = OverlapWindow(self)
         self.window.settle("next launch")
