@@ -72,7 +72,7 @@ def _ranks_rank(rank: int, world: int, device: str, report: str) -> dict[str, An
 
 
 def _side_stream_used(dev: torch.device) -> bool:
-    from weightsync_audit.engine.overlap.window import StreamOrder
+    from weightsync_audit.engine.overlap import StreamOrder
 
     return any(d.type == dev.type for d in StreamOrder.devices())
 

@@ -18,7 +18,7 @@ from weightsync_audit import Auditor, resync
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine import phases
 from weightsync_audit.engine.context import AuditContext
-from weightsync_audit.engine.overlap.race import OverlapRun
+from weightsync_audit.engine.overlap import OverlapRun
 from weightsync_audit.engine.repair import plan as state_module
 from weightsync_audit.engine.repair.plan import Holding, plan_copies, plan_resync
 from weightsync_audit.engine.repair.resync import resync_planned

@@ -179,10 +179,6 @@ class Comm(StarWire):
         later) rather than by torch; see :func:`~weightsync_audit.channel.groups.open_group`."""
         return self._group.own_names if self._group is not None else True
 
-    def audit_pg(self) -> Any:
-        """The dedicated gloo process group once opened, else ``None``."""
-        return self._group.pg if self._group is not None else None
-
     def _broken_error(self, group: AuditGroup) -> Exception:
         return group.broken_kind(
             f"weightsync audit: the audit channel is unusable after an earlier failure ({group.broken}); "

@@ -176,14 +176,7 @@ class Auditor:
         key = (include, cfg.exclude, skip, self.comm.global_ranks)
 
         def build() -> Manifest:  # under the replica rules: DeepSpeed, FSDP1, stages...
-            return replica_manifest(
-                module,
-                optimizers,
-                include,
-                exclude=cfg.exclude,
-                skip_buffers_reason=skip,
-                audit_ranks=self.comm.global_ranks,  # which DTensor shards are comparable depends on who audits
-            )
+            return replica_manifest(module, optimizers, include, exclude=cfg.exclude, skip_buffers_reason=skip)
 
         return self._manifests.prepare(module, optimizers, key=key, build=build, method=cfg.method, kinds=include)
 
@@ -345,7 +338,7 @@ class Auditor:
         backward run, and every optimizer's next step waits for them first (docs/performance.md). The
         result (:meth:`PendingAudit.result`) covers ``step``; a write to an audited tensor meanwhile,
         outside the optimizer, is named and the step audited again at rest. Call :meth:`close` at the end.
-        See :mod:`weightsync_audit.engine.overlap.window` for an example."""
+        See :mod:`weightsync_audit.engine.overlap` for an example."""
         if self.window is None:
             self.window = OverlapWindow(self)
         self.window.settle("next launch")

@@ -2,7 +2,7 @@
 
 A synchronous audit and an overlapped one are the same run over the same inputs, scheduled two ways
 (:class:`~weightsync_audit.engine.run.AuditRun` on the calling thread, its subclass
-:class:`~weightsync_audit.engine.overlap.race.OverlapRun` on the overlap's worker). Both take one
+:class:`~weightsync_audit.engine.overlap.OverlapRun` on the overlap's worker). Both take one
 context, built by one function (:meth:`Auditor.context <weightsync_audit.engine.auditor.Auditor.context>`)
 on the training thread: the settings, the history, the pinpoint ring, the attribution watch, the manifest
 prepared for this audit (or why it could not be), the channel, and this rank's per-step evidence for the

@@ -158,9 +158,6 @@ def _glob_excluded(name: str, exclude: Sequence[str]) -> bool:
     return bool(exclude) and any(fnmatch.fnmatchcase(name, pat) for pat in exclude)
 
 
-_TORCH_SCALAR_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
-
-
 _SCALARS: dict[tuple[type, Any], tuple[torch.Tensor, str]] = {}
 """Encoded scalars by type and value: an optimizer's hyper-parameters are re-read at every audit and
 mostly unchanged, and making a tensor costs microseconds (nothing writes into these tensors)."""
@@ -246,7 +243,6 @@ def _tensor_entry(
     t: torch.Tensor,
     container: Any = None,
     key: Any = None,
-    audit_ranks: Sequence[int] | None = None,
 ) -> Entry:
     cls = type(t)
     if cls is torch.Tensor or cls is nn.Parameter:  # the common case, without the checks a subclass needs
@@ -269,17 +265,15 @@ def _tensor_entry(
     return Entry(name, kind, t, dtype_name(t.dtype), shape, container, key, note, shard)
 
 
-def _value_entries(
-    out: list[Entry], name: str, kind: str, value: Any, container: Any, key: Any, audit_ranks: Sequence[int] | None
-) -> None:
+def _value_entries(out: list[Entry], name: str, kind: str, value: Any, container: Any, key: Any) -> None:
     """The entries of one optimizer value: one, or one per item of a container that holds a tensor."""
     if isinstance(value, torch.Tensor):
-        out.append(_tensor_entry(name, kind, value, container, key, audit_ranks))
+        out.append(_tensor_entry(name, kind, value, container, key))
         return
     if isinstance(value, (list, tuple, dict)) and holds_tensor(value):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for k, v in items:
-            _value_entries(out, f"{name}.{k}", kind, v, value, k, audit_ranks)
+            _value_entries(out, f"{name}.{k}", kind, v, value, k)
         return
     t, label = value_as_tensor(value)
     out.append(Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key))
@@ -310,13 +304,12 @@ def build_manifest(
     include: Sequence[str] = ("params", "buffers", "optimizer"),
     exclude: Sequence[str] = (),
     skip_buffers_reason: str | None = None,
-    audit_ranks: Sequence[int] | None = None,
 ) -> Manifest:
     """The ordered manifest of everything to audit.
 
     Order: params, buffers, optimizer state (per parameter, then per param group), grads.
     A DTensor contributes its local shard with its :class:`ShardInfo`; which ranks it is compared with
-    is decided from the gathered peer keys, so ``audit_ranks`` is no longer needed (kept for callers).
+    is decided from the gathered peer keys.
     """
     manifest = Manifest()
     entries = manifest.entries
@@ -326,7 +319,7 @@ def build_manifest(
     if "params" in include:
         for n, p in named_params:
             if not _glob_excluded(n, exclude):
-                entries.append(_tensor_entry(n, "param", p, audit_ranks=audit_ranks))
+                entries.append(_tensor_entry(n, "param", p))
                 if not p.requires_grad:
                     entries[-1].frozen = True
 
@@ -335,7 +328,7 @@ def build_manifest(
         if skip_buffers_reason and buffers:
             manifest.notes.append(f"{len(buffers)} buffer(s) not compared: {skip_buffers_reason}")
         else:
-            entries.extend(_tensor_entry(n, "buffer", b, audit_ranks=audit_ranks) for n, b in buffers)
+            entries.extend(_tensor_entry(n, "buffer", b) for n, b in buffers)
 
     if "optimizer" in include and optimizers:
         names = {id(p): n for n, p in reversed(named_params)}
@@ -351,14 +344,14 @@ def build_manifest(
                     for key in sorted(state, key=str):
                         n = f"{pname}.{key}"
                         if not _glob_excluded(n, exclude):
-                            _value_entries(entries, n, "optimizer", state[key], state, key, audit_ranks)
+                            _value_entries(entries, n, "optimizer", state[key], state, key)
             for gi, group in enumerate(opt.param_groups):
                 for key in sorted(group, key=str):
                     if key == "params":
                         continue
                     n = f"{prefix}param_groups.{gi}.{key}"
                     if not _glob_excluded(n, exclude):
-                        _value_entries(entries, n, "optimizer", group[key], group, key, audit_ranks)
+                        _value_entries(entries, n, "optimizer", group[key], group, key)
 
     if "grads" in include:
         for n, p in named_params:
@@ -367,7 +360,7 @@ def build_manifest(
             if p.grad is None:
                 entries.append(Entry(n, "grad", torch.empty(0, dtype=torch.uint8), "none", ()))
             else:
-                entries.append(_tensor_entry(n, "grad", p.grad, audit_ranks=audit_ranks))
+                entries.append(_tensor_entry(n, "grad", p.grad))
 
     manifest.notes.extend(sorted({e.note for e in entries if e.note}))
     return manifest

@@ -21,7 +21,6 @@ __all__ = [
     "FIX_ATTR",
     "find_ddp",
     "fix_for",
-    "is_retired",
     "live_ddp",
     "mark_retired",
     "remember_flags",
@@ -64,11 +63,6 @@ def live_ddp(ddp: DistributedDataParallel | None) -> DistributedDataParallel | N
 def mark_retired(ddp: DistributedDataParallel, replaced_by: DistributedDataParallel | None = None) -> None:
     """Mark ``ddp`` retired, linked to the wrapper that replaced it once that is known."""
     setattr(ddp, _SUCCESSOR_ATTR, replaced_by if replaced_by is not None else True)
-
-
-def is_retired(ddp: DistributedDataParallel) -> bool:
-    """``ddp`` was retired (its reducer detached) by a re-wrap."""
-    return getattr(ddp, _SUCCESSOR_ATTR, None) is not None
 
 
 def find_ddp(module: Any) -> DistributedDataParallel | None:

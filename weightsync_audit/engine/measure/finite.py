@@ -38,7 +38,6 @@ __all__ = [
     "apply_nonfinite",
     "mark_nonfinite",
     "nonfinite_row",
-    "nonfinite_entries",
     "nonfinite_indices",
     "screen_entries",
     "screen_nonfinite",
@@ -248,11 +247,6 @@ def screen_entries(prepared: PreparedManifest) -> tuple[list[int], list[int]]:
         add(plan.all_index, screen_nonfinite(prepared.sources))
     add(plan.dyn_index, screen_nonfinite(prepared.dynamic))
     return sorted(found), sorted(uncounted)
-
-
-def nonfinite_entries(prepared: PreparedManifest) -> list[int]:
-    """Entry indices of a prepared manifest whose tensors hold NaN/inf (see :func:`screen_entries`)."""
-    return screen_entries(prepared)[0]
 
 
 class NonfiniteCount(NamedTuple):

@@ -19,7 +19,6 @@ on every rank, so every rank builds the same structure and takes the same path.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any, Sequence
 
 import torch
@@ -34,16 +33,14 @@ from weightsync_audit.engine.inventory.manifest import (
 )
 from weightsync_audit.engine.inventory.replicas.declared import declare_replicas, declared_rules, stage_module
 from weightsync_audit.engine.inventory.replicas.engines import deepspeed_rules, fsdp1_rules
-from weightsync_audit.engine.inventory.replicas.keys import Rules, apply_rules, unreplicated_label
+from weightsync_audit.engine.inventory.replicas.keys import Rules, apply_rules
 from weightsync_audit.engine.inventory.replicas.megatron import megatron_rules
 
 __all__ = [
     "assign_replicas",
     "declare_replicas",
-    "declares_groups",
     "detect_engine",
     "remember_wrapper",
-    "unreplicated_kinds",
     "reducing_engine",
     "replica_manifest",
     "stage_module",
@@ -72,12 +69,6 @@ def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Opt
     """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas).
     ``optimizers`` as the audit takes them (``engine.optimizer`` included)."""
     return _rules(module, [unwrap_optimizer(o) for o in optimizers], ())[2]
-
-
-def declares_groups(module: nn.Module | None) -> bool:
-    """Whether replica groups were declared on ``module`` (pipeline stages, expert groups): a property of
-    the module the user declared on every rank, never of the tensors this rank happens to hold."""
-    return module is not None and declared_rules(Rules(), module, unwrap_module(module)) is not None
 
 
 def reducing_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> str | None:
@@ -110,8 +101,3 @@ def replica_manifest(
     ``settings``: the rest of :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`'s (exclude,
     skipped buffers), which leave entries out and change none of those kept."""
     return assign_replicas(build_manifest(module, optimizers, include=include, **settings), module, optimizers, include)
-
-
-def unreplicated_kinds(entries: Sequence[object]) -> Counter[str]:
-    """How many entries of each unreplicated kind (``ZeRO optimizer partition``: 4, ...)."""
-    return Counter(lbl for e in entries if (lbl := unreplicated_label(getattr(e, "shard", None))) is not None)
