@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from campaign_cover import FACTORS, Row
+from campaign_cover import FACTORS, FOCUS_ONLY, Row
 from torch import nn
 
 STEPS = 12
@@ -123,7 +123,9 @@ def make_cases(rows: list[Row], seed: int, variants: tuple[str, ...] = VARIANTS)
         fault_step = rng.randint(4, 7)
         flip_target = rng.choice(TARGETS)
         compute_target = rng.choice(("fc1.weight", "fc2.weight"))
-        target = {"flip": flip_target, "write": "fc1.weight", "compute": compute_target}.get(row["fault"], "fc1.weight")
+        target = {"flip": flip_target, "write": "fc1.weight", "compute": compute_target, "grad": compute_target}.get(
+            row["fault"], "fc1.weight"
+        )
         element, bit = rng.randrange(1 << 20), rng.randint(16, 22)
         dup_step = rng.choice((4, 6, 8))
         for v in variants:
@@ -135,6 +137,7 @@ def make_cases(rows: list[Row], seed: int, variants: tuple[str, ...] = VARIANTS)
 def check_row(row: Row) -> None:
     """A row names a value of every factor (``ValueError`` otherwise)."""
     for f, values in FACTORS.items():
+        values = (*values, *FOCUS_ONLY.get(f, ()))
         if row.get(f) not in values:
             raise ValueError(f"row {row}: {f}={row.get(f)!r} is not one of {values}")
 
@@ -274,7 +277,18 @@ class Faults:
         self.planted.append(step)
 
     def attach(self, opt: torch.optim.Optimizer) -> list[Any]:
-        return [opt.register_step_pre_hook(self._pre), opt.register_step_post_hook(self._post)]
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        def grad(o: Any, *_: Any) -> None:  # a global hook: before the library's (the gradient audit's)
+            if o is opt and self._now(("grad",)) and self.step not in self.planted:
+                g = named(self.model, self.case.target).grad
+                if g is not None:
+                    i = (self.case.element + 7 * self._second()) % g.numel()
+                    g.view(-1)[i] = g.view(-1)[i] * (1 + 2**-10) + 2**-20  # after the all-reduce, on one rank
+                    self.planted.append(self.step)
+
+        return [register_optimizer_step_pre_hook(grad), opt.register_step_pre_hook(self._pre),
+                opt.register_step_post_hook(self._post)]  # fmt: skip
 
     def _pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._now(("lr",)):

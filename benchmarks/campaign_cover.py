@@ -151,9 +151,17 @@ FOCUS: dict[str, dict[str, Any]] = {
     "item 7 (a whole-tensor write, attribution)": {"fault": "write", "attribution": True},
     "item 8 (check_batches with overlap)": {"check_batches": True, "overlap": True},
     "item 9 (a clamp inside an overlapped audit's window)": {"pattern": "clamp", "overlap": True},
+    "issue 48 item 2 (LoopAudit include grads: a gradient changed on one rank after the all-reduce)": {
+        "fault": "grad", "grads": True},
+    "the same with overlap and attribution": {"fault": "grad", "grads": True, "overlap": True, "attribution": True},
 }  # fmt: skip
 """Rows added to the full design for the three-way interactions issue 41 names (a pairwise design covers each
 of their pairs, not necessarily all three at once): the other factors at their first value, 2 ranks."""
+
+
+FOCUS_ONLY: dict[str, tuple[Any, ...]] = {"fault": ("grad",)}
+"""Values only the focus rows take (not in the all-pairs design): ``grad``, one element of one gradient scaled
+by 1 + 2**-10 on one rank after the all-reduce, before the optimizer step (what ``include`` grads must see)."""
 
 
 def focus_rows() -> list[Row]:

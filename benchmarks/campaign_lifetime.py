@@ -120,6 +120,15 @@ def _corrupted(per_rank: list[dict[str, torch.Tensor]], flipped: int) -> bool:
     return False
 
 
+def _reads_flip(rec: dict[str, Any], flip_after: int) -> bool:
+    """The record is the first to read the flip planted after the audit call of step ``flip_after``: the one
+    covering the next step, or with ``overlap`` the one covering ``flip_after`` when its read raced the flip
+    (the flip landed inside its window)."""
+    over = rec.get("overlap") or {}
+    covers = int(over.get("covers_step", rec["step"]))
+    return covers == flip_after + 1 or (covers == flip_after and bool(over.get("raced")) and not rec["in_sync"])
+
+
 def one_persisting(world: int, first: str, mode: str, n: int, seed: int) -> dict[str, Any]:
     """One run, scored (see the module's docstring)."""
     from ranks import RankDied, run_ranks
@@ -134,9 +143,7 @@ def one_persisting(world: int, first: str, mode: str, n: int, seed: int) -> dict
                              may_die=range(world) if mode == "raise" else ())  # fmt: skip
         recs = [r for _, r in read_report(os.path.join(folder, "r.jsonl")).records]
         doc = read_evict(os.path.join(folder, "evict.json"))
-    at = [
-        r for r in recs if int((r.to_dict().get("overlap") or {}).get("covers_step", r.step)) == plan["flip_after"] + 1
-    ]
+    at = [r for r in recs if _reads_flip(r.to_dict(), plan["flip_after"])]
     if not at:
         return {"false": 1, "right": 0, "corrupted": 0, "healthy": 0, "detail": f"no record of the flip's step {plan}"}
     rec = at[0].to_dict()

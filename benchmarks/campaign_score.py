@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Any
 
 from campaign_case import Case
-from campaign_cover import FACTORS
+from campaign_cover import FACTORS, FOCUS_ONLY
 from harness import table
 
 from weightsync_audit.text import BEFORE_STEP
@@ -43,12 +43,15 @@ EXPECTED: dict[str, tuple[str, bool]] = {
     "write": ("at_rest_write", False),
     "compute": ("update_not_reproducible", True),
     "lr": ("deterministic_difference", False),
+    "grad": ("deterministic_difference", False),
 }
 """Per fault: the evidence a blame should give and whether the machine is suspect."""
 FAILURES = ("false alarm", "false all-clear", "false blame", "repair from corrupted", "crash", "hang",
             "fault not named")  # fmt: skip
 EXTRAS = ("blame undecided", "wrong cause", "wrong date", "duplicate batch not noted")
 INFO = ("refused", "tie repair", "raised")
+PRE_STEP_HOOKS = ("before_optimizer_step", "on_before_optimizer_step")
+"""The hooks of an audit taken right before the optimizer step its record's ``step`` numbers (the gradients)."""
 COLUMNS = FAILURES + EXTRAS
 
 
@@ -93,8 +96,11 @@ class Truth:
         vals = self.values(key, pt)
         return not all(v is None for v in vals) and len(set(vals)) > 1
 
-    def window(self, step: int) -> list[tuple[str, int]]:
-        want = [("E", step), ("X", step), ("Q", step + 1), ("P", step + 1)]
+    def window(self, step: int, hook: str | None = None) -> list[tuple[str, int]]:
+        """The points a record at ``step`` reads: ``E``, ``X`` of its step and ``Q``, ``P`` of the next; a record
+        taken right before the optimizer step ``step`` (a gradient audit) reads ``Q``, ``P`` of that step."""
+        pre = hook in PRE_STEP_HOOKS
+        want = [("Q", step), ("P", step)] if pre else [("E", step), ("X", step), ("Q", step + 1), ("P", step + 1)]
         return [p for p in want if p in self.points]
 
     def diffs(self, pts: list[tuple[str, int]]) -> dict[Any, set[int]]:
@@ -126,7 +132,7 @@ def _between(truth: Truth, lo: int, hi: int) -> dict[Any, set[int]]:
 
 def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -> None:
     s = covers_step(rec)
-    pts = truth.window(s)
+    pts = truth.window(s, rec.get("hook"))
     diff = truth.diffs(pts)
     case = truth.case
     mism = rec.get("mismatches") or []
@@ -308,9 +314,10 @@ def summarize(rows: list[dict[str, Any]]) -> str:
     headers = ["factor = value", "runs", "refused", *COLUMNS, "tie repair"]
     lines = []
     for f, values in FACTORS.items():
-        for v in values:
+        for v in (*values, *FOCUS_ONLY.get(f, ())):
             rs = [r for r in rows if r["case"][f] == v]
-            lines.append(_line(f"{f}={v}", rs))
+            if rs or v in values:
+                lines.append(_line(f"{f}={v}", rs))
     lines.append(_line("**all runs**", rows))
     return table(headers, lines)
 

@@ -297,3 +297,15 @@ def test_the_scoring_catches_each_failure_it_names() -> None:
     assert row["tie repair"] == 1 and not any(row[c] for c in FAILURES), row
     hang = score(case, "hang")
     assert hang["hang"] == 1
+
+
+def test_a_gradient_changed_on_one_rank_after_the_all_reduce_is_named_and_repaired_under_resync() -> None:
+    """``LoopAudit`` with ``include`` grads, 3 ranks, ``resync`` (issue 48 item 2, a focus row): the gradient
+    audit before the next step finds the optimizer state the changed gradient left on one rank and repairs it;
+    it used to confirm against the parameters it had not compared, and raise."""
+    from campaign_pairs import run
+
+    out = run(SEED, "full", only=[{"fault": "grad", "grads": True, "on_mismatch": "resync", "world": 3}])
+    assert len(out["results"]) == 4
+    bad = [(r["run_id"], [c for c in FAILURES if r[c]], r["detail"][:2]) for r in out["results"]]
+    assert [b for b in bad if b[1]] == [], bad

@@ -307,8 +307,9 @@ class AuditRunner:
         confirms = self.confirms
 
         def confirm(grads_moved: bool) -> AuditResult:
-            # The confirming audit compares every kind that had diverged: gradients too when they had.
-            request = confirms[1] if grads_moved else confirms[0]
+            # The confirming audit compares every kind that had diverged: gradients too when they had; after
+            # the gradient audit, what it compared (the parameters it did not compare are the next audit's).
+            request = self.grads if grads else confirms[1] if grads_moved else confirms[0]
             return auditor.audit(model, list(optimizers) or None, step=step, epoch=epoch, hook=hook, request=request)
 
         plan = respond(
