@@ -17,7 +17,7 @@ import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import describe_this_rank
-from weightsync_audit.engine.attribution.blame import Blame, blame_hint, decide, vote_blame
+from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_blame
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import as_optimizers
@@ -25,48 +25,12 @@ from weightsync_audit.engine.inventory.reducer import find_ddp
 
 __all__ = [
     "attach_watch",
-    "attribute",
     "attribute_audit",
     "explained_pairs",
     "mark_step",
     "param_names",
-    "settle_watch",
     "watch_run",
 ]
-
-
-def attribute(
-    comm: Comm,
-    watch: StepWatch | None,
-    mismatches: Sequence[Any],
-    *,
-    prepared: PreparedManifest,
-    digests: np.ndarray,
-    full: bool,
-    ongoing: bool = False,
-) -> tuple[Blame, dict[str, str]]:
-    """The blame of a divergence, and where each blamed rank runs; collective when a watch is on (every rank
-    calls it, from the same record); ``ongoing``: a divergence decided earlier persists (its difference is
-    no evidence about this one)."""
-    if watch is None:
-        return vote_blame(mismatches), {}
-    mine = watch.payload()
-    mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if full else []
-    mine["audit_rest_evidence"] = watch.audit_evidence if full else []
-    mine["host"] = describe_this_rank()
-    gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
-    ranks = list(comm.global_ranks)
-    blame = decide(gathered, ranks, mismatches, [p.get("audit_rest", []) for p in gathered], ongoing=ongoing)
-    hosts = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame.ranks}
-    return blame, hosts
-
-
-def settle_watch(watch: StepWatch | None, *, in_sync: bool, full: bool) -> None:
-    """After an audit: an in-sync full audit empties the records."""
-    if watch is not None and in_sync:
-        watch.found = None
-        if full:
-            watch.in_sync()
 
 
 def explained_pairs(mismatches: Sequence[Any]) -> frozenset[tuple[str, int]]:
@@ -89,25 +53,35 @@ def attribute_audit(
     hints: list[str],
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
     """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
-    with a watch, the blame's hint first and the blamed ranks' hosts added (collective as :func:`attribute`).
+    with a watch (collective then), the blame's hint first and the blamed ranks' hosts added.
 
     A blame lives as long as its evidence explains the mismatches: every divergent audit exchanges the records
     taken since the last one; a rank they name decides afresh, and so does a (tensor, rank) pair the kept blame
     did not explain (a second fault while a tolerated or unrepaired divergence persists: its own records, else
     the vote)."""
     if not mismatches:
-        settle_watch(watch, in_sync=True, full=full)
+        if watch is not None:  # an in-sync audit empties the records (a full one, all of them)
+            watch.found = None
+            if full:
+                watch.in_sync()
         return None, hosts, hints
     pairs = explained_pairs(mismatches)
-    kept = watch.found if watch is not None else None
-    blame, where = attribute(comm, watch, mismatches, prepared=prepared, digests=digests, full=full,
-                             ongoing=kept is not None)  # fmt: skip
-    if (
-        kept is not None and not blame.by_records and pairs <= kept[2]
-    ):  # the same divergence, still explained by its evidence
-        blame, where, pairs = kept
-    if watch is not None:  # its records reported (a resync after it is no change at rest)
-        watch.found = blame, where, pairs
+    if watch is None:
+        blame, where = vote_blame(mismatches), {}
+    else:  # collective: every rank exchanges its records, from the same audit
+        kept = watch.found
+        mine = watch.payload()
+        mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if full else []
+        mine["audit_rest_evidence"] = watch.audit_evidence if full else []
+        mine["host"] = describe_this_rank()
+        gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
+        ranks = list(comm.global_ranks)
+        rest = [p.get("audit_rest", []) for p in gathered]
+        blame = decide(gathered, ranks, mismatches, rest, ongoing=kept is not None)  # an earlier divergence persists
+        where = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame.ranks}
+        if kept is not None and not blame.by_records and pairs <= kept[2]:  # the same divergence, still explained
+            blame, where, pairs = kept
+        watch.found = blame, where, pairs  # its records reported (a resync after it is no change at rest)
         watch.records.clear()
     if where:
         hosts = {**(hosts or {}), **where}
