@@ -58,14 +58,13 @@ from weightsync_audit.engine.agreement.rounds import (
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.context import AuditContext
-from weightsync_audit.engine.culprit import apply_stability, reread_row, unstable_hints
 from weightsync_audit.engine.duplicate_batches import describe, shared_batches
 from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest
 from weightsync_audit.engine.inventory.replicas import reducing_engine
-from weightsync_audit.engine.measure.finite import NonfiniteCount, apply_nonfinite, count_everywhere, nonfinite_row
+from weightsync_audit.engine.measure import finite
 from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_arguments
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
@@ -155,7 +154,7 @@ class AuditRun:
         found = self.localize(prepared, agreement)
         measured = self.measure(prepared, found)
         # With check_finite: the audited tensors holding NaN/inf (collective; the same on every rank).
-        nonfinite = count_everywhere(self.comm, prepared.manifest) if self.config.check_finite else None
+        nonfinite = finite.count_everywhere(self.comm, prepared.manifest) if self.config.check_finite else None
         explained = self.explain(prepared, agreement, found, measured)
         return self.record(explained, nonfinite, shared), prepared.manifest
 
@@ -288,7 +287,7 @@ class AuditRun:
             tally = self.tally(prepared, found)  # the hints ride the gaps' last round: what they say is known
             entries = [by_uid[d.uid] for d in found.value_diffs]
             n = len(entries)  # the odd ranks read the diverged tensors again
-            again = reread_row(comm.rank, found.value_diffs, found.entries, prepared.digests,
+            again = finite.reread_row(comm.rank, found.value_diffs, found.entries, prepared.digests,
                                slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
 
             def finish(measured: list[Mismatch], extra: np.ndarray) -> bytes:  # on the coordinator
@@ -300,15 +299,15 @@ class AuditRun:
                     return b""
 
             # NaN/inf counts and second reads ride the gap layouts' round: one round, not three.
-            extra = np.concatenate([nonfinite_row(entries), again])
+            extra = np.concatenate([finite.nonfinite_row(entries), again])
             gathered, settled = measure_gaps(comm, cfg, value_mismatches, entries, extra, finish)
             self._apply_extra(value_mismatches, gathered, n)
             shared = SharedHints.unpack(settled) if settled is not None else None
         return Measured(self._settle(structural + value_mismatches + stepped), tally, shared)
 
     def _apply_extra(self, mismatches: list[Mismatch], shared: np.ndarray, n: int) -> None:
-        apply_nonfinite(self.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
-        apply_stability(mismatches, shared[:, n:])  # stable or not
+        finite.apply_nonfinite(self.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
+        finite.apply_stability(mismatches, shared[:, n:])  # stable or not
 
     def _settle(self, mismatches: list[Mismatch]) -> list[Mismatch]:
         """Ranks made global (decided on positions in the group; reported, like every error, in global
@@ -346,7 +345,7 @@ class AuditRun:
             (shared.hints, shared.notes, shared.hosts) if shared is not None else ([], tally.notes, None)
         )
         if mismatches:
-            hints = hints + unstable_hints(mismatches, hosts)
+            hints = hints + finite.unstable_hints(mismatches, hosts)
         # Whom to blame, its hint, where the blamed run (None: in sync); the watch's records consumed.
         blame, hosts, hints = attribute_audit(
             self.context.watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
@@ -395,7 +394,7 @@ class AuditRun:
     # -- record --------------------------------------------------------------------------------
 
     def record(
-        self, explained: Explained, nonfinite: NonfiniteCount | None, shared: Sequence[list[int]] = ()
+        self, explained: Explained, nonfinite: finite.NonfiniteCount | None, shared: Sequence[list[int]] = ()
     ) -> AuditResult:
         """The result, the same on every rank, entered in the auditor's history; ``shared``: the groups of
         ranks that trained on identical batches (``check_batches``)."""

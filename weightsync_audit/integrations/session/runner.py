@@ -33,8 +33,8 @@ from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditRequest
-from weightsync_audit.engine.culprit import persistent_hints
 from weightsync_audit.engine.inventory.manifest import as_optimizers
+from weightsync_audit.engine.measure.finite import persistent_hints
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
 from weightsync_audit.engine.timeline.history import AuditHistory
@@ -331,15 +331,19 @@ class AuditRunner:
                     self.record_hyper(optimizers, step)
         result.duration_ms = (time.perf_counter() - t0) * 1e3
         self._publish(result, is_main, log_metrics, "grads" if grads else "main")
-        if not result.in_sync:  # the host to evict, where schedulers look
-            hand_off(result, auditor.comm, is_main, self.exit_code if result.action == "raised" else None)
-        if not result.in_sync and result.action == "raised":
-            comm = self.auditor.comm if self.auditor is not None else None
+        if not result.in_sync:
+            self._end_divergent(result, auditor.comm, is_main)
+        return result
+
+    def _end_divergent(self, result: AuditResult, comm: Any, is_main: bool) -> None:
+        """A divergent result's last acts: the host to evict handed where schedulers look; under ``raise``,
+        this rank's line said, then its exit (``exit_code``) or the exception, on every rank alike."""
+        hand_off(result, comm, is_main, self.exit_code if result.action == "raised" else None)
+        if result.action == "raised":
             say_raising(result, comm.global_ranks[comm.rank] if comm is not None else None, is_main)
             if self.exit_code is not None:
                 self._exit(result, is_main)
             raise WeightDivergenceError(result)
-        return result
 
     def checkpoint(
         self, event: str, path: Any, model: Any, optimizers: Sequence[Any], *, state: Any = None,
