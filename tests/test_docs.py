@@ -258,7 +258,9 @@ def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     pool.shutdown(wait=True)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+# In the order the pages are started (the slowest first): a page's test then waits for its own run, never for
+# the runs queued before it (a cheap page tested first would wait for the whole queue, past the timeout).
+@pytest.mark.parametrize("page", sorted(PAGES, key=lambda p: -_cost(_steps(p))), ids=lambda p: p.name)
 def test_code_blocks_run(page: Path, page_runs: dict[Path, Future]) -> None:
     if not _steps(page):
         pytest.skip("no runnable blocks")
