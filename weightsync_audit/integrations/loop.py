@@ -24,7 +24,7 @@ from weightsync_audit.integrations.session.options import (
     check_module,
     with_option_properties,
 )
-from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, SessionAdapter, TrainerSession
 from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
 
@@ -32,7 +32,7 @@ __all__ = ["LoopAudit"]
 
 
 @with_option_properties(skip=("checkpoints",))
-class LoopAudit:
+class LoopAudit(SessionAdapter):
     """Audit a plain training loop the way the callbacks audit a Trainer. Collective: every rank calls
     :meth:`step` (or :meth:`audit`) at the same points.
 
@@ -215,15 +215,6 @@ class LoopAudit:
         return self.session.audit(
             self.module, self.optimizers, checkpoint=checkpoint, step=step, epoch=epoch, hook=hook, is_main=self.is_main
         )
-
-    @property
-    def history(self) -> Any:
-        """The run's :class:`~weightsync_audit.AuditHistory` (audits, first divergence, resyncs)."""
-        return self.runner.history
-
-    def summary(self) -> str:
-        """One line over the run, as the callbacks print at the end."""
-        return self.session.summary()
 
     def close(self) -> None:
         """Settle a pending overlapped audit (acting on it), close the report; with ``verbose``, print the

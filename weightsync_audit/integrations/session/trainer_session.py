@@ -46,7 +46,14 @@ from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.text import ENV_VAR, brief_names, dropped_message, last_in_sync
 
-__all__ = ["Checkpoint", "HistoryHandoff", "TrainerSession", "added_by_env", "summary_outside_workers"]
+__all__ = [
+    "Checkpoint",
+    "HistoryHandoff",
+    "SessionAdapter",
+    "TrainerSession",
+    "added_by_env",
+    "summary_outside_workers",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,3 +324,19 @@ class TrainerSession:
         """Print :meth:`summary` on the main process with ``verbose``."""
         if is_main and self.options.verbose:
             self.runner.print(self.summary())
+
+
+class SessionAdapter:
+    """What an adapter that holds its :class:`TrainerSession` as ``session`` answers from it alike
+    (:class:`~weightsync_audit.LoopAudit`, ``TorchFTAudit``)."""
+
+    session: TrainerSession
+
+    @property
+    def history(self) -> Any:
+        """The run's :class:`~weightsync_audit.AuditHistory` (audits, first divergence, resyncs)."""
+        return self.session.runner.history
+
+    def summary(self) -> str:
+        """One line over the audits this process took part in, as every adapter says it."""
+        return self.session.summary()

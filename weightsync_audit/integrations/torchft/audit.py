@@ -32,7 +32,7 @@ from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import with_checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
-from weightsync_audit.integrations.session.trainer_session import TrainerSession
+from weightsync_audit.integrations.session.trainer_session import SessionAdapter, TrainerSession
 from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, call_roll, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
@@ -79,7 +79,7 @@ class _Keep:
 
 
 @with_checked_options
-class TorchFTAudit:
+class TorchFTAudit(SessionAdapter):
     """Audit the replica groups of a torchft job at committed steps, after heals and at sync points.
 
     Args:
@@ -318,15 +318,6 @@ class TorchFTAudit:
     def failures(self) -> list[str]:
         """Audits that could not complete, noted in the next record."""
         return self.runner.failures
-
-    @property
-    def history(self) -> Any:
-        """This process's :class:`~weightsync_audit.AuditHistory` (audits, first divergence)."""
-        return self.runner.history
-
-    def summary(self) -> str:
-        """One line over the audits this process took part in, as every adapter says it."""
-        return self.session.summary()
 
     def close(self) -> None:
         """Remove the hooks, release the channel, close the report; with ``verbose``, print the summary
