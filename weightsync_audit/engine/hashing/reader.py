@@ -16,7 +16,6 @@ from typing import Any, Iterator
 
 import torch
 
-from weightsync_audit.compat import is_dtensor
 from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
@@ -74,7 +73,7 @@ def readable(t: Any, name: str = "tensor") -> torch.Tensor:
     """
     cls = type(t)
     if cls is not _Tensor and cls is not _Parameter:
-        if is_dtensor(t) or hasattr(t, "to_local"):
+        if hasattr(t, "to_local"):
             t = t.to_local()  # a DTensor's (or another wrapper's) local data
         if not isinstance(t, _Tensor):
             raise UnauditableTensorError(name, f"a {type(t).__name__} is not a tensor")

@@ -30,9 +30,8 @@ import torch
 from torch import nn
 
 from weightsync_audit.compat import is_dtensor, peel_wrapper
-from weightsync_audit.engine.hashing.reader import FREED, readable, storage_fits
+from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.peers import ShardInfo, shard_info
-from weightsync_audit.errors import UnauditableTensorError
 
 __all__ = [
     "has_shards",
@@ -244,25 +243,11 @@ def _tensor_entry(
     container: Any = None,
     key: Any = None,
 ) -> Entry:
-    cls = type(t)
-    if cls is torch.Tensor or cls is nn.Parameter:  # the common case, without the checks a subclass needs
-        if cls is nn.Parameter or t.requires_grad:
-            # Not ``.data``: that alias has a version counter of its own, which a write through the parameter
-            # never moves; ``detach()`` shares the parameter's, which the overlapped audit's race check and
-            # attribution's at-rest stamps read.
-            t = t.detach()
-        if t.layout is torch.strided and not t.is_meta and not t.is_nested:
-            if not storage_fits(t):
-                raise UnauditableTensorError(name, FREED)
-            return Entry(name, kind, t, dtype_name(t.dtype), tuple(t.shape), container, key)
-    note = None
-    shard = None
-    if is_dtensor(t):
-        # Compared among its peers only (engine/peers.py); the structure holds the global shape.
-        shard = shard_info(t)
-    t = readable(t, name)  # its local data; what cannot be read refused by name
+    # A DTensor is compared among its peers only (engine/peers.py); the structure holds the global shape.
+    shard = shard_info(t) if is_dtensor(t) else None
+    t = readable(t, name)  # its local data, detached; what cannot be read refused by name
     shape = shard.shape if shard is not None else tuple(t.shape)
-    return Entry(name, kind, t, dtype_name(t.dtype), shape, container, key, note, shard)
+    return Entry(name, kind, t, dtype_name(t.dtype), shape, container, key, None, shard)
 
 
 def _value_entries(out: list[Entry], name: str, kind: str, value: Any, container: Any, key: Any) -> None:
