@@ -294,6 +294,8 @@ class AuditRequest:
 
     include: tuple[str, ...] | None = None
     """The kinds compared (``None``: the config's)."""
+    exclude: tuple[str, ...] | None = None
+    """The names left out (``None``: the config's), e.g. a DiLoCo sync's fragments other than the one synced."""
     full: bool = False
     """Every byte this once, whatever ``coverage`` says."""
     counted: bool = True
@@ -310,6 +312,8 @@ class AuditRequest:
     def config(self, base: AuditConfig) -> AuditConfig:
         """``base`` as this audit reads it."""
         changes: dict[str, object] = {} if self.include is None else {"include": self.include}
+        if self.exclude is not None:
+            changes["exclude"] = tuple(self.exclude)
         if self.full:
             changes["slices"] = 1
         if not self.counted:

@@ -21,7 +21,6 @@ Each group rank audits among the same group rank of the other replica groups (it
 from __future__ import annotations
 
 import collections
-from dataclasses import replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from torch import nn
@@ -29,7 +28,7 @@ from torch import nn
 from weightsync_audit.channel.groups import StoreLink
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.config import with_checked_options
+from weightsync_audit.engine.config import AuditRequest, with_checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
 from weightsync_audit.integrations.session.trainer_session import SessionAdapter, TrainerSession
@@ -278,8 +277,8 @@ class TorchFTAudit(SessionAdapter):
                     self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
                     self._channel_quorum = quorum.quorum_id
                 # Before the step, after the all-reduce: the gradients (include grads) in this same audit.
-                self.auditor.config = replace(self.auditor.config, include=self.options.include, exclude=exclude)
-                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook)
+                request = AuditRequest(include=tuple(self.options.include), exclude=exclude)
+                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
             except Exception:
                 drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
                 self._open(None)  # nor a channel that may hold a half-done exchange
