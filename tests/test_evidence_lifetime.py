@@ -80,6 +80,41 @@ def test_with_overlap_the_flip_is_blamed_afresh_and_repaired_from_the_healthy_ra
     assert flipped.action == "resynced" and torch.equal(out[0]["w0"], out[1]["w0"])
 
 
+def _drift_and_flip_in_one_audit(rank: int, world: int, drifting: int, flipped: int) -> dict[str, Any]:
+    """The drift at rest before step 3's optimizer step, the flip of the same tensor after it: one audit (step
+    3's) is the first to see either, holding the drifting rank's step record and the flipped rank's own check
+    since the step (what an overlapped read racing the flip sees, made deterministic)."""
+    _, ddp, opt = build(rank)
+    audit = LoopAudit(ddp, opt, every_n_steps=1, on_mismatch="resync", verbose=False, attribution=True,
+                      tolerance=1e-4)  # fmt: skip
+    w2 = list(ddp.parameters())[2]
+    records, kept = [], {}
+    for step in range(1, 5):
+        train_step(ddp, opt, rank, step, None)
+        if step == 3 and rank == flipped:
+            flip_bit(w2, 11, 28)
+        kept[step] = w2.detach().clone()
+        r = audit.step(step)
+        records.append(None if r is None else r.to_dict())
+        kept[-step] = w2.detach().clone()
+        if step == 2 and rank == drifting:
+            _drift(w2)
+    audit.close()
+    return {"records": records, "before": kept[3], "after": kept[-3]}
+
+
+def test_two_changes_at_rest_in_one_audit_blame_the_one_that_made_the_gap_not_the_tolerated_drift() -> None:
+    for world, drifting, flipped in ((2, 1, 0), (3, 0, 2)):
+        out = run_ranks(_drift_and_flip_in_one_audit, world, drifting, flipped)
+        first = _divergent(out[0]["records"])[0]
+        assert first["step"] == 3 and first["blame"]["ranks"] == [flipped], (world, first["blame"])
+        assert first["blame"]["evidence"] == "at_rest_change" and first["action"] == "resynced", first["blame"]
+        assert all(o["records"][2]["blame"] == first["blame"] for o in out)
+        # repaired from a rank that was not flipped, never the flipped weight over a healthy rank
+        assert all(torch.equal(o["after"], out[0]["after"]) for o in out)
+        assert any(torch.equal(out[0]["after"], o["before"]) for r, o in enumerate(out) if r != flipped)
+
+
 def test_a_flip_while_a_tolerated_drift_persists_evicts_the_flipped_rank(tmp_path: Path) -> None:
     evict = tmp_path / "evict.json"
     out = run_ranks(_persisting_then_flip, 3, 2, 0, "raise", str(evict), may_die=range(3))

@@ -31,6 +31,7 @@ How it changed, a bit flip or a write: two cheap facts tell a write from the mem
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -272,7 +273,8 @@ def tensors_at(prepared: PreparedManifest, positions: Sequence[int]) -> list[tor
 
 
 def count_changes(now: torch.Tensor, reference: torch.Tensor) -> dict[str, Any] | None:
-    """How many elements of ``now`` differ from ``reference`` and by how many bits (None: not comparable)."""
+    """How many elements of ``now`` differ from ``reference``, by how many bits and (floats) how far at most
+    (``max_abs``; None: not comparable)."""
     if now.shape != reference.shape or now.dtype != reference.dtype or now.device != reference.device:
         return None
     size = now.element_size()
@@ -284,6 +286,10 @@ def count_changes(now: torch.Tensor, reference: torch.Tensor) -> dict[str, Any] 
     out: dict[str, Any] = {"elements": elements, "compared": int(now.numel()), "bits": None}
     if elements <= _BITS_UP_TO:
         out["bits"] = int(np.unpackbits(xor[changed].cpu().numpy().reshape(-1)).sum())
+    if elements and now.is_floating_point():  # how far it moved: weighed against the gap the audit measured
+        diff = now.detach().reshape(-1)[changed].double() - reference.detach().reshape(-1)[changed].double()
+        moved = diff.abs().nan_to_num(nan=math.inf)
+        out["max_abs"] = float(moved.max())
     return out
 
 

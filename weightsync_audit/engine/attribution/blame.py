@@ -299,6 +299,40 @@ def checkpoint_blame(changed: Sequence[Any], saved: str, step: int | None) -> Bl
                   f"(its sidecar); {fmt_ranks(held)} hold{'s' if len(held) == 1 else ''} it")  # fmt: skip
 
 
+_AT_REST = ("at_rest_write", "at_rest_change")
+
+
+def _explains(evidence: Sequence[dict[str, Any]], targets: Sequence[Any]) -> bool:
+    """Whether a change at rest (its ``evidence``) can have made one of the ``targets``: it changed that tensor
+    by at least half the gap the audit measured there, or by an amount not measured."""
+    moved = {e.get("name"): e.get("max_abs") for e in evidence}
+    for m in targets:
+        if m.name in moved:
+            amount, gap = moved[m.name], getattr(m, "max_abs_diff", None)
+            if amount is None or gap is None or amount >= gap / 2:
+                return True
+    return False
+
+
+def _weigh(
+    first: tuple[Blame, Sequence[dict[str, Any]]],
+    second: tuple[Blame, Sequence[dict[str, Any]]],
+    mismatches: Sequence[Any],
+) -> Blame:
+    """Two changes at rest on other ranks, seen by one audit (an overlapped read raced the second): the ranks
+    whose own change can have made the gaps the audit measured beyond any tolerance; a change far smaller
+    than the gap (a tolerated drift) does not. Both can: both are named; neither: the first, as before."""
+    beyond = [m for m in mismatches if getattr(m, "within_tolerance", None) is not True] or list(mismatches)
+    (a, ea), (b, eb) = first, second
+    if _explains(ea, beyond) == _explains(eb, beyond):
+        if not _explains(ea, beyond):
+            return a
+        return _blame([*a.ranks, *b.ranks], a.evidence if a.evidence == b.evidence else "at_rest_change",
+                      a.hardware_suspect and b.hardware_suspect, a.step, f"{a.detail}; and {b.detail}",
+                      a.cause if a.cause == b.cause else UNTOLD)  # fmt: skip
+    return a if _explains(ea, beyond) else b
+
+
 def decide(
     payloads: Sequence[dict[str, Any]],
     ranks: Sequence[int],
@@ -316,19 +350,29 @@ def decide(
         for m in mismatches
         if getattr(m, "diff_count", None) is not None
     }
-    prev = None
-    for key in keys:
-        found = _at_step(key[0], prev, [d.get(key) for d in per], g, measured, ongoing)
+    prev, found, at = None, None, None
+    for at in keys:
+        found = _at_step(at[0], prev, [d.get(at) for d in per], g, measured, ongoing)
         if found is not None:
-            return found
-        prev = key[0]
+            break
+        prev = at[0]
+    last = keys[-1][0] if keys else None
     side = _side([bool(x) for x in audit_rest]) if audit_rest else None
-    if side is not None and audit_rest is not None:
+    if side is not None and audit_rest is not None and (found is None or found.evidence in _AT_REST):
         what = ", ".join(sorted({x for i in side for x in audit_rest[i]}))
-        since = f"after step {prev}" if prev is not None else "after the last optimizer step"
+        since = f"after step {last}" if last is not None else "after the last optimizer step"
         changed = f"{_whose([g[i] for i in side], what)} changed {since}, before this audit, with no optimizer step in between"
         evidence = [e for i in side for e in payloads[i].get("audit_rest_evidence", [])]
-        return _rest_blame([g[i] for i in side], prev, changed, evidence, measured)
+        later = _rest_blame([g[i] for i in side], last, changed, evidence, measured)
+        if found is None:
+            return later
+        if not set(later.ranks) & set(found.ranks):  # two changes at rest on other ranks, seen by one audit
+            earlier = [
+                e for i, d in enumerate(per) if g[i] in found.ranks for e in d.get(at, {}).get("rest_evidence", [])
+            ]
+            return _weigh((found, earlier), (later, evidence), mismatches)
+    if found is not None:
+        return found
     blame = vote_blame(mismatches)
     failed = [f"rank {g[i]} at step {r['step']}: {r['failed']}" for i, p in enumerate(payloads)
               for r in p.get("records", []) if r.get("failed")]  # fmt: skip
