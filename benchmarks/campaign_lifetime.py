@@ -71,7 +71,7 @@ def draw_persisting(world: int, n: int, seed: int) -> dict[str, int]:
 
 def run_persisting(rank: int, world: int, plan: dict[str, int], first: str, mode: str, folder: str) -> dict[str, Any]:
     """One run on this rank: the flipped tensor's bytes at each point, and (on a ``raise``) how it ended."""
-    from weightsync_audit import LoopAudit
+    from weightsync_audit import LoopAudit, WeightDivergenceError
 
     os.environ["WEIGHTSYNC_EVICT_FILE"] = os.path.join(folder, "evict.json")
     _, ddp, opt = build(rank)
@@ -89,7 +89,13 @@ def run_persisting(rank: int, world: int, plan: dict[str, int], first: str, mode
     for step in range(1, STEPS + 1):
         train_step(ddp, opt, rank, step, None)
         snap("E")
-        audit.step(step)
+        try:
+            audit.step(step)
+        except WeightDivergenceError as exc:  # every copy poisoned (a flip's inf/NaN spread by the next step)
+            if mode != "resync" or "resync impossible" not in str(exc.result.notes):
+                raise
+            points["refused"] = torch.ones(())  # the library refused to copy from a poisoned rank: the run ends
+            break
         snap("X")
         if step == plan["drift_after"] and rank == plan["drifting"]:
             if first == "tie":
@@ -158,7 +164,10 @@ def one_persisting(world: int, first: str, mode: str, n: int, seed: int) -> dict
         out["corrupted"] = 0
         return out
     out["healthy"] = int(any(r != f for r in evict_targets(at[0], exiting=True)))
+    out["refused"] = int(any(p.pop("refused", None) is not None for p in per_rank))
     out["corrupted"] = int(mode == "resync" and _corrupted(per_rank, f))
+    if out["refused"]:
+        out["detail"] += " (resync refused: every rank's copy held NaN or inf)"
     return out
 
 
@@ -172,12 +181,13 @@ def persisting(runs: int, seed: int, only: str = "") -> None:
         got = [one_persisting(world, first, mode, n, seed) for n in range(runs)]
         for g in got:
             print(f"[{time.perf_counter() - t0:5.0f}s] {first} w{world} {mode}: {g['detail']}", file=sys.stderr)
-        c = {k: sum(g[k] for g in got) for k in ("right", "false", "corrupted", "healthy")}
+        c = {k: sum(g.get(k, 0) for g in got) for k in ("right", "false", "corrupted", "healthy", "refused")}
         rows.append([first, str(world), mode + (" + exit_code" if mode == "raise" else ""), str(runs),
                      f"{c['right']}/{runs}", str(c["false"]), str(c["corrupted"]) if mode == "resync" else "-",
-                     str(c["healthy"])])  # fmt: skip
+                     str(c["healthy"]), str(c["refused"]) if mode == "resync" else "-"])  # fmt: skip
     print(table(["first divergence", "ranks", "on_mismatch", "runs", "flip blamed (at_rest_change)", "false blame",
-                 "repair from a corrupted source", "healthy machine named"], rows))  # fmt: skip
+                 "repair from a corrupted source", "healthy machine named", "resync refused (no finite copy)"],
+                rows))  # fmt: skip
 
 
 def run_resume(rank: int, world: int, off: int | None, folder: str) -> dict[str, Any]:
