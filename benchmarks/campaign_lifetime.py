@@ -1,8 +1,9 @@
 """Campaign rows for evidence with a lifetime (issue 49): a divergence that persists, then a second fault on
-another rank; and a resume with one rank off the checkpoint.
+another rank; a resume with one rank off the checkpoint; LocalSGD with a faulty sync.
 
     python benchmarks/campaign_attribution.py --persisting --runs-per-kind 2 --seed 0
     python benchmarks/campaign_lifetime.py --resume --runs 2 --seed 0
+    python benchmarks/campaign_lifetime.py --localsgd --runs 2 --seed 0
 
 **Persisting** (each run a plain gloo DDP + Adam loop, ``tests/attribution_faults.py``, 10 steps, an audit every
 step, ``attribution=True``): a first divergence on one drawn rank that is never repaired, then a bit flip at
@@ -27,6 +28,20 @@ bytes against the file (``torch.load``, ``torch.equal``) before and after. Colum
 resume reported diverged), *fault not named*, *false blame* (``blame`` not exactly the off rank, or its
 evidence not ``checkpoint``), *repair from a corrupted source* (after the resync a rank does not hold the saved
 bytes), *healthy machine named*.
+
+**LocalSGD** (``--localsgd``): 2 and 3 torchft replica groups (``tests/torchft_jobs.py``: a real lighthouse, one
+process per group; torchft heals the others from replica 0 at the first quorum), LocalSGD every 3 local steps,
+3 syncs, ``TorchFTAudit(sync=...)`` auditing every sync under ``warn``. In a faulty run one drawn replica's
+all-reduced result is flipped (one drawn bit, 12-22, of one element of one parameter) before LocalSGD copies it
+into the model: at the first sync (the one whose audit is handed the heal) in even runs, the second in odd
+ones. Truth: each replica's parameters right after each sync (a post-step hook after LocalSGD's), compared
+across replicas here (``torch.equal``). Columns: *false alarm* (a record diverged where the bytes agree),
+*fault not named* (no record from the faulty sync on names the flipped tensor), *false blame* (a blame naming
+another replica, or the heal: ``heal`` in its detail, evidence ``deterministic_difference``, a heal not
+verified), *heal verified or blamed* (any record with ``torchft.healed`` or a note saying ``verified``: a heal's
+evidence ends at the first committed sync), *healthy machine named* (``evict_targets(..., exiting=True)`` names
+another replica).
+``on_mismatch="resync"`` is refused under torchft (it heals replicas itself): no repair column.
 """
 
 from __future__ import annotations
@@ -287,7 +302,8 @@ def one_localsgd(world: int, faulty: bool, n: int, seed: int) -> dict[str, Any]:
     out["heal verified or blamed"] = int(any(r["torchft"].get("healed") or any("verified" in x for x in r["notes"])
                                              for r in recs))  # fmt: skip
     seen = sorted((r for r in recs if at is not None and r["step"] >= at and not r["in_sync"]), key=lambda r: r["step"])
-    out["fault not named"] = int(faulty and not seen)
+    flipped = ("0.weight", "0.bias", "2.weight", "2.bias")[param]
+    out["fault not named"] = int(faulty and not any(m["name"] == flipped for r in seen for m in r["mismatches"]))
     false, healthy = False, False
     for rec in seen:  # every replica's copy of each divergent record from the faulty sync on
         blame, mine = rec.get("blame") or {}, _replica_rank(rec, f)
@@ -296,9 +312,9 @@ def one_localsgd(world: int, faulty: bool, n: int, seed: int) -> dict[str, Any]:
                   or blame.get("evidence") == "deterministic_difference" or healed)  # fmt: skip
         named = evict_targets(AuditResult.from_dict(rec), exiting=True)
         healthy |= bool(set(named) - {mine})
-        out["detail"] += (f" | step {rec['step']} odd {[m['ranks'] for m in rec['mismatches']]} (faulted is rank "
+        out["detail"] += (f" | step {rec['step']} odd {[(m['name'], m['ranks']) for m in rec['mismatches']]} (faulted is rank "
                           f"{mine}) blame {blame.get('ranks')} {blame.get('evidence')} evict {sorted(named)} heal noted "
-                          f"{[x[:40] for x in rec['notes'] if 'before this sync' in x]}")  # fmt: skip
+                          f"{[x for x in rec['notes'] if 'before this sync' in x]}")  # fmt: skip
     out["false blame"], out["healthy machine named"] = int(false), int(healthy)
     first = (seen[0].get("blame") or {}).get("ranks") if seen else None
     out["blamed"] = int(first == [_replica_rank(seen[0], f)]) if seen else 0
