@@ -1,8 +1,9 @@
 """Campaign rows for evidence with a lifetime (issue 49): a divergence that persists, then a second fault on
-another rank; and a resume with one rank off the checkpoint.
+another rank; a resume with one rank off the checkpoint; LocalSGD with a faulty sync.
 
     python benchmarks/campaign_attribution.py --persisting --runs-per-kind 2 --seed 0
     python benchmarks/campaign_lifetime.py --resume --runs 2 --seed 0
+    python benchmarks/campaign_lifetime.py --localsgd --runs 2 --seed 0
 
 **Persisting** (each run a plain gloo DDP + Adam loop, ``tests/attribution_faults.py``, 10 steps, an audit every
 step, ``attribution=True``): a first divergence on one drawn rank that is never repaired, then a bit flip at
@@ -27,6 +28,20 @@ bytes against the file (``torch.load``, ``torch.equal``) before and after. Colum
 resume reported diverged), *fault not named*, *false blame* (``blame`` not exactly the off rank, or its
 evidence not ``checkpoint``), *repair from a corrupted source* (after the resync a rank does not hold the saved
 bytes), *healthy machine named*.
+
+**LocalSGD** (``--localsgd``): 2 and 3 torchft replica groups (``tests/torchft_jobs.py``: a real lighthouse, one
+process per group; torchft heals the others from replica 0 at the first quorum), LocalSGD every 3 local steps,
+3 syncs, ``TorchFTAudit(sync=...)`` auditing every sync under ``warn``. In a faulty run one drawn replica's
+all-reduced result is flipped (one drawn bit, 12-22, of one element of one parameter) before LocalSGD copies it
+into the model: at the first sync (the one whose audit is handed the heal) in even runs, the second in odd
+ones. Truth: each replica's parameters right after each sync (a post-step hook after LocalSGD's), compared
+across replicas here (``torch.equal``). Columns: *false alarm* (a record diverged where the bytes agree),
+*fault not named* (no record from the faulty sync on names the flipped tensor), *false blame* (a blame naming
+another replica, or the heal: ``heal`` in its detail, evidence ``deterministic_difference``, a heal not
+verified), *heal verified or blamed* (any record with ``torchft.healed`` or a note saying ``verified``: a heal's
+evidence ends at the first committed sync), *healthy machine named* (``evict_targets(..., exiting=True)`` names
+another replica).
+``on_mismatch="resync"`` is refused under torchft (it heals replicas itself): no repair column.
 """
 
 from __future__ import annotations
@@ -259,15 +274,98 @@ def resume(runs: int, seed: int) -> None:
     print(table(["ranks", "resume", "runs", *RESUME_COLUMNS], rows))
 
 
+SYNC_EVERY, SYNCS = 3, 3
+SIZES = (256, 64, 128, 2)  # the torchft jobs' MLP (4 -> 64 -> 2): 0.weight, 0.bias, 2.weight, 2.bias
+LOCALSGD_COLUMNS = ("false alarm", "fault not named", "false blame", "heal verified or blamed",
+                    "healthy machine named")  # fmt: skip
+
+
+def _replica_rank(rec: dict[str, Any], index: int) -> int:
+    """Replica group ``index``'s rank in the record's quorum (``torchft.replicas``: rank -> replica id)."""
+    return next(int(r) for r, rid in rec["torchft"]["replicas"].items() if rid.split(":")[0] == f"replica{index}")
+
+
+def one_localsgd(world: int, faulty: bool, n: int, seed: int) -> dict[str, Any]:
+    """One LocalSGD job on ``world`` replica groups, scored against the bytes each replica held after each sync."""
+    from torchft_jobs import Replica, run_job
+
+    from weightsync_audit import AuditResult
+    from weightsync_audit.integrations.evict import evict_targets
+
+    rng = random.Random(f"{seed}-localsgd-{world}-{n}")
+    f, param = rng.randrange(world), rng.randrange(4)
+    fault = {"sync": 1 + n % 2, "param": param, "element": rng.randrange(SIZES[param]),
+             "bit": rng.randrange(12, 23)}  # fmt: skip
+    reps = [Replica(i, extra={"sync_fault": fault} if faulty and i == f else {}) for i in range(world)]
+    res = run_job(reps, mode="localsgd", steps=SYNC_EVERY * SYNCS, sync_every=SYNC_EVERY, every=1, deadline_s=300)
+    # The truth: each replica's parameters right after each sync (a hook after LocalSGD's), compared here.
+    differ: dict[int, list[int]] = {}
+    for local in range(SYNC_EVERY, SYNC_EVERY * SYNCS + 1, SYNC_EVERY):
+        snaps = [res[(i, 0)]["snapshots"][local] for i in range(world)]
+        keys = [k for k in snaps[0] if k.startswith("p:")]
+        same = [sum(all(torch.equal(s[k], o[k]) for k in keys) for o in snaps) for s in snaps]
+        differ[snaps[0]["manager_step"]] = [i for i in range(world) if same[i] <= world // 2]  # not in a majority
+    at = min((s for s, odd in differ.items() if odd), default=None)
+    recs = [r for i in range(world) for r in res[(i, 0)]["records"]]
+    out = {"detail": f"plan {f if faulty else None} {fault if faulty else ''} truth {differ}"}
+    out["false alarm"] = int(any(not r["in_sync"] and not differ.get(r["step"]) for r in recs))
+    out["heal verified or blamed"] = int(any(r["torchft"].get("healed") or any("verified" in x for x in r["notes"])
+                                             for r in recs))  # fmt: skip
+    seen = sorted((r for r in recs if at is not None and r["step"] >= at and not r["in_sync"]), key=lambda r: r["step"])
+    flipped = ("0.weight", "0.bias", "2.weight", "2.bias")[param]
+    out["fault not named"] = int(faulty and not any(m["name"] == flipped for r in seen for m in r["mismatches"]))
+    false, healthy = False, False
+    for rec in seen:  # every replica's copy of each divergent record from the faulty sync on
+        blame, mine = rec.get("blame") or {}, _replica_rank(rec, f)
+        healed = any(not h.get("verified", True) for h in rec["torchft"].get("healed", {}).values())
+        false |= (blame.get("ranks", []) not in ([], [mine]) or "heal" in blame.get("detail", "")
+                  or blame.get("evidence") == "deterministic_difference" or healed)  # fmt: skip
+        named = evict_targets(AuditResult.from_dict(rec), exiting=True)
+        healthy |= bool(set(named) - {mine})
+        out["detail"] += (f" | step {rec['step']} odd {[(m['name'], m['ranks']) for m in rec['mismatches']]} (faulted is rank "
+                          f"{mine}) blame {blame.get('ranks')} {blame.get('evidence')} evict {sorted(named)} heal noted "
+                          f"{[x for x in rec['notes'] if 'before this sync' in x]}")  # fmt: skip
+    out["false blame"], out["healthy machine named"] = int(false), int(healthy)
+    first = (seen[0].get("blame") or {}).get("ranks") if seen else None
+    out["blamed"] = int(first == [_replica_rank(seen[0], f)]) if seen else 0
+    out["undecided"] = int(first == [] or (bool(seen) and first is None))
+    return out
+
+
+def localsgd(runs: int, seed: int, worlds: tuple[int, ...] = (2, 3)) -> None:
+    """The LocalSGD rows' table (see the module's docstring)."""
+    rows = []
+    t0 = time.perf_counter()
+    for world in worlds:
+        for variant in ("healthy", "faulty sync"):
+            got = []
+            for n in range(runs):
+                got.append(one_localsgd(world, variant != "healthy", n, seed))
+                print(f"[{time.perf_counter() - t0:5.0f}s] localsgd w{world} {variant}: {got[-1]['detail']}",
+                      file=sys.stderr)  # fmt: skip
+            blamed = "-"
+            if variant != "healthy":
+                blamed = f"{sum(g['blamed'] for g in got)} / {sum(g['undecided'] for g in got)}"
+            rows.append(
+                [str(world), variant, str(runs), blamed, *[str(sum(g[c] for g in got)) for c in LOCALSGD_COLUMNS]]
+            )
+    print(table(["replica groups", "sync", "runs", "blame: the faulted replica / none", *LOCALSGD_COLUMNS], rows))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", "--runs-per-kind", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="the resume rows (default: the persisting pattern)")
+    ap.add_argument("--localsgd", action="store_true", help="the LocalSGD rows (torchft, a faulty sync)")
+    ap.add_argument("--worlds", default="2,3", help="--localsgd: the numbers of replica groups")
     ap.add_argument("--variants", default="", help="persisting: comma-separated first divergences (default all)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    resume(a.runs, a.seed) if a.resume else persisting(a.runs, a.seed, a.variants)
+    if a.localsgd:
+        localsgd(a.runs, a.seed, tuple(int(w) for w in a.worlds.split(",")))
+    else:
+        resume(a.runs, a.seed) if a.resume else persisting(a.runs, a.seed, a.variants)
     print(
         f"\n{time.perf_counter() - t0:.0f} s. Command: `python benchmarks/campaign_lifetime.py {' '.join(argv or sys.argv[1:])}`"
     )

@@ -250,6 +250,29 @@ def test_a_difference_at_a_local_sgd_sync_is_found() -> None:
     assert not any("first committed step" in n for n in record["notes"])
 
 
+def test_a_flip_in_one_replicas_first_sync_is_blamed_on_that_replica_by_the_vote_not_on_its_heal() -> None:
+    """Three groups; replicas 1 and 2 healed from replica 0 at the first quorum. One bit of replica 2's
+    all-reduced 2.weight is flipped at the first sync: the sync's doing, named by the other two."""
+    from weightsync_audit.integrations.evict import evict_targets
+
+    fault = {"sync": 1, "param": 2, "element": 5, "bit": 20}
+    reps = [Replica(0), Replica(1), Replica(2, extra={"sync_fault": fault})]
+    res = run_job(reps, mode="localsgd", steps=6, sync_every=3, every=1)
+    snaps = [res[(i, 0)]["snapshots"][3] for i in range(3)]
+    assert [n for n in PARAMS if not torch.equal(snaps[0][f"p:{n}"], snaps[2][f"p:{n}"])] == ["2.weight"]
+    assert _equal(snaps[0], snaps[1]) and _equal(res[(0, 0)]["snapshots"][6], res[(2, 0)]["snapshots"][6])
+    record = _same_record([_by_step(res[(i, 0)])[1] for i in range(3)])
+    rank = next(int(r) for r, rid in record["torchft"]["replicas"].items() if rid.startswith("replica2:"))
+    assert [(m["name"], m["ranks"]) for m in record["mismatches"]] == [("2.weight", [rank])]
+    blame = record["blame"]
+    assert (blame["evidence"], blame["ranks"]) == ("collective_mismatch", [rank]) and "heal" not in blame["detail"]
+    assert record["torchft"]["healed"] == {} and any(
+        "healed from replica 0 before this sync" in n for n in record["notes"]
+    )
+    assert sorted(evict_targets(AuditResult.from_dict(record), exiting=True)) == [rank]
+    assert _same_record([_by_step(res[(i, 0)])[2] for i in range(3)])["in_sync"]
+
+
 def test_diloco_is_audited_at_sync_points_only() -> None:
     res = run_job([Replica(0), Replica(1)], mode="diloco", steps=6, sync_every=3, every=1)
     _sync_truth(res, 6, 3)

@@ -270,6 +270,17 @@ def _sync_loop(plan, manager, model, opt, gen, snapshots, audit_kw, TorchFTAudit
     else:
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
         sync = DiLoCo(manager, [model], opt, outer, sync_every=plan["sync_every"])
+    fault = plan.get("sync_fault")  # {sync, param, element, bit}: this replica's all-reduced bytes, flipped there
+    if fault is not None:
+        average, calls = sync._average, [0]
+
+        def faulty_average() -> list[torch.Tensor]:  # LocalSGD copies what it returns into the model
+            out, calls[0] = average(), calls[0] + 1
+            if calls[0] == fault["sync"]:
+                out[fault["param"]].view(-1).view(torch.int32)[fault["element"]] ^= 1 << fault["bit"]
+            return out
+
+        sync._average = faulty_average
     local = [0]
     with sync:
         audit = TorchFTAudit(manager, sync=sync, **audit_kw)
