@@ -321,16 +321,17 @@ class AuditResult:
         lead = self.lead_mismatch
         assert lead is not None
         ties = [m for m in self.mismatches if m.tie]
-        tie_clause = ""
-        if ties and tie:
-            sides = sorted({r for m in ties for r in m.reference_ranks}), sorted({r for m in ties for r in m.ranks})
-            tie_clause = f"; TIE vote on {len(ties)}: {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])}, no majority"
+        sides = sorted({r for m in ties for r in m.reference_ranks}), sorted({r for m in ties for r in m.ranks})
+        tie_clause = f"; TIE vote on {len(ties)}: {fmt_ranks(sides[0])} vs {fmt_ranks(sides[1])}, no majority"
         began = ""
         if self.first_diverged_step is not None:
             began = f"; diverged from step {self.first_diverged_step} (pinpointed, {self.pinpoint})"
+        on = f"on rank(s) {ranks}"
+        if ties and len(ties) == len(self.mismatches):  # no side is the odd one: both are said
+            on = f"between {fmt_ranks(sides[0])} and {fmt_ranks(sides[1])}"
         return (
-            f"{where}: DIVERGED, {self.differing} of {n} tensors differ on rank(s) {ranks}"
-            f" (first: {lead.name}){began}{tie_clause}{share}"
+            f"{where}: DIVERGED, {self.differing} of {n} tensors differ {on}"
+            f" (first: {lead.name}){began}{tie_clause if ties and tie else ''}{share}"
         )
 
     @property
