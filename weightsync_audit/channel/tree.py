@@ -1,34 +1,26 @@
 """The audit channel as a tree: each host's ranks through their leader, the leaders through the coordinator.
 
-In a star (:mod:`~weightsync_audit.channel.star`) the coordinator handles a frame each way per rank, about
-0.1 ms of its CPU per peer and round (docs/performance.md, the fleet on paper). In a tree the group's
-positions are cut into blocks of ``k`` consecutive ranks (a host's, or several hosts'), and the first rank
-of each block is its *leader*. Every round takes the tree, whatever it carries (``decide``, ``exchange``,
-``share_bytes``): a rank sends its bytes to its leader; a leader sends its block's bytes, in rank order, in
-one message to the coordinator (block 0's leader), which applies the rule to every rank's bytes in rank
-order exactly as in a star; the answer goes back down the same way. The coordinator handles
-``k - 1 + W / k`` peers, a leader ``k``.
+A star's coordinator (:mod:`~weightsync_audit.channel.star`) spends about 0.08 ms of CPU per peer and round
+(docs/performance.md, the fleet on paper). Here the ranks are cut into blocks of ``k`` consecutive ranks
+(whole hosts), the first of each its *leader*. Every round takes the tree (``decide``, ``exchange``,
+``share_bytes``): a rank sends its bytes to its leader, a leader its block's bytes in one message to the
+coordinator (block 0's leader), which applies the rule to every rank's bytes in rank order as in a star;
+the answer goes back down. The coordinator handles ``k - 1 + W / k`` peers, a leader ``k``.
 
-When: the coordinator decides it once, when the channel opens (from where each rank runs, which it gathers
-then), and tells every rank: blocks of ``WEIGHTSYNC_AUDIT_RANKS_PER_HOST`` ranks when that variable is set
-on the coordinator (tests and benchmarks force a tree on one machine with it); else a tree only when the
-group has more than ``WEIGHTSYNC_AUDIT_FAN_IN`` ranks (default 256), in blocks of whole hosts and of at
-least sqrt(W) ranks, so that no process handles more than about 2 sqrt(W) peers (254 at 16,384 ranks; a
-third level would be next beyond some 65,000). Never with a member on the previous release.
+The coordinator decides the blocks once, when the channel opens (it then learns where each rank runs), and
+tells every rank: ``WEIGHTSYNC_AUDIT_RANKS_PER_HOST`` ranks when that variable is set on it (tests and
+benchmarks force a tree on one machine so); else a tree only past ``WEIGHTSYNC_AUDIT_FAN_IN`` ranks
+(default 256), in blocks of whole hosts and of at least sqrt(W) ranks: at most about 2 sqrt(W) peers per
+process (254 at 16,384 ranks). Never with a member on the previous release.
 
-Failures are said alike on every rank, as in a star:
-
-- Deadlines nest: a leader waits ``timeout_s`` for its block, the coordinator ``timeout_s`` + grace / 2
-  for the leaders, so that a late rank is named by its leader before the coordinator gives up on the
-  leader; a rank waits ``timeout_s`` + grace for its answer, then reads the coordinator's verdict in the
-  store.
-- A leader reports the ranks of its block that it lost, or that are out of step, instead of their bytes,
-  and the coordinator's verdict names them. A leader lost (late, dead) is named with its whole block: the
-  coordinator cannot tell its ranks from it.
-- A timed-out gloo wait closes every connection of its process, so a leader that waited out one of its
-  ranks leaves its report in the store, where the coordinator looks when that leader's connection closes.
-- A leader that loses the coordinator hands its block the verdict it read in the store (or one naming the
-  coordinator).
+Failures are named alike on every rank, as in a star. Deadlines nest: a leader waits ``timeout_s`` for its
+block, the coordinator ``timeout_s`` + grace / 2 for the leaders, so that a late rank is named by its
+leader; every rank waits ``timeout_s`` + grace for its answer, then reads the verdict in the store. A leader
+reports the ranks it lost or found out of step instead of its block's bytes. A leader lost is named with
+its whole block (the coordinator cannot tell its ranks from it). A timed-out gloo wait closes every
+connection of its process, so a leader that waited out a rank leaves its report in the store, where the
+coordinator looks when that leader's connection closes. A leader that loses the coordinator hands its
+block the verdict it found in the store (or one naming the coordinator).
 """
 
 from __future__ import annotations
