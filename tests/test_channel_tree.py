@@ -172,3 +172,31 @@ def test_a_killed_leader_is_named_with_its_host_at_once_without_a_deadline(monke
     assert isinstance(results[2], RankDied)
     for rank in (0, 1, 3):
         assert results[rank]["missing"] == [2, 3] and results[rank]["elapsed"] < SLACK_S, (rank, results[rank])
+
+
+def _local_dies_before_its_answer(rank: int, world: int) -> list[Any]:
+    pids: list[Any] = [None] * world
+    torch.distributed.all_gather_object(pids, os.getpid())
+    comm = Comm(timeout_s=DEADLINE_S)
+    comm.setup()
+
+    def rule(parts: list[bytes]) -> bytes:  # the coordinator kills rank 3 after its bytes reached it
+        os.kill(pids[3], signal.SIGKILL)
+        time.sleep(0.5)
+        return b"answer"
+
+    out: list[Any] = [comm.decide(str(rank).encode(), rule, "the round")]
+    if rank == 3:
+        time.sleep(60)  # killed before here
+    try:
+        comm.decide(b"again", lambda parts: b"", "the next round")
+    except AuditTimeoutError as exc:
+        out.append(exc.missing_ranks)
+    return out
+
+
+def test_a_local_lost_before_its_answer_is_named_alike_at_the_next_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RANKS_PER_HOST_ENV, "2")
+    results = run_ranks(_local_dies_before_its_answer, 4, timeout=60, may_die=[3])
+    assert isinstance(results[3], RankDied)
+    assert [results[r] for r in (0, 1, 2)] == [[b"answer", [3]]] * 3
