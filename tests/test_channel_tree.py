@@ -153,10 +153,10 @@ def test_a_bad_ranks_per_host_is_named_on_every_rank(monkeypatch: pytest.MonkeyP
     assert all(f"{RANKS_PER_HOST_ENV}='two'" in r for r in results), results
 
 
-def _leader_killed(rank: int, world: int) -> dict[str, Any]:
+def _killed(rank: int, world: int, victim: int) -> dict[str, Any]:
     comm = Comm(timeout_s=None)  # no deadline: only closed connections can tell
     comm.setup()
-    if rank == 2:
+    if rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
@@ -166,12 +166,15 @@ def _leader_killed(rank: int, world: int) -> dict[str, Any]:
     return {"missing": None}
 
 
-def test_a_killed_leader_is_named_with_its_host_at_once_without_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("victim,named", [(3, [3]), (2, [2, 3])], ids=["local", "leader-with-its-host"])
+def test_a_killed_rank_is_named_alike_at_once_without_a_deadline(
+    victim: int, named: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(RANKS_PER_HOST_ENV, "2")
-    results = run_ranks(_leader_killed, 4, timeout=60, may_die=[2])
-    assert isinstance(results[2], RankDied)
-    for rank in (0, 1, 3):
-        assert results[rank]["missing"] == [2, 3] and results[rank]["elapsed"] < SLACK_S, (rank, results[rank])
+    results = run_ranks(_killed, 4, victim, timeout=60, may_die=[victim])
+    assert isinstance(results[victim], RankDied)
+    for rank in {0, 1, 2, 3} - {victim}:
+        assert results[rank]["missing"] == named and results[rank]["elapsed"] < SLACK_S, (rank, results[rank])
 
 
 def _local_dies_before_its_answer(rank: int, world: int) -> list[Any]:
