@@ -143,6 +143,8 @@ class AuditGroup:
         self.hosts: list[str] | None = None
         """Where each rank of the group runs (:func:`~weightsync_audit.compat.describe_this_rank`), gathered
         once when the group opens."""
+        self.block = 0
+        """Ranks per block of the channel's tree (:mod:`~weightsync_audit.channel.tree`); 0: a star."""
 
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditGroup]] = {}

@@ -9,8 +9,11 @@ deadline. The coordinator knows exactly which ranks arrived and tells the others
 One exchange is a *round*: each rank sends its bytes to the coordinator, which applies a rule to the list
 (a pure function, the same on any rank) and sends every rank the same answer. The healthy audit's rule
 answers a fixed-size verdict, so rank 0 sends 72 bytes per peer and every other rank 224 bytes in all
-(152 up, 72 down), whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to everyone. A dedicated gloo group keeps
-these small CPU messages apart from the training traffic (which may be NCCL) and gives per-call timeouts.
+(152 up, 72 down), whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to
+everyone. In a large group the star becomes a tree, per host then across hosts
+(:mod:`~weightsync_audit.channel.tree`), with the same rounds and failure verdicts. A dedicated gloo group
+keeps these small CPU messages apart from the training traffic (which may be NCCL) and gives per-call
+timeouts.
 
 What gloo does on failure (a timed-out wait closes every pair of the process's context; a message
 larger than its receive buffer aborts the process) shapes the protocol: the failure verdicts also go
@@ -39,13 +42,13 @@ import numpy as np
 import torch.distributed as dist
 
 from weightsync_audit.channel.groups import AuditGroup, forget_groups, open_group
+from weightsync_audit.channel.tree import TreeWire, block_size
 from weightsync_audit.channel.verdicts import (
     Who,
     out_of_step_error,
 )
 from weightsync_audit.channel.wire import (
     Rule,
-    StarWire,
     as_u8,
     compact_rows,
     expand_rows,
@@ -68,7 +71,7 @@ Tail = Callable[[np.ndarray, list[bytes]], bytes]
 every rank's blob, the bytes every rank gets with the table."""
 
 
-class Comm(StarWire):
+class Comm(TreeWire):
     """Gather and share small messages among the ranks of ``group`` with a deadline.
 
     >>> Comm().exchange(np.array([7], dtype=np.int64)).tolist()
@@ -145,11 +148,14 @@ class Comm(StarWire):
                 group = self._group
                 group.hosts = []  # the coordinator keeps them (W short lines); the others hold none
 
-                def keep(parts: list[bytes]) -> bytes:
+                def keep(parts: list[bytes]) -> bytes:  # and the channel's shape (a tree when it is large)
                     group.hosts = [p.decode("utf-8", "replace") for p in parts]
-                    return b""
+                    return np.array([block_size(group.hosts) if group.own_names else 0], np.int64).tobytes()
 
-                self.decide(describe_this_rank().encode(), keep, "where each rank runs")
+                answer = self.decide(describe_this_rank().encode(), keep, "where each rank runs")
+                group.block = int(np.frombuffer(answer, np.int64)[0]) if len(answer) == 8 else 0
+                if group.block:  # each rank meets its leader while every rank is known to be here
+                    self.decide(b"", lambda parts: b"", "the tree's first contact")
 
     def open_members(self) -> AuditGroup:
         """The members' dedicated gloo group (collective, with the deadline): opened once per set of ranks

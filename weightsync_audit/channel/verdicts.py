@@ -151,22 +151,22 @@ def gave_up(group: AuditGroup, seq: int, r: int) -> bool:
     return group.store.wait_get(f"gave_up/{seq}/{r}", GAVE_UP_WAIT_S, GAVE_UP_WAIT_S + _STORE_SLACK_S) is not None
 
 
-def no_answer(who: Who, group: AuditGroup, seq: int, what: str, failure: WaitFailure) -> Exception:
-    """A non-coordinator lost contact with the coordinator: the store may say why, else blame it."""
+def no_answer(
+    who: Who, group: AuditGroup, seq: int, what: str, failure: WaitFailure, peer: int = 0, wait_s: float | None = None
+) -> tuple[dict[str, Any], Exception]:
+    """A rank lost contact with the rank it reports to (``peer``: the coordinator, or its host's leader):
+    the verdict the store holds (looked for ``wait_s``), else one that blames ``peer``; and its error."""
     if failure.timed_out:
         # Say so before anything else: a coordinator that turns up late and finds this rank's
         # connection closed must learn that it was the late one, not this rank.
         group.store.set(f"gave_up/{seq}/{who.rank}", "1", _STORE_SLACK_S)
     # A closed connection means the coordinator decided (its verdict follows within moments) or died;
     # after a plain timeout a verdict is unlikely, so only look.
-    verdict = read_verdict(group, seq, 0.2 if failure.timed_out else STORE_WAIT_S)
+    verdict = read_verdict(group, seq, wait_s if wait_s is not None else 0.2 if failure.timed_out else STORE_WAIT_S)
     if verdict is not None:
-        return verdict_error(who, group, verdict, what)
+        return verdict, verdict_error(who, group, verdict, what)
     how = "did not answer in time" if failure.timed_out else "closed the connection"
-    return timeout_error(
-        who,
-        group,
-        [who.global_ranks[0]],
-        what,
-        f"the coordinator (rank {who.global_ranks[0]}) {how}; it is stuck, dead, or auditing at a different point",
-    )
+    blamed = who.global_ranks[peer]
+    role = "the coordinator" if peer == 0 else "its host's leader"
+    why = f"{role} (rank {blamed}) {how}; it is stuck, dead, or auditing at a different point"
+    return {"missing": [blamed], "what": what}, timeout_error(who, group, [blamed], what, why)

@@ -32,6 +32,7 @@ import xxhash
 
 from weightsync_audit.channel.groups import AuditGroup
 from weightsync_audit.channel.verdicts import (
+    STORE_WAIT_S,
     WaitFailure,
     Who,
     gave_up,
@@ -43,29 +44,14 @@ from weightsync_audit.channel.verdicts import (
 from weightsync_audit.errors import AuditPreparationError
 
 __all__ = [
-    "INLINE_BYTES",
-    "INLINE_FLAG",
     "LEGACY_INLINE_BYTES",
-    "MAGIC",
-    "MISSING",
-    "OK",
-    "OUT_OF_STEP",
-    "REPLY_WORDS",
-    "REQ_WORDS",
-    "RULE_FAILED",
     "Rule",
     "StarWire",
-    "WHAT_BYTES",
     "as_u8",
     "compact_rows",
     "expand_rows",
     "join_parts",
-    "length_word",
-    "read_length",
     "split_parts",
-    "used_words",
-    "what_words",
-    "words_text",
 ]
 
 MAGIC = 0x5753_4146  # 'WSAF'
@@ -212,6 +198,38 @@ class StarWire:
         except Exception as exc:
             raise WaitFailure(False, str(exc)[:200]) from exc
 
+    # -- the layout: who sends to whom (a star unless the group's ``block`` makes it a tree) ----------
+
+    def _children(self, p: int) -> list[int]:
+        """The positions that send their bytes to position ``p`` and take its answer: the rest of its
+        block, and for the coordinator also the other blocks' leaders (:mod:`~weightsync_audit.channel.tree`)."""
+        w = self.world_size
+        k = (self._group.block if self._group is not None else 0) or w
+        return list(range(p + 1, min(p - p % k + k, w))) + (list(range(k, w, k)) if p == 0 else [])
+
+    def _subtree(self, c: int) -> list[int]:
+        """The positions whose bytes the message of the coordinator's child ``c`` carries."""
+        k = (self._group.block if self._group is not None else 0) or self.world_size
+        return list(range(c, min(c + k, self.world_size))) if c % k == 0 else [c]
+
+    def _unfold(self, c: int, body: bytes, datas: list[bytes], missing: list[int], positions: dict[int, str]) -> None:
+        """Child ``c``'s bytes into ``datas`` (a leader's into its block's slots, or what it reports)."""
+        datas[c] = body
+
+    def _recover(self, group: AuditGroup, seq: int, failures: dict[int, WaitFailure], missing: list[int]) -> None:
+        """(A tree's) what a leader that lost its connections left in the store instead."""
+
+    def _relay(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
+        """A non-coordinator's part of the round."""
+        return self._participate(group, seq, body, what)
+
+    def _missing(self, group: AuditGroup, seq: int, failures: dict[int, WaitFailure], me: int) -> list[int]:
+        """The global ranks lost with the children that failed, or ``me`` alone when one of them dropped its
+        connection because it gave up on ``me`` (then ``me`` was the late one)."""
+        if any(not f.timed_out and gave_up(group, seq, c) for c, f in failures.items()):
+            return [self.global_ranks[me]]
+        return [self.global_ranks[p] for c in sorted(failures) for p in self._subtree(c)]
+
     # -- the round: every rank's bytes to the coordinator, one answer back -------------------------
 
     def _round(self, payload: bytes | bytearray | memoryview | np.ndarray, rule: Rule, what: str) -> bytes:
@@ -230,7 +248,7 @@ class StarWire:
             body = as_u8(payload)
             if self.rank == 0:
                 return self._coordinate(group, seq, body, rule, what, pending)
-            return self._participate(group, seq, body, what)
+            return self._relay(group, seq, body, what)
 
     def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
         what_hash, name_words = what_words(what)
@@ -242,28 +260,39 @@ class StarWire:
             frame.view(np.uint8)[(4 + len(name_words)) * 8 :][:inline] = body.numpy()
         return torch.from_numpy(frame[: used_words(4 + len(name_words), inline)])
 
-    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
+    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, peer: int = 0) -> bytes:
         deadline = time.monotonic() + self._deadline_s() + self.grace_s
-        reply = torch.empty(REPLY_WORDS, dtype=torch.int64)
         try:
-            answer = self._post(group, reply, 0, send=False)  # posted first: the answer may come at once
-            frame = self._request_frame(seq, body, what)
-            self._wait(group, self._post(group, frame, 0, send=True), frame, deadline)
-            if body.numel() > self.inline_limit:
-                self._wait(group, self._post(group, body, 0, send=True), body, deadline)
-            self._wait(group, answer, reply, deadline)
-            r = reply.numpy()
-            if r[0] != MAGIC or r[1] != seq:
-                raise WaitFailure(False, "the coordinator answered another exchange")
-            status, (nbytes, inline) = int(r[2]), read_length(int(r[3]))
-            if inline:
-                data = r[4:].view(np.uint8)[:nbytes].tobytes()
-            else:
-                big = torch.empty(nbytes, dtype=torch.uint8)
-                self._wait(group, self._post(group, big, 0, send=False), big, deadline)
-                data = big.numpy().tobytes()
+            status, data = self._ask(group, seq, body, what, peer, deadline)
         except WaitFailure as failure:
-            raise no_answer(self._who, group, seq, what, failure) from None
+            # Under a leader, the coordinator's verdict may come after the leader's connection closed.
+            wait = max(deadline - time.monotonic(), 0.0) + STORE_WAIT_S if peer else None
+            raise no_answer(self._who, group, seq, what, failure, peer, wait)[1] from None
+        return self._settle(group, status, data, what)
+
+    def _ask(
+        self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, peer: int, deadline: float
+    ) -> tuple[int, bytes]:
+        """Send this rank's bytes to ``peer`` and take its answer: ``(status, data)``, or :class:`WaitFailure`."""
+        reply = torch.empty(REPLY_WORDS, dtype=torch.int64)
+        answer = self._post(group, reply, peer, send=False)  # posted first: the answer may come at once
+        frame = self._request_frame(seq, body, what)
+        self._wait(group, self._post(group, frame, peer, send=True), frame, deadline)
+        if body.numel() > self.inline_limit:
+            self._wait(group, self._post(group, body, peer, send=True), body, deadline)
+        self._wait(group, answer, reply, deadline)
+        r = reply.numpy()
+        if r[0] != MAGIC or r[1] != seq:
+            raise WaitFailure(False, "the coordinator answered another exchange")
+        nbytes, inline = read_length(int(r[3]))
+        if inline:
+            return int(r[2]), r[4:].view(np.uint8)[:nbytes].tobytes()
+        big = torch.empty(nbytes, dtype=torch.uint8)
+        self._wait(group, self._post(group, big, peer, send=False), big, deadline)
+        return int(r[2]), big.numpy().tobytes()
+
+    def _settle(self, group: AuditGroup, status: int, data: bytes, what: str) -> bytes:
+        """The answer's data, or the error it says."""
         if status == OK:
             return data
         verdict = json.loads(data)
@@ -272,16 +301,14 @@ class StarWire:
         raise verdict_error(self._who, group, verdict, what)
 
     def _gather_frames(
-        self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, skip: frozenset[int]
-    ) -> tuple[list[bytes], dict[int, WaitFailure], dict[int, str]]:
-        """The coordinator's half of the way up: every rank's bytes, the ranks lost, the ranks elsewhere."""
-        w = self.world_size
-        deadline = time.monotonic() + self._deadline_s()
+        self, group: AuditGroup, seq: int, what: str, skip: frozenset[int], children: list[int], deadline: float
+    ) -> tuple[dict[int, bytes], dict[int, WaitFailure], dict[int, str]]:
+        """The way up: each child's bytes (those in step), the children lost, the ranks elsewhere."""
         what_hash, _ = what_words(what)
-        frames = {r: torch.empty(REQ_WORDS, dtype=torch.int64) for r in range(1, w)}
+        frames = {r: torch.empty(REQ_WORDS, dtype=torch.int64) for r in children}
         works: dict[int, Any] = {}
         failures: dict[int, WaitFailure] = {r: WaitFailure(False, "lost at an earlier exchange") for r in skip}
-        for r in range(1, w):
+        for r in children:
             if r not in failures:
                 try:
                     works[r] = self._post(group, frames[r], r, send=False)
@@ -293,9 +320,9 @@ class StarWire:
             except WaitFailure as f:
                 failures[r] = f
         positions: dict[int, str] = {}
-        datas: list[bytes] = [body.numpy().tobytes()] + [b""] * (w - 1)
+        datas: dict[int, bytes] = {}
         bodies: dict[int, tuple[Any, torch.Tensor]] = {}
-        for r in range(1, w):
+        for r in children:
             if r in failures:
                 continue
             f = frames[r].numpy()
@@ -318,7 +345,8 @@ class StarWire:
                 datas[r] = big.numpy().tobytes()
             except WaitFailure as fail:
                 failures[r] = fail
-        return datas, failures, positions
+        out_of_step = {r for r in datas if self.global_ranks[r] in positions}
+        return {r: d for r, d in datas.items() if r not in out_of_step}, failures, positions
 
     def _coordinate(
         self,
@@ -329,14 +357,19 @@ class StarWire:
         what: str,
         pending: tuple[dict[str, Any], frozenset[int]] | None,
     ) -> bytes:
-        datas, failures, positions = self._gather_frames(group, seq, body, what, pending[1] if pending else frozenset())
+        children = self._children(0)
+        # A tree's leaders first wait out their own late ranks, so that those are the ones named.
+        deadline = time.monotonic() + self._deadline_s() + (self.grace_s / 2 if group.block else 0.0)
+        skip = pending[1] if pending else frozenset()
+        got, failures, positions = self._gather_frames(group, seq, what, skip, children, deadline)
+        datas, missing = [body.numpy().tobytes()] + [b""] * (self.world_size - 1), []
+        for c, data in got.items():
+            self._unfold(c, data, datas, missing, positions)
+        self._recover(group, seq, failures, missing)
         if pending is not None:
             verdict: dict[str, Any] = pending[0]
-        elif failures:
-            # Ranks that dropped the connection because they gave up on *this* rank make it the late one.
-            late = [r for r, f in failures.items() if not f.timed_out and gave_up(group, seq, r)]
-            missing = [self.global_ranks[0]] if late else [self.global_ranks[r] for r in sorted(failures)]
-            verdict = {"missing": missing, "what": what}
+        elif failures or missing:
+            verdict = {"missing": sorted(set(missing + self._missing(group, seq, failures, 0))), "what": what}
         elif positions:
             positions[self.global_ranks[0]] = f"at {what} (exchange #{seq})"
             verdict = {"positions": {str(k): v for k, v in positions.items()}}
@@ -355,27 +388,29 @@ class StarWire:
                 status = RULE_FAILED
                 text = f"weightsync audit: the coordinator could not decide {what}: {type(exc).__name__}: {exc}"
                 data = json.dumps({"error": text}).encode()
-        lost = self._answer(group, seq, status, data, failures)
+        lost = self._answer(group, seq, status, data, failures, children)
         if verdict:
             raise verdict_error(self._who, group, verdict, what)
         if lost:
             # Every rank but these has its answer, so it stands for this exchange; the survivors learn at
             # the next one, all naming the same rank(s).
-            late = [r for r in lost if gave_up(group, seq, r)]
-            missing = [self.global_ranks[0]] if late else [self.global_ranks[r] for r in sorted(lost)]
+            missing = self._missing(group, seq, {r: WaitFailure(False, "") for r in lost}, 0)
             verdict = {"missing": missing, "what": what}
             post_verdict(group, seq, verdict)
             group.broken = f"rank(s) {missing} did not take the answer at {what}"
             group.pending = (verdict, frozenset(lost))
-        if status == RULE_FAILED:
-            error = json.loads(data)["error"]
-            raise AuditPreparationError(error, {self.global_ranks[0]: error})
-        return data
+        return self._settle(group, status, data, what)
 
     def _answer(
-        self, group: AuditGroup, seq: int, status: int, data: bytes, failures: dict[int, WaitFailure]
+        self,
+        group: AuditGroup,
+        seq: int,
+        status: int,
+        data: bytes,
+        failures: dict[int, WaitFailure],
+        children: list[int],
     ) -> list[int]:
-        """Send the same answer to every reachable rank at once; the ranks it could not reach."""
+        """Send the same answer to every reachable child at once; the children it could not reach."""
         frame = np.zeros(REPLY_WORDS, dtype=np.int64)
         inline = len(data) if len(data) <= self.inline_limit else 0
         frame[:4] = (MAGIC, seq, status, length_word(len(data), inline > 0))
@@ -386,7 +421,7 @@ class StarWire:
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         lost = []
-        for r in range(1, self.world_size):
+        for r in children:
             if r in failures:
                 continue
             try:
