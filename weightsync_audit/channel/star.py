@@ -8,8 +8,8 @@ deadline. The coordinator knows exactly which ranks arrived and tells the others
 
 One exchange is a *round*: each rank sends its bytes to the coordinator, which applies a rule to the list
 (a pure function, the same on any rank) and sends every rank the same answer. The healthy audit's rule
-answers a fixed-size verdict, so rank 0 sends 72 bytes per peer and every other rank 224 bytes in all
-(152 up, 72 down), whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to
+answers a fixed-size verdict, so rank 0 sends 72 bytes per peer and every other rank 256 bytes in all
+(the 104-byte summary in a 184-byte frame up, 72 down), whatever the number of ranks; only :meth:`Comm.exchange` answers everyone's bytes to
 everyone. In a large group the star becomes a tree, per host then across hosts
 (:mod:`~weightsync_audit.channel.tree`), with the same rounds and failure verdicts. A dedicated gloo group
 keeps these small CPU messages apart from the training traffic (which may be NCCL) and gives per-call
