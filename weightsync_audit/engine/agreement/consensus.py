@@ -13,8 +13,17 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.inventory.peers import ALL, carriers, column_peers, peer_sets, replica_groups
-from weightsync_audit.engine.inventory.replicas.keys import FOUND, holders_label, is_holders, unreplicated_label_of
+from weightsync_audit.engine.inventory.peers import (
+    ALL,
+    FOUND,
+    carriers,
+    column_peers,
+    holders_label,
+    is_holders,
+    peer_sets,
+    replica_groups,
+    unreplicated_label,
+)
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks, majority
 
 __all__ = [
@@ -126,7 +135,7 @@ def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[s
     alone: dict[str, set[str]] = {}
     for uid, (kind, name) in order.items():
         layouts = [d[uid][3] for d in per_rank if uid in d]
-        label = next((lbl for lay in layouts if (lbl := unreplicated_label_of(lay)) is not None), None)
+        label = next((lbl for lay in layouts if (lbl := unreplicated_label(lay)) is not None), None)
         declared = any(d[uid][7] for d in per_rank if uid in d)
         if label is None and declared and _by_design(per_rank, uid, found) == []:
             label = holders_label(layouts[0])  # a declared replica group of one rank: no replica

@@ -47,8 +47,7 @@ from weightsync_audit.engine.agreement.consensus import (
     union_counts,
 )
 from weightsync_audit.engine.inventory.manifest import KINDS, Entry
-from weightsync_audit.engine.inventory.peers import ALL, unpaired_columns
-from weightsync_audit.engine.inventory.replicas.keys import holders_label, unreplicated_label
+from weightsync_audit.engine.inventory.peers import ALL, holders_label, unpaired_columns, unreplicated_label
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.text import COMPARED_NOTES, NOTHING_COMPARED, NOTHING_TO_AUDIT
 

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.engine.inventory.manifest import Entry, wrapper_of
-from weightsync_audit.engine.inventory.peers import ShardInfo
-from weightsync_audit.engine.inventory.replicas.keys import Rules, alone, among, named_params
+from weightsync_audit.engine.inventory.peers import ShardInfo, alone, among
+from weightsync_audit.engine.inventory.replicas.engines import Rules
 
 _KEEP = (-1,)
 _DECLARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -156,7 +156,7 @@ def megatron_rules(
     """Fill ``rules`` for a Megatron-laid-out model; the layout's name, or ``None`` (not Megatron's)."""
     if _parallel_state() is None:
         return None
-    params = named_params(user)
+    params = rules.params_by_name
     if not _looks_megatron((module, user), params):
         return None
     layout = megatron_layout()
