@@ -39,7 +39,7 @@ from weightsync_audit.engine.config import (
     refuse_flat_beside,
     with_checked_options,
 )
-from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.context import AuditContext, AuditHistory
 from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
@@ -48,7 +48,6 @@ from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_m
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.repair.plan import RESYNC_KINDS, ResyncState, prepare_resync
 from weightsync_audit.engine.run import AuditRun, gc_paused
-from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
 from weightsync_audit.engine.timeline.step_hyper import StallWatch, StepHyper
 from weightsync_audit.reporting.record import AuditResult
