@@ -222,3 +222,15 @@ def test_the_other_frameworks_cadence_name_is_answered_with_this_ones(entry: str
     other = "every_n_steps" if entry == "WeightSyncAudit" else "every_n_train_steps"
     with pytest.raises(TypeError, match=rf"{other}=5: did you mean {own}=5\? \({other} is "):
         MISSPELT[entry](**{other: 5})
+
+
+def test_flat_settings_beside_a_whole_config_or_options_are_refused_naming_each() -> None:
+    model = nn.Linear(2, 2)
+    config = AuditConfig(include=("params",))
+    with pytest.raises(TypeError, match=r"config= and coverage=, tolerance= both given: set them in the AuditConfig"):
+        Auditor(model, config=config, tolerance=0.1, coverage="1/4")
+    with pytest.raises(TypeError, match=r"config= and pinpoint= both given: set pinpoint in the AuditConfig"):
+        Auditor(model, config=config, pinpoint=True)
+    assert Auditor(model, config=config, include=("params", "buffers", "optimizer")).config is config  # defaults
+    with pytest.raises(TypeError, match=r"options= and verbose=, tolerance= both given: set them in the AuditOptions"):
+        LoopAudit(model, options=AuditOptions(), tolerance=0.1, verbose=False)

@@ -32,7 +32,6 @@ __all__ = [
     "fsdp1_flat_param",
     "fsdp1_orig_params",
     "fsdp1_orig_shapes",
-    "fsdp1_shard_world",
     "fsdp1_replicate_ranks",
     "fsdp1_strategy",
     "pipeline_stage_index",
@@ -190,15 +189,6 @@ def fsdp1_replicate_ranks(fsdp: nn.Module) -> tuple[int, ...] | None:
     if pg is None:
         return None
     return tuple(sorted(dist.get_process_group_ranks(pg)))
-
-
-def fsdp1_shard_world(fsdp: nn.Module) -> int:
-    """How many ranks share this instance's shards (the size of its sharding group)."""
-    pg = getattr(fsdp, "process_group", None)
-    return dist.get_world_size(pg) if pg is not None else 1
-
-
-# -- torch.distributed.pipelining ---------------------------------------------------------------
 
 
 def pipeline_stage_index(stage: Any) -> int | None:

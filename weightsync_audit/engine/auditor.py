@@ -31,8 +31,15 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import self_check
 from weightsync_audit.engine.agreement.consensus import SUMMARY_FIELDS
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
-from weightsync_audit.engine.config import AuditConfig, AuditRequest, Method, parse_coverage, with_checked_options
-from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.config import (
+    AuditConfig,
+    AuditRequest,
+    Method,
+    parse_coverage,
+    refuse_flat_beside,
+    with_checked_options,
+)
+from weightsync_audit.engine.context import AuditContext, AuditHistory
 from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
@@ -41,7 +48,6 @@ from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_m
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.repair.plan import RESYNC_KINDS, ResyncState, prepare_resync
 from weightsync_audit.engine.run import AuditRun, gc_paused
-from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
 from weightsync_audit.engine.timeline.step_hyper import StallWatch, StepHyper
 from weightsync_audit.reporting.record import AuditResult
@@ -57,7 +63,9 @@ class Auditor:
     """The audit engine with its configuration and history, for custom training loops.
 
     Call :meth:`audit` at the same point on every rank (it is collective). Without an initialised
-    process group it audits a world of one.
+    process group it audits a world of one. The settings come flat (each validated by
+    :class:`~weightsync_audit.engine.config.AuditConfig`) or as one ``config=``, whole: then a flat setting
+    given beside it (not at its default) is refused with a ``TypeError`` naming each, never silently ignored.
 
     >>> import torch
     >>> model = torch.nn.Linear(4, 2)
@@ -111,6 +119,8 @@ class Auditor:
             )
         elif not isinstance(config, AuditConfig):
             raise TypeError(f"config must be an AuditConfig, got {type(config).__name__}")
+        else:  # a flat setting beside it would be ignored
+            refuse_flat_beside(Auditor.__init__, locals(), "config", skip=("module", "optimizer", "group"))
         self.config = config
         """The settings, validated once; callbacks build one :class:`AuditConfig` and pass it whole."""
         self.history = AuditHistory()

@@ -27,6 +27,7 @@ __all__ = [
     "check_seconds",
     "checked_options",
     "parse_coverage",
+    "refuse_flat_beside",
     "with_checked_options",
 ]
 
@@ -109,6 +110,32 @@ def with_checked_options(target: T) -> T:
         return checked  # type: ignore[return-value]
     target.__init__ = checked  # type: ignore[misc]
     return target
+
+
+def refuse_flat_beside(
+    owner: Callable[..., Any], arguments: Mapping[str, Any], whole: str, skip: tuple[str, ...] = ()
+) -> None:
+    """Flat settings given beside ``whole=``, the object that holds every setting, are refused (one of the two
+    would be silently ignored): a ``TypeError`` naming each of ``owner``'s keywords in ``arguments`` (a call's
+    ``locals()``) set away from its default, but ``skip`` (the arguments that are no setting).
+
+    >>> def f(config: object = None, tolerance: float | None = None, pinpoint: bool = False) -> None: ...
+    >>> refuse_flat_beside(f, {"config": AuditConfig(), "tolerance": 0.1, "pinpoint": True}, "config")
+    Traceback (most recent call last):
+    TypeError: config= and tolerance=, pinpoint= both given: set them in the AuditConfig, or give the flat settings alone
+    """
+    given = [
+        n
+        for n, p in inspect.signature(owner).parameters.items()
+        if n in arguments and n not in (whole, "self", *skip) and p.default is not inspect.Parameter.empty
+        and arguments[n] is not p.default and arguments[n] != p.default
+    ]  # fmt: skip
+    if given:
+        kind, them = type(arguments[whole]).__name__, given[0] if len(given) == 1 else "them"
+        raise TypeError(
+            f"{whole}= and {', '.join(n + '=' for n in given)} both given: set {them} in the {kind}, "
+            "or give the flat settings alone"
+        )
 
 
 def check_on_mismatch(on_mismatch: object) -> OnMismatch:

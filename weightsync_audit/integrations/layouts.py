@@ -37,6 +37,7 @@ from weightsync_audit.engine.inventory.replicas.megatron import (
     TP_SHARD,
     MegatronLayout,
     declare_megatron,
+    megatron_groups,
     megatron_layout,
 )
 
@@ -44,26 +45,6 @@ __all__ = [
     "GRAD_SHARD", "MAIN_PARAM_SHARD", "TP_SHARD", "MegatronLayout", "declare_megatron", "declare_torchtitan",
     "megatron_groups", "megatron_layout", "torchtitan_peer_sets",
 ]  # fmt: skip
-
-
-def megatron_groups() -> dict[str, Any]:
-    """Megatron's process groups this rank belongs to, by the names :class:`MegatronLayout` uses, for
-    ``audit(..., group=megatron_groups()["data_parallel"])``. Raises ``RuntimeError`` before
-    ``initialize_model_parallel``."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("megatron_groups(): call megatron.core.parallel_state.initialize_model_parallel first")
-    return {
-        "data_parallel": ps.get_data_parallel_group(),
-        "data_parallel_with_cp": ps.get_data_parallel_group(with_context_parallel=True),
-        "tensor": ps.get_tensor_model_parallel_group(),
-        "pipeline": ps.get_pipeline_model_parallel_group(),
-        "context": ps.get_context_parallel_group(),
-        "stage": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
-        "expert_data_parallel": ps.get_expert_data_parallel_group(),
-        "expert_model_parallel": ps.get_expert_model_parallel_group(),
-    }
 
 
 def torchtitan_peer_sets(parallel_dims: Any) -> dict[str, tuple[int, ...]]:

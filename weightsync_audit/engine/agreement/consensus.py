@@ -13,8 +13,17 @@ from typing import Any, Hashable, Literal, Sequence
 
 import numpy as np
 
-from weightsync_audit.engine.inventory.peers import ALL, carriers, column_peers, peer_sets, replica_groups
-from weightsync_audit.engine.inventory.replicas.keys import FOUND, holders_label, is_holders, unreplicated_label_of
+from weightsync_audit.engine.inventory.peers import (
+    ALL,
+    FOUND,
+    carriers,
+    column_peers,
+    holders_label,
+    is_holders,
+    peer_sets,
+    replica_groups,
+    unreplicated_label,
+)
 from weightsync_audit.text import TIE_PREFIX, fmt_ranks, majority
 
 __all__ = [
@@ -23,7 +32,7 @@ __all__ = [
     "PROTOCOL_FAILED",
     "SUMMARY_FIELDS",
     "Status",
-    "SummaryVerdict",
+    "Agreement",
     "majority",
     "majority_within",
     "tie_groups",
@@ -57,12 +66,16 @@ Status = Literal["in_sync", "values", "structure", "out_of_step"]
 
 
 @dataclass(frozen=True, slots=True)
-class SummaryVerdict:
-    """What phase (a) concludes from the gathered summaries."""
+class Agreement:
+    """Phase (a) on every rank: what the gathered summaries say, and whether some rank could not prepare its
+    audit."""
 
     status: Status
     """``in_sync``, ``values`` (same structure, some value differs), ``structure`` or ``out_of_step``."""
     differing_fields: tuple[str, ...] = ()
+    failed: bool = False
+    candidates: tuple[int, ...] | None = None
+    """On a divergence of values: the buckets whose sketches differ (each holding a differing tensor)."""
 
 
 def majority_within(values: Sequence[Hashable], ranks: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -126,7 +139,7 @@ def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[s
     alone: dict[str, set[str]] = {}
     for uid, (kind, name) in order.items():
         layouts = [d[uid][3] for d in per_rank if uid in d]
-        label = next((lbl for lay in layouts if (lbl := unreplicated_label_of(lay)) is not None), None)
+        label = next((lbl for lay in layouts if (lbl := unreplicated_label(lay)) is not None), None)
         declared = any(d[uid][7] for d in per_rank if uid in d)
         if label is None and declared and _by_design(per_rank, uid, found) == []:
             label = holders_label(layouts[0])  # a declared replica group of one rank: no replica
@@ -137,21 +150,21 @@ def union_counts(manifests: Sequence[Sequence[Sequence[Any]]], kinds: Sequence[s
     return {k: len(seen.get(k, ())) for k in kinds} | {k: len(v) for k, v in alone.items()}
 
 
-def judge_summaries(table: np.ndarray) -> SummaryVerdict:
+def judge_summaries(table: np.ndarray) -> Agreement:
     """Phase (a): ``table`` is ``[world, len(SUMMARY_FIELDS)]``; one row per rank."""
     table = np.asarray(table)
     same = (table == table[0]).all(axis=0)
     fields = dict(zip(SUMMARY_FIELDS, same))
     off = tuple(f for f in _POSITION_FIELDS if not fields[f])
     if off:
-        return SummaryVerdict("out_of_step", off)
+        return Agreement("out_of_step", off)
     if not (fields["count"] and fields["structure"]):
-        return SummaryVerdict("structure", tuple(f for f in ("count", "structure") if not fields[f]))
+        return Agreement("structure", tuple(f for f in ("count", "structure") if not fields[f]))
     if not fields["overall"]:
-        return SummaryVerdict("values", ("overall",))
+        return Agreement("values", ("overall",))
     if not fields.get("ring", True):
-        return SummaryVerdict("in_sync", ("ring",))  # equal now, but some step since the last audit was not
-    return SummaryVerdict("in_sync")
+        return Agreement("in_sync", ("ring",))  # equal now, but some step since the last audit was not
+    return Agreement("in_sync")
 
 
 @dataclass(frozen=True, slots=True)

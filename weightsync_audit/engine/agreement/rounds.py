@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -38,8 +37,8 @@ from weightsync_audit.channel.wire import LEGACY_INLINE_BYTES
 from weightsync_audit.engine.agreement.consensus import (
     PROTOCOL_FAILED,
     SUMMARY_FIELDS,
+    Agreement,
     StructureDiff,
-    SummaryVerdict,
     ValueDiff,
     compare_digest_table,
     compare_manifests,
@@ -47,8 +46,7 @@ from weightsync_audit.engine.agreement.consensus import (
     union_counts,
 )
 from weightsync_audit.engine.inventory.manifest import KINDS, Entry
-from weightsync_audit.engine.inventory.peers import ALL, unpaired_columns
-from weightsync_audit.engine.inventory.replicas.keys import holders_label, unreplicated_label
+from weightsync_audit.engine.inventory.peers import ALL, holders_label, unpaired_columns, unreplicated_label
 from weightsync_audit.errors import AuditOutOfStepError, AuditPreparationError
 from weightsync_audit.text import COMPARED_NOTES, NOTHING_COMPARED, NOTHING_TO_AUDIT
 
@@ -221,21 +219,6 @@ def _candidates(sketches: np.ndarray) -> list[int]:
     """The buckets whose sketches differ between ranks (``sketches``: ``[world, 4]`` int64)."""
     table = np.ascontiguousarray(sketches).view(np.uint8)
     return np.flatnonzero((table != table[0]).any(axis=0)).tolist()
-
-
-@dataclass(frozen=True, slots=True)
-class Agreement:
-    """Phase (a) on every rank: the summary verdict, and whether some rank could not prepare its audit."""
-
-    status: str
-    differing_fields: tuple[str, ...] = ()
-    failed: bool = False
-    candidates: tuple[int, ...] | None = None
-    """On a divergence of values: the buckets whose sketches differ (each holding a differing tensor)."""
-
-    @property
-    def verdict(self) -> SummaryVerdict:
-        return SummaryVerdict(self.status, self.differing_fields)
 
 
 _IN_SYNC = json.dumps({"s": "in_sync", "f": [], "x": False}).encode()

@@ -25,14 +25,18 @@ How it changed, a bit flip or a write: two cheap facts tell a write from the mem
 >>> after = before.clone()
 >>> after.view(torch.int32)[1] ^= 1 << 4
 >>> counted = count_changes(after, before)
->>> counted, classify([{"moved": False, **counted}])
+>>> counted, classify([Change.of({"name": "w", "moved": False, **counted})])
 ({'elements': 1, 'compared': 3, 'bits': 1}, 'flip')
+
+A rank's records reach the others as JSON and are read back as frozen records, :class:`StepRecord` (one a
+step) holding :class:`Change` (one a tensor changed at rest): what the blame decides from.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -45,6 +49,8 @@ from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 __all__ = [
     "at_rest_positions",
     "AtRest",
+    "Change",
+    "StepRecord",
     "change_evidence",
     "classify",
     "count_changes",
@@ -327,19 +333,92 @@ def change_evidence(
     return ev
 
 
-def classify(evidence: Sequence[dict[str, Any]]) -> str:
+@dataclass(frozen=True, slots=True)
+class Change:
+    """How one tensor changed at rest (a record's ``rest_evidence``, as :func:`change_evidence` writes it)."""
+
+    name: str = "?"
+    numel: int | None = None
+    moved: bool | None = None
+    """Whether its version counter moved since the post-step stamp (``None``: unknown)."""
+    elements: int | None = None
+    """Elements that differ from this rank's post-step bytes (``None``: not counted), of ``compared``."""
+    compared: int | None = None
+    bits: int | None = None
+    """Bits that differ in them (``None``: not counted, too many elements)."""
+    max_abs: float | None = None
+    """How far it moved at most (floats; ``None``: not measured)."""
+
+    @classmethod
+    def of(cls, wire: Mapping[str, Any]) -> Change:
+        """From its JSON (keys it does not know, from another version, are left out)."""
+        return cls(**{k: wire[k] for k in _FIELDS[cls] if k in wire})
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One rank's record of one optimizer step, as the watch writes it (absent fields: not taken)."""
+
+    step: int | None = None
+    seq: int = 0
+    """The second optimizer step under one step number is 1 (several optimizers, a manual second step)."""
+    stepped: bool = False
+    pre: int | None = None
+    """The digest at rest right before the step (``None``: not read, or read too late)."""
+    post: int | None = None
+    """The digest at rest right after it."""
+    rest: tuple[str, ...] = ()
+    """What changed at rest in between (up to :data:`MAX_NAMES` names), how: ``rest_evidence``."""
+    rest_count: int = 0
+    rest_evidence: tuple[Change, ...] = ()
+    rest_read: str | None = None
+    hyper: int | None = None
+    hyper_changed: str | None = None
+    """The hyper-parameters that changed at rest before the step, ``"lr 0.1 -> 0.2"``."""
+    hyper_text: str | None = None
+    grads: int | None = None
+    """The gradients' digest right before the step (``None``: not read)."""
+    grads_changed: tuple[str, ...] = ()
+    """The gradients that changed after the all-reduce gave them."""
+    buckets: tuple[tuple[int, int], ...] = ()
+    """The all-reduce's digest of each bucket, ``(bucket, digest)``."""
+    update: tuple[str, ...] = ()
+    """The parameters whose update the replay did not reproduce."""
+    covered: int = 0
+    replayable: int = 0
+    too_large: int = 0
+    declined: str | None = None
+    failed: str | None = None
+    """A check that failed, and why."""
+
+    @classmethod
+    def of(cls, wire: Mapping[str, Any]) -> StepRecord:
+        """From its JSON (lists read as tuples; keys it does not know, from another version, left out)."""
+        got = {k: wire[k] for k in _FIELDS[cls] if k in wire and wire[k] is not None}
+        for k in ("rest", "grads_changed", "update"):
+            if k in got:
+                got[k] = tuple(got[k])
+        got["buckets"] = tuple((int(b), int(d)) for b, d in got.get("buckets", ()))
+        got["rest_evidence"] = tuple(Change.of(e) for e in got.get("rest_evidence", ()))
+        return cls(**got)
+
+
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in (Change, StepRecord)}
+
+
+def classify(evidence: Sequence[Change]) -> str:
     """``write`` (a version counter moved, or too many elements or bits changed for the memory), ``flip``
     (every changed tensor counted, at most :data:`FLIP_ELEMENTS` elements by at most :data:`FLIP_BITS` bits
     each, no counter moved) or ``unknown`` (nothing counted, no counter moved)."""
-    if any(e.get("moved") for e in evidence):
+    if any(e.moved for e in evidence):
         return "write"
-    counted = [e for e in evidence if e.get("elements") is not None]
+    counted = [e for e in evidence if e.elements is not None]
     if not counted:
         return "unknown"
-    elements = sum(e["elements"] for e in counted)
+    elements = sum(e.elements or 0 for e in counted)
     if elements == 0:
         return "unknown"  # the kept bytes are not this step's: nothing told
-    bits = [e.get("bits") for e in counted]
+    bits = [e.bits for e in counted]
     if elements > FLIP_ELEMENTS or None in bits or sum(b for b in bits if b) > FLIP_BITS * max(1, elements):
         return "write"
     if len(counted) < len(evidence):

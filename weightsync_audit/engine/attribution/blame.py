@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence, get_args
 
-from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, classify
+from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, Change, StepRecord, classify
 from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.validate import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
@@ -114,19 +114,18 @@ def _whose(ranks: Sequence[int], what: str) -> str:
     return f"rank {ranks[0]}'s {what}" if len(ranks) == 1 else f"{fmt_ranks(list(ranks))}' {what}"
 
 
-def _differ(recs: Sequence[dict[str, Any]], key: str) -> bool:
-    values = [r.get(key) for r in recs]
+def _differ(recs: Sequence[StepRecord], key: str) -> bool:
+    values = [getattr(r, key) for r in recs]
     return None not in values and len(set(map(str, values))) > 1
 
 
-def _counts(evidence: Sequence[dict[str, Any]]) -> str:
+def _counts(evidence: Sequence[Change]) -> str:
     """``0.weight: 1 bit in 1 of 128 elements`` for each tensor counted."""
     parts = []
     for e in evidence:
-        if e.get("elements") is not None:
-            bits = e.get("bits")
-            said = f"{bits} bit{'s' if bits != 1 else ''} in " if bits is not None else ""
-            parts.append(f"{e['name']}: {said}{e['elements']} of {e['compared']} elements")
+        if e.elements is not None:
+            said = f"{e.bits} bit{'s' if e.bits != 1 else ''} in " if e.bits is not None else ""
+            parts.append(f"{e.name}: {said}{e.elements} of {e.compared} elements")
     return "; ".join(parts)
 
 
@@ -134,19 +133,19 @@ def _rest_blame(
     ranks: list[int],
     step: int | None,
     changed: str,
-    evidence: Sequence[dict[str, Any]],
+    evidence: Sequence[Change],
     measured: dict[str, tuple[int, int]],
 ) -> Blame:
     """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.atrest.classify`).
     ``measured``: name -> (elements differing from the reference at the audit, element count)."""
     kind, counts = classify(evidence), _counts(evidence)
-    names = [e["name"] for e in evidence]
-    if kind == "unknown" and names and all(n in measured for n in names) and not any(e.get("moved") for e in evidence):
+    names = [e.name for e in evidence]
+    if kind == "unknown" and names and all(n in measured for n in names) and not any(e.moved for e in evidence):
         k, n = sum(measured[x][0] for x in names), sum(measured[x][1] for x in names)
         kind = "flip" if 0 < k <= FLIP_ELEMENTS else "write" if k else "unknown"
         counts = f"{k} of {n} elements differ from the other rank(s) at this audit (bits not counted)"
     if kind == "write":
-        moved = [e["name"] for e in evidence if e.get("moved")]
+        moved = [e.name for e in evidence if e.moved]
         how = (f"{', '.join(moved)}'s version counter moved: an in-place write through torch, not the memory"
                if moved else f"more than a bit flip changes (at most {FLIP_ELEMENTS} elements by at most "
                f"{FLIP_BITS} bits each)")  # fmt: skip
@@ -161,58 +160,58 @@ def _rest_blame(
                   UNTOLD)  # fmt: skip
 
 
-def _replay_why(full: Sequence[dict[str, Any]], at: list[int]) -> str:
+def _replay_why(full: Sequence[StepRecord], at: list[int]) -> str:
     """Why the replay did not cover a step on every rank: declined, partial, failed."""
-    why = sorted({str(r["declined"]) for r in full if r.get("declined")})
+    why = sorted({str(r.declined) for r in full if r.declined})
     for i, r in enumerate(full):
-        if not r.get("declined") and r.get("covered", 0) != r.get("replayable", 0):
-            why.append(f"rank {at[i]} replayed {r.get('covered', 0)} of its {r.get('replayable', 0)} parameters")
-        if r.get("failed"):
-            why.append(f"rank {at[i]}'s {r['failed']}")
+        if not r.declined and r.covered != r.replayable:
+            why.append(f"rank {at[i]} replayed {r.covered} of its {r.replayable} parameters")
+        if r.failed:
+            why.append(f"rank {at[i]}'s {r.failed}")
     return "; ".join(why[:4]) or "no replay covered it"
 
 
 def _at_step(
     s: int,
     prev: int | None,
-    recs: list[dict[str, Any] | None],
+    recs: list[StepRecord | None],
     g: list[int],
     measured: dict[str, tuple[int, int]] | None = None,
     ongoing: bool = False,
 ) -> Blame | None:
     """What the records at step ``s`` say, or None when the ranks agree at it (``ongoing``: or differ only as
     a divergence decided earlier left them)."""
-    full = [r or {} for r in recs]
+    full = [r or StepRecord() for r in recs]
     n = len(full)
-    names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
+    names = lambda idx, key: sorted({x for i in idx for x in getattr(full[i], key)})  # noqa: E731
     at = lambda idx: [g[i] for i in idx]  # noqa: E731
     since = f"between step {prev} and step {s}" if prev is not None else f"before the optimizer step of step {s}"
     pre_differ = _differ(full, "pre")
-    pre_known = all(r.get("pre") is not None for r in full)  # offloaded: a late read some rank did not complete
-    side = _side([bool(r.get("rest")) for r in full])
+    pre_known = all(r.pre is not None for r in full)  # offloaded: a late read some rank did not complete
+    side = _side([bool(r.rest) for r in full])
     if side is not None and (pre_differ or not pre_known):
         changed = (
             f"{_whose(at(side), ', '.join(names(side, 'rest')))} changed {since} with no optimizer step in between"
         )
-        evidence = [e for i in side for e in full[i].get("rest_evidence", [])]
+        evidence = [e for i in side for e in full[i].rest_evidence]
         return _rest_blame(at(side), s, changed, evidence, measured or {})
-    if pre_differ and all(r.get("rest") for r in full):
+    if pre_differ and all(r.rest for r in full):
         return _blame([], "at_rest_change", False, s,
                       f"every rank's tensors changed {since}, to other values: no rank alone is at fault by its own record",
                       UNTOLD)  # fmt: skip
     if _differ(full, "hyper"):
-        side = _side([bool(r.get("hyper_changed")) for r in full]) or _odd([r.get("hyper") for r in full])
+        side = _side([bool(r.hyper_changed) for r in full]) or _odd([r.hyper for r in full])
         if side is not None:
-            what = "; ".join(f"rank {g[i]}: {full[i].get('hyper_changed') or 'unchanged'}" for i in range(n))
+            what = "; ".join(f"rank {g[i]}: {full[i].hyper_changed or 'unchanged'}" for i in range(n))
             return _blame(at(side), "deterministic_difference", False, s,
                           f"{_whose(at(side), 'hyperparameters')} changed at rest {since} and differ from the other "
                           f"rank(s)' ({what})")  # fmt: skip
         return _blame([], "deterministic_difference", False, s, f"the hyperparameters differ at step {s} on every rank")
-    side = _side([not r.get("stepped") for r in full])
+    side = _side([not r.stepped for r in full])
     if side is not None:
         return _blame(at(side), "deterministic_difference", False, s,
                       f"{fmt_ranks(at(side))} took no optimizer step at step {s} while the others did (a skipped step)")  # fmt: skip
-    buckets = [dict(r.get("buckets", [])) for r in full]
+    buckets = [dict(r.buckets) for r in full]
     for b in sorted(set.intersection(*(set(x) for x in buckets))) if all(buckets) else []:
         values = [x[b] for x in buckets]
         if len(set(values)) > 1:
@@ -224,7 +223,7 @@ def _at_step(
                           f"the all-reduce of bucket {b} at step {s} gave the ranks other bytes; with no majority no "
                           "rank alone is named (the link, the library, or either rank's receive path)")  # fmt: skip
     if _differ(full, "grads"):
-        side = _side([bool(r.get("grads_changed")) for r in full]) or _odd([r.get("grads") for r in full])
+        side = _side([bool(r.grads_changed) for r in full]) or _odd([r.grads for r in full])
         if side is not None:
             what = ", ".join(names(side, "grads_changed")) or "gradients"
             return _blame(at(side), "deterministic_difference", False, s,
@@ -236,12 +235,12 @@ def _at_step(
 
 
 def _update(
-    s: int, full: list[dict[str, Any]], g: list[int], pre_known: bool, pre_differ: bool, ongoing: bool = False
+    s: int, full: list[StepRecord], g: list[int], pre_known: bool, pre_differ: bool, ongoing: bool = False
 ) -> Blame | None:
     """The update at step ``s``, read from the ranks' replays of it (the last part of :func:`_at_step`)."""
-    names = lambda idx, key: sorted({x for i in idx for x in full[i].get(key, [])})  # noqa: E731
+    names = lambda idx, key: sorted({x for i in idx for x in getattr(full[i], key)})  # noqa: E731
     at = lambda idx: [g[i] for i in idx]  # noqa: E731
-    flagged = [bool(r.get("update")) for r in full]
+    flagged = [bool(r.update) for r in full]
     side = _side(flagged)
     if side is not None:
         what = ", ".join(names(side, "update"))
@@ -256,7 +255,7 @@ def _update(
                           f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes, and no rank's "
                           "replay reproduced its own step: the replay does not model this optimizer's step, so it "
                           "tells nothing")  # fmt: skip
-        if all(r.get("replayable") and r.get("covered") == r["replayable"] and not r.get("declined") for r in full):
+        if all(r.replayable and r.covered == r.replayable and not r.declined for r in full):
             return _blame([], "deterministic_difference", False, s,
                           f"from the same inputs the ranks' optimizer steps at step {s} gave other bytes, and each "
                           "rank's replay of every update reproduced its own: a deterministic difference in the step "
@@ -302,10 +301,10 @@ def checkpoint_blame(changed: Sequence[Any], saved: str, step: int | None) -> Bl
 _AT_REST = ("at_rest_write", "at_rest_change")
 
 
-def _explains(evidence: Sequence[dict[str, Any]], targets: Sequence[Any]) -> bool:
+def _explains(evidence: Sequence[Change], targets: Sequence[Any]) -> bool:
     """Whether a change at rest (its ``evidence``) can have made one of the ``targets``: it changed that tensor
     by at least half the gap the audit measured there, or by an amount not measured."""
-    moved = {e.get("name"): e.get("max_abs") for e in evidence}
+    moved = {e.name: e.max_abs for e in evidence}
     for m in targets:
         if m.name in moved:
             amount, gap = moved[m.name], getattr(m, "max_abs_diff", None)
@@ -343,7 +342,7 @@ def decide(
     """Every rank's records (rank order, ``ranks`` their global ranks) and the audit's mismatches -> the blame;
     ``ongoing``: a divergence decided earlier persists, so ranks that differ before a step tell nothing."""
     g = list(ranks)
-    per = [{(int(r["step"]), int(r.get("seq", 0))): r for r in p.get("records", [])} for p in payloads]
+    per = [{(int(r.step or 0), int(r.seq)): r for r in map(StepRecord.of, p.get("records", []))} for p in payloads]
     keys = sorted(set().union(*per)) if per else []
     measured = {
         m.name: (int(m.diff_count), math.prod(m.shape) if m.shape else 0)
@@ -362,14 +361,12 @@ def decide(
         what = ", ".join(sorted({x for i in side for x in audit_rest[i]}))
         since = f"after step {last}" if last is not None else "after the last optimizer step"
         changed = f"{_whose([g[i] for i in side], what)} changed {since}, before this audit, with no optimizer step in between"
-        evidence = [e for i in side for e in payloads[i].get("audit_rest_evidence", [])]
+        evidence = [Change.of(e) for i in side for e in payloads[i].get("audit_rest_evidence", [])]
         later = _rest_blame([g[i] for i in side], last, changed, evidence, measured)
         if found is None:
             return later
         if not set(later.ranks) & set(found.ranks):  # two changes at rest on other ranks, seen by one audit
-            earlier = [
-                e for i, d in enumerate(per) if g[i] in found.ranks for e in d.get(at, {}).get("rest_evidence", [])
-            ]
+            earlier = [e for i, d in enumerate(per) if g[i] in found.ranks and at in d for e in d[at].rest_evidence]
             return _weigh((found, earlier), (later, evidence), mismatches)
     if found is not None:
         return found

@@ -55,8 +55,8 @@ from weightsync_audit.engine.checkpoints.sidecar import (
     with_boxes,
     write_sidecar,
 )
+from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
-from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 

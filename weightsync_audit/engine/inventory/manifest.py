@@ -41,6 +41,7 @@ __all__ = [
     "Manifest",
     "build_manifest",
     "check_include",
+    "named_tensors",
     "unwrap_module",
     "as_optimizers",
     "remember_wrapper",
@@ -264,7 +265,7 @@ def _value_entries(out: list[Entry], name: str, kind: str, value: Any, container
     out.append(Entry(name, kind, t, label, tuple(t.shape) if label not in ("none", "object") else (), container, key))
 
 
-def _named(module: nn.Module, attr: str) -> list[tuple[str, Any]]:
+def named_tensors(module: nn.Module, attr: str = "_parameters") -> list[tuple[str, Any]]:
     """``named_parameters()`` / ``named_buffers()`` with the same names and order, at half the cost.
 
     A tensor reached twice (tied weights, a shared module) appears once, under its first name, as with
@@ -299,7 +300,7 @@ def build_manifest(
     manifest = Manifest()
     entries = manifest.entries
     user = unwrap_module(module) if module is not None else None
-    named_params: list[tuple[str, nn.Parameter]] = _named(user, "_parameters") if user is not None else []
+    named_params: list[tuple[str, nn.Parameter]] = named_tensors(user) if user is not None else []
 
     if "params" in include:
         for n, p in named_params:
@@ -309,7 +310,7 @@ def build_manifest(
                     entries[-1].frozen = True
 
     if "buffers" in include and user is not None:
-        buffers = [(n, b) for n, b in _named(user, "_buffers") if not _glob_excluded(n, exclude)]
+        buffers = [(n, b) for n, b in named_tensors(user, "_buffers") if not _glob_excluded(n, exclude)]
         if skip_buffers_reason and buffers:
             manifest.notes.append(f"{len(buffers)} buffer(s) not compared: {skip_buffers_reason}")
         else:

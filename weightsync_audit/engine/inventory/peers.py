@@ -11,6 +11,18 @@ Each rank describes its own shard with :func:`shard_info`; the audit gathers one
 rank and tensor, and :func:`peer_sets` splits the ranks of a column into the sets that are compared.
 Key ``ALL`` (plain tensors) puts every rank in one set; key ``NEVER`` puts a rank alone.
 
+The engines add two layouts to the DTensor ones (:mod:`~weightsync_audit.engine.inventory.replicas` fills
+them in): :func:`among`, "compared among the ranks of this group" (an FSDP1 HYBRID_SHARD replicate group,
+the data-parallel group of a pipeline stage, an expert's data-parallel group), whose key hashes the group's
+global ranks and whose layout starts with :data:`HOLDERS`; and :func:`alone`, one owner (a ZeRO partition,
+an FSDP1 shard, a ZeRO-3 placeholder): key ``NEVER``, never compared, never counted in ``checked``, counted
+in the record's one note instead.
+
+>>> alone("ZeRO-3 partitioned parameter", (4, 2)).key == NEVER
+True
+>>> among("pp", (0, 2), {"stage": 0}, (3,)).key == among("pp", (0, 2), {"stage": 0}, (3,)).key
+True
+
 The replica groups of a tensor held by some ranks by design (a pipeline stage's, an expert's), as a pure
 function of what every rank gathered.
 
@@ -30,7 +42,7 @@ and is never compared nor counted in ``checked``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -44,8 +56,16 @@ __all__ = [
     "FOUND",
     "HOLDERS",
     "NEVER",
+    "UNREPLICATED",
     "ShardInfo",
+    "alone",
+    "among",
     "carriers",
+    "holders_label",
+    "in_stage",
+    "is_holders",
+    "stage_found",
+    "unreplicated_label",
     "replicated_everywhere",
     "column_peers",
     "peer_sets",
@@ -143,10 +163,80 @@ def shard_info(t: Any) -> ShardInfo:
     stage = mesh_pipeline_coordinate(mesh)
     if stage is not None:  # one pipeline stage's tensor: held by that stage's ranks only
         layout, coords = f"{HOLDERS}pipeline stage|{layout}", {"pp": stage, **coords}
-    text = f"{layout}|{shape}|{sorted(coords.items())}"
-    # Keys of real shards avoid the two reserved values ALL and NEVER.
-    key = (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2
+    key = _key(f"{layout}|{shape}|{sorted(coords.items())}")
     return ShardInfo(layout, shape, coords, key, members=FOUND if stage is not None else ())
+
+
+def _key(text: str) -> int:
+    """The peer key of a layout's text: never one of the two reserved values, ``ALL`` (0) and ``NEVER`` (1)."""
+    return (xxhash.xxh3_64_intdigest(text.encode()) >> 2) | 2
+
+
+UNREPLICATED = "unreplicated:"
+"""Layout prefix of a tensor held by one rank only: never compared."""
+
+
+def among(
+    label: str, ranks: Sequence[int], coords: dict[str, int], shape: tuple[int, ...], *, declared: bool = False
+) -> ShardInfo:
+    """Compared among global ``ranks`` (this rank's group); ``coords`` name the copy in a mismatch.
+    ``declared``: the group is known, named by the user (:func:`~weightsync_audit.declare_replicas`) or read
+    from the engine (Megatron's ``parallel_state``), so every one of ``ranks`` must hold the tensor, alike: a
+    member lacking it is a structure difference, as strictly as between DDP replicas."""
+    group = tuple(sorted(int(r) for r in ranks))
+    key = _key(f"{label}|{group}")
+    return ShardInfo(f"{HOLDERS}{label}", tuple(shape), dict(coords), key, members=group if declared else ())
+
+
+def alone(label: str, shape: tuple[int, ...]) -> ShardInfo:
+    """Held by this rank only (``label`` says what it is, e.g. ``ZeRO optimizer partition``)."""
+    return ShardInfo(f"{UNREPLICATED}{label}", tuple(shape), {}, NEVER, f"a {label} is held by one rank only")
+
+
+def stage_found(index: int, stages: int, shape: tuple[int, ...]) -> ShardInfo:
+    """A tensor of pipeline stage ``index`` of ``stages``, its replicas on the ranks of the same stage
+    (found by the audit from the keys: :data:`FOUND`)."""
+    key = _key(f"pipeline stage|{index}|{stages}")
+    return ShardInfo(f"{HOLDERS}pipeline stage", tuple(shape), {"stage": index}, key, members=FOUND)
+
+
+def in_stage(info: ShardInfo, stage: int) -> ShardInfo:
+    """A DTensor of a declared pipeline stage ``stage``: compared among the ranks of that stage holding the
+    same shard only (the DTensor's own peers, as :func:`shard_info` finds them, within the stage). A mesh
+    flattened from the world (torchtitan's) has no ``pp`` dimension to tell the stages apart; the declaration
+    does. A shard compared with nothing, or already tied to its stage by its mesh, is left as it is.
+
+    >>> a, b = (in_stage(ShardInfo("(dp):(Shard(dim=0),)", (4,), {"dp": 0}, 7), s) for s in (0, 1))
+    >>> a.key != b.key, a.coords
+    (True, {'pp': 0, 'dp': 0})
+    """
+    if info.key == NEVER or info.layout.startswith(HOLDERS):
+        return info
+    layout = f"{HOLDERS}pipeline stage|{info.layout}"
+    key = _key(f"pipeline stage|{stage}|{info.key}")
+    return replace(info, layout=layout, coords={"pp": stage, **info.coords}, key=key, members=FOUND)
+
+
+def unreplicated_label(layout: str | ShardInfo | None) -> str | None:
+    """What an unreplicated entry is, from its shard or its layout's text (as the gathered manifests carry
+    it); ``None`` for anything compared, DTensors included."""
+    text = layout.layout if isinstance(layout, ShardInfo) else layout or ""
+    return text[len(UNREPLICATED) :] if text.startswith(UNREPLICATED) else None
+
+
+def holders_label(layout: str) -> str | None:
+    """What a tensor held by some ranks by design is, for a note (``pipeline stage tensor``), else ``None``.
+
+    >>> holders_label(among("pipeline stage", (0, 2), {}, (2,)).layout)
+    'pipeline stage tensor'
+    """
+    return f"{layout[len(HOLDERS) :].split('|')[0]} tensor" if layout.startswith(HOLDERS) else None
+
+
+def is_holders(layout: str) -> bool:
+    """Whether a layout says "held by some ranks by design": compared among its holders (an unreplicated
+    tensor among nobody), so a rank without it is no structure difference."""
+    return layout.startswith((HOLDERS, UNREPLICATED))
 
 
 def replicated_everywhere(t: Any) -> bool:

@@ -51,9 +51,8 @@ from weightsync_audit.compat_engines import MASTER_CHECK, STATE_CHECK
 from weightsync_audit.engine.agreement.consensus import majority_within
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry, as_optimizers
-from weightsync_audit.engine.inventory.peers import ALL, carriers, peer_sets, replica_groups
+from weightsync_audit.engine.inventory.peers import ALL, FOUND, carriers, is_holders, peer_sets, replica_groups
 from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
-from weightsync_audit.engine.inventory.replicas.keys import FOUND, is_holders
 from weightsync_audit.errors import ResyncError
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import brief_names, fmt_ranks

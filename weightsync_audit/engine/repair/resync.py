@@ -32,8 +32,8 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.inventory.manifest import Entry
+from weightsync_audit.engine.inventory.peers import is_holders, unreplicated_label
 from weightsync_audit.engine.inventory.replicas import replica_manifest
-from weightsync_audit.engine.inventory.replicas.keys import is_holders, unreplicated_label_of
 from weightsync_audit.engine.measure.remote_gaps import receive_tensor, send_tensor, tensor_bytes
 from weightsync_audit.engine.repair.plan import (
     Holding,
@@ -159,9 +159,7 @@ def _entries(state: ResyncState, grads: bool | Sequence[str], wanted: set[str] |
         got = replica_manifest(state.module, state.optimizers, include=("grads",)).entries
         entries += [e for e in got if pick is None or e.name in pick]
     # One owner: nothing to copy it from, nothing to copy it to; None: nothing to copy.
-    return [
-        e for e in entries if e.dtype != "none" and unreplicated_label_of(e.shard.layout if e.shard else "") is None
-    ]
+    return [e for e in entries if e.dtype != "none" and unreplicated_label(e.shard) is None]
 
 
 def _decide(

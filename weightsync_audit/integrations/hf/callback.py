@@ -35,8 +35,7 @@ from weightsync_audit.engine.config import OnMismatch, checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.plan import ResyncSource
-from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, resumed_folder
-from weightsync_audit.integrations.resume_sources import hf_resume
+from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, hf_resume, resumed_folder
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.runner import audit_metrics
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession

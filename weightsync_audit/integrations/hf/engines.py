@@ -18,15 +18,28 @@ there (a callback called by hand).
 >>> class State: global_step = 4
 >>> resumed_folder(None, Args(), State())
 '/out/checkpoint-4'
+
+What a resume must restore (:func:`hf_resume`): the lr scheduler, the ``TrainerState`` position
+(``global_step``, ``epoch``; with ``ignore_data_skip`` a resume starts its epoch's data from the first batch,
+so its position is the epoch's start) and the RNG states: at a save the live ones (the Trainer has just written
+them to ``rng_state_{rank}.pth``), at a resume the file this rank will load after ``on_train_begin``.
+
+>>> class Args: world_size, process_index, ignore_data_skip = 2, 1, True
+>>> class State: global_step, epoch = 2, 0.5
+>>> hf_resume("loaded", "/ckpt/checkpoint-2", Args(), State(), None).data_position
+{'step': 2, 'epoch': 0}
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Any
 
-__all__ = ["buffer_policy", "checkpoint_dir", "engine_of", "resumed_folder"]
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
+
+__all__ = ["buffer_policy", "checkpoint_dir", "engine_of", "hf_resume", "resumed_folder"]
 
 _MISSING = object()
 
@@ -101,3 +114,20 @@ def resumed_folder(trainer: Any, args: Any, state: Any, depth: int = 12) -> str 
     if isinstance(given, (str, os.PathLike)) and os.path.isdir(given):
         return os.fspath(given)
     return checkpoint_dir(args, state)
+
+
+def hf_resume(event: str, path: str, args: Any, state: Any, lr_scheduler: Any) -> ResumeSources:
+    """The resume state of the Hugging Face Trainer on this rank at a save or a resume (``event``)."""
+    epoch = round(float(state.epoch or 0), 6)
+    if event == "loaded" and getattr(args, "ignore_data_skip", False):
+        epoch = math.floor(epoch)  # the resumed epoch's data starts over from its first batch
+    rng_file = None
+    if event == "loaded":
+        name = f"rng_state_{args.process_index}.pth" if int(args.world_size) > 1 else "rng_state.pth"
+        candidate = os.path.join(str(path), name)
+        rng_file = candidate if os.path.isfile(candidate) else None  # none: the Trainer restores nothing
+    return ResumeSources(
+        rng_file=rng_file,
+        lr_schedulers=[lr_scheduler] if lr_scheduler is not None and hasattr(lr_scheduler, "state_dict") else [],
+        data_position={"step": int(state.global_step), "epoch": epoch},
+    )

@@ -5,6 +5,12 @@ that combines this mixin with their own ``Callback`` (Lightning refuses to mix o
 Every decision that leads to a collective is taken from data that is equal on every rank (the
 trainer's step, the gathered audit result), never from ``is_global_zero``; rank zero only writes
 the report, prints, and logs.
+
+What a resume must restore (:func:`lightning_resume`): the lr schedulers of ``trainer.lr_scheduler_configs``,
+the precision plugin's grad scaler, the fit loop's position and this process's RNG states. Lightning does not
+restore RNG states: a run that re-seeds at start gets a note; one that restores them per rank in its
+``on_load_checkpoint`` is checked rank by rank, as they stand right after it (the callback's
+``on_load_checkpoint``; Lightning draws from the generator before ``on_train_start``).
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from typing_extensions import override
 
-from weightsync_audit.engine.checkpoints.resume_state import rng_now
+from weightsync_audit.compat_engines import lightning_next_batch
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources, rng_now
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.repair.plan import ResyncSource
-from weightsync_audit.integrations.resume_sources import lightning_resume
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
 from weightsync_audit.reporting.jsonl import RecordSink
@@ -374,3 +380,31 @@ route_hooks(
     ("on_train_epoch_start", "on_train_epoch_end", "on_validation_start", "on_validation_end", "on_train_end"),
     to="_maybe_hook",
 )
+
+
+def lightning_resume(trainer: Any, rng_state: Any = None, resumed: bool = False) -> ResumeSources:
+    """The resume state of a Lightning ``Trainer`` on this rank, at a save or right after a restore
+    (``resumed``); ``rng_state``: the RNG as the callback's ``on_load_checkpoint`` found it (after the
+    module's own ``on_load_checkpoint`` restored it).
+
+    The data position is the next batch the fit loop trains (``epoch``, and ``batch``: its index in that
+    epoch's pass over the data), as Lightning will resume it (:func:`~weightsync_audit.compat_engines.
+    lightning_next_batch`): an end-of-epoch checkpoint resumes at the next epoch's first batch; one saved
+    mid-epoch with a plain ``DataLoader`` starts that epoch's data over (the cause is said with the finding).
+    """
+    configs = getattr(trainer, "lr_scheduler_configs", None) or []
+    plugin = getattr(getattr(trainer, "strategy", None), "precision_plugin", None)
+    position: dict[str, int] = {"step": int(trainer.global_step), "epoch": int(trainer.current_epoch)}
+    causes: dict[str, str] = {}
+    nxt = lightning_next_batch(trainer, resumed)
+    if nxt is not None:
+        position.update(epoch=int(nxt[0]), batch=int(nxt[1]))
+        if nxt[2]:
+            causes["data.position"] = nxt[2]
+    return ResumeSources(
+        lr_schedulers=[c.scheduler for c in configs if hasattr(c.scheduler, "state_dict")],
+        grad_scaler=getattr(plugin, "scaler", None),
+        data_position=position,
+        rng_state=rng_state,
+        causes=causes,
+    )

@@ -28,6 +28,7 @@ from weightsync_audit.engine.config import (
     check_flag,
     check_on_mismatch,
     parse_coverage,
+    refuse_flat_beside,
     with_checked_options,
 )
 from weightsync_audit.engine.repair.plan import ResyncSource, check_resync_src
@@ -191,10 +192,7 @@ class AuditOptions:
             return cls(**flat)
         if not isinstance(options, cls):
             raise TypeError(f"options={options!r}: must be an AuditOptions")
-        default = cls()
-        changed = [k for k, v in flat.items() if v is not getattr(default, k) and v != getattr(default, k)]
-        if changed:
-            raise TypeError(f"options= and {changed[0]}= both given: set {changed[0]} in the AuditOptions")
+        refuse_flat_beside(cls, {**flat, "options": options}, "options")
         return options
 
 

@@ -33,11 +33,11 @@ from weightsync_audit.engine.checkpoints.resume_check import finish_resume
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditRequest
+from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.measure.finite import persistent_hints
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
-from weightsync_audit.engine.timeline.history import AuditHistory
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together

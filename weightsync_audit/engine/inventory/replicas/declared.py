@@ -29,7 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.compat_engines import pipeline_stage_index, pipeline_stage_of
-from weightsync_audit.engine.inventory.replicas.keys import Rules, among, stage_found
+from weightsync_audit.engine.inventory.peers import among, stage_found
+from weightsync_audit.engine.inventory.replicas.engines import Rules
 
 __all__ = ["Declared", "declare_replicas", "declared_for", "declared_rules", "stage_module"]
 

@@ -38,7 +38,8 @@ Names drop FSDP's ``_fsdp_wrapped_module.`` prefixes, so they are the user's own
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,9 +60,39 @@ from weightsync_audit.compat_engines import (
     zero_stage,
 )
 from weightsync_audit.engine.inventory.manifest import Entry, unwrap_optimizer, wrapper_of
-from weightsync_audit.engine.inventory.replicas.keys import Rules, alone, among, named_params
+from weightsync_audit.engine.inventory.peers import ShardInfo, alone, among
 
-__all__ = ["MASTER_CHECK", "WRAPPED_PREFIX", "deepspeed_rules", "fsdp1_rules"]
+__all__ = ["MASTER_CHECK", "WRAPPED_PREFIX", "Rules", "deepspeed_rules", "fsdp1_rules"]
+
+
+@dataclass
+class Rules:
+    """One model's replica decisions, filled by each engine's adapter (empty: every tensor is a replica on
+    every rank, as under DDP). A new integration fills one with :func:`~.peers.among` and :func:`~.peers.alone`."""
+
+    params_by_name: dict[str, Any] = field(default_factory=dict)
+    """The model's parameters by the name the manifest gives them (first name of a shared one)."""
+    params: dict[int, ShardInfo] = field(default_factory=dict)
+    """``id(parameter)`` (a module's or an optimizer's) to its rule."""
+    default: ShardInfo | None = None
+    """The rule of every other entry (``None``: compared on every rank)."""
+    buffers: ShardInfo | None = None
+    """The rule of buffers when it differs from ``default``."""
+    by_name: Callable[[str], ShardInfo | None] | None = None
+    """A rule chosen by the entry's (parameter's) name, e.g. expert parameters; wins over ``default``."""
+    extra: list[Entry] = field(default_factory=list)
+    """Entries added to the manifest (the verdict of a local check)."""
+    strip: tuple[str, ...] = ()
+    """Wrapper prefixes dropped from names (``_fsdp_wrapped_module.``)."""
+    prefix: str = ""
+    """Put before every name (a pipeline stage's own names collide with the other stages')."""
+    stage: int | None = None
+    """A declared pipeline stage's index: its DTensors are compared within the stage only
+    (:func:`~.peers.in_stage`), whatever mesh they live on."""
+
+    @property
+    def empty(self) -> bool:
+        return not (self.params or self.default or self.buffers or self.by_name or self.extra or self.strip)
 
 
 def deepspeed_rules(
@@ -83,11 +114,10 @@ def deepspeed_rules(
         if engine is not None and getattr(engine, "optimizer", None) is not None:
             unwrap_optimizer(engine.optimizer)  # remembers the ZeRO wrapper of the torch optimizer inside it
     # ZeRO-3 converts every parameter of the model it holds: the first one tells, at no per-parameter cost.
-    first = next(iter(user.parameters()), None) if user is not None else None
+    params = list(rules.params_by_name.values())
     stages = [zero_stage(wrapper_of(opt)) for opt in optimizers]
-    if (first is None or zero3_param_status(first) is None) and all(s is None for s in stages):
+    if (not params or zero3_param_status(params[0]) is None) and all(s is None for s in stages):
         return None  # not DeepSpeed's: no walk over the parameters
-    params = list(named_params(user).values())
     for p in params:
         status = zero3_param_status(p)
         if status is None:
@@ -141,17 +171,21 @@ def fsdp1_rules(
             (p, tuple(shapes[i]) if i < len(shapes) else (-1,)) for i, p in enumerate(fsdp1_orig_params(flat))
         ]
         replicate = fsdp1_replicate_ranks(fsdp) if "HYBRID" in strategy else None
+        hybrid = replicate is not None and len(replicate) > 1
+        shard = dist.get_rank(getattr(fsdp, "process_group", None)) if hybrid else 0
         for p, shape in held:
-            shape = shape if shape != (-1,) else ("flat",)  # type: ignore[assignment]
-            if replicate is not None and len(replicate) > 1:
-                shard = dist.get_rank(getattr(fsdp, "process_group", None))
-                rules.params[id(p)] = among("FSDP1 hybrid shard", replicate, {"shard": shard}, _full(p, shape))
-            else:
-                rules.params[id(p)] = alone("FSDP1 shard", _full(p, shape))
+            # A flat parameter's shard has the same padded size on every rank of its sharding group; an
+            # original parameter's view does not, so it is described by its unsharded shape.
+            full = tuple(int(s) for s in (p.shape if shape == (-1,) else shape))
+            rules.params[id(p)] = (
+                among("FSDP1 hybrid shard", replicate or (), {"shard": shard}, full)
+                if hybrid
+                else alone("FSDP1 shard", full)
+            )
     if found:
         rules.strip = (*rules.strip, WRAPPED_PREFIX)
-        if "optimizer" in include:
-            _state_checks(rules, root, optimizers)
+    if found and "optimizer" in include:
+        _state_checks(rules, optimizers)
     return found
 
 
@@ -159,10 +193,10 @@ _HELD = among("FSDP1 optimizer state held", (), {}, ())
 """Compared among the ranks that hold the check (those with a non-empty piece of the parameter)."""
 
 
-def _state_checks(rules: Rules, root: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+def _state_checks(rules: Rules, optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """One ``fsdp1.optimizer_state_held.<name>`` per sharded parameter of ``optimizers`` with a non-empty piece
     here, named as the manifest names the parameter's state."""
-    names = {id(p): n for n, p in named_params(root).items()}
+    names = {id(p): n for n, p in rules.params_by_name.items()}
     multi = len(optimizers) > 1
     for oi, opt in enumerate(optimizers):
         for gi, group in enumerate(opt.param_groups):
@@ -172,11 +206,3 @@ def _state_checks(rules: Rules, root: nn.Module, optimizers: Sequence[torch.opti
                 name = names.get(id(p)) or f"{f'optimizers.{oi}.' if multi else ''}param_groups.{gi}.params.{pi}"
                 held = torch.tensor(bool(opt.state.get(p)))
                 rules.extra.append(Entry(f"{STATE_CHECK}.{name}", "optimizer", held, "bool", (), shard=_HELD))
-
-
-def _full(p: object, shape: tuple) -> tuple[int, ...]:
-    # A flat parameter's shard has the same padded size on every rank of its sharding group; an original
-    # parameter's view does not, so it is described by its unsharded shape.
-    if shape == ("flat",):
-        return tuple(int(s) for s in getattr(p, "shape", ()))
-    return tuple(int(s) for s in shape)

@@ -43,8 +43,8 @@ import torch.distributed as dist
 from torch import nn
 
 from weightsync_audit.engine.inventory.manifest import Entry, wrapper_of
-from weightsync_audit.engine.inventory.peers import ShardInfo
-from weightsync_audit.engine.inventory.replicas.keys import Rules, alone, among, named_params
+from weightsync_audit.engine.inventory.peers import ShardInfo, alone, among
+from weightsync_audit.engine.inventory.replicas.engines import Rules
 
 _KEEP = (-1,)
 _DECLARED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -99,22 +99,34 @@ def _ranks(group: Any) -> tuple[int, ...]:
     return tuple(sorted(dist.get_process_group_ranks(group)))
 
 
+def megatron_groups(ps: Any = None) -> dict[str, Any]:
+    """Megatron's process groups this rank belongs to, by the names :class:`MegatronLayout` uses, for
+    ``audit(..., group=megatron_groups()["data_parallel"])``. Raises ``RuntimeError`` before
+    ``initialize_model_parallel``."""
+    if ps is None:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("megatron_groups(): call megatron.core.parallel_state.initialize_model_parallel first")
+    edp = getattr(ps, "get_expert_data_parallel_group", None) or ps.get_data_modulo_expert_parallel_group
+    return {
+        "data_parallel": ps.get_data_parallel_group(),
+        "data_parallel_with_cp": ps.get_data_parallel_group(with_context_parallel=True),
+        "tensor": ps.get_tensor_model_parallel_group(),
+        "pipeline": ps.get_pipeline_model_parallel_group(),
+        "context": ps.get_context_parallel_group(),
+        "stage": ps.get_tensor_and_data_parallel_group(with_context_parallel=True),
+        "expert_data_parallel": edp(),
+        "expert_model_parallel": ps.get_expert_model_parallel_group(),
+    }
+
+
 def megatron_layout() -> MegatronLayout | None:
     """This rank's layout from ``megatron.core.parallel_state``, or ``None`` when it is not initialised."""
     ps = _parallel_state()
     if ps is None:
         return None
-    edp = getattr(ps, "get_expert_data_parallel_group", None) or ps.get_data_modulo_expert_parallel_group
-    groups = {
-        "data_parallel": _ranks(ps.get_data_parallel_group()),
-        "data_parallel_with_cp": _ranks(ps.get_data_parallel_group(with_context_parallel=True)),
-        "tensor": _ranks(ps.get_tensor_model_parallel_group()),
-        "pipeline": _ranks(ps.get_pipeline_model_parallel_group()),
-        "context": _ranks(ps.get_context_parallel_group()),
-        "stage": _ranks(ps.get_tensor_and_data_parallel_group(with_context_parallel=True)),
-        "expert_data_parallel": _ranks(edp()),
-        "expert_model_parallel": _ranks(ps.get_expert_model_parallel_group()),
-    }
+    groups = {name: _ranks(group) for name, group in megatron_groups(ps).items()}
     sizes = {
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
@@ -156,7 +168,7 @@ def megatron_rules(
     """Fill ``rules`` for a Megatron-laid-out model; the layout's name, or ``None`` (not Megatron's)."""
     if _parallel_state() is None:
         return None
-    params = named_params(user)
+    params = rules.params_by_name
     if not _looks_megatron((module, user), params):
         return None
     layout = megatron_layout()
