@@ -26,7 +26,7 @@ How it changed, a bit flip or a write: two cheap facts tell a write from the mem
 >>> after.view(torch.int32)[1] ^= 1 << 4
 >>> counted = count_changes(after, before)
 >>> counted, classify([Change.of({"name": "w", "moved": False, **counted})])
-({'elements': 1, 'compared': 3, 'bits': 1}, 'flip')
+({'elements': 1, 'compared': 3, 'bits': 1, 'max_abs': 3.814697265625e-06}, 'flip')
 
 A rank's records reach the others as JSON and are read back as frozen records, :class:`StepRecord` (one a
 step) holding :class:`Change` (one a tensor changed at rest): what the blame decides from.
