@@ -175,7 +175,7 @@ class DigestPlan:
         self,
         *,
         slow: Sequence[torch.Tensor],
-        dynamic: Sequence[torch.Tensor],
+        dynamic: Sequence[torch.Tensor] | np.ndarray,
         everything: Sequence[torch.Tensor] | None = None,
         in_place: np.ndarray | None = None,
         slice_index: int = 0,
@@ -201,8 +201,8 @@ class DigestPlan:
             out[self.fast_index] = in_place
         if len(self.slow_index):
             out[self.slow_index] = digest_tensors(slow, **kw)  # type: ignore[arg-type]
-        if len(self.dyn_index):
-            out[self.dyn_index] = digest_tensors(dynamic, **kw)  # type: ignore[arg-type]
+        if len(self.dyn_index):  # digested here, or already (an array: their digests)
+            out[self.dyn_index] = dynamic if isinstance(dynamic, np.ndarray) else digest_tensors(dynamic, **kw)  # type: ignore[arg-type]
         return out
 
 
@@ -228,6 +228,8 @@ class PreparedManifest:
     """The digests of the tensors hashed in place, when the cache's check computed them as it went."""
     sharded: bool = False
     """Whether any entry is a DTensor (such manifests are never cached, so only an uncached one is)."""
+    dynamic_digests: dict[Any, np.ndarray] | None = None
+    """The re-read values' digests by sampling and method, kept while the values are the same objects."""
 
     @property
     def manifest(self) -> Manifest:
@@ -258,9 +260,17 @@ class PreparedManifest:
                 self.in_place = self.plan.verify(self.sources, hash_in_place=True)
                 if self.in_place is None:
                     raise RuntimeError("the audited tensors changed between preparing and digesting the audit")
+        known = self.dynamic_digests
+        if known is not None and method != "device" and len(self.plan.dyn_index):
+            key = (slice_index, slices, method)
+            if key not in known:
+                known[key] = digest_tensors(self.dynamic, slice_index=slice_index, slices=slices, method=method)
+            dynamic: Sequence[torch.Tensor] | np.ndarray = known[key]
+        else:
+            dynamic = self.dynamic
         return self.plan.digests(
             slow=slow,
-            dynamic=self.dynamic,
+            dynamic=dynamic,
             everything=everything,
             in_place=self.in_place,
             slice_index=slice_index,
@@ -312,3 +322,5 @@ class StructureSnapshot:
     notes: list[str]
     kind_counts: dict[str, int]
     plan: DigestPlan
+    memo: list[Any] = field(default_factory=list)
+    """The last re-read Python values, their tensors and their digests, while those are immutable objects."""
