@@ -91,15 +91,14 @@ class _Chunk:
 class DigestPlan:
     """How to digest one manifest's entries: which are hashed in place, which go the general way.
 
-    ``sources`` (tensors in entry order ``source_index``) and ``dynamic`` (the tensors of re-read
-    values, entry order ``dynamic_index``) are only looked at here, when the plan is made.
+    ``sources`` (tensors in entry order ``source_index``) are only looked at here, when the plan is made;
+    the re-read values come at entry order ``dynamic_index``.
     """
 
     size: int
     sources: Sequence[torch.Tensor]
     source_index: Sequence[int]
     dynamic_index: Sequence[int] = ()
-    dynamic: Sequence[torch.Tensor] = ()
     fast_mask: list[bool] = field(default_factory=list)
     fast_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     slow_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
@@ -146,7 +145,6 @@ class DigestPlan:
                 where.append(at)
         # The plan must not keep the tensors alive: a cache that did would pin replaced storage.
         self.sources = ()
-        self.dynamic = ()
 
     def verify(self, sources: Sequence[torch.Tensor], *, hash_in_place: bool) -> np.ndarray | None:
         """Check that ``sources`` (the same objects, in order) still match the plan, hashing as it goes.
