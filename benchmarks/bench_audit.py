@@ -16,9 +16,11 @@ rank is done, and the median repetition is printed:
 
 ``--adam``: instead, the healthy audit of the parameters *and* Adam's state on 2 ranks against the seed's
 and Megatron's checks of the parameters alone, on the seed's model (``Linear(32, 16)``, ``Linear(16, 2)``:
-4 tensors), a 29-tensor toy, 1M and 10M parameters; the three methods taken in turns, rounds of
-``--reps`` repetitions each, the median repetition and the ratios of the same run; also rank 0's CPU time
-per call on the calling thread (the fixed cost without the waits, steadier than wall time on a busy host).
+4 tensors), a 29-tensor toy, 1M and 10M parameters; the three methods taken in turns within each of
+``--reps`` x ``--rounds`` repetitions (the order alternating), the median repetition of each and the median
+of the ratios taken repetition by repetition (the load of the moment weighs on all three alike); also rank 0's CPU time
+per call on the calling thread (the fixed cost without the waits, steadier than wall time on a busy host),
+and the CPU time per call of each check in the parent process, without a process group (no message at all).
 
 Also printed: the peak resident memory each method adds (``VmHWM``, max over ranks) and the bytes the
 audit puts on the wire per rank on the healthy path. ``--json`` writes the raw figures.
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 import torch.distributed as dist
 from baselines import MemoryCopy, megatron_check, plain_xxh3_check, seed_check
+from bench_many import paired
 from harness import launch, machine, median, own_copy, peak_extra_bytes, table, timed
 from models import SPECS, ModelSpec, build, count, nbytes
 
@@ -141,11 +144,12 @@ def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[
         "megatron": lambda: megatron_check(model),
     }
     assert auditor.audit().in_sync
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(rounds):
-        for name in list(fns)[:: 1 if i % 2 else -1]:  # in turns, the order reversed every other round
-            times[name] += timed(fns[name], reps)
-    out: dict[str, Any] = {k: median(v) for k, v in times.items()}
+    # In turns within each repetition (the order alternating), each ratio taken repetition by repetition:
+    # the load of the moment weighs on the three alike (this host is shared).
+    wall, _ = paired(fns, reps * rounds)
+    out: dict[str, Any] = {k: median(v) for k, v in wall.items()}
+    for base in ("seed", "megatron"):
+        out["audit/" + base] = median([a / b for a, b in zip(wall["audit"], wall[base])])
     for name, fn in fns.items():  # this thread's CPU time per call: the fixed cost without the waits
         dist.barrier()
         t0 = time.thread_time()
@@ -157,19 +161,45 @@ def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[
     return out
 
 
+def one_rank_cpu(key: str, calls: int = 2000) -> dict[str, float]:
+    """CPU seconds per call of each check in this process, no process group (a world of one): the fixed cost
+    without any message, the steadiest figure on a shared host (the second best of 7 blocks of ``calls``)."""
+    model, opt = _adam_model(key)
+    auditor = Auditor(model, opt)
+    fns = {"audit": auditor.audit, "seed": lambda: seed_check(model), "megatron": lambda: megatron_check(model)}
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(calls // 10):
+            fn()
+        blocks = []
+        for _ in range(7):
+            t0 = time.thread_time()
+            for _ in range(calls):
+                fn()
+            blocks.append((time.thread_time() - t0) / calls)
+        out[name] = sorted(blocks)[1]
+    return out
+
+
 def run_adam(keys: list[str], reps: int, rounds: int) -> str:
     rows = []
     for key in keys:
+        # Small models only: a large one's digests and copies run on other threads too.
+        one = one_rank_cpu(key) if key in ("seed4", "toy29") else None
         r = launch(_rank_adam, 2, key, reps, rounds)[0]
         a, s, m = r["audit"], r["seed"], r["megatron"]
-        rows.append(
-            [key, str(r["tensors"]), f"{r['params']:,}", *(f"{x * 1e3:.2f}" for x in (a, s, m)), f"{a / s:.2f}x"]
-        )
-        rows[-1] += [f"{a / m:.2f}x", *(f"{r[k + '_cpu'] * 1e6:.0f}" for k in ("audit", "seed", "megatron"))]
+        rows.append([key, str(r["tensors"]), f"{r['params']:,}", *(f"{x * 1e3:.2f}" for x in (a, s, m))])
+        rows[-1] += [
+            f"{r['audit/seed']:.2f}x",
+            f"{r['audit/megatron']:.2f}x",
+            *(f"{r[k + '_cpu'] * 1e6:.0f}" for k in ("audit", "seed", "megatron")),
+        ]
+        rows[-1] += [" / ".join(f"{one[k] * 1e6:.0f}" for k in ("audit", "seed", "megatron")) if one else "n/a"]
         rows[-1] += [f"{os.getloadavg()[0]:.2f}"]
         print("  " + " ".join(rows[-1]), flush=True)
     headers = ["model", "tensors", "params", "audit ms", "seed ms", "megatron ms", "audit/seed", "audit/megatron"]
-    return table([*headers, "audit CPU us", "seed CPU us", "megatron CPU us", "load"], rows)
+    cpu = ["audit CPU us", "seed CPU us", "megatron CPU us", "1 rank CPU us: audit / seed / megatron"]
+    return table([*headers, *cpu, "load"], rows)
 
 
 def run(keys: list[str], worlds: list[int], reps: int, methods: list[str]) -> list[dict[str, Any]]:

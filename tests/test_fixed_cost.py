@@ -55,3 +55,27 @@ def test_one_figure_for_the_healthy_message() -> None:
     assert sizes == {104}, sizes
     perf = text["performance.md"]
     assert "184-byte" in perf and "72-byte answer" in perf
+
+
+def test_unchanged_hyper_parameters_are_digested_once_and_a_change_is_seen() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    auditor = Auditor(model, opt)
+    first, second = auditor.context().prepared, auditor.context().prepared
+    third = auditor.context().prepared
+    assert first is not None and second is not None and third is not None
+    d2, d3 = second.digests(), third.digests()
+    assert third.dynamic_digests is second.dynamic_digests  # the same objects: their digests are kept
+    assert (d2 == d3).all()
+    opt.param_groups[0]["lr"] = 2e-3  # a scheduler's new float: read and digested again
+    moved = auditor.context().prepared
+    assert moved is not None and moved.dynamic_digests is not second.dynamic_digests
+    fresh = Auditor(model, opt).context().prepared  # built, never cached
+    assert fresh is not None and (moved.digests() == fresh.digests()).all() and (moved.digests() != d3).any()
+    opt.param_groups[0]["betas"] = [0.9, 0.999]  # a list may change in place: never kept
+    listed = auditor.context().prepared
+    assert listed is not None and listed.dynamic_digests is None
+    opt.param_groups[0]["betas"][1] = 0.99
+    changed = auditor.context().prepared
+    assert changed is not None and (changed.digests() != listed.digests()).any()

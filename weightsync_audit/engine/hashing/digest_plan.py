@@ -91,15 +91,14 @@ class _Chunk:
 class DigestPlan:
     """How to digest one manifest's entries: which are hashed in place, which go the general way.
 
-    ``sources`` (tensors in entry order ``source_index``) and ``dynamic`` (the tensors of re-read
-    values, entry order ``dynamic_index``) are only looked at here, when the plan is made.
+    ``sources`` (tensors in entry order ``source_index``) are only looked at here, when the plan is made;
+    the re-read values come at entry order ``dynamic_index``.
     """
 
     size: int
     sources: Sequence[torch.Tensor]
     source_index: Sequence[int]
     dynamic_index: Sequence[int] = ()
-    dynamic: Sequence[torch.Tensor] = ()
     fast_mask: list[bool] = field(default_factory=list)
     fast_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     slow_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
@@ -146,7 +145,6 @@ class DigestPlan:
                 where.append(at)
         # The plan must not keep the tensors alive: a cache that did would pin replaced storage.
         self.sources = ()
-        self.dynamic = ()
 
     def verify(self, sources: Sequence[torch.Tensor], *, hash_in_place: bool) -> np.ndarray | None:
         """Check that ``sources`` (the same objects, in order) still match the plan, hashing as it goes.
@@ -175,7 +173,7 @@ class DigestPlan:
         self,
         *,
         slow: Sequence[torch.Tensor],
-        dynamic: Sequence[torch.Tensor],
+        dynamic: Sequence[torch.Tensor] | np.ndarray,
         everything: Sequence[torch.Tensor] | None = None,
         in_place: np.ndarray | None = None,
         slice_index: int = 0,
@@ -201,8 +199,8 @@ class DigestPlan:
             out[self.fast_index] = in_place
         if len(self.slow_index):
             out[self.slow_index] = digest_tensors(slow, **kw)  # type: ignore[arg-type]
-        if len(self.dyn_index):
-            out[self.dyn_index] = digest_tensors(dynamic, **kw)  # type: ignore[arg-type]
+        if len(self.dyn_index):  # digested here, or already (an array: their digests)
+            out[self.dyn_index] = dynamic if isinstance(dynamic, np.ndarray) else digest_tensors(dynamic, **kw)  # type: ignore[arg-type]
         return out
 
 
@@ -228,6 +226,8 @@ class PreparedManifest:
     """The digests of the tensors hashed in place, when the cache's check computed them as it went."""
     sharded: bool = False
     """Whether any entry is a DTensor (such manifests are never cached, so only an uncached one is)."""
+    dynamic_digests: dict[Any, np.ndarray] | None = None
+    """The re-read values' digests by sampling and method, kept while the values are the same objects."""
 
     @property
     def manifest(self) -> Manifest:
@@ -258,9 +258,17 @@ class PreparedManifest:
                 self.in_place = self.plan.verify(self.sources, hash_in_place=True)
                 if self.in_place is None:
                     raise RuntimeError("the audited tensors changed between preparing and digesting the audit")
+        known = self.dynamic_digests
+        if known is not None and method != "device" and len(self.plan.dyn_index):
+            key = (slice_index, slices, method)
+            if key not in known:
+                known[key] = digest_tensors(self.dynamic, slice_index=slice_index, slices=slices, method=method)
+            dynamic: Sequence[torch.Tensor] | np.ndarray = known[key]
+        else:
+            dynamic = self.dynamic
         return self.plan.digests(
             slow=slow,
-            dynamic=self.dynamic,
+            dynamic=dynamic,
             everything=everything,
             in_place=self.in_place,
             slice_index=slice_index,
@@ -312,3 +320,5 @@ class StructureSnapshot:
     notes: list[str]
     kind_counts: dict[str, int]
     plan: DigestPlan
+    memo: list[Any] = field(default_factory=list)
+    """The last re-read Python values, their tensors and their digests, while those are immutable objects."""

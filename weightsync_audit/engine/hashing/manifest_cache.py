@@ -65,6 +65,7 @@ _NBYTES = _T.nbytes.__get__  # type: ignore[attr-defined]
 _SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
 _VERSION = dict_version_reader()
 _STATE_TYPES = (dict, collections.defaultdict)
+_SCALAR_TYPES = frozenset((bool, int, float, str, type(None)))
 
 
 def _dicts(mods: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
@@ -146,6 +147,11 @@ def _reread(value: Any) -> tuple[torch.Tensor, str, tuple[int, ...]] | None:
         return None  # now audited item by item (an LBFGS history that was empty got its first tensor)
     t, label = value_as_tensor(value)
     return t, label, (tuple(t.shape) if label not in ("none", "object") else ())
+
+
+def _immutable(value: Any) -> bool:
+    """Whether ``value`` can never change in place: a Python scalar, or a tuple of them (Adam's betas)."""
+    return type(value) in _SCALAR_TYPES or (type(value) is tuple and all(type(v) in _SCALAR_TYPES for v in value))
 
 
 def _unless_all(positions: list[int], n: int) -> list[int] | None:
@@ -273,19 +279,20 @@ def _check(
     if in_place is None:
         return None
     # Python values (and param-group tensors) are re-read: their values change, their encoding must not.
-    values: list[torch.Tensor] = []
-    for oi, gi, k, label, shape in snap.groups:
-        got = _reread(optimizers[oi].param_groups[gi][k])
-        if got is None or got[1] != label or got[2] != shape:
-            return None
-        values.append(got[0])
+    raw = [optimizers[oi].param_groups[gi][k] for oi, gi, k, _, _ in snap.groups]
     if snap.state_values:
         dicts = [list(opt.state.values()) for opt in optimizers]
-        for oi, si, k, label, shape in snap.state_values:
-            got = _reread(dicts[oi][si][k])
+        raw += [dicts[oi][si][k] for oi, si, k, _, _ in snap.state_values]
+    memo = snap.memo
+    if not (memo and len(raw) == len(memo[0]) and all(map(operator.is_, raw, memo[0]))):
+        values: list[torch.Tensor] = []
+        for (*_, label, shape), value in zip(itertools.chain(snap.groups, snap.state_values), raw):
+            got = _reread(value)
             if got is None or got[1] != label or got[2] != shape:
                 return None
             values.append(got[0])
+        # The very same immutable objects next time are the same values: their tensors and digests are kept.
+        memo[:] = [raw, values, {}] if all(map(_immutable, raw)) else []
     # The structure held: tags that moved without a change (a key deleted and put back, a Python value
     # in the state re-assigned) are the tags to compare from now on.
     snap.module_versions, snap.optimizer_versions = module_versions, optimizer_versions
@@ -298,8 +305,9 @@ def _check(
         build=build,
         sources=sources,
         slow_mask=snap.slow_mask,
-        dynamic=values,
+        dynamic=memo[1] if memo else values,
         in_place=in_place if hash_in_place else None,
+        dynamic_digests=memo[2] if memo else None,
     )
 
 
