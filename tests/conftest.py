@@ -10,10 +10,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 os.environ.setdefault("PL_DISABLE_FORK", "0")
 
-# torch.compile (tests/test_device_digest.py's opt-in kernel) would start a pool of compile workers, each
-# importing torch, to build one small kernel: on two shared cores, compiling in-process costs half as long.
-# Set before torch._dynamo (below) reads inductor's config.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # DDP's constructor imports torch._dynamo lazily (about a second); importing it once here means
 # every forked rank inherits it instead of paying for it again.
 import torch._dynamo  # noqa: F401
