@@ -30,8 +30,12 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 # Most tests wait on rank processes they spawn: two workers keep both cores busy. Files stay whole on one
 # worker (module fixtures are built once); the session's shared runs are built once for all workers
 # (tests/conftest.py once_per_session). TEST_WORKERS=0 runs in one process.
+# DeepSpeed compiles a C++ op (shm_comm, two g++ -O2 files: about a CPU-minute) on first use into
+# TORCH_EXTENSIONS_DIR, by default one folder per user: a build made from another venv's paths is rebuilt,
+# so two checkouts on one machine rebuild it in turn. Kept in this venv, it is built once per venv.
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch-extensions}" \
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(DEMO_STAMP)

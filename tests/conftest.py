@@ -36,6 +36,34 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
 
 
+DEMO_ARGS = ("demo", "--epochs", "4")
+"""``weightsync-audit demo --epochs 4``: what docs/quickstart.md and docs/lightning-20340.md run and
+tests/test_cli.py judges (2 ranks, the default), run once for the session by ``demo_run``."""
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``weightsync-audit demo --epochs 4 --report FOLDER`` through the installed console script, once.
+
+    Off a terminal (no ``COLUMNS``/``LINES``); ``--report`` only says where the two reports go, so the
+    pages that run ``weightsync-audit demo --epochs 4`` check their sample output against this run's
+    (tests/test_docs.py) and tests/test_cli.py reads its reports. Returns ``returncode``, ``stdout``,
+    ``stderr`` and ``report`` (the folder).
+    """
+    import subprocess
+
+    def make() -> dict[str, Any]:
+        out = tmp_path_factory.mktemp("demo")
+        env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+        bin_ = os.path.join(os.path.dirname(sys.executable), "weightsync-audit")
+        proc = subprocess.run(
+            [bin_, *DEMO_ARGS, "--report", str(out)], capture_output=True, text=True, timeout=120, env=env
+        )
+        return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "report": str(out)}
+
+    return once_per_session(tmp_path_factory, "demo", make)
+
+
 def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
     """``make()`` once per test session, also when pytest-xdist splits the session over workers.
 

@@ -139,6 +139,10 @@ for step in steps:
         try:
             if step["kind"] == "python":
                 run_python(step)
+            elif step["kind"] == "shared":  # this very command, run once for the session: its output and status
+                sys.stdout.write(step["stdout"])
+                if step["returncode"] != step["exit"]:
+                    fail(step, f"the command exited {step['returncode']}, expected {step['exit']}")
             else:
                 proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", step["code"]])
                 if proc.returncode != step["exit"]:
@@ -199,6 +203,25 @@ def test_pages_exist() -> None:
         assert page in names
 
 
+def _is_shared_demo(step: dict[str, Any]) -> bool:
+    """A shell block that is exactly ``weightsync-audit demo --epochs 4`` (a comment aside): the command that
+    tests/conftest.py ``demo_run`` runs once for the session."""
+    from conftest import DEMO_ARGS
+
+    if step["kind"] != "bash":
+        return False
+    lines = [ln.split("#", 1)[0].strip() for ln in str(step["code"]).splitlines()]
+    return [ln for ln in lines if ln] == [" ".join(("weightsync-audit", *DEMO_ARGS))]
+
+
+def _with_shared_demo(steps: list[dict[str, Any]], run: dict[str, Any]) -> list[dict[str, Any]]:
+    """``steps`` with the shared demo command's block replaced by that command's one run for the session: the
+    page's output blocks and exit code are checked against its real output (``--report`` aside, which only
+    says where the reports go and which the block's samples do not show)."""
+    shared = {"kind": "shared", "stdout": run["stdout"], "returncode": run["returncode"]}
+    return [{**s, **shared} if _is_shared_demo(s) else s for s in steps]
+
+
 def _cost(steps: list[dict[str, Any]]) -> int:
     # What a page's run costs, roughly: a shell block starting ranks or Python is many times a plain block.
     heavy = ("torchrun", "python ", "devices=2", "demo")
@@ -245,10 +268,14 @@ def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     runnable = {page: steps for page in chosen if (steps := _steps(page))}
     procs: list[subprocess.Popen[str]] = []
     pool = ThreadPoolExecutor(max_workers=2)
-    futures = {
-        page: pool.submit(_run_page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), procs)
-        for page, steps in sorted(runnable.items(), key=lambda kv: -_cost(kv[1]))
-    }
+    futures: dict[Path, Future] = {}
+    # Pages that run the session's shared demo command start once it has run (tests/conftest.py demo_run),
+    # which it does here while the other pages run.
+    later = {page for page, steps in runnable.items() if any(_is_shared_demo(s) for s in steps)}
+    for page, steps in sorted(runnable.items(), key=lambda kv: (kv[0] in later, -_cost(kv[1]))):
+        if page in later:
+            steps = _with_shared_demo(steps, request.getfixturevalue("demo_run"))
+        futures[page] = pool.submit(_run_page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), procs)
     yield futures
     for f in futures.values():
         f.cancel()
