@@ -33,9 +33,11 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 # DeepSpeed compiles a C++ op (shm_comm, two g++ -O2 files: about a CPU-minute) on first use into
 # TORCH_EXTENSIONS_DIR, by default one folder per user: a build made from another venv's paths is rebuilt,
 # so two checkouts on one machine rebuild it in turn. Kept in this venv, it is built once per venv.
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): every launched
+# process (torchrun, ddp_spawn, the CLI) would compile the package again, and each worker its test modules.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch-extensions}" \
+	PYTHONDONTWRITEBYTECODE= TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch-extensions}" \
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(DEMO_STAMP)
