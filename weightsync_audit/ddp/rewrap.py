@@ -41,7 +41,7 @@ from weightsync_audit.engine.inventory.reducer import mark_retired, remember_fla
 from weightsync_audit.errors import TrainableSetMismatchError
 from weightsync_audit.text import brief_names, fmt_ranks, majority
 
-__all__ = ["agree_trainable", "maybe_rewrap", "reduce_grads_by_hand", "retire", "rewrap_ddp"]
+__all__ = ["agree_trainable", "maybe_rewrap", "reduce_grads_by_hand", "retire", "rewrap_ddp", "rewrap_if_changed"]
 
 log = logging.getLogger("weightsync_audit")
 
@@ -174,18 +174,33 @@ def maybe_rewrap(
     :class:`~weightsync_audit.TrainableSetMismatchError` on every rank instead of one entering DDP's
     constructor alone). Turn it off only when every rank is known to change the same flags.
     """
-    before = covered_flags(ddp)
+    new, change, _ = rewrap_if_changed(ddp, covered_flags(ddp), reduce_pending=reduce_pending, agree=agree,
+                                       timeout_s=timeout_s)  # fmt: skip
+    if new is None:
+        return ddp
+    log.info("weightsync: re-wrapped DistributedDataParallel, trainable set changed (%s)", change.describe())
+    return new
+
+
+def rewrap_if_changed(
+    ddp: DistributedDataParallel,
+    covered: tuple[bool, ...],
+    *,
+    reduce_pending: bool,
+    agree: bool = True,
+    timeout_s: float | None = DEFAULT_AGREE_TIMEOUT_S,
+    build: Callable[[nn.Module], DistributedDataParallel] | None = None,
+) -> tuple[DistributedDataParallel | None, TrainableChange, list[str]]:
+    """The check :func:`maybe_rewrap` and the Lightning callback share: ``(the new wrapper, or None while the
+    trainable set is ``covered``; the change; the gradients averaged by hand with ``reduce_pending``)``."""
     now = trainable_flags(watched_parameters(ddp))
     if agree:
         agree_trainable(ddp, now, timeout_s=timeout_s)
-    if now == before:
-        return ddp
-    change = flags_change(ddp.module, before, now)
-    if reduce_pending:
-        reduce_grads_by_hand(ddp, change, before)
-    new = rewrap_ddp(ddp)
-    log.info("weightsync: re-wrapped DistributedDataParallel, trainable set changed (%s)", change.describe())
-    return new
+    if now == covered:
+        return None, TrainableChange((), ()), []
+    change = flags_change(ddp.module, covered, now)
+    reduced = reduce_grads_by_hand(ddp, change, covered) if reduce_pending else []
+    return rewrap_ddp(ddp, build=build), change, reduced
 
 
 def reduce_grads_by_hand(ddp: DistributedDataParallel, change: TrainableChange, covered: tuple[bool, ...]) -> list[str]:
