@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from weightsync_audit.errors import ReportFormatError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.reporting.json_line import json_skeleton, loads_record
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.validate import json_skeleton, loads_record
 
 __all__ = ["ReportWriter", "ReportContents", "RecordSink", "RecordSinks", "read_report", "check_report_path"]
 

@@ -28,15 +28,12 @@ from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.reporting.json_line import (
     DIGITS,
     Check,
-    OversizedNumber,
     boolean,
     entries,
     fail,
     integer,
     is_int,
-    json_skeleton,
     list_of,
-    loads_record,
     number,
     one_of,
     optional,
@@ -46,7 +43,6 @@ from weightsync_audit.reporting.json_line import (
 )
 
 __all__ = [
-    "json_skeleton",
     "SCHEMA",
     "ACTIONS",
     "MISMATCH_KINDS",
@@ -59,8 +55,6 @@ __all__ = [
     "validate_mismatch",
     "BLAME_EVIDENCE",
     "blame_entry",
-    "loads_record",
-    "OversizedNumber",
 ]
 
 SCHEMA = "weightsync-audit/1"

@@ -39,8 +39,6 @@ from weightsync_audit.engine.checkpoints.load import (
     LazyTensor,
     Progress,
     UnreadableCheckpointError,
-    flatten,
-    load_checkpoint,
     open_unit,
     read_value,
     regular_file,
@@ -49,13 +47,9 @@ from weightsync_audit.engine.measure.gaps import max_abs_diff
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
-    "CheckpointError",
-    "UnsafeCheckpointError",
     "EntryDiff",
     "PairDiff",
     "DiffResult",
-    "load_checkpoint",
-    "flatten",
     "diff_flat",
     "diff_checkpoints",
 ]

@@ -47,26 +47,20 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from weightsync_audit.compat import dtensor_box, is_dtensor
-from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME, dcp_shards, file_digest, is_dcp_folder
+from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME
 from weightsync_audit.engine.checkpoints.load import read_json
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import dtype_name
 from weightsync_audit.errors import CheckpointError
-from weightsync_audit.reporting.json_line import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
+from weightsync_audit.reporting.json_line import SIDECAR_SCHEMA, SidecarError, validate_sidecar
 
 __all__ = [
-    "SIDECAR_SCHEMA",
-    "VERDICTS",
-    "SidecarError",
     "compare_boxes",
     "has_boxes",
     "uncovered_boxes",
     "with_boxes",
-    "dcp_shards",
-    "file_digest",
     "flat_tensors",
-    "is_dcp_folder",
     "match_prefix",
     "new_sidecar",
     "read_sidecar",

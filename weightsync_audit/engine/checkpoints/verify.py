@@ -37,14 +37,18 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
-from weightsync_audit.engine.checkpoints.folder import complete_files, digest_share, list_files
+from weightsync_audit.engine.checkpoints.folder import (
+    complete_files,
+    dcp_shards,
+    digest_share,
+    is_dcp_folder,
+    list_files,
+)
 from weightsync_audit.engine.checkpoints.resume_check import checkpoint_evidence
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     compare_boxes,
-    dcp_shards,
     has_boxes,
-    is_dcp_folder,
     match_prefix,
     new_sidecar,
     read_sidecar,
