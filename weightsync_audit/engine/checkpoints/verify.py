@@ -52,6 +52,7 @@ from weightsync_audit.engine.checkpoints.sidecar import (
     match_prefix,
     new_sidecar,
     read_sidecar,
+    same_digest,
     sidecar_path,
     tensor_digests,
     tied_names,
@@ -223,26 +224,15 @@ def _kind(path: Any) -> dict[str, Any]:
 def _held_differences(expected: dict[str, Any], held: dict[str, Any], prefix: str | None) -> list[str]:
     """Names (as saved) of the tensors ``held`` whose digest, shape or dtype differ from ``expected``."""
     prefix = match_prefix(expected, held) if prefix is None else prefix
-    out = []
-    for n, e in held.items():
-        saved = expected.get(prefix + n)
-        if saved is not None and (saved["digest"], saved["shape"], saved.get("dtype")) != (
-            e["digest"],
-            e["shape"],
-            e["dtype"],
-        ):
-            out.append(prefix + n)
-    return out
+    return [prefix + n for n, e in held.items() if prefix + n in expected and not same_digest(e, expected[prefix + n])]
 
 
-def _holdings(state: Any, module: nn.Module | None, optimizer: Any) -> list[tuple[str | None, dict[str, Any]]]:
-    """What this rank holds, in groups matched to the saved names: ``state`` by its own names; else the
-    module's ``state_dict`` and each optimizer's, each under the prefix it was saved at."""
+def _held(state: Any, module: nn.Module | None, optimizer: Any) -> list[Any]:
+    """What this rank holds, in groups each matched to the saved names apart: ``state`` by its own names;
+    else the module's ``state_dict`` and each optimizer's, each under the prefix it was saved at."""
     if state is not None:
-        return [("", tensor_digests(state))]
-    groups: list[tuple[str | None, dict[str, Any]]] = [(None, tensor_digests(_model_state(module)))]
-    groups += [(None, tensor_digests(opt.state_dict())) for opt in as_optimizers(optimizer)]
-    return groups
+        return [state]
+    return [_model_state(module), *(opt.state_dict() for opt in as_optimizers(optimizer))]
 
 
 def _boxed_differences(
@@ -252,12 +242,9 @@ def _boxed_differences(
     reshard compares equal when it restores the same global tensors; see ``sidecar.compare_boxes``), and the names of
     tensors whose saved shards no rank compared."""
     names = {n for entries in saved.values() for n in entries}
-    groups = (
-        [state] if state is not None else [_model_state(module), *(o.state_dict() for o in as_optimizers(optimizer))]
-    )
     differ: list[str] = []
     compared: list[list[str]] = []
-    for obj in groups:
+    for obj in _held(state, module, optimizer):
         prefix = "" if state is not None else match_prefix(names, tensor_digests(obj))
         found, seen = compare_boxes(saved, obj, prefix, str(comm.global_ranks[comm.rank]))
         differ += found
@@ -282,9 +269,10 @@ def _saved_differences(
         return differ, uncovered, whole
     expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
     differ = []
-    for prefix, held in _holdings(state, module, optimizer):
+    for obj in _held(state, module, optimizer):
+        held = tensor_digests(obj)
         _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
-        differ += _held_differences(expected or {}, held, prefix)
+        differ += _held_differences(expected or {}, held, "" if state is not None else None)
     return differ, [], expected or {}
 
 
