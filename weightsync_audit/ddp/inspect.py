@@ -23,7 +23,6 @@ False
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -39,7 +38,7 @@ from weightsync_audit.engine.inventory.reducer import (
     remembered_flags,
     synced_parameter_names,
 )
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.text import brief_names
 
 __all__ = [
@@ -219,10 +218,8 @@ class TrainableSetWatch:
         self.warned = True
         if warn:
             self.said = parts
-            warnings.warn(
+            warn_user(
                 f"weightsync audit (step {step}): the set of trainable parameters changed after "
-                "DistributedDataParallel wrapped the model. " + " ".join(parts),
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
+                "DistributedDataParallel wrapped the model. " + " ".join(parts)
             )
         return True

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -62,7 +61,7 @@ from weightsync_audit.engine.checkpoints.sidecar import (
 )
 from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
 __all__ = ["checkpoint_loaded", "checkpoint_saved"]
@@ -198,19 +197,11 @@ def checkpoint_saved(
             try:
                 sidecar["files"] = complete_files(path, listed, found)
             except OSError as exc:  # a file gone while read: the sidecar says nothing of the files
-                warnings.warn(
-                    f"weightsync: could not read the files of {path}: {exc}",
-                    WeightSyncWarning,
-                    stacklevel=user_stacklevel(),
-                )
+                warn_user(f"weightsync: could not read the files of {path}: {exc}")
         try:
             write_sidecar(path, sidecar)
         except OSError as exc:  # a sidecar that cannot be written never ends the run
-            warnings.warn(
-                f"weightsync: could not write {sidecar_path(path)}: {exc}",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
-            )
+            warn_user(f"weightsync: could not write {sidecar_path(path)}: {exc}")
     result.checkpoint = {"path": str(path), "event": "saved", "status": status, "saved_step": step}
     return result
 
@@ -309,9 +300,7 @@ def checkpoint_loaded(
         result.notes.append(f"checkpoint {path} is unverified: {why}")
         if comm.rank == 0 and str(path) not in _warned_unverified:
             _warned_unverified.add(str(path))
-            warnings.warn(
-                f"weightsync: checkpoint {path} is unverified ({why})", WeightSyncWarning, stacklevel=user_stacklevel()
-            )
+            warn_user(f"weightsync: checkpoint {path} is unverified ({why})")
         result.checkpoint = entry
         return result
     differ, uncovered, expected = _saved_differences(comm, sidecar, state, module, optimizer)
