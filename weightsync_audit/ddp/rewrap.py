@@ -161,18 +161,11 @@ def maybe_rewrap(
             ddp = maybe_rewrap(ddp)
             loss = ddp(batch).sum(); loss.backward(); opt.step(); opt.zero_grad()
 
-    Cost when nothing changed: one tuple of ``requires_grad`` flags compared with the one remembered
-    for the wrapper (the first call on a wrapper not built by :func:`rewrap_ddp` reads the reducer
-    once). The change is logged at INFO on the ``weightsync_audit`` logger.
-
-    ``reduce_pending``: call it between ``backward()`` and ``optimizer.step()`` with True when the
-    change may have happened after this step's forward; the gradients the old reducer missed are then
-    averaged by hand first (see :func:`reduce_grads_by_hand`), so this step is in sync too.
-
-    ``agree`` (default on): the ranks first check together that they hold the same trainable set (one
-    fixed-size exchange with deadline ``timeout_s``; ranks that disagree raise
-    :class:`~weightsync_audit.TrainableSetMismatchError` on every rank instead of one entering DDP's
-    constructor alone). Turn it off only when every rank is known to change the same flags.
+    Cost when nothing changed: one tuple of ``requires_grad`` flags compared; a change is logged at INFO.
+    ``reduce_pending=True`` between ``backward()`` and ``optimizer.step()``: the gradients the old reducer
+    missed this step are averaged by hand first (:func:`reduce_grads_by_hand`). ``agree`` (default on): the
+    ranks first check together, within ``timeout_s``, that they hold the same trainable set
+    (:func:`agree_trainable`); docs/lightning-20340.md.
     """
     new, change, _ = rewrap_if_changed(ddp, covered_flags(ddp), reduce_pending=reduce_pending, agree=agree,
                                        timeout_s=timeout_s)  # fmt: skip

@@ -41,10 +41,8 @@ class LoopAudit(SessionAdapter):
         every_n_steps: :meth:`step` audits when ``step % every_n_steps == 0`` (``None``: only :meth:`audit`).
         check_batches: at each audited :meth:`step` also compare a digest of every rank's ``batch=``: ranks
             that trained on identical batches are named in the record's notes, with or without ``overlap``.
-        overlap: :meth:`step` launches the audit and returns ``None``; the digest and the exchange run on
-            a worker thread while the next forward and backward run, and the verdict for step s is acted on
-            (report, ``raise``, ``resync``) before the next ``optimizer.step()`` writes anything, or at
-            :meth:`settle` / :meth:`close` (docs/performance.md).
+        overlap: :meth:`step` launches the audit and returns ``None``; its verdict is acted on before the next
+            ``optimizer.step()``, or at :meth:`settle` / :meth:`close` (docs/performance.md).
         options: the options above (but ``every_n_steps`` and ``check_batches``) as one
             :class:`~weightsync_audit.AuditOptions` (then none of them may be given flat); each also reads as
             an attribute (``audit.on_mismatch``). ``checkpoints`` does not apply: call :meth:`checkpoint_saved`.
