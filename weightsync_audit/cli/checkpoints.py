@@ -22,7 +22,7 @@ from rich.text import Text
 
 from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, CliError, add_json
 from weightsync_audit.reporting.render import log_console
-from weightsync_audit.reporting.summary import fmt_gap
+from weightsync_audit.text import fmt_gap
 
 __all__ = ["DIFF", "VERIFY", "cmd_diff", "cmd_verify", "progress_bar", "sidecar_diff"]
 

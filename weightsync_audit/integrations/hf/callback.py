@@ -38,7 +38,7 @@ from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, hf_resume, resumed_folder
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.runner import audit_metrics
-from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, SessionAdapter, TrainerSession
 from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
 
@@ -128,7 +128,7 @@ def epoch_of(state: Any) -> int:
 
 
 @with_option_properties()
-class WeightSyncAuditCallback(TrainerCallback):
+class WeightSyncAuditCallback(TrainerCallback, SessionAdapter):
     """Audit that every rank holds the same weights while a ``transformers.Trainer`` trains.
 
     Audits at ``on_train_begin``, after every ``every_n_steps`` optimizer steps (``on_step_end``) and at
@@ -183,7 +183,6 @@ class WeightSyncAuditCallback(TrainerCallback):
         """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
         self.session = TrainerSession(self.options, every_n_steps)
         self.runner = self.session.runner
-        self.history = self.runner.history
         self.last_result: AuditResult | None = None
         """The latest audit's result (the same on every rank)."""
         self._unlogged: dict[str, float] = {}
@@ -331,7 +330,3 @@ class WeightSyncAuditCallback(TrainerCallback):
             self.last_result = result
             self._unlogged = audit_metrics(result)
         return result
-
-    def summary(self) -> str:
-        """One line over the run so far: audits, the first divergence, resyncs."""
-        return self.session.summary()

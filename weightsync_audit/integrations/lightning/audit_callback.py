@@ -25,7 +25,12 @@ from weightsync_audit.engine.checkpoints.resume_state import ResumeSources, rng_
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
-from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
+from weightsync_audit.integrations.session.trainer_session import (
+    Checkpoint,
+    SessionAdapter,
+    TrainerSession,
+    added_by_env,
+)
 from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
 
@@ -91,7 +96,7 @@ def sharded_strategy_reason(strategy: Any) -> str | None:
 
 
 @with_option_properties()
-class WeightSyncAuditMixin:
+class WeightSyncAuditMixin(SessionAdapter):
     """Audit that every rank holds the same weights during ``fit``; report, raise or resync.
 
     Args:
@@ -161,7 +166,6 @@ class WeightSyncAuditMixin:
         self.slices = self.config.slices
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
-        self.history = self.runner.history
         self.env_options: dict[str, Any] | None = None
         """The options of the ``WEIGHTSYNC_AUDIT`` variable when it added this callback (zero-code activation)."""
 
@@ -303,10 +307,6 @@ class WeightSyncAuditMixin:
         return self.session.audit(
             trainer.strategy.model, optimizers, checkpoint=checkpoint, step=step, log_metrics=log_metrics, **kw
         )
-
-    def summary(self) -> str:
-        """One line over the run so far: audits, the first divergence, resyncs (or why it was not audited)."""
-        return self.session.summary()
 
     # -- reporting and checkpoints -------------------------------------------------------------
 
