@@ -27,10 +27,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.compat import remove_ddp_autograd_hooks
+from weightsync_audit.compat import ddp_comm_hooks, remove_ddp_autograd_hooks
 from weightsync_audit.ddp.inspect import (
     TrainableChange,
-    comm_hooks,
     covered_flags,
     ddp_settings,
     flags_change,
@@ -131,14 +130,14 @@ def rewrap_ddp(
         raise ValueError("rewrap_ddp: a DistributedDataParallel with mixed_precision cannot be re-wrapped")
     settings = ddp_settings(ddp)
     settings.update(overrides)
-    hooks = comm_hooks(ddp)
+    hooks = ddp_comm_hooks(ddp)
     retire(ddp)
     with torch.no_grad(), warnings.catch_warnings():
         # broadcast_buffers=False is deprecated in torch 2.13, but it is the only spelling that keeps
         # rank-local buffers as they are at construction.
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         new = build(ddp.module) if build is not None else DistributedDataParallel(ddp.module, **settings)
-    if not comm_hooks(new):  # a factory may register its own; DDP accepts one hook only
+    if not ddp_comm_hooks(new):  # a factory may register its own; DDP accepts one hook only
         _register_hooks(new, hooks)
     remember_flags(new, trainable_flags(new.module))
     mark_retired(ddp, new)
