@@ -304,21 +304,18 @@ def checkpoint_loaded(
         result.checkpoint = entry
         return result
     differ, uncovered, expected = _saved_differences(comm, sidecar, state, module, optimizer)
-    if uncovered:  # what no rank could compare (a reshard to finer shards)
-        entry["not_compared"] = len(uncovered)
-        result.notes.append(
-            f"{len(uncovered)} tensor(s) of {path} were not compared ({', '.join(uncovered[:3])}"
-            f"{', ...' if len(uncovered) > 3 else ''}): no rank now holds a whole shard of them as saved "
-            "(loaded on finer shards than they were saved in, or not loaded)"
-        )
-    partitioned = sidecar.get("partitioned") or []
-    if partitioned:
-        entry["not_compared"] = len(partitioned)
-        result.notes.append(
-            f"{len(partitioned)} ZeRO-3 partitioned parameter(s) of {path} were not compared "
-            f"({', '.join(partitioned[:3])}{', ...' if len(partitioned) > 3 else ''}): each rank holds only "
-            "its partition, which the engine's own checkpoint files carry"
-        )
+    for names, what, why in (
+        (uncovered, "tensor(s)", "no rank now holds a whole shard of them as saved (loaded on finer shards than "
+         "they were saved in, or not loaded)"),  # a reshard to finer shards
+        (sidecar.get("partitioned") or [], "ZeRO-3 partitioned parameter(s)", "each rank holds only its partition, "
+         "which the engine's own checkpoint files carry"),
+    ):  # fmt: skip
+        if names:  # what no rank could compare
+            entry["not_compared"] = len(names)
+            more = ", ..." if len(names) > 3 else ""
+            result.notes.append(
+                f"{len(names)} {what} of {path} were not compared ({', '.join(names[:3])}{more}): {why}"
+            )
     lists = [json.loads(p) for p in comm.exchange_bytes(json.dumps(differ).encode(), "the checkpoint comparison")]
     entry["saved_step"] = sidecar.get("step")
     changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))
