@@ -88,11 +88,8 @@ def checked_counts(v: Any, path: str) -> dict[str, int]:
     return out
 
 
-def shard_coords(v: Any, path: str) -> dict[str, int]:
-    """Mesh coordinates of a shard: ``{"dp": 0}``."""
-    if not isinstance(v, dict) or not all(isinstance(k, str) and is_int(x) and x >= 0 for k, x in v.items()):
-        raise fail(path, "an object of mesh dimension -> integer >= 0", v)
-    return dict(v)
+shard_coords = entries(integer(0), "an object of mesh dimension -> integer >= 0")
+"""Mesh coordinates of a shard: ``{"dp": 0}``."""
 
 
 def rank_counts(v: Any, path: str) -> dict[int, int]:
