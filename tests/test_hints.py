@@ -350,8 +350,8 @@ def test_explain_takes_the_evidence_whole_and_the_engine_imports_nothing_of_the_
 
 
 def test_an_engine_rule_is_its_generic_rule_asked_under_an_engine_only_in_its_own_words() -> None:
+    from weightsync_audit.engine.explain import ENGINE_RULES
     from weightsync_audit.engine.explain.evidence import Evidence
-    from weightsync_audit.engine.explain.hints import ENGINE_RULES
     from weightsync_audit.engine.explain.rules import RULES
     from weightsync_audit.reporting.record import Mismatch
 

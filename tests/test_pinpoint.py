@@ -12,7 +12,8 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditResult, Mismatch, audit
-from weightsync_audit.engine.timeline.pinpoint import StepRing, locate
+from weightsync_audit.engine.timeline.answer import locate
+from weightsync_audit.engine.timeline.pinpoint import StepRing
 
 PLANTED = 37
 

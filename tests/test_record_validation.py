@@ -75,7 +75,7 @@ def test_a_malformed_field_is_exit_2_naming_the_line_and_the_field(
 
 def test_from_dict_names_the_field_for_every_case() -> None:
     for line, field in CASES:
-        from weightsync_audit.reporting.validate import loads_record
+        from weightsync_audit.reporting.json_line import loads_record
 
         try:
             obj = loads_record(line)

@@ -187,11 +187,11 @@ def test_check_finite_finds_nan_in_place_large_and_in_python_values_on_the_cache
 
 
 def test_nonfinite_counts_are_exact_when_a_sum_overflows() -> None:
-    from weightsync_audit.engine.measure.finite import count_nonfinite, nonfinite_indices
+    from weightsync_audit.engine.measure.finite import count_nonfinite, screen_nonfinite
 
     big = torch.full((40_000,), 60_000.0, dtype=torch.float16)  # every element finite, the sum is not
     small = torch.full((8,), 60_000.0, dtype=torch.float16)
     assert count_nonfinite(big) == 0
-    assert nonfinite_indices([big, small, small, torch.ones(3), torch.tensor([1.0, -math.inf])]) == [4]
+    assert screen_nonfinite([big, small, small, torch.ones(3), torch.tensor([1.0, -math.inf])])[0] == [4]
     assert count_nonfinite(torch.tensor([math.nan, 1.0, math.inf, -math.inf])) == 3
     assert count_nonfinite(torch.arange(5)) == 0

@@ -12,7 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import audit, maybe_rewrap, rewrap_ddp
-from weightsync_audit.ddp.inspect import comm_hooks, ddp_settings
+from weightsync_audit.compat import ddp_comm_hooks
+from weightsync_audit.ddp.inspect import ddp_settings
 from weightsync_audit.engine.inventory.reducer import synced_parameter_names
 
 GLOBAL_BATCH = 8
@@ -134,7 +135,7 @@ def _settings_after_rewrap(rank: int, world: int) -> dict:
         "new": {k: ddp_settings(new).get(k) for k in keep},
         "old_static": {k: ddp_settings(static).get(k) for k in keep},
         "new_static": {k: ddp_settings(new_static).get(k) for k in keep},
-        "hooks_same": comm_hooks(new) == [(counting_allreduce, state)],
+        "hooks_same": ddp_comm_hooks(new) == [(counting_allreduce, state)],
         "hook_calls": state.calls,
         "same_process_group": new.process_group is ddp.process_group,
         "layer0_grad_agrees": torch.equal(gathered[0], gathered[1]),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from typing import Any, Sequence
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ResyncError",
     "AuditRaceError",
     "user_stacklevel",
+    "warn_user",
 ]
 
 
@@ -202,3 +204,8 @@ def user_stacklevel() -> int:
             return level
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]
     return ours
+
+
+def warn_user(message: str) -> None:
+    """Warn ``message`` as a :class:`WeightSyncWarning` attributed to the user's line (:func:`user_stacklevel`)."""
+    warnings.warn(message, WeightSyncWarning, stacklevel=user_stacklevel())

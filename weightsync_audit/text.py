@@ -89,6 +89,11 @@ def last_in_sync(first: int | None, last: int | None) -> str:
     return f"last in sync at step {last}"
 
 
+def fmt_gap(x: float | None) -> str:
+    """A measured gap in a table or a sentence: ``-`` when not measured."""
+    return "-" if x is None else f"{x:.3g}"
+
+
 def fmt_ranks(ranks: Sequence[int]) -> str:
     """``rank 3`` or ``ranks [1, 3]``.
 

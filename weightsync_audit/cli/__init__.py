@@ -35,12 +35,11 @@ from weightsync_audit.errors import CheckpointError, ReportReadError
 
 __all__ = ["main", "build_parser", "command", "EXIT_OK", "EXIT_DIFFERENT", "EXIT_ERROR"]
 
-COMMANDS = ("demo", "check", "show", "diff", "verify", "launch")
-"""The commands, in the order ``--help`` lists them."""
-
 HOMES = {"demo": "demo", "check": "reports", "show": "reports", "diff": "checkpoints", "verify": "checkpoints"}
 HOMES["launch"] = "launch"
-"""The module of this folder each command lives in."""
+"""The module of this folder each command lives in, in the order ``--help`` lists the commands."""
+
+COMMANDS = tuple(HOMES)
 
 
 def command(name: str) -> object:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import sys
 import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import Callable, Iterator, Sequence
 
@@ -22,7 +23,7 @@ from rich.text import Text
 
 from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, CliError, add_json
 from weightsync_audit.reporting.render import log_console
-from weightsync_audit.reporting.summary import fmt_gap
+from weightsync_audit.text import fmt_gap
 
 __all__ = ["DIFF", "VERIFY", "cmd_diff", "cmd_verify", "progress_bar", "sidecar_diff"]
 
@@ -151,10 +152,7 @@ def cmd_diff(
                 )
             )
             continue
-        counts: dict[str, int] = {}
-        for e in pair.entries:
-            counts[e.status] = counts.get(e.status, 0) + 1
-        said = ", ".join(f"{n} {s}" for s, n in counts.items())
+        said = ", ".join(f"{n} {s}" for s, n in Counter(e.status for e in pair.entries).items())
         console.print(
             Text(f"DIFFERENT: {title}: {said}; {pair.same} of {pair.compared} shared entries equal", style="bold red")
         )
@@ -260,6 +258,16 @@ def _run_verify(args: argparse.Namespace) -> int:
     return cmd_verify(args.path, as_json=args.json)
 
 
+_NOT_VERIFIED = (
+    ("changed_files", "file(s) changed since saved"),
+    ("missing_files", "file(s) missing"),
+    ("added_files", "file(s) added since saved (a resume may read them)"),
+    ("changed", "changed since saved"),
+    ("missing", "missing"),
+)
+"""What ``verify`` names of a checkpoint that is not as saved, in this order (its outcome's key, the words)."""
+
+
 def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = None) -> int:
     """``weightsync-audit verify PATH``: 0 verified and unchanged, 1 not, 2 unreadable."""
     from weightsync_audit.engine.checkpoints.offline import verify_checkpoint
@@ -291,19 +299,9 @@ def cmd_verify(path: str, *, as_json: bool = False, console: Console | None = No
     elif status == "unverified":
         console.print(Text(f"UNVERIFIED: {path}: {outcome['why']}", style="bold yellow"))
     else:
-        said = []
-        if outcome.get("changed_files"):
-            said.append(f"file(s) changed since saved: {', '.join(outcome['changed_files'][:10])}")
-        if outcome.get("missing_files"):
-            said.append(f"file(s) missing: {', '.join(outcome['missing_files'][:10])}")
-        if outcome.get("added_files"):
-            said.append(f"file(s) added since saved (a resume may read them): {', '.join(outcome['added_files'][:10])}")
-        if outcome["changed"]:
-            said.append(f"changed since saved: {', '.join(outcome['changed'][:10])}")
-        if outcome["missing"]:
-            said.append(f"missing: {', '.join(outcome['missing'][:10])}")
-            if outcome.get("skipped"):
-                said.append(f"not read (they need code to load): {', '.join(outcome['skipped'][:5])}")
+        said = [f"{what}: {', '.join(outcome[key][:10])}" for key, what in _NOT_VERIFIED if outcome.get(key)]
+        if outcome["missing"] and outcome.get("skipped"):
+            said.append(f"not read (they need code to load): {', '.join(outcome['skipped'][:5])}")
         if outcome.get("diverged") is not None:
             said.append(f"saved while the replicas differed ({', '.join(outcome['diverged'][:5]) or 'see its record'})")
         console.print(Text(f"NOT VERIFIED: {where}: " + "; ".join(said), style="bold red"))

@@ -23,14 +23,13 @@ False
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.compat import ddp_comm_hooks, ddp_synced_count
+from weightsync_audit.compat import ddp_synced_count
 from weightsync_audit.engine.explain.evidence import ddp_frozen_hint, ddp_unsynced_hint
 from weightsync_audit.engine.inventory.reducer import (
     find_ddp,
@@ -39,17 +38,15 @@ from weightsync_audit.engine.inventory.reducer import (
     remembered_flags,
     synced_parameter_names,
 )
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.text import brief_names
 
 __all__ = [
     "TrainableChange",
     "TrainableSetWatch",
-    "comm_hooks",
     "covered_flags",
     "ddp_settings",
     "flags_change",
-    "synced_count",
     "trainable_flags",
     "watched_parameters",
 ]
@@ -81,11 +78,6 @@ def watched_parameters(ddp: DistributedDataParallel) -> list[nn.Parameter]:
 
 def _ignored(ddp: DistributedDataParallel) -> set[str]:
     return set(getattr(ddp, "parameters_to_ignore", ()) or ())
-
-
-def synced_count(ddp: DistributedDataParallel) -> int | None:
-    """How many parameter tensors the reducer covers (cheap: DDP's own logging data)."""
-    return ddp_synced_count(ddp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +120,7 @@ def covered_flags(ddp: DistributedDataParallel) -> tuple[bool, ...]:
         named = list(ddp.module.named_parameters())
         now = tuple(p.requires_grad for _, p in named)
         trainable = sum(1 for (n, _), f in zip(named, now) if f and n not in ignored)
-        if synced_count(ddp) == trainable:
+        if ddp_synced_count(ddp) == trainable:  # cheap: DDP's own logging data
             remember_flags(ddp, now)
             return now
         try:
@@ -175,11 +167,6 @@ def ddp_settings(ddp: DistributedDataParallel) -> dict[str, Any]:
     return kw
 
 
-def comm_hooks(ddp: DistributedDataParallel) -> list[tuple[Callable[..., Any], object]]:
-    """The ``(hook, state)`` pairs registered with ``ddp.register_comm_hook``, oldest first."""
-    return ddp_comm_hooks(ddp)
-
-
 class TrainableSetWatch:
     """Remembers what DDP's reducer covers and warns once when the trainable set moves away from it."""
 
@@ -219,10 +206,8 @@ class TrainableSetWatch:
         self.warned = True
         if warn:
             self.said = parts
-            warnings.warn(
+            warn_user(
                 f"weightsync audit (step {step}): the set of trainable parameters changed after "
-                "DistributedDataParallel wrapped the model. " + " ".join(parts),
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
+                "DistributedDataParallel wrapped the model. " + " ".join(parts)
             )
         return True

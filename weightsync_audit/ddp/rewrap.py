@@ -27,10 +27,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.compat import remove_ddp_autograd_hooks
+from weightsync_audit.compat import ddp_comm_hooks, remove_ddp_autograd_hooks
 from weightsync_audit.ddp.inspect import (
     TrainableChange,
-    comm_hooks,
     covered_flags,
     ddp_settings,
     flags_change,
@@ -41,7 +40,7 @@ from weightsync_audit.engine.inventory.reducer import mark_retired, remember_fla
 from weightsync_audit.errors import TrainableSetMismatchError
 from weightsync_audit.text import brief_names, fmt_ranks, majority
 
-__all__ = ["agree_trainable", "maybe_rewrap", "reduce_grads_by_hand", "retire", "rewrap_ddp"]
+__all__ = ["agree_trainable", "maybe_rewrap", "reduce_grads_by_hand", "retire", "rewrap_ddp", "rewrap_if_changed"]
 
 log = logging.getLogger("weightsync_audit")
 
@@ -131,14 +130,14 @@ def rewrap_ddp(
         raise ValueError("rewrap_ddp: a DistributedDataParallel with mixed_precision cannot be re-wrapped")
     settings = ddp_settings(ddp)
     settings.update(overrides)
-    hooks = comm_hooks(ddp)
+    hooks = ddp_comm_hooks(ddp)
     retire(ddp)
     with torch.no_grad(), warnings.catch_warnings():
         # broadcast_buffers=False is deprecated in torch 2.13, but it is the only spelling that keeps
         # rank-local buffers as they are at construction.
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         new = build(ddp.module) if build is not None else DistributedDataParallel(ddp.module, **settings)
-    if not comm_hooks(new):  # a factory may register its own; DDP accepts one hook only
+    if not ddp_comm_hooks(new):  # a factory may register its own; DDP accepts one hook only
         _register_hooks(new, hooks)
     remember_flags(new, trainable_flags(new.module))
     mark_retired(ddp, new)
@@ -161,31 +160,39 @@ def maybe_rewrap(
             ddp = maybe_rewrap(ddp)
             loss = ddp(batch).sum(); loss.backward(); opt.step(); opt.zero_grad()
 
-    Cost when nothing changed: one tuple of ``requires_grad`` flags compared with the one remembered
-    for the wrapper (the first call on a wrapper not built by :func:`rewrap_ddp` reads the reducer
-    once). The change is logged at INFO on the ``weightsync_audit`` logger.
-
-    ``reduce_pending``: call it between ``backward()`` and ``optimizer.step()`` with True when the
-    change may have happened after this step's forward; the gradients the old reducer missed are then
-    averaged by hand first (see :func:`reduce_grads_by_hand`), so this step is in sync too.
-
-    ``agree`` (default on): the ranks first check together that they hold the same trainable set (one
-    fixed-size exchange with deadline ``timeout_s``; ranks that disagree raise
-    :class:`~weightsync_audit.TrainableSetMismatchError` on every rank instead of one entering DDP's
-    constructor alone). Turn it off only when every rank is known to change the same flags.
+    Cost when nothing changed: one tuple of ``requires_grad`` flags compared; a change is logged at INFO.
+    ``reduce_pending=True`` between ``backward()`` and ``optimizer.step()``: the gradients the old reducer
+    missed this step are averaged by hand first (:func:`reduce_grads_by_hand`). ``agree`` (default on): the
+    ranks first check together, within ``timeout_s``, that they hold the same trainable set
+    (:func:`agree_trainable`); docs/lightning-20340.md.
     """
-    before = covered_flags(ddp)
+    new, change, _ = rewrap_if_changed(ddp, covered_flags(ddp), reduce_pending=reduce_pending, agree=agree,
+                                       timeout_s=timeout_s)  # fmt: skip
+    if new is None:
+        return ddp
+    log.info("weightsync: re-wrapped DistributedDataParallel, trainable set changed (%s)", change.describe())
+    return new
+
+
+def rewrap_if_changed(
+    ddp: DistributedDataParallel,
+    covered: tuple[bool, ...],
+    *,
+    reduce_pending: bool,
+    agree: bool = True,
+    timeout_s: float | None = DEFAULT_AGREE_TIMEOUT_S,
+    build: Callable[[nn.Module], DistributedDataParallel] | None = None,
+) -> tuple[DistributedDataParallel | None, TrainableChange, list[str]]:
+    """The check :func:`maybe_rewrap` and the Lightning callback share: ``(the new wrapper, or None while the
+    trainable set is ``covered``; the change; the gradients averaged by hand with ``reduce_pending``)``."""
     now = trainable_flags(watched_parameters(ddp))
     if agree:
         agree_trainable(ddp, now, timeout_s=timeout_s)
-    if now == before:
-        return ddp
-    change = flags_change(ddp.module, before, now)
-    if reduce_pending:
-        reduce_grads_by_hand(ddp, change, before)
-    new = rewrap_ddp(ddp)
-    log.info("weightsync: re-wrapped DistributedDataParallel, trainable set changed (%s)", change.describe())
-    return new
+    if now == covered:
+        return None, TrainableChange((), ()), []
+    change = flags_change(ddp.module, covered, now)
+    reduced = reduce_grads_by_hand(ddp, change, covered) if reduce_pending else []
+    return rewrap_ddp(ddp, build=build), change, reduced
 
 
 def reduce_grads_by_hand(ddp: DistributedDataParallel, change: TrainableChange, covered: tuple[bool, ...]) -> list[str]:

@@ -221,13 +221,9 @@ def write_evict(
                 _write_atomic(path, f"weightsync: rank {rank} {targets[rank]} at step {result.step}\n")
                 written.append(path)
     except OSError as exc:  # the hand-off never ends the run by itself; the exit status still says it
-        import warnings
+        from weightsync_audit.errors import warn_user
 
-        from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
-
-        warnings.warn(
-            f"weightsync: could not write the evict hand-off: {exc}", WeightSyncWarning, stacklevel=user_stacklevel()
-        )
+        warn_user(f"weightsync: could not write the evict hand-off: {exc}")
     return written
 
 

@@ -62,15 +62,12 @@ def is_on(value: str | None) -> bool:
 
 
 def _warn(what: str, exc: BaseException) -> None:
-    import warnings
 
-    from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+    from weightsync_audit.errors import warn_user
 
-    warnings.warn(
+    warn_user(
         f"weightsync audit: {ENV_VAR} is set but {what} ({type(exc).__name__}: {exc}); the Trainer is left "
-        "without the audit: pass callbacks=WeightSyncAuditCallback.from_env() to it instead",
-        WeightSyncWarning,
-        stacklevel=user_stacklevel(),
+        "without the audit: pass callbacks=WeightSyncAuditCallback.from_env() to it instead"
     )
 
 

@@ -39,31 +39,15 @@ class LoopAudit(SessionAdapter):
     Args:
         module, optimizer: what is audited (the model or its DDP wrapper; an optimizer or a list of them).
         every_n_steps: :meth:`step` audits when ``step % every_n_steps == 0`` (``None``: only :meth:`audit`).
-        on_mismatch: ``warn`` (print on rank 0 when a divergence appears or changes), ``raise``
-            (:class:`~weightsync_audit.WeightDivergenceError` on every rank together) or ``resync``
-            (broadcast the diverged tensors from ``resync_src``, then confirm with a full audit).
-        report_path: a JSONL report written by rank 0 (read it with ``weightsync-audit check``).
-        verbose: print the report and, at :meth:`close`, the run's summary on rank 0.
         check_batches: at each audited :meth:`step` also compare a digest of every rank's ``batch=``: ranks
-            that trained on identical batches are named in the record's notes, with or without ``overlap``
-            (the digest is one of the audit's own phases; off by default; its cost:
-            benchmarks/bench_duplicate_batches.py, docs/restarts.md).
-        exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
-            record is written (17 is the suggestion; docs/restarts.md), so that ``torchrun --max-restarts``
-            or a scheduler restarts from the last verified checkpoint (:meth:`checkpoint_saved`).
-        sinks: objects that rank 0 also hands each record to (``write(record)``): the metrics exporters
-            of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
-        attribution: per-step records that name the corrupted rank even between two replicas and tell the
-            machine from the software (``True``, or :class:`~weightsync_audit.AttributionConfig`'s fields
-            as a dict; the record's ``blame``, docs/report-schema.md). Off by default.
-        overlap: :meth:`step` launches the audit and returns ``None``; the digest and the exchange run on
-            a worker thread while the next forward and backward run, and the verdict for step s is acted on
-            (report, ``raise``, ``resync``) before the next ``optimizer.step()`` writes anything, or at
-            :meth:`settle` / :meth:`close` (docs/performance.md).
+            that trained on identical batches are named in the record's notes, with or without ``overlap``.
+        overlap: :meth:`step` launches the audit and returns ``None``; its verdict is acted on before the next
+            ``optimizer.step()``, or at :meth:`settle` / :meth:`close` (docs/performance.md).
         options: the options above (but ``every_n_steps`` and ``check_batches``) as one
             :class:`~weightsync_audit.AuditOptions` (then none of them may be given flat); each also reads as
             an attribute (``audit.on_mismatch``). ``checkpoints`` does not apply: call :meth:`checkpoint_saved`.
-        The other arguments are the callbacks' (include, exclude, timeout_s, coverage, tolerance, pinpoint).
+        The other arguments are the fields of :class:`~weightsync_audit.AuditOptions` (documented there and in
+            docs/callback.md); with ``exit_code``, restart from :meth:`checkpoint_saved`'s checkpoint.
 
     >>> import torch
     >>> model = torch.nn.Linear(4, 2)

@@ -27,11 +27,8 @@ if TYPE_CHECKING:
     from weightsync_audit.metrics.otel import OpenTelemetrySink
     from weightsync_audit.metrics.prometheus import PrometheusSink
 
-_LAZY = {
-    "OpenTelemetrySink": "weightsync_audit.metrics.otel",
-    "PrometheusSink": "weightsync_audit.metrics.prometheus",
-}
-_EXTRA = {"OpenTelemetrySink": "otel", "PrometheusSink": "prometheus"}
+_LAZY = {"OpenTelemetrySink": ("otel", "otel"), "PrometheusSink": ("prometheus", "prometheus")}
+"""The exporters, loaded at their first use: their module in this package and the extra that installs their client."""
 
 __all__ = [
     "CHECKED_KINDS",
@@ -222,15 +219,15 @@ def _places(ranks: list[int], hosts: dict[str, str]) -> tuple[RankPlace, ...]:
 
 
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
+    if name not in _LAZY:
         raise AttributeError(f"module 'weightsync_audit.metrics' has no attribute {name!r}")
+    module, extra = _LAZY[name]
     try:
-        value = getattr(importlib.import_module(module), name)
+        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
     except ImportError as exc:
         raise ImportError(
             f"weightsync_audit.metrics.{name} needs {exc.name or 'its package'}, "
-            f"the extra weightsync-audit[{_EXTRA.get(name, 'metrics')}] (docs/metrics.md)"
+            f"the extra weightsync-audit[{extra}] (docs/metrics.md)"
         ) from exc
     globals()[name] = value
     return value

@@ -67,11 +67,8 @@ class OpenTelemetrySink:
             argument that returns one (called where the sink is first used).
         prefix: the instruments' name prefix.
 
-    The meter and its instruments are made where the sink is first used (the process that writes: global
-    rank 0), so the sink pickles: Lightning's ``ddp_spawn`` and Ray send a copy to each worker, which records
-    there on the global provider of its own process, or on the one the function builds. A provider object
-    lives in your process and cannot travel: pickling such a sink raises ``TypeError`` naming
-    ``meter_provider=``.
+    The meter is made where the sink is first used, so the sink travels to spawned workers unless given a
+    provider object (docs/metrics.md).
 
     >>> from opentelemetry.sdk.metrics import MeterProvider
     >>> from opentelemetry.sdk.metrics.export import InMemoryMetricReader

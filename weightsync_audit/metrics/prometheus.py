@@ -91,10 +91,8 @@ class PrometheusSink(contextlib.AbstractContextManager["PrometheusSink"]):
             function of no argument that returns one (called where the sink is first used).
         namespace: the metric names' prefix.
 
-    The registry, its metrics and the endpoint are built where the sink is first used (the process that
-    writes: global rank 0), so the sink pickles: Lightning's ``ddp_spawn`` and Ray send a copy to each
-    worker, which builds its own there (a copy starts with no figures). A registry object of your own lives
-    in your process and cannot travel: pickling such a sink raises ``TypeError`` naming ``registry=``.
+    The registry and the endpoint are built where the sink is first used, so the sink travels to spawned
+    workers unless given a registry object of its own (docs/metrics.md).
 
     >>> sink = PrometheusSink()
     >>> sink.write(AuditResult(in_sync=True, step=3, world_size=2))

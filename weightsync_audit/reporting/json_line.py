@@ -15,18 +15,33 @@
 ...                   "resume": {"ranks": {"1": "x"}}}, "s.json")
 Traceback (most recent call last):
 ...
-weightsync_audit.reporting.json_line.SidecarError: s.json: field 'resume.ranks["1"]' must be an object of component -> {"digest", "value"?}, not a string
+weightsync_audit.reporting.json_line.SidecarError: s.json: field 'resume.ranks["1"]' must be an object of component -> {"digest", "value"?}, got 'x'
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Callable, Iterator, Mapping
 
 from weightsync_audit.errors import CheckpointError, ReportFormatError
 
 __all__ = [
+    "DIGITS",
+    "Check",
+    "boolean",
+    "entries",
+    "fail",
+    "integer",
+    "is_int",
+    "list_of",
+    "number",
+    "one_of",
+    "optional",
+    "record_of",
+    "shown",
+    "string",
     "SIDECAR_SCHEMA",
     "VERDICTS",
     "NonFinite",
@@ -127,6 +142,141 @@ def loads_record(text: str) -> Any:
     return json.loads(text, parse_int=_parse_int, parse_constant=NonFinite)
 
 
+# -- the checks every read field goes through ----------------------------------------------------------
+
+_INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
+Check = Callable[[Any, str], Any]
+"""``check(value, field_path)`` returns the value to keep, or raises ReportFormatError."""
+
+
+def shown(v: Any) -> str:
+    """A short, safe rendering of any value for a message (huge, deep or odd values included)."""
+    try:
+        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+            return f"an integer of {v.bit_length()} bits"
+        text = repr(v)
+    except Exception:  # noqa: BLE001 - RecursionError, ValueError on giant ints: describe it instead
+        return f"a {type(v).__name__} too deep or too large to show"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def fail(path: str, must: str, v: Any) -> ReportFormatError:
+    return ReportFormatError(f"field {path!r} must be {must}, got {shown(v)}")
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -_INT_LIMIT < v < _INT_LIMIT
+
+
+def integer(minimum: int | None = None) -> Check:
+    must = "an integer" + ("" if minimum is None else f" >= {minimum}")
+
+    def check(v: Any, path: str) -> int:
+        if not is_int(v) or (minimum is not None and v < minimum):
+            raise fail(path, must, v)
+        return int(v)
+
+    return check
+
+
+def number(v: Any, path: str) -> float:
+    """A finite number >= 0 (a gap, a duration)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise fail(path, "a finite number >= 0", v)
+    try:
+        x = float(v)
+    except OverflowError:
+        raise fail(path, "a finite number >= 0", v) from None
+    if not math.isfinite(x) or x < 0:
+        raise fail(path, "a finite number >= 0", v)
+    return x
+
+
+def string(v: Any, path: str) -> str:
+    if not isinstance(v, str):
+        raise fail(path, "a string", v)
+    return v
+
+
+def boolean(v: Any, path: str) -> bool:
+    if not isinstance(v, bool):
+        raise fail(path, "true or false", v)
+    return v
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+    def check(v: Any, path: str) -> str:
+        if not isinstance(v, str) or v not in choices:
+            raise fail(path, f"one of {list(choices)}", v)
+        return v
+
+    return check
+
+
+def optional(inner: Check) -> Check:
+    """``inner``, or null."""
+
+    def check(v: Any, path: str) -> Any:
+        if v is None:
+            return None
+        try:
+            return inner(v, path)
+        except ReportFormatError as exc:
+            raise ReportFormatError(f"{exc} (or null)") from None
+
+    return check
+
+
+def list_of(inner: Check, what: str) -> Check:
+    def check(v: Any, path: str) -> list[Any]:
+        if not isinstance(v, list):
+            raise fail(path, f"a list of {what}", v)
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(inner(x, f"{path}[{i}]"))
+            except ReportFormatError:
+                raise fail(path, f"a list of {what}", v) from None
+        return out
+
+    return check
+
+
+def record_of(must: str, required: Mapping[str, Check], present: Mapping[str, Check] | None = None) -> Check:
+    """An object (returned as a copy) whose ``required`` fields each pass their check (a missing one is
+    checked as null) and whose ``present`` fields pass theirs where they are there."""
+
+    def check(v: Any, path: str) -> dict[str, Any]:
+        if not isinstance(v, Mapping):
+            raise fail(path, must, v)
+        for key, inner in required.items():
+            inner(v.get(key), f"{path}.{key}" if path else key)
+        for key, inner in (present or {}).items():
+            if key in v:
+                inner(v[key], f"{path}.{key}" if path else key)
+        return dict(v)
+
+    return check
+
+
+DIGITS = re.compile(r"\d+")
+"""The keys of an object by rank (a JSON object's keys are strings)."""
+
+
+def entries(item: Check, must: str, keys: re.Pattern[str] | None = None) -> Check:
+    """An object (returned as a copy) whose every value passes ``item`` (each named ``field['key']``) and,
+    with ``keys``, whose every key matches it."""
+
+    def check(v: Any, path: str) -> dict[str, Any]:
+        if not isinstance(v, Mapping) or (keys is not None and not all(keys.fullmatch(str(k)) for k in v)):
+            raise fail(path, must, v)
+        for k, x in v.items():
+            item(x, f"{path}[{k!r}]")
+        return dict(v)
+
+    return check
+
+
 # -- a checkpoint sidecar ----------------------------------------------------------------------------------
 
 SIDECAR_SCHEMA = "weightsync-checkpoint/1"
@@ -140,49 +290,6 @@ class SidecarError(CheckpointError):
     the file and the field."""
 
 
-def _kind(v: Any) -> str:
-    names = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list"}
-    return "null" if v is None else names.get(type(v), "an object" if isinstance(v, Mapping) else type(v).__name__)
-
-
-class _Check:
-    """Type checks that name the field: ``where`` is the sidecar file, ``field`` the path inside it."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    def fail(self, field: str, must: str, v: Any) -> SidecarError:
-        got = repr(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _kind(v)
-        return SidecarError(f"{self.where}: field {field!r} must be {must}, not {got}")
-
-    def int_(self, v: Any, field: str, *, none: bool = False, low: int = 0) -> None:
-        if v is None and none:
-            return
-        if isinstance(v, bool) or not isinstance(v, int) or v < low:
-            raise self.fail(field, f"an integer >= {low}" + (" or null" if none else ""), v)
-
-    def str_(self, v: Any, field: str, *, hex16: bool = False) -> None:
-        if not isinstance(v, str) or (hex16 and not _HEX16.fullmatch(v)):
-            raise self.fail(field, "16 hex digits" if hex16 else "a string", v)
-
-    def obj(self, v: Any, field: str, must: str) -> Mapping[str, Any]:
-        if not isinstance(v, Mapping):
-            raise self.fail(field, must, v)
-        return v
-
-    def each(self, v: Any, field: str, must: str, item: Callable[[Any, str], None]) -> None:
-        for k, x in self.obj(v, field, must).items():
-            item(x, f"{field}[{k!r}]")
-
-    def strings(self, v: Any, field: str) -> None:
-        if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-            raise self.fail(field, "a list of strings", v)
-
-    def ints(self, v: Any, field: str) -> None:
-        if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-            raise self.fail(field, "a list of integers", v)
-
-
 def safe_relative(name: str) -> bool:
     """A path inside the checkpoint's folder: relative, no ``..``, no empty part (a sidecar never makes
     ``verify`` read a file outside the checkpoint it describes)."""
@@ -190,74 +297,82 @@ def safe_relative(name: str) -> bool:
     return bool(name) and not name.startswith("/") and "\\" not in name and all(p not in ("", ".", "..") for p in parts)
 
 
-def _tensors(c: _Check, v: Any, field: str) -> None:
-    def entry(e: Any, where: str) -> None:
-        e = c.obj(e, where, 'an object {"digest", "dtype", "shape"}')
-        c.str_(e.get("digest"), f"{where}.digest", hex16=True)
-        c.ints(e.get("shape"), f"{where}.shape")
-        if "dtype" in e:
-            c.str_(e["dtype"], f"{where}.dtype")
-        for key in ("offset", "global_shape"):
-            if key in e:
-                c.ints(e[key], f"{where}.{key}")
-
-    c.each(v, field, "an object of name -> digest", entry)
+def _hex16(v: Any, path: str) -> str:
+    if not isinstance(v, str) or not _HEX16.fullmatch(v):
+        raise fail(path, "16 hex digits", v)
+    return v
 
 
-def _files(c: _Check, v: Any, field: str, *, rank: bool) -> None:
-    def entry(e: Any, where: str) -> None:
-        e = c.obj(e, where, 'an object {"bytes", "digest"}')
-        c.int_(e.get("bytes"), f"{where}.bytes")
-        c.str_(e.get("digest"), f"{where}.digest", hex16=True)
-        if rank:
-            c.int_(e.get("rank"), f"{where}.rank")
-
-    for name in c.obj(v, field, "an object of file -> size and digest"):
-        if not safe_relative(str(name)):
-            raise SidecarError(f"{c.where}: field {field!r} names {name!r}, which is not a path inside the checkpoint")
-    c.each(v, field, "an object of file -> size and digest", entry)
+def _epoch(v: Any, path: str) -> Any:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        raise fail(path, "a number or null", v)
+    return v
 
 
-def _resume(c: _Check, v: Any, field: str) -> None:
-    ranks = c.obj(c.obj(v, field, 'an object {"ranks"}').get("ranks"), f"{field}.ranks", "an object of rank -> state")
-    for r, comps in ranks.items():
-        where = f'{field}.ranks["{r}"]'
+_INTS = list_of(integer(), "integers")
+_TENSORS = entries(
+    record_of('an object {"digest", "dtype", "shape"}', {"digest": _hex16, "shape": _INTS},
+              {"dtype": string, "offset": _INTS, "global_shape": _INTS}),
+    "an object of name -> digest",
+)  # fmt: skip
+
+
+def _files(rank: bool) -> Check:
+    """A sidecar's ``files`` (``shards``, with ``rank``): file -> size and digest, every file inside the checkpoint."""
+    each = entries(
+        record_of('an object {"bytes", "digest"}', {"bytes": integer(0), "digest": _hex16, **({"rank": integer(0)} if rank else {})}),
+        "an object of file -> size and digest",
+    )  # fmt: skip
+
+    def check(v: Any, path: str) -> Any:
+        for name in v if isinstance(v, Mapping) else ():
+            if not safe_relative(str(name)):
+                raise ReportFormatError(f"field {path!r} names {name!r}, which is not a path inside the checkpoint")
+        return each(v, path)
+
+    return check
+
+
+_COMPONENT = record_of('an object {"digest", "value"?}', {"digest": string})
+
+
+def _resume_ranks(v: Any, path: str) -> Any:
+    if not isinstance(v, Mapping):
+        raise fail(path, "an object of rank -> state", v)
+    for r, comps in v.items():
         if not _RANK.fullmatch(str(r)):
-            raise SidecarError(f"{c.where}: field '{field}.ranks' has the key {r!r}, which is not a rank number")
-        for comp, e in c.obj(comps, where, 'an object of component -> {"digest", "value"?}').items():
-            e = c.obj(e, f"{where}.{comp}", 'an object {"digest", "value"?}')
-            c.str_(e.get("digest"), f"{where}.{comp}.digest")
+            raise ReportFormatError(f"field {path!r} has the key {r!r}, which is not a rank number")
+        where = f'{path}["{r}"]'
+        if not isinstance(comps, Mapping):
+            raise fail(where, 'an object of component -> {"digest", "value"?}', comps)
+        for comp, e in comps.items():
+            _COMPONENT(e, f"{where}.{comp}")
+    return v
+
+
+_SIDECAR = record_of(
+    "an object",
+    {"tensors": _TENSORS, "step": optional(integer(0)), "epoch": _epoch},
+    {
+        "checkpoint": string, "time": string, "coverage": string, "world_size": integer(1),
+        "diverged": list_of(string, "strings"), "partitioned": list_of(string, "strings"),
+        "tied": entries(string, "an object of name -> name"),
+        "rank_tensors": entries(_TENSORS, "an object of rank -> tensors"),
+        "shards": _files(rank=True), "files": _files(rank=False),
+        "resume": record_of('an object {"ranks"}', {"ranks": _resume_ranks}),
+    },
+)  # fmt: skip
 
 
 def validate_sidecar(data: Any, where: str) -> None:
     """Raise :class:`SidecarError` naming ``where`` (the file) and the first malformed field of ``data``."""
-    c = _Check(where)
-    data = c.obj(data, "(sidecar)", f"a {SIDECAR_SCHEMA} object")
-    if data.get("schema") != SIDECAR_SCHEMA:
-        raise SidecarError(f"{where}: not a {SIDECAR_SCHEMA} sidecar (field 'schema' is {data.get('schema')!r})")
-    if data.get("verdict") not in VERDICTS:
-        raise SidecarError(f"{where}: field 'verdict' must be one of {list(VERDICTS)}, not {data.get('verdict')!r}")
-    _tensors(c, data.get("tensors"), "tensors")
-    for key in ("checkpoint", "time", "coverage"):
-        if key in data:
-            c.str_(data[key], key)
-    c.int_(data.get("step"), "step", none=True)
-    if data.get("epoch") is not None and (
-        isinstance(data["epoch"], bool) or not isinstance(data["epoch"], (int, float))
-    ):
-        raise c.fail("epoch", "a number or null", data["epoch"])
-    if "world_size" in data:
-        c.int_(data["world_size"], "world_size", low=1)
-    for key in ("diverged", "partitioned"):
-        if key in data:
-            c.strings(data[key], key)
-    if "tied" in data:
-        c.each(data["tied"], "tied", "an object of name -> name", lambda v, f: c.str_(v, f))
-    if "rank_tensors" in data:
-        c.each(data["rank_tensors"], "rank_tensors", "an object of rank -> tensors", lambda v, f: _tensors(c, v, f))
-    if "shards" in data:
-        _files(c, data["shards"], "shards", rank=True)
-    if "files" in data:
-        _files(c, data["files"], "files", rank=False)
-    if "resume" in data:
-        _resume(c, data["resume"], "resume")
+    try:
+        if not isinstance(data, Mapping):
+            raise fail("(sidecar)", f"a {SIDECAR_SCHEMA} object", data)
+        if data.get("schema") != SIDECAR_SCHEMA:
+            raise ReportFormatError(f"not a {SIDECAR_SCHEMA} sidecar (field 'schema' is {data.get('schema')!r})")
+        if data.get("verdict") not in VERDICTS:
+            raise ReportFormatError(f"field 'verdict' must be one of {list(VERDICTS)}, not {data.get('verdict')!r}")
+        _SIDECAR(data, "")
+    except ReportFormatError as exc:
+        raise SidecarError(f"{where}: {exc}") from None

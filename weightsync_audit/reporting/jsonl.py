@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
-from weightsync_audit.errors import ReportFormatError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import ReportFormatError, warn_user
+from weightsync_audit.reporting.json_line import json_skeleton, loads_record
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.reporting.validate import json_skeleton, loads_record
 
 __all__ = ["ReportWriter", "ReportContents", "RecordSink", "RecordSinks", "read_report", "check_report_path"]
 
@@ -141,21 +140,17 @@ class ReportWriter:
                     raise
                 if not self._failing:
                     self._failing = True
-                    warnings.warn(
+                    warn_user(
                         f"weightsync audit: cannot write the report {str(self.path)!r} ({exc.strerror or exc}); "
-                        f"keeping the record(s) in memory and writing them once it is writable again",
-                        WeightSyncWarning,
-                        stacklevel=user_stacklevel(),
+                        f"keeping the record(s) in memory and writing them once it is writable again"
                     )
                 return
             self._kept.popleft()
         if self._failing:
             self._failing = False
             lost = f"; {self._lost} older record(s) were dropped" if self._lost else ""
-            warnings.warn(
-                f"weightsync audit: the report {str(self.path)!r} is writable again; the kept records are in it{lost}",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
+            warn_user(
+                f"weightsync audit: the report {str(self.path)!r} is writable again; the kept records are in it{lost}"
             )
             self._lost = 0
 
@@ -181,11 +176,7 @@ class ReportWriter:
         if self._kept:
             self._drain()
             if self._kept:
-                warnings.warn(
-                    f"weightsync audit: {len(self._kept)} record(s) could not be written to {str(self.path)!r}",
-                    WeightSyncWarning,
-                    stacklevel=user_stacklevel(),
-                )
+                warn_user(f"weightsync audit: {len(self._kept)} record(s) could not be written to {str(self.path)!r}")
         self._close_fd()
 
     def __enter__(self) -> ReportWriter:
@@ -333,12 +324,10 @@ class RecordSinks:
             except Exception as exc:  # noqa: BLE001 - an exporter never ends the user's training
                 if i not in self._failing:
                     self._failing.add(i)
-                    warnings.warn(
+                    warn_user(
                         f"weightsync audit: the record sink {type(sink).__name__} failed on the record of step "
                         f"{record.step} ({type(exc).__name__}: {exc}); training goes on and the next record is "
-                        "offered to it again",
-                        WeightSyncWarning,
-                        stacklevel=user_stacklevel(),
+                        "offered to it again"
                     )
             else:
                 self._failing.discard(i)

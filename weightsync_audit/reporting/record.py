@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from datetime import datetime, timezone
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
@@ -143,7 +144,7 @@ class Mismatch:
 
     @classmethod
     def _from_valid(cls, v: dict[str, Any]) -> Mismatch:
-        return cls(**{k: v[k] for k in _MISMATCH_ARGS})
+        return cls(**{f.name: v[f.name] for f in dataclass_fields(cls)})
 
 
 @dataclass(slots=True)
@@ -275,34 +276,9 @@ class AuditResult:
     def from_dict(cls, d: Mapping[str, Any]) -> AuditResult:
         """Rebuild a result from a record; :class:`ReportFormatError` names the field that is wrong."""
         v = validate_record(dict(d) if isinstance(d, Mapping) else d)
-        return cls(
-            in_sync=v["in_sync"],
-            step=v["step"],
-            epoch=v["epoch"],
-            world_size=v["world_size"],
-            mismatches=[Mismatch._from_valid(m) for m in v["mismatches"]],
-            hints=v["hints"],
-            checked={k: v["checked"][k] for k in _CHECKED_KINDS},
-            hook=v["hook"],
-            action=v["action"],
-            last_in_sync_step=v["last_in_sync_step"],
-            duration_ms=v["duration_ms"],
-            time=v["time"],
-            notes=v["notes"],
-            coverage=v["coverage"],
-            last_full_sync_step=v["last_full_sync_step"],
-            first_diverged_step=v["first_diverged_step"],
-            pinpoint=v["pinpoint"],
-            tolerance=v["tolerance"],
-            nonfinite_count=v["nonfinite_count"],
-            transient=v["transient"],
-            hosts=v["hosts"],
-            checkpoint=v["checkpoint"],
-            blame=v["blame"],
-            overlap=v["overlap"],
-            nothing_compared=v["nothing_compared"],
-            torchft=v["torchft"],
-        )
+        v["mismatches"] = [Mismatch._from_valid(m) for m in v["mismatches"]]
+        v["checked"] = {k: v["checked"][k] for k in _CHECKED_KINDS}
+        return cls(**{f.name: v[f.name] for f in dataclass_fields(cls)})
 
     def summary(self, *, tie: bool = True) -> str:
         """One line: what was checked, what differs, from which step when pinpointed (and, when sampled,
@@ -368,22 +344,3 @@ class AuditResult:
 
 def _says_nothing(note: str) -> bool:
     return note.startswith((NOTHING_COMPARED, NOTHING_TO_AUDIT))
-
-
-_MISMATCH_ARGS = (
-    "name",
-    "kind",
-    "ranks",
-    "reference_ranks",
-    "shape",
-    "dtype",
-    "max_abs_diff",
-    "detail",
-    "shard",
-    "rel_diff",
-    "within_tolerance",
-    "nonfinite",
-    "diff_count",
-    "stability",
-    "first_diverged_step",
-)

@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.text import blame_line, fmt_ranks, fmt_shard, is_tie, last_in_sync, layer_of, without_tie
+from weightsync_audit.text import blame_line, fmt_gap, fmt_ranks, fmt_shard, is_tie, last_in_sync, layer_of, without_tie
 
 __all__ = ["MismatchLike", "ResultLike", "log_console", "mismatch_table", "render", "render_group", "render_result"]
 
@@ -65,10 +65,6 @@ class ResultLike(Protocol):
     def mismatches(self) -> Sequence[MismatchLike]: ...
 
     def summary(self, *, tie: bool = True) -> str: ...
-
-
-def _fmt_diff(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 def _fmt_rel(m: MismatchLike) -> str:
@@ -127,7 +123,7 @@ def mismatch_table(
                 m.dtype or "-",
                 ",".join(map(str, m.ranks)),
                 ",".join(map(str, m.reference_ranks)),
-                _fmt_diff(m.max_abs_diff) + _fmt_rel(m),
+                fmt_gap(m.max_abs_diff) + _fmt_rel(m),
             )
             if m.shape is None or not m.dtype:
                 dashes.setdefault("shape", None)

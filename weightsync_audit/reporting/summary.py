@@ -389,10 +389,6 @@ def diverged_ranks(mismatches: list[Mismatch]) -> list[int]:
     return sorted({r for m in mismatches for r in m.ranks})
 
 
-def fmt_gap(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
 def pinpoint_line(r: AuditResult) -> str | None:
     """Where a divergent record says the divergence began, in words (None when it says nothing)."""
     if r.pinpoint == "exact" and r.first_diverged_step is not None:

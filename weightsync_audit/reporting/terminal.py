@@ -19,11 +19,10 @@ from weightsync_audit.reporting.summary import (
     EXIT_OK,
     ReportSummary,
     diverged_ranks,
-    fmt_gap,
     fmt_step,
     pinpoint_line,
 )
-from weightsync_audit.text import COMPARED_NOTES, blame_line, brief_names, fmt_ranks, fmt_shard, without_tie
+from weightsync_audit.text import COMPARED_NOTES, blame_line, brief_names, fmt_gap, fmt_ranks, fmt_shard, without_tie
 
 #: Rows of a printed table (timeline stretches, layers); the rest are counted below it.
 MAX_ROWS = 30

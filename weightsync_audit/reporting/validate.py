@@ -20,16 +20,29 @@ weightsync_audit.errors.ReportFormatError: field 'notes' must be a list of strin
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from weightsync_audit.errors import ReportFormatError
-from weightsync_audit.reporting.json_line import OversizedNumber, json_skeleton, loads_record
+from weightsync_audit.reporting.json_line import (
+    DIGITS,
+    Check,
+    boolean,
+    entries,
+    fail,
+    integer,
+    is_int,
+    list_of,
+    number,
+    one_of,
+    optional,
+    record_of,
+    shown,
+    string,
+)
 
 __all__ = [
-    "json_skeleton",
     "SCHEMA",
     "ACTIONS",
     "MISMATCH_KINDS",
@@ -42,8 +55,6 @@ __all__ = [
     "validate_mismatch",
     "BLAME_EVIDENCE",
     "blame_entry",
-    "loads_record",
-    "OversizedNumber",
 ]
 
 SCHEMA = "weightsync-audit/1"
@@ -54,118 +65,22 @@ PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "unavail
 STABILITIES = ("stable", "unstable")
 CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed", "sampled")
 
-_INT_LIMIT = 2**63  # steps, counts and ranks are int64 everywhere else
 _COVERAGE = re.compile(r"[1-9][0-9]{0,8}/[1-9][0-9]{0,8}")
-Check = Callable[[Any, str], Any]
-"""``check(value, field_path)`` returns the value to keep, or raises ReportFormatError."""
-
-
-def _show(v: Any) -> str:
-    """A short, safe rendering of any value for a message (huge, deep or odd values included)."""
-    try:
-        if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
-            return f"an integer of {v.bit_length()} bits"
-        text = repr(v)
-    except Exception:  # noqa: BLE001 - RecursionError, ValueError on giant ints: describe it instead
-        return f"a {type(v).__name__} too deep or too large to show"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _fail(path: str, must: str, v: Any) -> ReportFormatError:
-    return ReportFormatError(f"field {path!r} must be {must}, got {_show(v)}")
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -_INT_LIMIT < v < _INT_LIMIT
-
-
-def integer(minimum: int | None = None) -> Check:
-    must = "an integer" + ("" if minimum is None else f" >= {minimum}")
-
-    def check(v: Any, path: str) -> int:
-        if not _is_int(v) or (minimum is not None and v < minimum):
-            raise _fail(path, must, v)
-        return int(v)
-
-    return check
-
-
-def number(v: Any, path: str) -> float:
-    """A finite number >= 0 (a gap, a duration)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _fail(path, "a finite number >= 0", v)
-    try:
-        x = float(v)
-    except OverflowError:
-        raise _fail(path, "a finite number >= 0", v) from None
-    if not math.isfinite(x) or x < 0:
-        raise _fail(path, "a finite number >= 0", v)
-    return x
-
-
-def string(v: Any, path: str) -> str:
-    if not isinstance(v, str):
-        raise _fail(path, "a string", v)
-    return v
-
-
-def boolean(v: Any, path: str) -> bool:
-    if not isinstance(v, bool):
-        raise _fail(path, "true or false", v)
-    return v
-
-
-def one_of(choices: tuple[str, ...]) -> Check:
-    def check(v: Any, path: str) -> str:
-        if not isinstance(v, str) or v not in choices:
-            raise _fail(path, f"one of {list(choices)}", v)
-        return v
-
-    return check
-
-
-def optional(inner: Check) -> Check:
-    """``inner``, or null."""
-
-    def check(v: Any, path: str) -> Any:
-        if v is None:
-            return None
-        try:
-            return inner(v, path)
-        except ReportFormatError as exc:
-            raise ReportFormatError(f"{exc} (or null)") from None
-
-    return check
-
-
-def list_of(inner: Check, what: str) -> Check:
-    def check(v: Any, path: str) -> list[Any]:
-        if not isinstance(v, list):
-            raise _fail(path, f"a list of {what}", v)
-        out = []
-        for i, x in enumerate(v):
-            try:
-                out.append(inner(x, f"{path}[{i}]"))
-            except ReportFormatError:
-                raise _fail(path, f"a list of {what}", v) from None
-        return out
-
-    return check
 
 
 def coverage(v: Any, path: str) -> str:
     if not isinstance(v, str) or not _COVERAGE.fullmatch(v):
-        raise _fail(path, 'a share such as "1/8"', v)
+        raise fail(path, 'a share such as "1/8"', v)
     k, n = (int(x) for x in v.split("/"))
     if k > n:
-        raise _fail(path, 'a share such as "1/8" (k/n with k <= n)', v)
+        raise fail(path, 'a share such as "1/8" (k/n with k <= n)', v)
     return v
 
 
 def checked_counts(v: Any, path: str) -> dict[str, int]:
     """Tensors checked per kind; the known kinds default to 0, other kinds must be counts too."""
     if not isinstance(v, dict):
-        raise _fail(path, "an object of counts per kind", v)
+        raise fail(path, "an object of counts per kind", v)
     count = integer(0)
     out = dict.fromkeys(CHECKED_KINDS, 0)
     for k, n in v.items():
@@ -173,21 +88,18 @@ def checked_counts(v: Any, path: str) -> dict[str, int]:
     return out
 
 
-def shard_coords(v: Any, path: str) -> dict[str, int]:
-    """Mesh coordinates of a shard: ``{"dp": 0}``."""
-    if not isinstance(v, dict) or not all(isinstance(k, str) and _is_int(x) and x >= 0 for k, x in v.items()):
-        raise _fail(path, "an object of mesh dimension -> integer >= 0", v)
-    return dict(v)
+shard_coords = entries(integer(0), "an object of mesh dimension -> integer >= 0")
+"""Mesh coordinates of a shard: ``{"dp": 0}``."""
 
 
 def rank_counts(v: Any, path: str) -> dict[int, int]:
     """Counts per rank: ``{"1": 3}`` (a JSON object's keys are strings) read as ``{1: 3}``."""
     if not isinstance(v, dict):
-        raise _fail(path, "an object of rank -> count", v)
+        raise fail(path, "an object of rank -> count", v)
     out = {}
     for k, n in v.items():
-        if not (isinstance(k, str) and k.isdigit()) or not _is_int(n) or n < 0:
-            raise _fail(path, "an object of rank -> count (integers >= 0)", v)
+        if not (isinstance(k, str) and k.isdigit()) or not is_int(n) or n < 0:
+            raise fail(path, "an object of rank -> count (integers >= 0)", v)
         out[int(k)] = int(n)
     return out
 
@@ -195,42 +107,32 @@ def rank_counts(v: Any, path: str) -> dict[int, int]:
 def transient_span(v: Any, path: str) -> dict[str, Any]:
     """``{"first_diverged_step", "last_diverged_step", "names"}``: steps (or null) and tensor names."""
     if not isinstance(v, dict):
-        raise _fail(path, 'an object {"first_diverged_step", "last_diverged_step", "names"}', v)
+        raise fail(path, 'an object {"first_diverged_step", "last_diverged_step", "names"}', v)
     step = optional(integer())
     first = step(v.get("first_diverged_step"), f"{path}.first_diverged_step")
     last = step(v.get("last_diverged_step"), f"{path}.last_diverged_step")
     names = list_of(string, "strings")(v.get("names", []), f"{path}.names")
     if (first is None) != (last is None) or (first is not None and last is not None and last < first):
-        raise _fail(f"{path}.last_diverged_step", "a step >= first_diverged_step (both or neither null)", last)
+        raise fail(f"{path}.last_diverged_step", "a step >= first_diverged_step (both or neither null)", last)
     return {"first_diverged_step": first, "last_diverged_step": last, "names": names}
 
 
 def mismatch_list(v: Any, path: str) -> list[dict[str, Any]]:
     if not isinstance(v, list):
-        raise _fail(path, "a list of mismatch objects", v)
+        raise fail(path, "a list of mismatch objects", v)
     return [validate_mismatch(m, f"{path}[{i}]") for i, m in enumerate(v)]
 
 
-def rank_hosts(v: Any, path: str) -> dict[str, str]:
-    """Global rank (as a string) -> where it runs: ``{"1": "node-7 local_rank=1 cuda:1 GPU-..."}``."""
-    if not isinstance(v, dict) or not all(
-        isinstance(k, str) and k.isdigit() and isinstance(x, str) for k, x in v.items()
-    ):
-        raise _fail(path, "an object of rank -> host and device text", v)
-    return dict(v)
+rank_hosts = entries(string, "an object of rank -> host and device text", DIGITS)
+"""Global rank (as a string) -> where it runs: ``{"1": "node-7 local_rank=1 cuda:1 GPU-..."}``."""
 
-
-def checkpoint_entry(v: Any, path: str) -> dict[str, Any]:
-    """``{"path", "event": saved|loaded, "status", "saved_step"}`` of an audit at a checkpoint, and at a
-    load ``not_compared``: the tensors saved as partitions only (ZeRO-3), which no rank can compare whole."""
-    if not isinstance(v, dict):
-        raise _fail(path, "an object with path, event and status", v)
-    string(v.get("path"), f"{path}.path")
-    one_of(("saved", "loaded"))(v.get("event"), f"{path}.event")
-    one_of(CHECKPOINT_STATES)(v.get("status"), f"{path}.status")
-    optional(integer())(v.get("saved_step"), f"{path}.saved_step")
-    optional(integer(0))(v.get("not_compared"), f"{path}.not_compared")
-    return dict(v)
+checkpoint_entry = record_of(
+    "an object with path, event and status",
+    {"path": string, "event": one_of(("saved", "loaded")), "status": one_of(CHECKPOINT_STATES),
+     "saved_step": optional(integer()), "not_compared": optional(integer(0))},
+)  # fmt: skip
+"""``{"path", "event": saved|loaded, "status", "saved_step"}`` of an audit at a checkpoint, and at a load
+``not_compared``: the tensors saved as partitions only (ZeRO-3), which no rank can compare whole."""
 
 
 BLAME_EVIDENCE = (
@@ -246,56 +148,32 @@ BLAME_EVIDENCE = (
 """What a record's ``blame`` rests on (docs/report-schema.md)."""
 
 
-def blame_entry(v: Any, path: str) -> dict[str, Any]:
-    """``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``; ``ranks: []`` is undecided.
+blame_entry = record_of(
+    'an object {"ranks", "evidence", "hardware_suspect", ...}',
+    {"ranks": list_of(integer(0), "ranks (integers >= 0)"), "evidence": one_of(BLAME_EVIDENCE),
+     "hardware_suspect": boolean, "step": optional(integer()), "detail": optional(string), "cause": optional(string)},
+)  # fmt: skip
+"""``{"ranks", "evidence", "cause", "hardware_suspect", "step", "detail"}``; ``ranks: []`` is undecided."""
 
-    >>> blame_entry({"ranks": [0], "evidence": "at_rest_change", "hardware_suspect": True}, "blame")["ranks"]
-    [0]
-    """
-    if not isinstance(v, dict):
-        raise _fail(path, 'an object {"ranks", "evidence", "hardware_suspect", ...}', v)
-    list_of(integer(0), "ranks (integers >= 0)")(v.get("ranks"), f"{path}.ranks")
-    one_of(BLAME_EVIDENCE)(v.get("evidence"), f"{path}.evidence")
-    boolean(v.get("hardware_suspect"), f"{path}.hardware_suspect")
-    optional(integer())(v.get("step"), f"{path}.step")
-    for key in ("detail", "cause"):
-        optional(string)(v.get(key), f"{path}.{key}")
-    return dict(v)
+overlap_entry = record_of(
+    "an object with covers_step, settled_at, waited_ms and audit_ms",
+    {"covers_step": optional(integer()), "settled_at": string, "waited_ms": optional(number),
+     "audit_ms": optional(number), "raced": optional(boolean)},
+)  # fmt: skip
+"""``{"covers_step", "settled_at", "waited_ms", "audit_ms"}`` (and ``"raced"``) of an overlapped audit."""
 
 
-def overlap_entry(v: Any, path: str) -> dict[str, Any]:
-    """``{"covers_step", "settled_at", "waited_ms", "audit_ms"}`` (and ``"raced"``) of an overlapped audit."""
-    if not isinstance(v, dict):
-        raise _fail(path, "an object with covers_step, settled_at, waited_ms and audit_ms", v)
-    optional(integer())(v.get("covers_step"), f"{path}.covers_step")
-    string(v.get("settled_at"), f"{path}.settled_at")
-    for key in ("waited_ms", "audit_ms"):
-        optional(number)(v.get(key), f"{path}.{key}")
-    optional(boolean)(v.get("raced"), f"{path}.raced")
-    return dict(v)
-
-
-def torchft_entry(v: Any, path: str) -> dict[str, Any]:
-    """``{"quorum_id", "group_rank", "point", "replicas", "absent", "healed"}`` (and ``"sync"``) of an audit
-    across torchft replica groups (docs/torchft.md)."""
-    if not isinstance(v, dict):
-        raise _fail(path, "an object with quorum_id, group_rank, point, replicas, absent and healed", v)
-    integer()(v.get("quorum_id"), f"{path}.quorum_id")
-    integer(0)(v.get("group_rank"), f"{path}.group_rank")
-    one_of(("step", "sync"))(v.get("point"), f"{path}.point")
-    replicas = v.get("replicas")
-    if not isinstance(replicas, dict) or not all(k.isdigit() and isinstance(x, str) for k, x in replicas.items()):
-        raise _fail(f"{path}.replicas", "an object of replica rank -> replica id", replicas)
-    _RANKS(v.get("absent"), f"{path}.absent")
-    healed = v.get("healed")
-    if not isinstance(healed, dict) or not all(k.isdigit() and isinstance(x, dict) for k, x in healed.items()):
-        raise _fail(f"{path}.healed", "an object of replica rank -> {source, verified, differs}", healed)
-    for k, x in healed.items():
-        optional(integer(0))(x.get("source"), f"{path}.healed.{k}.source")
-        boolean(x.get("verified"), f"{path}.healed.{k}.verified")
-    if "sync" in v and not isinstance(v["sync"], dict):
-        raise _fail(f"{path}.sync", "an object", v["sync"])
-    return dict(v)
+torchft_entry = record_of(
+    "an object with quorum_id, group_rank, point, replicas, absent and healed",
+    {"quorum_id": integer(), "group_rank": integer(0), "point": one_of(("step", "sync")),
+     "replicas": entries(string, "an object of replica rank -> replica id", DIGITS),
+     "absent": list_of(integer(0), "ranks (integers >= 0)"),
+     "healed": entries(record_of("an object {source, verified, differs}", {"source": optional(integer(0)), "verified": boolean}),
+                       "an object of replica rank -> {source, verified, differs}", DIGITS)},
+    {"sync": record_of("an object", {})},
+)  # fmt: skip
+"""``{"quorum_id", "group_rank", "point", "replicas", "absent", "healed"}`` (and ``"sync"``) of an audit
+across torchft replica groups (docs/torchft.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +242,7 @@ RECORD_FIELDS: dict[str, FieldSpec] = {
 
 def _validate(d: Any, table: Mapping[str, FieldSpec], what: str, prefix: str) -> dict[str, Any]:
     if not isinstance(d, dict):
-        raise ReportFormatError(f"{what} must be a JSON object, got {_show(d)}")
+        raise ReportFormatError(f"{what} must be a JSON object, got {shown(d)}")
     out: dict[str, Any] = {}
     for key, spec in table.items():
         path = f"{prefix}{key}"

@@ -39,8 +39,6 @@ from weightsync_audit.engine.checkpoints.load import (
     LazyTensor,
     Progress,
     UnreadableCheckpointError,
-    flatten,
-    load_checkpoint,
     open_unit,
     read_value,
     regular_file,
@@ -49,13 +47,9 @@ from weightsync_audit.engine.measure.gaps import max_abs_diff
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
-    "CheckpointError",
-    "UnsafeCheckpointError",
     "EntryDiff",
     "PairDiff",
     "DiffResult",
-    "load_checkpoint",
-    "flatten",
     "diff_flat",
     "diff_checkpoints",
 ]
@@ -142,9 +136,7 @@ class DiffResult:
 
 
 def _describe(v: Any) -> str:
-    if isinstance(v, LazyTensor):
-        return f"{str(v.dtype).removeprefix('torch.')} {'x'.join(map(str, v.shape)) or 'scalar'}"
-    if isinstance(v, torch.Tensor):
+    if isinstance(v, (LazyTensor, torch.Tensor)):
         return f"{str(v.dtype).removeprefix('torch.')} {'x'.join(map(str, v.shape)) or 'scalar'}"
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -330,16 +322,10 @@ def _diff_units(ua: Unit, ub: Unit, atol: float | None, exclude: Sequence[str], 
         return PairDiff(str(ua.files[0]), str(ub.files[0]), 1, 0, [entry], f"not readable whole: {bad[0]}")
     (oa, la), (ob, lb) = sides
     note = None
-    if la and not lb:
-        oa, note = (
-            _under(oa, "state_dict"),
-            f"compared the state_dict of the Lightning checkpoint {ua.name} with {ub.name}",
-        )
-    elif lb and not la:
-        ob, note = (
-            _under(ob, "state_dict"),
-            f"compared {ua.name} with the state_dict of the Lightning checkpoint {ub.name}",
-        )
+    if la != lb:  # exactly one side is a Lightning checkpoint: its state_dict is compared with the other
+        oa, ob = (_under(oa, "state_dict"), ob) if la else (oa, _under(ob, "state_dict"))
+        lit = "the state_dict of the Lightning checkpoint "
+        note = f"compared {lit * la}{ua.name} with {lit * lb}{ub.name}"
     within: list[EntryDiff] = []
     compared, same, entries = diff_flat(oa, ob, atol=atol, exclude=exclude, within=within, progress=progress)
     return PairDiff(str(ua.files[0]), str(ub.files[0]), compared, same, entries, note, within)

@@ -40,10 +40,8 @@ import torch
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = [
-    "CheckpointError",
     "LazyTensor",
     "UnreadableCheckpointError",
-    "UnsafeCheckpointError",
     "flatten",
     "is_lightning_checkpoint",
     "load_checkpoint",

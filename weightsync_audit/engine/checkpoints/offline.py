@@ -40,7 +40,14 @@ from weightsync_audit.engine.checkpoints.load import (
     stream_flat,
 )
 from weightsync_audit.engine.checkpoints.resume_state import compare, is_error, rng_file_state, saved_differences
-from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, tensor_digests
+from weightsync_audit.engine.checkpoints.sidecar import (
+    SidecarError,
+    match_prefix,
+    read_sidecar,
+    same_digest,
+    sidecar_path,
+    tensor_digests,
+)
 from weightsync_audit.errors import CheckpointError, UnsafeCheckpointError
 
 __all__ = ["SidecarDiff", "diff_sidecars", "verify_checkpoint", "verify_resume"]
@@ -104,30 +111,12 @@ def verify_resume(path: Path, sidecar: Mapping[str, Any]) -> dict[str, Any]:
     return {"status": "differs" if any(is_error(f) for f in findings) else "exact", "findings": findings}
 
 
-def _best_prefix(digests: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
-    """The prefix under which ``wanted`` (a sidecar's names) sit among ``digests`` (a file's): where most of
-    them are found, and among those, where most have the digest saved (a file holding the model twice,
-    ``model.`` and ``ema.``, is read where the saved model is)."""
-    names = list(wanted)
-    cands = {""}
-    for n in names[:8]:
-        cands |= {
-            k[: len(k) - len(n)] for k in digests if k.endswith(n) and (len(k) == len(n) or k[-len(n) - 1] in "./")
-        }
-
-    def score(p: str) -> tuple[int, int]:
-        held = [n for n in names if p + n in digests]
-        return len(held), sum(digests[p + n]["digest"] == wanted[n]["digest"] for n in held)
-
-    return max(sorted(cands), key=score)
-
-
 def _match(digests: Mapping[str, Any], saved: Mapping[str, Any], found: dict[str, Any]) -> None:
     """Add to ``found`` (sidecar name -> digest entry) the names of ``saved`` not found yet that ``digests``
     (one file's tensors) holds, under the prefix they sit at there (``module.`` in a DeepSpeed model file,
     ``model.`` in ``torch.save({"model": model.state_dict()})``)."""
     wanted = {n: e for n, e in saved.items() if n not in found}
-    prefix = _best_prefix(digests, wanted)
+    prefix = match_prefix(digests, wanted, by_digest=True)
     found.update({n: digests[prefix + n] for n in wanted if prefix + n in digests})
 
 
@@ -237,7 +226,7 @@ def verify_checkpoint(path: str | Path, progress: Any = None) -> dict[str, Any]:
                     out["missing"].append(n)
             elif partitioned and not math.prod(held["shape"]) and math.prod(e["shape"]):
                 out["not_compared"].append(n)  # ZeRO-3 saves every parameter as a placeholder in the model file
-            elif (held["digest"], held["shape"], held["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
+            elif not same_digest(held, e):
                 out["changed"].append(n)
     verdict = sidecar["verdict"]
     if any(out[k] for k in ("changed", "missing", "changed_files", "missing_files", "added_files")):

@@ -25,7 +25,6 @@ own state), ``differs`` (``findings`` say what did not come back and where) or `
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
 
 from weightsync_audit.channel.star import Comm
@@ -38,7 +37,7 @@ from weightsync_audit.engine.checkpoints.resume_state import (
     saved_differences,
 )
 from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 from weightsync_audit.text import without_tie
 
@@ -112,11 +111,7 @@ def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any
             sidecar["resume"] = {"ranks": _kept(gathered)}
             write_sidecar(path, sidecar)
         except (OSError, SidecarError) as exc:  # the run goes on; the resume will say it is unchecked
-            warnings.warn(
-                f"weightsync: could not add the resume state to {target}: {exc}",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
-            )
+            warn_user(f"weightsync: could not add the resume state to {target}: {exc}")
     findings = saved_differences(gathered)
     status = "differs" if any(is_error(f) for f in findings) else "recorded"
     return {"status": status, "checked": checked_components(gathered), "findings": findings}
@@ -178,7 +173,7 @@ def attach_resume(result: AuditResult, entry: dict[str, Any], is_main: bool) -> 
     result.notes.extend(lines)
     if is_main and lines:
         where = result.checkpoint.get("path", "the checkpoint")
-        warnings.warn(f"weightsync: {where}: " + "; ".join(lines), WeightSyncWarning, stacklevel=user_stacklevel())
+        warn_user(f"weightsync: {where}: " + "; ".join(lines))
 
 
 def finish_resume(result: AuditResult, comm: Comm, event: str, path: Any, mine: Any, is_main: bool) -> None:

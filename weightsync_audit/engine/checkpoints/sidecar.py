@@ -47,29 +47,24 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from weightsync_audit.compat import dtensor_box, is_dtensor
-from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME, dcp_shards, file_digest, is_dcp_folder
+from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME
 from weightsync_audit.engine.checkpoints.load import read_json
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import dtype_name
 from weightsync_audit.errors import CheckpointError
-from weightsync_audit.reporting.json_line import SIDECAR_SCHEMA, VERDICTS, SidecarError, validate_sidecar
+from weightsync_audit.reporting.json_line import SIDECAR_SCHEMA, SidecarError, validate_sidecar
 
 __all__ = [
-    "SIDECAR_SCHEMA",
-    "VERDICTS",
-    "SidecarError",
     "compare_boxes",
     "has_boxes",
     "uncovered_boxes",
     "with_boxes",
-    "dcp_shards",
-    "file_digest",
     "flat_tensors",
-    "is_dcp_folder",
     "match_prefix",
     "new_sidecar",
     "read_sidecar",
+    "same_digest",
     "sidecar_path",
     "tensor_digests",
     "tied_names",
@@ -118,6 +113,12 @@ def tensor_digests(obj: Any) -> dict[str, dict[str, Any]]:
         n: {"digest": _hex(int(d)), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
         for (n, t), d in zip(flat.items(), digests)
     }
+
+
+def same_digest(now: Mapping[str, Any], saved: Mapping[str, Any]) -> bool:
+    """Whether a tensor's digest entry (:func:`tensor_digests`) is the one saved: digest, shape and dtype (a
+    sidecar of an earlier version has none)."""
+    return (now["digest"], now["shape"], now["dtype"]) == (saved["digest"], saved["shape"], saved.get("dtype"))
 
 
 def tied_names(obj: Any) -> dict[str, str]:
@@ -192,26 +193,25 @@ def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data
 
 
-def match_prefix(saved: Iterable[str], held: Iterable[str]) -> str:
+def match_prefix(saved: Iterable[str], held: Iterable[str], *, by_digest: bool = False) -> str:
     """The prefix under which names ``held`` (a model's ``state_dict`` keys) sit among ``saved`` (a
-    sidecar's names): ``"state_dict."`` for a Lightning checkpoint, ``""`` for a plain state dict.
+    sidecar's names): ``"state_dict."`` for a Lightning checkpoint, ``""`` for a plain state dict; where most
+    of them are found and, ``by_digest`` (both name -> digest entry), among those where most have the digest
+    ``held`` says (a file holding the model twice, ``model.`` and ``ema.``, is read where the saved one is).
 
     >>> match_prefix(["epoch", "state_dict.w", "state_dict.b"], ["w", "b"])
     'state_dict.'
     """
-    saved_set = set(saved)
-    held = list(held)
-    if not held:
-        return ""
-    first = held[0]
-    candidates = {
-        n[: len(n) - len(first)]
-        for n in saved_set
-        if n.endswith(first) and (len(n) == len(first) or n[len(n) - len(first) - 1] in "./")
-    }
-    if not candidates:
-        return ""
-    return max(sorted(candidates), key=lambda p: sum(p + k in saved_set for k in held))
+    names, among = list(held), saved if isinstance(saved, Mapping) else set(saved)
+    cands = {""}
+    for n in names[:8]:
+        cands |= {k[: len(k) - len(n)] for k in among if k.endswith(n) and (len(k) == len(n) or k[-len(n) - 1] in "./")}
+
+    def score(p: str) -> tuple[int, int]:
+        found = [n for n in names if p + n in among]
+        return len(found), sum(among[p + n]["digest"] == held[n]["digest"] for n in found) if by_digest else 0  # type: ignore[index]
+
+    return max(sorted(cands), key=score)
 
 
 # -- a reshard: the saved shards' boxes --------------------------------------------------------------------
@@ -261,7 +261,7 @@ def compare_boxes(
             e = saved.get(me, {}).get(name)
             if e is not None and "offset" not in e:
                 now = tensor_digests({"t": t})["t"]  # a DTensor: its local shard (the reader)
-                if (now["digest"], now["shape"], now["dtype"]) != (e["digest"], e["shape"], e.get("dtype")):
+                if not same_digest(now, e):
                     differ.append(name)
             continue
         held_offset, global_shape = box

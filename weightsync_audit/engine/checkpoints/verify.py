@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -37,17 +36,22 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
-from weightsync_audit.engine.checkpoints.folder import complete_files, digest_share, list_files
+from weightsync_audit.engine.checkpoints.folder import (
+    complete_files,
+    dcp_shards,
+    digest_share,
+    is_dcp_folder,
+    list_files,
+)
 from weightsync_audit.engine.checkpoints.resume_check import checkpoint_evidence
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     compare_boxes,
-    dcp_shards,
     has_boxes,
-    is_dcp_folder,
     match_prefix,
     new_sidecar,
     read_sidecar,
+    same_digest,
     sidecar_path,
     tensor_digests,
     tied_names,
@@ -57,7 +61,7 @@ from weightsync_audit.engine.checkpoints.sidecar import (
 )
 from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
 __all__ = ["checkpoint_loaded", "checkpoint_saved"]
@@ -193,19 +197,11 @@ def checkpoint_saved(
             try:
                 sidecar["files"] = complete_files(path, listed, found)
             except OSError as exc:  # a file gone while read: the sidecar says nothing of the files
-                warnings.warn(
-                    f"weightsync: could not read the files of {path}: {exc}",
-                    WeightSyncWarning,
-                    stacklevel=user_stacklevel(),
-                )
+                warn_user(f"weightsync: could not read the files of {path}: {exc}")
         try:
             write_sidecar(path, sidecar)
         except OSError as exc:  # a sidecar that cannot be written never ends the run
-            warnings.warn(
-                f"weightsync: could not write {sidecar_path(path)}: {exc}",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
-            )
+            warn_user(f"weightsync: could not write {sidecar_path(path)}: {exc}")
     result.checkpoint = {"path": str(path), "event": "saved", "status": status, "saved_step": step}
     return result
 
@@ -219,26 +215,15 @@ def _kind(path: Any) -> dict[str, Any]:
 def _held_differences(expected: dict[str, Any], held: dict[str, Any], prefix: str | None) -> list[str]:
     """Names (as saved) of the tensors ``held`` whose digest, shape or dtype differ from ``expected``."""
     prefix = match_prefix(expected, held) if prefix is None else prefix
-    out = []
-    for n, e in held.items():
-        saved = expected.get(prefix + n)
-        if saved is not None and (saved["digest"], saved["shape"], saved.get("dtype")) != (
-            e["digest"],
-            e["shape"],
-            e["dtype"],
-        ):
-            out.append(prefix + n)
-    return out
+    return [prefix + n for n, e in held.items() if prefix + n in expected and not same_digest(e, expected[prefix + n])]
 
 
-def _holdings(state: Any, module: nn.Module | None, optimizer: Any) -> list[tuple[str | None, dict[str, Any]]]:
-    """What this rank holds, in groups matched to the saved names: ``state`` by its own names; else the
-    module's ``state_dict`` and each optimizer's, each under the prefix it was saved at."""
+def _held(state: Any, module: nn.Module | None, optimizer: Any) -> list[Any]:
+    """What this rank holds, in groups each matched to the saved names apart: ``state`` by its own names;
+    else the module's ``state_dict`` and each optimizer's, each under the prefix it was saved at."""
     if state is not None:
-        return [("", tensor_digests(state))]
-    groups: list[tuple[str | None, dict[str, Any]]] = [(None, tensor_digests(_model_state(module)))]
-    groups += [(None, tensor_digests(opt.state_dict())) for opt in as_optimizers(optimizer)]
-    return groups
+        return [state]
+    return [_model_state(module), *(opt.state_dict() for opt in as_optimizers(optimizer))]
 
 
 def _boxed_differences(
@@ -248,12 +233,9 @@ def _boxed_differences(
     reshard compares equal when it restores the same global tensors; see ``sidecar.compare_boxes``), and the names of
     tensors whose saved shards no rank compared."""
     names = {n for entries in saved.values() for n in entries}
-    groups = (
-        [state] if state is not None else [_model_state(module), *(o.state_dict() for o in as_optimizers(optimizer))]
-    )
     differ: list[str] = []
     compared: list[list[str]] = []
-    for obj in groups:
+    for obj in _held(state, module, optimizer):
         prefix = "" if state is not None else match_prefix(names, tensor_digests(obj))
         found, seen = compare_boxes(saved, obj, prefix, str(comm.global_ranks[comm.rank]))
         differ += found
@@ -278,9 +260,10 @@ def _saved_differences(
         return differ, uncovered, whole
     expected = sidecar.get("rank_tensors", {}).get(me) if "rank_tensors" in sidecar else sidecar["tensors"]
     differ = []
-    for prefix, held in _holdings(state, module, optimizer):
+    for obj in _held(state, module, optimizer):
+        held = tensor_digests(obj)
         _drop_partitioned(held, module)  # a placeholder held says nothing of the partition loaded
-        differ += _held_differences(expected or {}, held, prefix)
+        differ += _held_differences(expected or {}, held, "" if state is not None else None)
     return differ, [], expected or {}
 
 
@@ -317,27 +300,22 @@ def checkpoint_loaded(
         result.notes.append(f"checkpoint {path} is unverified: {why}")
         if comm.rank == 0 and str(path) not in _warned_unverified:
             _warned_unverified.add(str(path))
-            warnings.warn(
-                f"weightsync: checkpoint {path} is unverified ({why})", WeightSyncWarning, stacklevel=user_stacklevel()
-            )
+            warn_user(f"weightsync: checkpoint {path} is unverified ({why})")
         result.checkpoint = entry
         return result
     differ, uncovered, expected = _saved_differences(comm, sidecar, state, module, optimizer)
-    if uncovered:  # what no rank could compare (a reshard to finer shards)
-        entry["not_compared"] = len(uncovered)
-        result.notes.append(
-            f"{len(uncovered)} tensor(s) of {path} were not compared ({', '.join(uncovered[:3])}"
-            f"{', ...' if len(uncovered) > 3 else ''}): no rank now holds a whole shard of them as saved "
-            "(loaded on finer shards than they were saved in, or not loaded)"
-        )
-    partitioned = sidecar.get("partitioned") or []
-    if partitioned:
-        entry["not_compared"] = len(partitioned)
-        result.notes.append(
-            f"{len(partitioned)} ZeRO-3 partitioned parameter(s) of {path} were not compared "
-            f"({', '.join(partitioned[:3])}{', ...' if len(partitioned) > 3 else ''}): each rank holds only "
-            "its partition, which the engine's own checkpoint files carry"
-        )
+    for names, what, why in (
+        (uncovered, "tensor(s)", "no rank now holds a whole shard of them as saved (loaded on finer shards than "
+         "they were saved in, or not loaded)"),  # a reshard to finer shards
+        (sidecar.get("partitioned") or [], "ZeRO-3 partitioned parameter(s)", "each rank holds only its partition, "
+         "which the engine's own checkpoint files carry"),
+    ):  # fmt: skip
+        if names:  # what no rank could compare
+            entry["not_compared"] = len(names)
+            more = ", ..." if len(names) > 3 else ""
+            result.notes.append(
+                f"{len(names)} {what} of {path} were not compared ({', '.join(names[:3])}{more}): {why}"
+            )
     lists = [json.loads(p) for p in comm.exchange_bytes(json.dumps(differ).encode(), "the checkpoint comparison")]
     entry["saved_step"] = sidecar.get("step")
     changed = _changed_mismatches(comm, lists, expected or {}, module, path, sidecar.get("step"))

@@ -1,6 +1,6 @@
 """What the hints reason from: the mismatches of one audit, the live DDP wrapper and the optimizer state.
 
-:class:`Evidence` is gathered once per :func:`~weightsync_audit.engine.explain.hints.explain` call and read by every
+:class:`Evidence` is gathered once per :func:`~weightsync_audit.engine.explain.explain` call and read by every
 rule in :mod:`~weightsync_audit.engine.explain.rules`; it also keeps the ledger of names a cause already
 accounts for (``explained``), so that each mismatch feeds at most one parameter hint. What the wrapper
 tells (the reducer's coverage, the ignore list) is read lazily: only a rule that needs it pays for it.

@@ -1,6 +1,6 @@
 """The causes a hint can name, one rule each: the evidence it needs, the evidence that rules it out, its words.
 
-:data:`RULES` lists them most specific first; :func:`~weightsync_audit.engine.explain.hints.explain` is the loop
+:data:`RULES` lists them most specific first; :func:`~weightsync_audit.engine.explain.explain` is the loop
 over them. A rule speaks when it finds mismatches it would explain (``needs``) and nothing gathered
 rules it out (``ruled_out``); the names it accounts for are then closed to the rules after it, so each
 mismatch feeds at most one parameter hint. Causes the wrapper proves come first and are stated as fact;
@@ -430,4 +430,4 @@ _REST = (
 )
 
 RULES: tuple[Rule, ...] = (*_PROVEN, *_PATTERN, *_OPTIMIZER, *_REST)
-"""Every cause, most specific first: the order in which :func:`~weightsync_audit.engine.explain.hints.explain` asks."""
+"""Every cause, most specific first: the order in which :func:`~weightsync_audit.engine.explain.explain` asks."""

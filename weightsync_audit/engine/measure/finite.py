@@ -6,9 +6,9 @@ side holds the non-finite value decides which side may be copied over the other 
 its source from a NaN where another rank holds a finite value; see
 :mod:`~weightsync_audit.engine.repair.plan`).
 
-- :func:`mark_nonfinite` (collective, off the healthy path): each rank counts the NaN/inf elements of
-  its own copy of every diverged tensor; the counts are gathered, so every rank writes the same
-  ``Mismatch.nonfinite`` (global rank -> elements) and the same words on which side holds what.
+- :func:`nonfinite_row` then :func:`apply_nonfinite` (off the healthy path): each rank counts the NaN/inf
+  elements of its own copy of every diverged tensor; the counts ride the gaps' round, so every rank writes
+  the same ``Mismatch.nonfinite`` (global rank -> elements) and the same words on which side holds what.
 - :func:`count_everywhere` (collective, with ``AuditConfig.check_finite``): how many audited tensors hold
   NaN/inf, the largest count over the ranks, and the names (the first rank's).
 
@@ -54,9 +54,7 @@ __all__ = [
     "count_everywhere",
     "count_nonfinite",
     "apply_nonfinite",
-    "mark_nonfinite",
     "nonfinite_row",
-    "nonfinite_indices",
     "screen_entries",
     "screen_nonfinite",
 ]
@@ -159,14 +157,6 @@ def _screen_one(t: torch.Tensor, i: int, out: list[int], uncounted: list[int]) -
         out.append(i)
 
 
-def nonfinite_indices(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Positions of the tensors holding NaN or inf; small ones are screened together per dtype.
-
-    (:func:`screen_nonfinite` also says which tensors could not be read to tell.)
-    """
-    return screen_nonfinite(tensors)[0]
-
-
 def _safe_count(t: torch.Tensor) -> int:
     # Nothing here may raise on one rank alone (the others would wait in the exchange).
     try:
@@ -193,26 +183,14 @@ def side_text(m: Mismatch) -> str | None:
     return f"NaN or inf on both sides (elements {held})"
 
 
-def mark_nonfinite(comm: Comm, mismatches: Sequence[Mismatch], entries: Sequence[Any]) -> None:
-    """Collective: ``m.nonfinite`` and a detail note for every diverged tensor (``entries`` aligned).
-
-    Called by every rank with the same mismatches (the localized record), ranks still positions in
-    the group; the counts are written by global rank.
-    """
-    if not mismatches:
-        return
-    table = comm.exchange(nonfinite_row(entries), "the non-finite counts", compact=True)
-    apply_nonfinite(comm.global_ranks, mismatches, table)
-
-
 def nonfinite_row(entries: Sequence[Any]) -> np.ndarray:
     """This rank's count of NaN/inf elements in each of ``entries``' tensors (for :func:`apply_nonfinite`)."""
     return np.array([_safe_count(e.tensor) for e in entries], dtype=np.int64)
 
 
 def apply_nonfinite(g: Sequence[int], mismatches: Sequence[Mismatch], table: np.ndarray) -> None:
-    """:func:`mark_nonfinite` from the gathered ``[world, n]`` counts (``g``: the group's global ranks);
-    the same on every rank."""
+    """``m.nonfinite`` and a detail note for every diverged tensor, from the gathered ``[world, n]`` counts of
+    :func:`nonfinite_row` (``g``: the group's global ranks); the same on every rank."""
     for j, m in enumerate(mismatches):
         counts = {g[r]: int(table[r, j]) for r in range(table.shape[0]) if table[r, j] > 0}
         m.nonfinite = counts or None

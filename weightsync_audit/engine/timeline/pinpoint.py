@@ -52,28 +52,19 @@ from weightsync_audit.engine.timeline.answer import (
     NO_STEP,
     Pinpoint,
     TensorRing,
-    compared_steps,
     date_tensors,
-    decode_ring,
     locate,
-    step_differs,
     with_drift,
 )
-from weightsync_audit.reporting.record import AuditResult, PinpointState
+from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.text import brief_names
 
 __all__ = [
     "DEFAULT_RING",
     "Pinpoint",
     "Pinpointer",
-    "PinpointState",
     "StepRing",
-    "compared_steps",
-    "decode_ring",
-    "locate",
-    "step_differs",
     "mark_pinpoint",
-    "with_drift",
 ]
 
 

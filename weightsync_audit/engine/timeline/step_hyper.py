@@ -34,10 +34,9 @@ import fnmatch
 import json
 import math
 import threading
-import warnings
 from typing import Any, Sequence
 
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.text import BEFORE_STEP, majority
 
@@ -184,5 +183,5 @@ class StallWatch:
             "a model frozen by mistake? (requires_grad off, gradients zeroed after backward, an optimizer over "
             "other parameters)"
         )
-        warnings.warn(text, WeightSyncWarning, stacklevel=user_stacklevel())  # the user's loop, not ours
+        warn_user(text)  # the user's loop, not ours
         return text

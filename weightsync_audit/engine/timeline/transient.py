@@ -26,7 +26,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine.timeline.pinpoint import Pinpointer, compared_steps, decode_ring, step_differs
+from weightsync_audit.engine.timeline.answer import compared_steps, decode_ring, step_differs
+from weightsync_audit.engine.timeline.pinpoint import Pinpointer
 
 __all__ = ["find_transient", "ring_word", "transient_from", "transient_note"]
 

@@ -38,7 +38,7 @@ from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, hf_resume, resumed_folder
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
 from weightsync_audit.integrations.session.runner import audit_metrics
-from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession
+from weightsync_audit.integrations.session.trainer_session import Checkpoint, SessionAdapter, TrainerSession
 from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
 
@@ -128,7 +128,7 @@ def epoch_of(state: Any) -> int:
 
 
 @with_option_properties()
-class WeightSyncAuditCallback(TrainerCallback):
+class WeightSyncAuditCallback(TrainerCallback, SessionAdapter):
     """Audit that every rank holds the same weights while a ``transformers.Trainer`` trains.
 
     Audits at ``on_train_begin``, after every ``every_n_steps`` optimizer steps (``on_step_end``) and at
@@ -138,34 +138,10 @@ class WeightSyncAuditCallback(TrainerCallback):
     Args:
         every_n_steps: audit after every N optimizer steps (``state.global_step``); ``None`` audits only
             at train begin and end.
-        include: ``params``, ``buffers``, ``optimizer``, ``grads``.
-        exclude: glob patterns over names to leave out.
-        on_mismatch: ``warn`` (report on the main process), ``raise`` (``WeightDivergenceError`` on every
-            rank at the same point), ``resync`` (broadcast the diverged tensors from ``resync_src``, then
-            confirm with a full audit).
-        resync_src: the rank whose values win in ``resync``, or ``"majority"`` (each tensor from a rank holding its reference value).
-        report_path: JSONL file that the main process appends one record per audit to.
-        timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
-        coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
-        verbose: print a divergence and the train-end summary (rich) on the main process.
-        tolerance: relative gap (``rel_diff``) under which a mismatch is kept in the record as
-            ``within_tolerance`` and ``on_mismatch`` does not act on it; ``None`` is exact.
-        pinpoint: digest the audited tensors at every ``on_step_end`` (local, no communication) so that
-            a divergent audit names the step it began (``first_diverged_step``).
-        pinpoint_ring: steps kept between audits (default: enough for ``every_n_steps``).
-        pinpoint_coverage: ``1/n`` makes each per-step digest hash one n-th of every large tensor.
-        checkpoints: audit at every ``on_save`` and write a sidecar into the ``checkpoint-N`` folder
-            (``verified`` only if every replica agreed); when training resumes (``global_step > 0`` at
-            ``on_train_begin``), compare every rank with that checkpoint's sidecar before the first step.
-        exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after the
-            record is written (docs/restarts.md).
-        sinks: objects that the main process also hands each record to (``write(record)``): the metrics
-            exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
-        attribution: per-step records that name the corrupted rank even between two replicas and tell the
-            machine from the software (``True``, or a dict of ``AttributionConfig``'s fields); the record's
-            ``blame`` (docs/report-schema.md). Off by default.
-        overlap: the audit after an optimizer step runs on a worker thread while the next step's forward and
-            backward run; its verdict is acted on before the next ``optimizer.step()`` (docs/performance.md).
+        include, exclude, on_mismatch, resync_src, report_path, timeout_s, coverage, verbose, tolerance,
+            pinpoint, pinpoint_ring, pinpoint_coverage, checkpoints, exit_code, sinks, attribution, overlap:
+            the fields of :class:`~weightsync_audit.AuditOptions` (documented there and in docs/callback.md);
+            ``checkpoints`` writes a sidecar into each ``checkpoint-N`` folder and checks it on resume.
         options: all of the above but the cadence as one :class:`~weightsync_audit.AuditOptions` (then none
             of them may be given flat); each also reads as an attribute (``callback.on_mismatch``).
 
@@ -207,7 +183,6 @@ class WeightSyncAuditCallback(TrainerCallback):
         """The options, whole (:class:`~weightsync_audit.AuditOptions`); each also reads as an attribute."""
         self.session = TrainerSession(self.options, every_n_steps)
         self.runner = self.session.runner
-        self.history = self.runner.history
         self.last_result: AuditResult | None = None
         """The latest audit's result (the same on every rank)."""
         self._unlogged: dict[str, float] = {}
@@ -355,7 +330,3 @@ class WeightSyncAuditCallback(TrainerCallback):
             self.last_result = result
             self._unlogged = audit_metrics(result)
         return result
-
-    def summary(self) -> str:
-        """One line over the run so far: audits, the first divergence, resyncs."""
-        return self.session.summary()

@@ -51,21 +51,19 @@ def engine_of(args: Any) -> str | None:
     leaves ``args.deepspeed``/``args.fsdp`` unset; ``fsdp="full_shard"`` on CPU silently trains plain
     DDP), from ``args`` only when Accelerate has no state yet.
     """
+    kind = None
     try:
         from accelerate.state import AcceleratorState, is_initialized
 
         if is_initialized():
             kind = str(getattr(AcceleratorState().distributed_type, "value", "")).upper()
-            if "DEEPSPEED" in kind:
-                return "deepspeed"
-            if "FSDP" in kind:
-                return "fsdp"
-            return "ddp" if getattr(args, "world_size", 1) > 1 else None
     except ImportError:  # pragma: no cover - accelerate is a dependency of the Trainer
         pass
-    if getattr(args, "deepspeed", None):
+    if kind is None:  # no Accelerate state yet: the arguments say
+        kind = "DEEPSPEED" if getattr(args, "deepspeed", None) else "FSDP" if getattr(args, "fsdp", None) else ""
+    if "DEEPSPEED" in kind:
         return "deepspeed"
-    if getattr(args, "fsdp", None):
+    if "FSDP" in kind:
         return "fsdp"
     return "ddp" if getattr(args, "world_size", 1) > 1 else None
 
@@ -107,12 +105,10 @@ def resumed_folder(trainer: Any, args: Any, state: Any, depth: int = 12) -> str 
     """The folder ``trainer`` resumes from (``None``: not resuming, ``state.global_step == 0``)."""
     if not state.global_step:
         return None
-    given = _train_argument(trainer, depth) if trainer is not None else _MISSING
-    if isinstance(given, (str, os.PathLike)) and os.path.isdir(given):
-        return os.fspath(given)
-    given = getattr(args, "resume_from_checkpoint", None)
-    if isinstance(given, (str, os.PathLike)) and os.path.isdir(given):
-        return os.fspath(given)
+    passed = _train_argument(trainer, depth) if trainer is not None else _MISSING
+    for given in (passed, getattr(args, "resume_from_checkpoint", None)):  # train()'s argument, then args'
+        if isinstance(given, (str, os.PathLike)) and os.path.isdir(given):
+            return os.fspath(given)
     return checkpoint_dir(args, state)
 
 

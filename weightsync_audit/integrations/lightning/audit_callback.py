@@ -25,7 +25,12 @@ from weightsync_audit.engine.checkpoints.resume_state import ResumeSources, rng_
 from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties
-from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession, added_by_env
+from weightsync_audit.integrations.session.trainer_session import (
+    Checkpoint,
+    SessionAdapter,
+    TrainerSession,
+    added_by_env,
+)
 from weightsync_audit.reporting.jsonl import RecordSink
 from weightsync_audit.reporting.record import AuditResult
 
@@ -91,7 +96,7 @@ def sharded_strategy_reason(strategy: Any) -> str | None:
 
 
 @with_option_properties()
-class WeightSyncAuditMixin:
+class WeightSyncAuditMixin(SessionAdapter):
     """Audit that every rank holds the same weights during ``fit``; report, raise or resync.
 
     Args:
@@ -100,40 +105,10 @@ class WeightSyncAuditMixin:
             bandwidth over the model's bytes) per 100 steps; see docs/performance.md.
         hooks: Lightning hooks that also trigger an audit (``on_train_start`` catches a checkpoint
             loaded differently on some ranks; ``on_train_epoch_end`` gives one record per epoch).
-        include: ``params``, ``buffers``, ``optimizer``, ``grads`` (grads at ``on_before_optimizer_step``).
-        exclude: glob patterns over names to leave out.
-        on_mismatch: ``warn`` (report on rank 0 when a divergence appears or changes), ``raise``
-            (``WeightDivergenceError`` on every rank at the same point), ``resync`` (broadcast the
-            diverged tensors from ``resync_src`` and confirm).
-        resync_src: the rank whose values win in ``resync``, for each tensor it holds the reference
-            (majority) value of; a tensor where it holds a minority value comes from a majority holder
-            instead, and the record's notes say so. ``"majority"``: every tensor from a rank holding
-            its reference value.
-        report_path: JSONL file that global rank 0 appends one record per audit to.
-        timeout_s: deadline for the ranks to meet at an audit (``AuditTimeoutError`` names the missing).
-        coverage: ``1`` for full audits, ``1/n`` for sampled audits that cover everything every n audits.
-        verbose: print the report and the fit-end summary on rank 0.
-        tolerance: relative gap (``rel_diff``) under which a mismatch is kept in the record as
-            ``within_tolerance`` and ``on_mismatch`` does not act on it; ``None`` is exact.
-        pinpoint: digest the audited tensors after every optimizer step (local, no communication) so
-            that a divergent audit names the step it began (``first_diverged_step``).
-        pinpoint_ring: steps kept between audits (default: enough for ``every_n_train_steps``).
-        pinpoint_coverage: ``1/n`` makes each per-step digest hash one n-th of every large tensor
-            (n times cheaper; the record's ``pinpoint`` then says ``sampled``).
-        checkpoints: audit at every checkpoint the Trainer saves and write a sidecar beside it
-            (``verified`` only if every replica agreed); on resume (``ckpt_path``), compare every rank
-            with the sidecar before the first step (docs/restarts.md).
-        exit_code: with ``on_mismatch="raise"``, every rank ends its process with this status after
-            the record is written (e.g. 17), for ``torchrun --max-restarts`` or a scheduler.
-        sinks: objects that global rank 0 also hands each record to (``write(record)``): the metrics
-            exporters of :mod:`weightsync_audit.metrics` (Prometheus, OpenTelemetry; docs/metrics.md).
-        attribution: per-step records that name the corrupted rank even between two replicas and tell
-            the machine from the software (``True``, or a dict of ``AttributionConfig``'s fields); the
-            record's ``blame`` (docs/report-schema.md). Off by default.
-        overlap: the audit after an optimizer step runs on a worker thread while the next batch's forward
-            and backward run; its verdict (report, ``raise``, ``resync``) is acted on before the next
-            optimizer update, and the record's ``overlap.covers_step`` says which step it covers
-            (docs/performance.md).
+        include, exclude, on_mismatch, resync_src, report_path, timeout_s, coverage, verbose, tolerance,
+            pinpoint, pinpoint_ring, pinpoint_coverage, checkpoints, exit_code, sinks, attribution, overlap:
+            the fields of :class:`~weightsync_audit.AuditOptions` (documented there and in docs/callback.md);
+            grads are audited at ``on_before_optimizer_step``, and rank 0 writes, prints and hands on records.
         check_batches: at each audited optimizer step also compare a digest of every rank's batch (the
             one ``on_train_batch_end`` receives): ranks that trained on identical batches (a sampler that
             is not distributed) are named in the record's notes.
@@ -191,7 +166,6 @@ class WeightSyncAuditMixin:
         self.slices = self.config.slices
         self.every_n_train_steps = every_n_train_steps
         self.hooks = tuple(hooks)
-        self.history = self.runner.history
         self.env_options: dict[str, Any] | None = None
         """The options of the ``WEIGHTSYNC_AUDIT`` variable when it added this callback (zero-code activation)."""
 
@@ -333,10 +307,6 @@ class WeightSyncAuditMixin:
         return self.session.audit(
             trainer.strategy.model, optimizers, checkpoint=checkpoint, step=step, log_metrics=log_metrics, **kw
         )
-
-    def summary(self) -> str:
-        """One line over the run so far: audits, the first divergence, resyncs (or why it was not audited)."""
-        return self.session.summary()
 
     # -- reporting and checkpoints -------------------------------------------------------------
 

@@ -36,14 +36,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from weightsync_audit.compat import lightning_ddp_factory, lightning_reset_static_graph
-from weightsync_audit.ddp.inspect import (
-    TrainableChange,
-    covered_flags,
-    flags_change,
-    trainable_flags,
-    watched_parameters,
-)
-from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, agree_trainable, reduce_grads_by_hand, rewrap_ddp
+from weightsync_audit.ddp.inspect import TrainableChange, covered_flags
+from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, rewrap_if_changed
 from weightsync_audit.engine.inventory.reducer import find_ddp
 from weightsync_audit.integrations.lightning.audit_callback import route_hooks
 
@@ -76,20 +70,11 @@ class RewrapEvent:
 
 
 class DDPRewrapMixin:
-    """Re-create the DDP wrapper whenever the set of trainable parameters changes.
+    """Re-create the DDP wrapper, with the strategy's own settings and the old wrapper's comm hooks, whenever
+    the set of trainable parameters changes (the module's docstring says where it checks, and why there).
 
-    DistributedDataParallel all-reduces only the gradients of parameters that required grad when it
-    wrapped the model. Unfreezing later (``BackboneFinetuning``, Lightning #20340) leaves the new
-    parameters un-synced, so the replicas drift; freezing later leaves the reducer waiting for
-    gradients that never come. This callback builds a new wrapper, with the strategy's own settings
-    (``find_unused_parameters``, ``static_graph``, bucket size, ``gradient_as_bucket_view``) and the
-    old wrapper's comm hooks, whenever the set changes, so every trainable parameter is all-reduced.
-
-    Its place in the callback list does not matter. It works with ``ddp``, ``ddp_spawn`` and
-    ``ddp_fork``, and does nothing without a DDP wrapper. When the set does not change it costs one
-    tuple of ``requires_grad`` flags per hook (about 50 us per 1000 parameter tensors). The optimizer
-    is left alone: it holds the same parameters, and param groups added by ``BackboneFinetuning``
-    need nothing from DDP.
+    Its place in the callback list does not matter; with ``ddp``, ``ddp_spawn`` and ``ddp_fork``; nothing
+    without a DDP wrapper. The optimizer is left alone: it holds the same parameters.
 
     Args:
         verbose: print each re-wrap on rank zero (it is also logged at INFO on ``weightsync_audit``).
@@ -154,18 +139,16 @@ class DDPRewrapMixin:
             # reducer covers, once; a wrapper this module built carries its flags already.
             self._ddp_ref = weakref.ref(ddp)
             self._flags = covered_flags(ddp)
-        now = trainable_flags(watched_parameters(ddp))
-        # A re-wrap is collective: every rank checks, with a deadline, that all hold the same flags.
-        agree_trainable(ddp, now, timeout_s=self.timeout_s)
-        if now == self._flags:
-            return
+        # A re-wrap is collective: every rank checks, with a deadline, that all hold the same flags. This
+        # step's backward ran under the stale reducer (outside no_sync) when mid-step: its job is finished.
         assert self._flags is not None
-        change = flags_change(ddp.module, self._flags, now)
-        reduced: list[str] = []
-        if mid_step and ddp.require_backward_grad_sync:
-            # This step's backward ran under the stale reducer (outside no_sync): finish its job.
-            reduced = reduce_grads_by_hand(ddp, change, self._flags)
-        self._rewrap(trainer, ddp)
+        new, change, reduced = rewrap_if_changed(
+            ddp, self._flags, reduce_pending=mid_step and ddp.require_backward_grad_sync, timeout_s=self.timeout_s,
+            build=lightning_ddp_factory(trainer.strategy),
+        )  # fmt: skip
+        if new is None:
+            return
+        self._swap(trainer, new)
         event = RewrapEvent(
             epoch=int(trainer.current_epoch),
             step=int(trainer.global_step),
@@ -180,16 +163,13 @@ class DDPRewrapMixin:
                 print(event.describe(), file=sys.stderr, flush=True)  # logging would not show it
             log.info("%s", event.describe())
 
-    def _rewrap(self, trainer: Any, old: DistributedDataParallel) -> None:
-        strategy = trainer.strategy
-        build = lightning_ddp_factory(strategy)
-        # The strategy's own factory keeps its DDP kwargs, device ids and CUDA stream; rewrap_ddp
-        # replays the old wrapper's comm hooks (the strategy's and any the user registered).
-        new = rewrap_ddp(old, build=build)
-        strategy.model = new
+    def _swap(self, trainer: Any, new: DistributedDataParallel) -> None:
+        # The strategy's own factory kept its DDP kwargs, device ids and CUDA stream; rewrap_ddp replayed the
+        # old wrapper's comm hooks (the strategy's and any the user registered).
+        trainer.strategy.model = new
         self._ddp_ref = weakref.ref(new)
         self._flags = covered_flags(new)  # recorded by rewrap_ddp at construction
-        lightning_reset_static_graph(strategy)  # its one-time static-graph flush is per wrapper
+        lightning_reset_static_graph(trainer.strategy)  # its one-time static-graph flush is per wrapper
 
 
 route_hooks(DDPRewrapMixin, ("on_train_epoch_start", "on_train_batch_start"), to="_check")

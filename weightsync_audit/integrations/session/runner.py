@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import time
-import warnings
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
@@ -39,7 +38,7 @@ from weightsync_audit.engine.measure.finite import persistent_hints
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
-from weightsync_audit.errors import WeightDivergenceError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import WeightDivergenceError, warn_user
 from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.reporting.jsonl import RecordSinks, ReportWriter
@@ -196,11 +195,7 @@ class AuditRunner:
         """
         self.is_main = is_main
         for problem in hand_off_problems() if is_main else []:  # local: a warning, never a rank of its own
-            warnings.warn(
-                f"weightsync: {problem}: the evict hand-off cannot be written there",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
-            )
+            warn_user(f"weightsync: {problem}: the evict hand-off cannot be written there")
         if self.on_mismatch == "resync" and self.resync_src != "majority" and self.resync_src >= world_size:
             raise ValueError(f"resync_src={self.resync_src}: the run has only {world_size} rank(s)")
         main_include = tuple(k for k in self.include if k != "grads") or ("params",)
@@ -246,11 +241,9 @@ class AuditRunner:
             kind = f"record_step {type(exc).__name__}"
             if kind not in self._warned_failures:
                 self._warned_failures.add(kind)
-                warnings.warn(
+                warn_user(
                     f"weightsync audit: pinpoint could not digest step {step}; training goes on "
-                    f"(on_mismatch='warn'): {type(exc).__name__}: {exc}",
-                    WeightSyncWarning,
-                    stacklevel=user_stacklevel(),
+                    f"(on_mismatch='warn'): {type(exc).__name__}: {exc}"
                 )
 
     def record_hyper(self, optimizers: Sequence[Any], step: int) -> None:
@@ -388,11 +381,7 @@ class AuditRunner:
         kind = type(exc).__name__ + (" (channel gone)" if "unusable after an earlier failure" in text else "")
         if is_main and kind not in self._warned_failures:
             self._warned_failures.add(kind)
-            warnings.warn(
-                f"weightsync audit at step {step} ({hook}) failed; training goes on: {text}",
-                WeightSyncWarning,
-                stacklevel=user_stacklevel(),
-            )
+            warn_user(f"weightsync audit at step {step} ({hook}) failed; training goes on: {text}")
 
     def _note_grad_result(self, result: AuditResult) -> None:
         # The gradient auditor keeps its own history (its audits interleave with the main ones); a

@@ -31,7 +31,6 @@ import json
 import os
 import tempfile
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
@@ -39,7 +38,7 @@ from typing import Any, Iterable, Literal, Optional, Sequence
 from weightsync_audit.ddp.inspect import TrainableSetWatch
 from weightsync_audit.engine.attribution.settle import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 from weightsync_audit.integrations.session.options import AuditOptions
 from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.jsonl import read_report
@@ -191,7 +190,7 @@ class TrainerSession:
         if self.disabled is None:
             self.disabled = disabled
             if disabled and is_main:
-                warnings.warn(disabled, WeightSyncWarning, stacklevel=user_stacklevel())
+                warn_user(disabled)
         if self.disabled:
             return False
         self.runner.open(world_size=world_size, is_main=is_main, **open_kw)
@@ -208,7 +207,7 @@ class TrainerSession:
         name = type(own[0]).__name__
         self.disabled = f"the Trainer already has a {name}; the one from {ENV_VAR} is not used"
         if is_main:
-            warnings.warn(dropped_message(callback, name), WeightSyncWarning, stacklevel=user_stacklevel())
+            warn_user(dropped_message(callback, name))
         return True
 
     def start(self, step: int) -> None:

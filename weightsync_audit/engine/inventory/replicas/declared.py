@@ -11,6 +11,9 @@ experts, so these are declared once, on the module, with :func:`declare_replicas
 - experts: ``experts=`` a glob pattern or a predicate over names, and ``expert_group=`` the process group
   of the ranks holding the same experts (their expert-data-parallel group), or ``mesh=`` with an ``ep``
   dimension (the ranks sharing this rank's ``ep`` coordinate hold the same experts).
+- a torchtitan job (``ParallelDims``): its DTensors carry their own peers; what no tensor says is which ranks
+  hold the same pipeline stage. :func:`torchtitan_peer_sets` reads every enabled dimension's ranks (and the
+  stage's) and :func:`declare_torchtitan` declares a model part's stage from them (docs/torchtitan.md).
 
 >>> import torch
 >>> model = declare_replicas(torch.nn.Linear(2, 2), experts="experts.*", expert_group=None)
@@ -32,7 +35,15 @@ from weightsync_audit.compat_engines import pipeline_stage_index, pipeline_stage
 from weightsync_audit.engine.inventory.peers import among, stage_found
 from weightsync_audit.engine.inventory.replicas.engines import Rules
 
-__all__ = ["Declared", "declare_replicas", "declared_for", "declared_rules", "stage_module"]
+__all__ = [
+    "Declared",
+    "declare_replicas",
+    "declare_torchtitan",
+    "declared_for",
+    "declared_rules",
+    "stage_module",
+    "torchtitan_peer_sets",
+]
 
 _KEEP = (-1,)
 
@@ -154,3 +165,31 @@ def declared_rules(rules: Rules, *modules: nn.Module | None) -> str | None:
         rules.by_name = lambda name: info if test(name) else None
         what.append("expert groups")
     return ", ".join(what) or None
+
+
+def torchtitan_peer_sets(parallel_dims: Any) -> dict[str, tuple[int, ...]]:
+    """This rank's group (global ranks, sorted) along every enabled dimension of ``parallel_dims`` (a
+    ``torchtitan.distributed.ParallelDims``): the one-dimensional meshes it built (``pp``, ``dp_replicate``,
+    ``dp_shard``, ``dp``, ``cp``, ``tp``, ``ep``, ``efsdp``, ``batch``, ``loss``), plus ``stage``: the ranks
+    sharing this rank's pipeline coordinate (every rank when ``pp`` is 1). Empty without a process group
+    or ``parallel_dims``. Collective the first time (torchtitan builds its meshes then)."""
+    if parallel_dims is None or not dist.is_initialized():
+        return {}
+    meshes = parallel_dims.get_all_one_dimensional_meshes()
+    out = {name: tuple(sorted(dist.get_process_group_ranks(m.get_group()))) for name, m in meshes.items()}
+    world = int(parallel_dims.world_size)
+    per_stage = world // int(parallel_dims.pp)
+    first = (dist.get_rank() // per_stage) * per_stage  # torchtitan unflattens the world with pp outermost
+    out["stage"] = tuple(range(first, first + per_stage))
+    return out
+
+
+def declare_torchtitan(model_part: nn.Module, parallel_dims: Any) -> nn.Module:
+    """Declare ``model_part`` (one of torchtitan's ``model_parts``) as this rank's pipeline stage when
+    ``pp`` > 1 (its tensors compared among the ranks of the stage, names prefixed ``stage<i>.``); returns
+    it. Without pipeline parallelism there is nothing to declare: DTensors carry their own peers."""
+    if int(getattr(parallel_dims, "pp", 1)) <= 1:
+        return model_part
+    peers = torchtitan_peer_sets(parallel_dims)
+    stage = peers["pp"].index(dist.get_rank()) if "pp" in peers else 0
+    return declare_replicas(model_part, stage=stage, stage_ranks=peers["stage"])
