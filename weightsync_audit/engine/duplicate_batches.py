@@ -18,7 +18,6 @@ rank). The same finding on every rank, from the same data.
 from __future__ import annotations
 
 import json
-import warnings
 from typing import Any
 
 import xxhash
@@ -26,7 +25,7 @@ import xxhash
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.checkpoints.sidecar import flat_tensors
 from weightsync_audit.engine.hashing.digest import digest_tensors
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 
 __all__ = ["BatchRecords", "batch_digest", "describe", "shared_batches"]
 
@@ -75,7 +74,7 @@ class BatchRecords:
         key = tuple(tuple(g) for g in groups)
         if key not in self.said:
             self.said.add(key)
-            warnings.warn(f"weightsync: {describe(groups, step)}", WeightSyncWarning, stacklevel=user_stacklevel())
+            warn_user(f"weightsync: {describe(groups, step)}")
 
 
 def shared_batches(comm: Comm, digest: str | None) -> list[list[int]]:

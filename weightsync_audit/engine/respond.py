@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
@@ -20,7 +19,7 @@ from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.culprit import resync_source
 from weightsync_audit.engine.repair.plan import ResyncPlan, ResyncSource, ResyncState, plan_resync
 from weightsync_audit.engine.repair.resync import resync_planned
-from weightsync_audit.errors import ResyncError, WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import ResyncError, warn_user
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["ESCALATE_AFTER", "Voice", "respond", "say_raising"]
@@ -212,13 +211,11 @@ class Voice:
             if times >= ESCALATE_AFTER and not thread.escalated:
                 thread.escalated = True
                 names = thread.last
-                warnings.warn(
+                warn_user(
                     f"weightsync audit: resync repaired the same {len(names)} tensor(s) {times} times "
                     f"in a row ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}): the cause persists and "
                     "resync only hides it; see the hint in the first report"
-                    + (f": {result.hints[0].split('. ')[0]}" if result.hints else ""),
-                    WeightSyncWarning,
-                    stacklevel=user_stacklevel(),
+                    + (f": {result.hints[0].split('. ')[0]}" if result.hints else "")
                 )
         elif heard == "report":
             if verbose:

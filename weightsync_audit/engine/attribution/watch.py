@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -44,7 +43,7 @@ from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import stepping_optimizer
 from weightsync_audit.engine.inventory.peers import replicated_everywhere
-from weightsync_audit.errors import WeightSyncWarning, user_stacklevel
+from weightsync_audit.errors import warn_user
 
 __all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
 
@@ -144,11 +143,9 @@ class StepWatch:
             try:
                 attach_collective(ddp, self.reduced, hook, state)
             except (RuntimeError, ValueError) as exc:  # DDP runs another comm hook already: pass it as ``hook``
-                warnings.warn(
+                warn_user(
                     f"weightsync audit: attribution's collective check is off ({exc}); pass your comm hook to "
-                    "attach_watch(hook=...) so that it runs inside the check",
-                    WeightSyncWarning,
-                    stacklevel=user_stacklevel(),
+                    "attach_watch(hook=...) so that it runs inside the check"
                 )
 
     def detach(self) -> None:
@@ -304,7 +301,7 @@ class StepWatch:
     def _say(self, what: str) -> None:
         if what not in self._said:
             self._said.add(what)
-            warnings.warn(f"weightsync audit: {what}", WeightSyncWarning, stacklevel=user_stacklevel())
+            warn_user(f"weightsync audit: {what}")
 
     def _open_step(self) -> dict[str, Any]:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
