@@ -314,22 +314,19 @@ def _explains(evidence: Sequence[Change], targets: Sequence[Any]) -> bool:
 
 
 def _weigh(
-    first: tuple[Blame, Sequence[dict[str, Any]]],
-    second: tuple[Blame, Sequence[dict[str, Any]]],
-    mismatches: Sequence[Any],
+    first: tuple[Blame, Sequence[Change]], second: tuple[Blame, Sequence[Change]], mismatches: Sequence[Any]
 ) -> Blame:
     """Two changes at rest on other ranks, seen by one audit (an overlapped read raced the second): the ranks
     whose own change can have made the gaps the audit measured beyond any tolerance; a change far smaller
     than the gap (a tolerated drift) does not. Both can: both are named; neither: the first, as before."""
     beyond = [m for m in mismatches if getattr(m, "within_tolerance", None) is not True] or list(mismatches)
     (a, ea), (b, eb) = first, second
-    if _explains(ea, beyond) == _explains(eb, beyond):
-        if not _explains(ea, beyond):
-            return a
+    a_can, b_can = _explains(ea, beyond), _explains(eb, beyond)
+    if a_can and b_can:
         return _blame([*a.ranks, *b.ranks], a.evidence if a.evidence == b.evidence else "at_rest_change",
                       a.hardware_suspect and b.hardware_suspect, a.step, f"{a.detail}; and {b.detail}",
                       a.cause if a.cause == b.cause else UNTOLD)  # fmt: skip
-    return a if _explains(ea, beyond) else b
+    return b if b_can else a
 
 
 def decide(
@@ -371,8 +368,7 @@ def decide(
     if found is not None:
         return found
     blame = vote_blame(mismatches)
-    failed = [f"rank {g[i]} at step {r['step']}: {r['failed']}" for i, p in enumerate(payloads)
-              for r in p.get("records", []) if r.get("failed")]  # fmt: skip
+    failed = [f"rank {g[i]} at step {r.step}: {r.failed}" for i, d in enumerate(per) for r in d.values() if r.failed]
     if failed:  # never in silence: why the records could not tell
         blame = replace(blame, detail=f"{blame.detail}; the watch failed ({'; '.join(failed[:3])})")
     return blame
