@@ -109,8 +109,7 @@ class TreeWire(StarWire):
         return self._settle(group, status, data, what)
 
     def _unfold(self, c: int, body: bytes, datas: list[bytes], missing: list[int], positions: dict[int, str]) -> None:
-        k = self._group.block if self._group is not None else 0
-        if not k or c % k:
+        if c % self._block:
             datas[c] = body
         elif body[:1] == _PARTS:
             block = self._subtree(c)

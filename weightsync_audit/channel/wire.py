@@ -200,16 +200,20 @@ class StarWire:
 
     # -- the layout: who sends to whom (a star unless the group's ``block`` makes it a tree) ----------
 
+    @property
+    def _block(self) -> int:
+        """Ranks per block: the tree's (:attr:`AuditGroup.block`), or the whole group for a star."""
+        return (self._group.block if self._group is not None else 0) or self.world_size
+
     def _children(self, p: int) -> list[int]:
         """The positions that send their bytes to position ``p`` and take its answer: the rest of its
         block, and for the coordinator also the other blocks' leaders (:mod:`~weightsync_audit.channel.tree`)."""
-        w = self.world_size
-        k = (self._group.block if self._group is not None else 0) or w
+        w, k = self.world_size, self._block
         return list(range(p + 1, min(p - p % k + k, w))) + (list(range(k, w, k)) if p == 0 else [])
 
     def _subtree(self, c: int) -> list[int]:
         """The positions whose bytes the message of the coordinator's child ``c`` carries."""
-        k = (self._group.block if self._group is not None else 0) or self.world_size
+        k = self._block
         return list(range(c, min(c + k, self.world_size))) if c % k == 0 else [c]
 
     def _unfold(self, c: int, body: bytes, datas: list[bytes], missing: list[int], positions: dict[int, str]) -> None:
