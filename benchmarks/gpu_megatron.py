@@ -85,7 +85,7 @@ def _end_to_end(reps: int) -> list[Row]:
     from megatron.core.utils import check_param_hashes_across_dp_replicas
 
     from weightsync_audit import audit
-    from weightsync_audit.engine.inventory.replicas.megatron import MAIN_PARAM_SHARD
+    from weightsync_audit.engine.inventory.layouts import MAIN_PARAM_SHARD
 
     torch.cuda.set_device(0)
     ps.initialize_model_parallel()

@@ -23,7 +23,7 @@ ps = pytest.importorskip("megatron.core.parallel_state")
 from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes  # noqa: E402
 
 from weightsync_audit import audit  # noqa: E402
-from weightsync_audit.engine.inventory.replicas.megatron import megatron_groups, megatron_layout  # noqa: E402
+from weightsync_audit.engine.inventory.layouts import megatron_groups, megatron_layout  # noqa: E402
 
 LAYOUTS = [(2, 1, 1, 1), (1, 2, 1, 1), (2, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (1, 2, 1, 2)]  # tp, pp, cp, ep
 

@@ -20,7 +20,7 @@ parallel_dims = pytest.importorskip("torchtitan.distributed.parallel_dims")
 import torch.testing._internal.distributed.fake_pg  # noqa: E402 - registers the "fake" backend
 
 from weightsync_audit import audit  # noqa: E402
-from weightsync_audit.engine.inventory.replicas.declared import declare_torchtitan, torchtitan_peer_sets  # noqa: E402
+from weightsync_audit.engine.inventory.layouts import declare_torchtitan, torchtitan_peer_sets  # noqa: E402
 
 LAYOUTS = [
     {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2, "pp": 1, "ep": 1},

@@ -57,7 +57,7 @@ _LAZY = {
     "Auditor": "weightsync_audit.engine.auditor",
     "audit": "weightsync_audit.engine.auditor",
     "resync": "weightsync_audit.engine.repair.resync",
-    "declare_replicas": "weightsync_audit.engine.inventory.replicas",
+    "declare_replicas": "weightsync_audit.engine.inventory.layouts",
     "AuditOutOfStepError": _ERRORS,
     "AuditPreparationError": _ERRORS,
     "AuditRaceError": _ERRORS,
