@@ -274,9 +274,8 @@ def test_check_does_not_count_twice_a_transient_that_repeats_the_divergence_the_
 
 
 def test_after_a_sampled_or_divergent_audit_a_transient_names_only_the_steps_recorded_since() -> None:
-    from weightsync_audit.engine.timeline.answer import decode_ring
+    from weightsync_audit.engine.timeline.answer import decode_ring, transient_from
     from weightsync_audit.engine.timeline.pinpoint import StepRing
-    from weightsync_audit.engine.timeline.transient import transient_from
 
     a, b = StepRing(16), StepRing(16)
     for step in range(1, 9):  # the rings differ at step 3

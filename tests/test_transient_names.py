@@ -13,8 +13,8 @@ from ranks import run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor
+from weightsync_audit.engine.timeline.answer import transient_from, transient_note
 from weightsync_audit.engine.timeline.pinpoint import StepRing
-from weightsync_audit.engine.timeline.transient import transient_from, transient_note
 
 
 def _flip_low_bit(t: torch.Tensor, index: int) -> None:

@@ -68,8 +68,8 @@ from weightsync_audit.engine.measure import finite
 from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_arguments
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
+from weightsync_audit.engine.timeline.answer import transient_note
 from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
-from weightsync_audit.engine.timeline.transient import find_transient, ring_word, transient_note
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
 __all__ = ["AuditRun", "gc_paused"]
@@ -194,7 +194,7 @@ class AuditRun:
                 overall,
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
                 self.slice_index,
-                ring_word(pinpointer),
+                0 if pinpointer is None else pinpointer.ring_word(),
                 *sketch.tolist(),  # where a divergence lies, to the bucket: localized a round sooner
             ],
             dtype=np.int64,
@@ -330,7 +330,7 @@ class AuditRun:
         if pinpointer is not None:
             if not mismatches and "ring" in agreement.differing_fields:
                 names = [e.name for e in prepared.manifest.manifest.entries]
-                transient = find_transient(comm, pinpointer, names)  # before settle forgets the ring
+                transient = pinpointer.find_transient(comm, names)  # before settle forgets the ring
                 lead.append(transient_note(transient))
                 transient.pop("why", None)  # said in the note; the field keeps its three keys
             names = [m.name for m in mismatches]

@@ -54,6 +54,7 @@ from weightsync_audit.engine.timeline.answer import (
     TensorRing,
     date_tensors,
     locate,
+    transient_from,
     with_drift,
 )
 from weightsync_audit.reporting.record import AuditResult
@@ -287,6 +288,19 @@ class Pinpointer:
     def position(self) -> str:
         """Part of the audit position: ranks must agree on whether the rings are exchanged again."""
         return " pinpoint=located" if self.found is not None else ""
+
+    def ring_word(self) -> int:
+        """The summary's ``ring`` word: this rank's trace since the last audit."""
+        return self.ring.trace >> 1
+
+    def find_transient(self, comm: Comm, names: Sequence[str]) -> dict[str, Any]:
+        """A divergence that appeared and healed since the last audit (:func:`transient_from`). Collective, off
+        the healthy path: every rank calls it when the summaries' ring words differ."""
+        rings = comm.exchange_bytes(self.ring.encode(recent=True), "the pinpoint rings")
+        mine = b"" if self.tensors is None else self.tensors.tobytes()
+        if self.tensors is not None and len(self.names) == len(self.tensors):
+            names = self.names  # the manifest the traces were folded over (the audit's may have changed since)
+        return transient_from(rings, comm.exchange_bytes(mine, "the per-tensor traces"), names)
 
     def settle(
         self,
