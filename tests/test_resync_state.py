@@ -16,8 +16,7 @@ from torch import nn
 
 from weightsync_audit import Auditor, resync
 from weightsync_audit.channel.star import Comm
-from weightsync_audit.engine import phases
-from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.context import AuditContext, Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.overlap import OverlapRun
 from weightsync_audit.engine.repair import plan as state_module
 from weightsync_audit.engine.repair.plan import Holding, plan_copies, plan_resync
@@ -112,8 +111,8 @@ def test_an_audit_in_sync_keeps_nothing_and_the_state_names_its_channel_and_mode
     )
 
 
-@pytest.mark.parametrize("cls", [phases.Prepared, phases.Localized, phases.Tally, phases.SharedHints,
-                                 phases.Measured, phases.Explained, AuditRun, AuditContext])  # fmt: skip
+@pytest.mark.parametrize("cls", [Prepared, Localized, Tally, SharedHints,
+                                 Measured, Explained, AuditRun, AuditContext])  # fmt: skip
 def test_every_phase_result_and_the_run_itself_is_frozen(cls: type) -> None:
     params = getattr(cls, "__dataclass_params__", None)
     assert params is not None and params.frozen, cls

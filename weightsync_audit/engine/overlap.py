@@ -96,9 +96,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from weightsync_audit.compat import stream_ordered, tensor_version
 from weightsync_audit.engine.agreement.rounds import Agreement
-from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.context import AuditContext, Prepared
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
-from weightsync_audit.engine.phases import Prepared
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.errors import AuditPreparationError, AuditRaceError
 from weightsync_audit.reporting.record import AuditResult

@@ -4,7 +4,7 @@
 single call (and, as its subclass ``OverlapRun``, by :meth:`Auditor.launch
 <weightsync_audit.engine.auditor.Auditor.launch>`) and read top to bottom in :meth:`AuditRun.phases`. The
 run holds one :class:`~weightsync_audit.engine.context.AuditContext`, everything it reads, set once; each phase is one method that takes the results of the phases before it and returns its own, a
-small frozen value (:mod:`~weightsync_audit.engine.phases`), so what each phase needs and leaves is its
+small frozen value (:mod:`~weightsync_audit.engine.context`), so what each phase needs and leaves is its
 signature:
 
 - **prepare**: this rank's manifest (cached while the structure holds), its digests and 104-byte summary;
@@ -57,7 +57,7 @@ from weightsync_audit.engine.agreement.rounds import (
 )
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.config import AuditConfig
-from weightsync_audit.engine.context import AuditContext
+from weightsync_audit.engine.context import AuditContext, Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.duplicate_batches import describe, shared_batches
 from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
@@ -67,7 +67,6 @@ from weightsync_audit.engine.inventory.replicas import reducing_engine
 from weightsync_audit.engine.measure import finite
 from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_arguments
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
-from weightsync_audit.engine.phases import Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.timeline.answer import transient_note
 from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
 from weightsync_audit.reporting.record import AuditResult, Mismatch
@@ -95,7 +94,7 @@ def gc_paused() -> Iterator[None]:
 @dataclass(frozen=True, slots=True, eq=False)
 class AuditRun:
     """One audit over its :class:`~weightsync_audit.engine.context.AuditContext` (everything it reads, set
-    once); each phase takes the frozen results of the phases before it (:mod:`~weightsync_audit.engine.phases`)
+    once); each phase takes the frozen results of the phases before it (:mod:`~weightsync_audit.engine.context`)
     and returns its own."""
 
     context: AuditContext
