@@ -25,7 +25,7 @@ the coordinator's and another rank's CPU time per audit and bytes per audit, and
 same summary; each fitted by least squares to ``a + b * ranks`` and the fits' figures printed for 1,024 and
 16,384 ranks next to the all-gather's (gloo's ring: ``ranks - 1`` steps, and as many summaries through
 every rank). Then the same worlds as a tree (``--hosts-of 8`` ranks per "host",
-:mod:`weightsync_audit.channel.tree`): the coordinator's and a leader's CPU time and peers (messages each
+:class:`weightsync_audit.channel.star.TreeWire`): the coordinator's and a leader's CPU time and peers (messages each
 sends per audit: one per rank it answers, and a leader's one up), the coordinator's fitted per rank and per
 peer, and the per-peer fit's figures for the layout a fleet of hosts of 8 gets at 1,024 and 16,384 ranks.
 Ranks beyond the cores share them, so latencies are upper bounds; the coordinator's CPU time per peer is
@@ -112,7 +112,7 @@ def _roles(res: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def fleet(worlds: list[int], reps: int, per_host: int) -> None:
-    from weightsync_audit.channel.tree import RANKS_PER_HOST_ENV, block_size
+    from weightsync_audit.channel.star import RANKS_PER_HOST_ENV, block_size
 
     rows, runs = [], []
     for layout in ("star", f"hosts of {per_host}"):

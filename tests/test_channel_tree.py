@@ -18,8 +18,7 @@ from ranks import RankDied, run_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditOutOfStepError, AuditPreparationError, AuditTimeoutError, audit
-from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
-from weightsync_audit.channel.tree import RANKS_PER_HOST_ENV
+from weightsync_audit.channel.star import DEFAULT_GRACE_S, RANKS_PER_HOST_ENV, Comm
 
 DEADLINE_S = 3.0
 SLACK_S = 3.0

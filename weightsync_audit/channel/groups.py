@@ -144,7 +144,7 @@ class AuditGroup:
         """Where each rank of the group runs (:func:`~weightsync_audit.compat.describe_this_rank`), gathered
         once when the group opens."""
         self.block = 0
-        """Ranks per block of the channel's tree (:mod:`~weightsync_audit.channel.tree`); 0: a star."""
+        """Ranks per block of the channel's tree (:class:`~weightsync_audit.channel.star.TreeWire`); 0: a star."""
 
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditGroup]] = {}

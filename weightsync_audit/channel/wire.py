@@ -207,7 +207,7 @@ class StarWire:
 
     def _children(self, p: int) -> list[int]:
         """The positions that send their bytes to position ``p`` and take its answer: the rest of its
-        block, and for the coordinator also the other blocks' leaders (:mod:`~weightsync_audit.channel.tree`)."""
+        block, and for the coordinator also the other blocks' leaders (:class:`~weightsync_audit.channel.star.TreeWire`)."""
         w, k = self.world_size, self._block
         return list(range(p + 1, min(p - p % k + k, w))) + (list(range(k, w, k)) if p == 0 else [])
 
