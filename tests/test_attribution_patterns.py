@@ -140,7 +140,7 @@ def _scaled(rank: int, world: int, impl: str, faulty: int | None, audit_every: i
         scaler.step(opt)
         scaler.update()
         watch.mark(step)
-        records.append({k: v for k, v in watch.records[-1].items() if k != "hyper_text"})
+        records.append({k: v for k, v in watch.records[-1].as_dict().items() if k != "hyper_text"})
         params.append([p.detach().clone() for p in model.parameters()])
         if step % audit_every == 0:
             out.append(auditor.audit(step=step).to_dict())
@@ -305,6 +305,6 @@ def test_an_at_rest_rebase_that_fails_after_a_repair_is_recorded_and_warned_neve
     watch.rest.rebase = broken  # type: ignore[method-assign]
     with pytest.warns(Warning, match="at-rest check after a repair failed"):
         watch.repaired()
-    assert watch.current is not None and watch.current["failed"].startswith("at-rest check after a repair: ")
+    assert watch.current is not None and watch.current.failed.startswith("at-rest check after a repair: ")
     assert watch.last_post is None
     watch.detach()
