@@ -131,8 +131,7 @@ class AtRest:
                 into(overall_digest(self.post, self.structure))
 
     def before_step(self, reference: dict[str, Any]) -> StepRecord:
-        """The optimizer's pre-step hook: the step's record opened with its ``pre`` word, and what changed since
-        the post-step read."""
+        """The optimizer's pre-step hook: the step's record opened, ``pre`` and what changed since the post-step read."""
         rec, moved = StepRecord(), []
         if self.reader is None:
             prepared = self.prepare()
@@ -166,17 +165,14 @@ class AtRest:
         return replace(rec, rest=rest, rest_count=len(changed), rest_evidence=tuple(evidence))
 
     def copy_check(
-        self,
-        copies: Sequence[tuple[str, torch.Tensor, int]],
-        reference: dict[str, torch.Tensor],
-        amend: Callable[[Callable[[StepRecord], StepRecord]], None],
-    ) -> Callable[[], None] | None:
+        self, copies: Sequence[tuple[str, torch.Tensor, int]], reference: dict[str, torch.Tensor]
+    ) -> Callable[[], Callable[[StepRecord], StepRecord] | None] | None:
         """Offloaded: a job comparing the update replay's pre-step copies (name, copy, the tensor's version
         counter when copied) with the post-step read. A change that lands after the late read began (or with
         no late read) is then seen for every parameter the replay copies, as the synchronous check sees it:
-        ``rest``, ``rest_evidence`` and ``pre`` completed in the step's record (through ``amend``). What it
-        reads is captured now, on the training thread; the copies must not change until the job has run.
-        ``None``: nothing to compare."""
+        the job returns how the step's record completes (``rest``, ``rest_evidence``, ``pre``; None: as it is).
+        What it reads is captured now, on the training thread; the copies must not change until the job has
+        run. ``None``: nothing to compare."""
         post, stamps, keep, structure = self.post, self.versions, self.keep, self.structure
         if self.reader is None or post is None or stamps is None or not copies or len(keep) != len(post):
             return None
@@ -186,7 +182,7 @@ class AtRest:
         if not wanted:
             return None
 
-        def job() -> None:
+        def job() -> Callable[[StepRecord], StepRecord] | None:
             pre = pre0.copy()
             got = digest_tensors([c for _, _, c, _ in wanted], method=self.method)
             found = []
@@ -195,7 +191,7 @@ class AtRest:
                     pre[i] = d
                     found.append(change_evidence(name, copy, version, int(stamps[keep[i]]), reference.get(name)))
             if not found:
-                return
+                return None
             word = overall_digest(pre, structure)
 
             def add(rec: StepRecord) -> StepRecord:
@@ -204,7 +200,7 @@ class AtRest:
                 return replace(rec, pre=word, rest=rest[:MAX_NAMES], rest_count=rec.rest_count + len(new),
                                rest_evidence=evidence[:MAX_NAMES])  # fmt: skip
 
-            amend(add)
+            return add
 
         return job
 

@@ -236,19 +236,18 @@ class StepWatch:
             return
         pairs = [(self.names.get(id(real)), copy, tensor_version(real)) for real, copy in self.replay.copies(opt)]
         named = [(n, c, v) for n, c, v in pairs if n is not None]
-        n = self.steps_taken
-        job = self.rest.copy_check(named, self._reference_before, lambda how: self._amend(n, how))
+        job, n = self.rest.copy_check(named, self._reference_before), self.steps_taken
         self._reference_before = {}
         if job is None:
             return
         if self.deferred is None:
-            job()
+            self._amend(n, job())
             return
         done = threading.Event()
 
         def run() -> None:
             try:
-                job()
+                self._amend(n, job())
             finally:
                 done.set()
 
