@@ -28,8 +28,9 @@ How it changed, a bit flip or a write: two cheap facts tell a write from the mem
 >>> counted, classify([Change.of({"name": "w", "moved": False, **counted})])
 ({'elements': 1, 'compared': 3, 'bits': 1, 'max_abs': 3.814697265625e-06}, 'flip')
 
-A rank's records reach the others as JSON and are read back as frozen records, :class:`StepRecord` (one a
-step) holding :class:`Change` (one a tensor changed at rest): what the blame decides from.
+A rank's records are frozen from the moment they are written, :class:`StepRecord` (one a step) holding
+:class:`Change` (one a tensor changed at rest); they reach the others as JSON (``as_dict``) and are read back
+(``of``) into the same records: what the blame decides from.
 """
 
 from __future__ import annotations

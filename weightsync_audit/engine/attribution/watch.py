@@ -302,18 +302,18 @@ class StepWatch:
             warn_user(f"weightsync audit: {what}")
 
     def _amend(self, n: int, how: Callable[[StepRecord], StepRecord] | None = None, **fields: Any) -> None:
-        """A later stage's fields (``how``, then ``fields``) into the record of the step the ``n``-th mark
-        closes: :attr:`current` while open (opened here if need be), else in the ring (none once let go)."""
+        """A later stage's fields (``how``, then ``fields``) into the record of the step that was under way when
+        :attr:`steps_taken` was ``n``: :attr:`current` while open (opened if need be), else marked in the ring."""
         with self.lock:
-            i = len(self.records) - (self.steps_taken - n)
-            if n != self.steps_taken and i < 0:
-                return
-            rec = (self.current or StepRecord()) if n == self.steps_taken else self.records[i]
+            back = self.steps_taken - n  # 0: the step under way; else its place from the ring's end
+            if back > len(self.records):
+                return  # let go of (the ring emptied, or full)
+            rec = self.records[-back] if back else self.current or StepRecord()
             rec = replace(how(rec) if how else rec, **fields)
-            if n == self.steps_taken:
-                self.current = rec
+            if back:
+                self.records[-back] = rec
             else:
-                self.records[i] = rec
+                self.current = rec
 
     def _open_step(self) -> StepRecord:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
