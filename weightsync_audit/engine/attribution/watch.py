@@ -35,7 +35,7 @@ import xxhash
 
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution import AttributionConfig
-from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, Change, StepRecord, at_rest_positions
+from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, Change, StepRecord
 from weightsync_audit.engine.attribution.blame import Blame
 from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import ReducedDigests, UpdateReplay, attach_collective
@@ -46,7 +46,7 @@ from weightsync_audit.engine.inventory.manifest import stepping_optimizer
 from weightsync_audit.engine.inventory.peers import replicated_everywhere
 from weightsync_audit.errors import warn_user
 
-__all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
+__all__ = ["StepWatch", "hyper_text"]
 
 COPIES_WAIT_S = 30.0
 """How long the post-step hook waits for the offloaded check of the replay's copies (a worker that never
