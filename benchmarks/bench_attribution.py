@@ -102,7 +102,7 @@ def step_times(
                 spent = watch.hook_s + watch.reduced.hook_s - spent
                 # the first step of a turn compares with the last of the turn before, which the other
                 # configurations' steps have moved since: not a change at rest
-                moved += [f"{name}: {n}" for r in list(watch.records)[1:] for n in r.get("rest") or ()]
+                moved += [f"{name}: {n}" for r in list(watch.records)[1:] for n in r.rest]
                 watch.records.clear()
                 if watch.rest is not None and watch.rest.reader is not None:
                     watch.rest.reader.collect()  # no read left waiting while the next configuration runs

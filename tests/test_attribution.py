@@ -138,3 +138,59 @@ def test_the_vote_alone_never_names_a_culprit_of_a_tie_and_a_strict_majority_nam
     # Every rank changed at rest (code run everywhere between the steps), to other values: no one alone.
     recs = [{"records": [{"step": 3, "pre": p, "stepped": True, "rest": ["w"]}]} for p in (1, 2)]
     assert decide(recs, [0, 1], [tie]).ranks == ()
+
+
+WIRE_KEYS = {"step", "seq", "stepped", "pre", "post", "rest", "rest_count", "rest_evidence", "rest_read", "hyper",
+             "hyper_changed", "hyper_text", "grads", "grads_changed", "buckets", "update", "covered", "replayable",
+             "too_large", "declined", "failed"}  # fmt: skip
+"""Every key a step record's JSON has ever carried."""
+
+
+def _typed(rank: int, world: int, offload: bool) -> dict[str, Any]:
+    import json
+
+    from weightsync_audit import AttributionConfig, Auditor
+    from weightsync_audit.engine.attribution.atrest import StepRecord
+    from weightsync_audit.engine.attribution.settle import attach_watch
+    from weightsync_audit.engine.config import AuditConfig
+
+    _, ddp, opt = build(rank)
+    auditor = Auditor(ddp, opt, config=AuditConfig(attribution=AttributionConfig(collective=True, recheck=1)))
+    watch = attach_watch(auditor, ddp, [opt], offload=offload)
+    for step in range(1, STEPS + 1):
+        train_step(ddp, opt, rank, step, None)
+        watch.mark(step)
+        after_step(ddp, rank, step, "flip_at_rest", 0)
+    wire = json.loads(json.dumps(watch.payload()))["records"]
+    typed = list(watch.records)
+    watch.detach()
+    return {"typed": [isinstance(r, StepRecord) and StepRecord.of(w) == r for r, w in zip(typed, wire)], "wire": wire}
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_the_step_records_are_frozen_records_whose_json_reads_back_identically(offload: bool) -> None:
+    """The watch writes :class:`StepRecord`s (``offload``: the workers' late fills seen by the payload), and
+    their JSON, as exchanged, reads back into the same record and writes out the same JSON."""
+    from weightsync_audit.engine.attribution.atrest import StepRecord
+
+    out = run_ranks(_typed, 2, offload)
+    for rank in (0, 1):
+        wire = out[rank]["wire"]
+        assert len(wire) == STEPS and out[rank]["typed"] == [True] * STEPS
+        for w in wire:
+            assert StepRecord.of(w).as_dict() == w and set(w) <= WIRE_KEYS, w
+            assert {"step", "stepped", "post", "hyper", "grads", "buckets", "covered"} <= set(w), w  # late fills too
+        flipped = wire[FAULT_STEP - 1]
+        if rank == 0:
+            assert flipped["rest"] == ["0.weight"] and flipped["rest_count"] == 1, flipped
+            assert flipped["rest_evidence"][0] | {"max_abs": 0} == {"name": "0.weight", "numel": 128, "moved": False,
+                                                                   "elements": 1, "compared": 128, "bits": 1, "max_abs": 0}  # fmt: skip
+        else:
+            assert "rest" not in flipped
+    legacy = {"stepped": True, "step": 4, "seq": 1, "pre": 1, "post": -2, "rest": ["w", "v"], "rest_count": 9,
+              "rest_evidence": [{"name": "w", "numel": 8000, "moved": False, "elements": 5000, "compared": 8000,
+                                 "bits": None, "max_abs": 0.5}, {"name": "v", "numel": None, "moved": True}],
+              "rest_read": "late", "hyper": 3, "hyper_changed": "lr 0.1 -> 0.2", "hyper_text": "0.0.lr=0.2", "grads": 5,
+              "grads_changed": ["w"], "buckets": [[0, 7], [1, -8]], "update": ["w"], "covered": 1, "replayable": 2,
+              "too_large": 1, "declined": "LBFGS", "failed": "collective check: boom"}  # fmt: skip
+    assert StepRecord.of(legacy).as_dict() == legacy

@@ -18,6 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import AttributionConfig, Auditor, LoopAudit
+from weightsync_audit.engine.attribution.atrest import StepRecord
 from weightsync_audit.engine.attribution.settle import attach_watch
 from weightsync_audit.engine.config import AuditConfig
 
@@ -140,7 +141,7 @@ def _scaled(rank: int, world: int, impl: str, faulty: int | None, audit_every: i
         scaler.step(opt)
         scaler.update()
         watch.mark(step)
-        records.append({k: v for k, v in watch.records[-1].items() if k != "hyper_text"})
+        records.append({k: v for k, v in watch.records[-1].as_dict().items() if k != "hyper_text"})
         params.append([p.detach().clone() for p in model.parameters()])
         if step % audit_every == 0:
             out.append(auditor.audit(step=step).to_dict())
@@ -305,6 +306,34 @@ def test_an_at_rest_rebase_that_fails_after_a_repair_is_recorded_and_warned_neve
     watch.rest.rebase = broken  # type: ignore[method-assign]
     with pytest.warns(Warning, match="at-rest check after a repair failed"):
         watch.repaired()
-    assert watch.current is not None and watch.current["failed"].startswith("at-rest check after a repair: ")
+    assert watch.current is not None and watch.current.failed.startswith("at-rest check after a repair: ")
     assert watch.last_post is None
     watch.detach()
+
+
+def _post_words(offload: bool, emptied_at: int | None) -> dict[int, int | None]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
+                         model, [opt], offload=offload)  # fmt: skip
+    for step in (1, 2, 3):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        watch.mark(step)
+        if step == emptied_at:
+            watch.in_sync()
+    words = {r["step"]: r.get("post") for r in watch.payload()["records"]}
+    assert all(isinstance(r, StepRecord) and r.post == words[r.step] for r in watch.records)
+    watch.detach()
+    return words
+
+
+def test_an_offloaded_post_step_word_reaches_its_own_frozen_record_or_none_never_the_next() -> None:
+    """Offloaded, a step's post-step word is settled after its mark (at the next pre-step hook, or the payload):
+    the step's frozen record is replaced with one holding it while the ring holds it; once an in-sync audit
+    emptied the ring, it goes nowhere (never into the next step's)."""
+    sync = _post_words(False, None)
+    assert sorted(sync) == [1, 2, 3] and None not in sync.values() and len(set(sync.values())) == 3
+    assert _post_words(True, None) == sync
+    assert _post_words(True, 1) == {2: sync[2], 3: sync[3]}

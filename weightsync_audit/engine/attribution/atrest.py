@@ -28,14 +28,15 @@ How it changed, a bit flip or a write: two cheap facts tell a write from the mem
 >>> counted, classify([Change.of({"name": "w", "moved": False, **counted})])
 ({'elements': 1, 'compared': 3, 'bits': 1, 'max_abs': 3.814697265625e-06}, 'flip')
 
-A rank's records reach the others as JSON and are read back as frozen records, :class:`StepRecord` (one a
-step) holding :class:`Change` (one a tensor changed at rest): what the blame decides from.
+A rank's records are frozen from the moment they are written, :class:`StepRecord` (one a step) holding
+:class:`Change` (one a tensor changed at rest); they reach the others as JSON (``as_dict``) and are read back
+(``of``) into the same records: what the blame decides from.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -91,7 +92,7 @@ class AtRest:
         self._layout: tuple[int, list[int], list[str]] | None = None
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
-        self._awaiting: dict[str, Any] | None = None  # offloaded: the record whose ``post`` the worker reads
+        self._awaiting: Callable[[int], None] | None = None  # offloaded: where the worker's ``post`` word goes
 
     def layout(self, prepared: PreparedManifest) -> tuple[list[int], list[str]]:
         """The at-rest positions and names of ``prepared``'s manifest (built once per structure)."""
@@ -107,31 +108,32 @@ class AtRest:
             self._index = (self.structure, {n: i for i, n in enumerate(self.names)})
         return self._index[1]
 
-    def after_step(self, rec: dict[str, Any]) -> None:
-        """The optimizer's post-step hook: this rank's bytes at rest from here (``rec["post"]``)."""
+    def after_step(self, post: Callable[[int], None]) -> None:
+        """The optimizer's post-step hook: this rank's bytes at rest from here, their word handed to ``post``
+        (now, or offloaded once the worker's read is settled: :meth:`settle_post`)."""
         self.post = self.versions = None
         prepared = self.prepare()
         self.keep, self.names = self.layout(prepared)
         self.structure = prepared.structure
         self.versions = versions(prepared)
         if self.reader is not None:
-            self._window, self._awaiting = prepared, rec
+            self._window, self._awaiting = prepared, post
             self.reader.launch(prepared, self.keep, stamp=lambda: versions(prepared), stamped=self.versions)
             return
         self.post = prepared.digests(method=self.method)[self.keep]
-        rec["post"] = overall_digest(self.post, prepared.structure)
+        post(overall_digest(self.post, prepared.structure))
 
     def settle_post(self) -> None:
-        """Offloaded: the worker's post-step read, waited for, written into its step's record."""
+        """Offloaded: the worker's post-step read, waited for, its word handed on to its step's record."""
         if self.reader is not None and self._awaiting is not None:
-            rec, self._awaiting = self._awaiting, None
+            into, self._awaiting = self._awaiting, None
             self.post = self.reader.post()
             if self.post is not None and not self.reader.raced():  # a read that raced a write says nothing
-                rec["post"] = overall_digest(self.post, self.structure)
+                into(overall_digest(self.post, self.structure))
 
-    def before_step(self, rec: dict[str, Any], reference: dict[str, Any]) -> None:
-        """The optimizer's pre-step hook: ``rec["pre"]``, and what changed since the post-step read."""
-        moved: list[int] = []
+    def before_step(self, reference: dict[str, Any]) -> StepRecord:
+        """The optimizer's pre-step hook: the step's record opened, ``pre`` and what changed since the post-step read."""
+        rec, moved = StepRecord(), []
         if self.reader is None:
             prepared = self.prepare()
             keep, names = self.layout(prepared)
@@ -142,35 +144,36 @@ class AtRest:
             prepared, keep, names = self._window, self.keep, self.names
             self._window = None
             if prepared is None or self.post is None or self.versions is None:
-                return
+                return rec
             pre = (late if late is not None else self.post).copy()
-            rec["rest_read"] = "late" if late is not None else "counters"
+            rec = StepRecord(rest_read="late" if late is not None else "counters")
             now = versions(prepared)  # a write through torch anywhere in the window: its counter moved
             moved = [i for i, pos in enumerate(keep) if now[pos] != self.versions[pos]]
             if moved:
                 pre[moved] = digest_tensors(tensors_at(prepared, [keep[i] for i in moved]), method=self.method)
         self.pre_now = pre if self.reader is not None else None
-        if self.reader is None or rec["rest_read"] == "late" or moved:
+        if self.reader is None or rec.rest_read == "late" or moved:
             # without a late read nothing says what the bytes were before the step, but for the counters
-            rec["pre"] = overall_digest(pre, prepared.structure)
+            rec = replace(rec, pre=overall_digest(pre, prepared.structure))
         post = self.post
         if post is None or prepared.structure != self.structure or len(pre) != len(post):
-            return
+            return rec
         changed = np.nonzero(pre != post)[0].tolist()
-        if changed:
-            rec["rest"] = [names[i] for i in changed[:MAX_NAMES]]
-            rec["rest_count"] = len(changed)
-            where = [keep[i] for i in changed[:MAX_NAMES]]
-            rec["rest_evidence"] = rest_evidence(prepared, where, rec["rest"], self.versions, reference)
+        if not changed:
+            return rec
+        rest = tuple(names[i] for i in changed[:MAX_NAMES])
+        evidence = rest_evidence(prepared, [keep[i] for i in changed[:MAX_NAMES]], rest, self.versions, reference)
+        return replace(rec, rest=rest, rest_count=len(changed), rest_evidence=tuple(evidence))
 
     def copy_check(
-        self, rec: dict[str, Any], copies: Sequence[tuple[str, torch.Tensor, int]], reference: dict[str, torch.Tensor]
-    ) -> Callable[[], None] | None:
+        self, copies: Sequence[tuple[str, torch.Tensor, int]], reference: dict[str, torch.Tensor]
+    ) -> Callable[[], Callable[[StepRecord], StepRecord] | None] | None:
         """Offloaded: a job comparing the update replay's pre-step copies (name, copy, the tensor's version
         counter when copied) with the post-step read. A change that lands after the late read began (or with
         no late read) is then seen for every parameter the replay copies, as the synchronous check sees it:
-        ``rest``, ``rest_evidence`` and ``pre`` completed in ``rec``. What it reads is captured now, on the
-        training thread; the copies must not change until the job has run. ``None``: nothing to compare."""
+        the job returns how the step's record completes (``rest``, ``rest_evidence``, ``pre``; None: as it is).
+        What it reads is captured now, on the training thread; the copies must not change until the job has
+        run. ``None``: nothing to compare."""
         post, stamps, keep, structure = self.post, self.versions, self.keep, self.structure
         if self.reader is None or post is None or stamps is None or not copies or len(keep) != len(post):
             return None
@@ -180,25 +183,25 @@ class AtRest:
         if not wanted:
             return None
 
-        def job() -> None:
+        def job() -> Callable[[StepRecord], StepRecord] | None:
             pre = pre0.copy()
             got = digest_tensors([c for _, _, c, _ in wanted], method=self.method)
             found = []
             for (i, name, copy, version), d in zip(wanted, got):
                 if d != post[i] and d != pre0[i]:  # changed since the post-step read, unseen by the late one
                     pre[i] = d
-                    found.append((i, name, copy, version))
+                    found.append(change_evidence(name, copy, version, int(stamps[keep[i]]), reference.get(name)))
             if not found:
-                return
-            rec["pre"] = overall_digest(pre, structure)
-            names, evidence = list(rec.get("rest", [])), list(rec.get("rest_evidence", []))
-            for i, name, copy, version in found:
-                if name in names:
-                    continue
-                names.append(name)
-                evidence.append(change_evidence(name, copy, version, int(stamps[keep[i]]), reference.get(name)))
-                rec["rest_count"] = rec.get("rest_count", 0) + 1
-            rec["rest"], rec["rest_evidence"] = names[:MAX_NAMES], evidence[:MAX_NAMES]
+                return None
+            word = overall_digest(pre, structure)
+
+            def add(rec: StepRecord) -> StepRecord:
+                new = [e for e in found if e.name not in rec.rest]
+                rest, evidence = (*rec.rest, *(e.name for e in new)), (*rec.rest_evidence, *new)
+                return replace(rec, pre=word, rest=rest[:MAX_NAMES], rest_count=rec.rest_count + len(new),
+                               rest_evidence=evidence[:MAX_NAMES])  # fmt: skip
+
+            return add
 
         return job
 
@@ -210,11 +213,11 @@ class AtRest:
             self.settle_post()
             self.reader.collect()
             self._window = None
-        self.after_step({})
+        self.after_step(lambda _: None)
 
     def since_step(
         self, prepared: PreparedManifest, digests: np.ndarray, reference: dict[str, Any]
-    ) -> tuple[list[str], list[dict[str, Any]]]:
+    ) -> tuple[list[str], list[Change]]:
         """An audit's own full digests against the post-step read: what changed since, and how."""
         self.settle_post()
         entries = prepared.manifest.entries
@@ -234,7 +237,7 @@ class AtRest:
         try:
             return names, rest_evidence(prepared, [keep[i] for i in changed], names, self.versions, reference)
         except Exception:  # noqa: BLE001 - evidence, never a failure of the audit
-            return names, [{"name": n} for n in names]
+            return names, [Change(n) for n in names]
 
     def close(self) -> None:
         """End the worker thread, if any."""
@@ -305,7 +308,7 @@ def rest_evidence(
     names: Sequence[str],
     stamped: np.ndarray | None,
     reference: dict[str, torch.Tensor],
-) -> list[dict[str, Any]]:
+) -> list[Change]:
     """For each changed tensor (manifest ``positions``, their ``names``): whether its version counter moved
     since ``stamped`` (the post-step stamps) and, against ``reference``, how many elements and bits changed."""
     now = versions(prepared) if stamped is not None else None
@@ -319,23 +322,22 @@ def rest_evidence(
 
 def change_evidence(
     name: str, t: torch.Tensor | None, version: int, stamp: int, reference: torch.Tensor | None
-) -> dict[str, Any]:
+) -> Change:
     """How ``t`` (``name``) changed: whether its version counter moved (``version`` now against ``stamp``,
     the post-step one; -1 where either is unknown) and, against ``reference``, how many elements and bits."""
-    ev: dict[str, Any] = {"name": name, "numel": int(t.numel()) if t is not None else None}
-    if min(version, stamp) >= 0:
-        ev["moved"] = version != stamp
+    counted: dict[str, Any] = {}
     if reference is not None and t is not None:
         try:
-            ev.update(count_changes(t, reference) or {})
+            counted = count_changes(t, reference) or {}
         except Exception:  # noqa: BLE001 - the count is evidence, never a failure of the step
             pass
-    return ev
+    moved = version != stamp if min(version, stamp) >= 0 else None
+    return Change(name, int(t.numel()) if t is not None else None, moved, **counted)
 
 
 @dataclass(frozen=True, slots=True)
 class Change:
-    """How one tensor changed at rest (a record's ``rest_evidence``, as :func:`change_evidence` writes it)."""
+    """How one tensor changed at rest (a record's ``rest_evidence``: :func:`change_evidence`)."""
 
     name: str = "?"
     numel: int | None = None
@@ -353,6 +355,11 @@ class Change:
     def of(cls, wire: Mapping[str, Any]) -> Change:
         """From its JSON (keys it does not know, from another version, are left out)."""
         return cls(**{k: wire[k] for k in _FIELDS[cls] if k in wire})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its JSON (what :meth:`of` reads back): ``moved`` and ``max_abs`` where known, the counts where counted."""
+        kept = ("name", "numel", *(("bits",) if self.elements is not None else ()))
+        return {k: getattr(self, k) for k in _FIELDS[Change] if k in kept or getattr(self, k) is not None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -401,6 +408,15 @@ class StepRecord:
         got["buckets"] = tuple((int(b), int(d)) for b, d in got.get("buckets", ()))
         got["rest_evidence"] = tuple(Change.of(e) for e in got.get("rest_evidence", ()))
         return cls(**got)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Its JSON (what :meth:`of` reads back): ``step``, ``stepped`` and every field not at its default."""
+        taken = ((f.name, getattr(self, f.name), f.default) for f in fields(self))
+        return {k: _plain(v) for k, v, default in taken if v != default or k in ("step", "stepped")}
+
+
+def _plain(v: Any) -> Any:
+    return [_plain(x) for x in v] if isinstance(v, tuple) else v.as_dict() if isinstance(v, Change) else v
 
 
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in (Change, StepRecord)}

@@ -72,7 +72,7 @@ def attribute_audit(
         kept = watch.found
         mine = watch.payload()
         mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if full else []
-        mine["audit_rest_evidence"] = watch.audit_evidence if full else []
+        mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if full else []
         mine["host"] = describe_this_rank()
         gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
         ranks = list(comm.global_ranks)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,7 +35,7 @@ import xxhash
 
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution import AttributionConfig
-from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, at_rest_positions
+from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, Change, StepRecord
 from weightsync_audit.engine.attribution.blame import Blame
 from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import ReducedDigests, UpdateReplay, attach_collective
@@ -45,7 +46,7 @@ from weightsync_audit.engine.inventory.manifest import stepping_optimizer
 from weightsync_audit.engine.inventory.peers import replicated_everywhere
 from weightsync_audit.errors import warn_user
 
-__all__ = ["StepWatch", "at_rest_positions", "hyper_text"]
+__all__ = ["StepWatch", "hyper_text"]
 
 COPIES_WAIT_S = 30.0
 """How long the post-step hook waits for the offloaded check of the replay's copies (a worker that never
@@ -102,9 +103,12 @@ class StepWatch:
         self.optimizers = [stepping_optimizer(o) for o in optimizers]  # hooks where the step runs
         self.names = names
         self.method = method
-        self.records: deque[dict[str, Any]] = deque(maxlen=capacity)
-        self.current: dict[str, Any] | None = None
-        """The step under way: opened by the first pre-step hook after a mark, closed by :meth:`mark`."""
+        self.records: deque[StepRecord] = deque(maxlen=capacity)
+        self.current: StepRecord | None = None
+        """The step under way: opened by the first pre-step hook after a mark, closed by :meth:`mark`. A record is
+        frozen: a later stage (a hook, a worker) replaces it, under :attr:`lock` (:meth:`_amend`)."""
+        self.lock = threading.Lock()
+        """Guards :attr:`current`, :attr:`records` and :attr:`steps_taken` together."""
         self.rest = AtRest(prepare, method, offload) if config.at_rest else None
         """The at-rest check (``offload``: its reads on a worker thread, :mod:`.offload`)."""
         self.last_hyper = ""
@@ -122,11 +126,12 @@ class StepWatch:
         self._reference_before: dict[str, torch.Tensor] = {}
         self._depth: dict[int, int] = {}
         self._copied: set[int] = set()  # optimizers whose replay copy this step has (a closure runs many times)
+        self._grads_read = False  # the step under way's gradients checked (once: a closure runs many times)
         self._said: set[str] = set()
         self.hook_s = 0.0
         """Seconds this watch's optimizer hooks took on the training thread, in all (its cost on the critical
         path; the collective check's own is :attr:`ReducedDigests.hook_s`)."""
-        self.audit_evidence: list[dict[str, Any]] = []
+        self.audit_evidence: list[Change] = []
         """How the tensors :meth:`changed_since_mark` found last changed (exchanged with the records)."""
         self.found: tuple[Blame, dict[str, str], frozenset[tuple[str, int]]] | None = None
         """The blame of the divergence under way (every rank alike), where the blamed run, and the (tensor, rank)
@@ -211,8 +216,8 @@ class StepWatch:
         step: a closure optimizer such as LBFGS evaluates its closure several times in one step)."""
         t0 = time.perf_counter()
         try:
-            if self.config.collective and self.current is not None and "grads" not in self.current:
-                self._check_gradients(self.current)
+            if self.config.collective and self.current is not None and not self._grads_read:
+                self._check_gradients()
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "collective check")
         try:
@@ -231,18 +236,18 @@ class StepWatch:
             return
         pairs = [(self.names.get(id(real)), copy, tensor_version(real)) for real, copy in self.replay.copies(opt)]
         named = [(n, c, v) for n, c, v in pairs if n is not None]
-        job = self.rest.copy_check(self.current, named, self._reference_before)
+        job, n = self.rest.copy_check(named, self._reference_before), self.steps_taken
         self._reference_before = {}
         if job is None:
             return
         if self.deferred is None:
-            job()
+            self._amend(n, job())
             return
         done = threading.Event()
 
         def run() -> None:
             try:
-                job()
+                self._amend(n, job())
             finally:
                 done.set()
 
@@ -260,40 +265,33 @@ class StepWatch:
             self.hook_s += time.perf_counter() - t0
 
     def _after_step(self, opt: torch.optim.Optimizer) -> None:
-        if self.current is None:
-            self.current = {"stepped": True}
-        rec = self.current
-        rec["stepped"] = True
+        n = self.steps_taken
+        self._amend(n, stepped=True)
         done = self._copies_read.pop(id(opt), None)
         if done is not None:  # the copies are read before the replay updates them
             done.wait(timeout=COPIES_WAIT_S)
         if self.replay is not None and id(opt) in self._copied:
             self._copied.discard(id(opt))
             try:
-                bad = self.replay.after(opt)
-                rec["covered"] = rec.get("covered", 0) + self.replay.covered
-                rec["replayable"] = rec.get("replayable", 0) + self.replay.replayable
-                if self.replay.too_large:
-                    rec["too_large"] = rec.get("too_large", 0) + self.replay.too_large
-                if self.replay.declined:
-                    rec["declined"] = self.replay.declined
-                    self._say(f"attribution's update replay is off for it: {self.replay.declined}")
-                if bad:
-                    rec.setdefault("update", []).extend(bad[:MAX_NAMES])
+                bad, r = self.replay.after(opt), self.replay
+                self._amend(n, lambda rec: replace(
+                    rec, covered=rec.covered + r.covered, replayable=rec.replayable + r.replayable,
+                    too_large=rec.too_large + r.too_large, declined=r.declined or rec.declined,
+                    update=rec.update + tuple(bad[:MAX_NAMES])))  # fmt: skip
+                if r.declined:
+                    self._say(f"attribution's update replay is off for it: {r.declined}")
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc, "update replay")
         if self.rest is not None:  # at rest from here: whatever runs before the next step must not write
             try:
-                self.rest.after_step(rec)
+                self.rest.after_step(lambda word: self._amend(n, post=word))
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc, "at-rest check after the step")
 
     def _failed(self, exc: Exception, where: str) -> None:
         """A check that failed: written in the step's record (the blame reads it) and warned about once."""
-        if self.current is None:
-            self.current = {"stepped": False}
         text = f"{type(exc).__name__}: {exc}"[:200]
-        self.current["failed"] = f"{where}: {text}"
+        self._amend(self.steps_taken, failed=f"{where}: {text}")
         self._say(
             f"attribution's {where} failed ({text}); the records of this rank say so, and its blame may be undecided"
         )
@@ -303,51 +301,60 @@ class StepWatch:
             self._said.add(what)
             warn_user(f"weightsync audit: {what}")
 
-    def _open_step(self) -> dict[str, Any]:
+    def _amend(self, n: int, how: Callable[[StepRecord], StepRecord] | None = None, **fields: Any) -> None:
+        """A later stage's fields (``how``, then ``fields``) into the record of the step that was under way when
+        :attr:`steps_taken` was ``n``: :attr:`current` while open (opened if need be), else marked in the ring."""
+        with self.lock:
+            back = self.steps_taken - n  # 0: the step under way; else its place from the ring's end
+            if back > len(self.records):
+                return  # let go of (the ring emptied, or full)
+            rec = self.records[-back] if back else self.current or StepRecord()
+            rec = replace(how(rec) if how else rec, **fields)
+            if back:
+                self.records[-back] = rec
+            else:
+                self.current = rec
+
+    def _open_step(self) -> StepRecord:
         """The first pre-step hook of a step: what changed at rest, the hyperparameters, the gradients."""
-        rec: dict[str, Any] = {"stepped": False}
+        rec = StepRecord()
         reference = self.replay.reference if self.replay is not None else {}
         try:
             if self.rest is not None:
-                self.rest.before_step(rec, reference)
+                rec = self.rest.before_step(reference)
         finally:
             if self._offloaded:
                 self._reference_before = dict(reference)  # for the copies' check, then dropped
             reference.clear()  # the last step's post-step bytes: read, and now to be replaced
         hyper = hyper_text(self.optimizers)
-        rec["hyper"] = _word(hyper)
-        if self.last_step is not None and hyper != self.last_hyper:
-            rec["hyper_changed"] = _changed(self.last_hyper, hyper)
-        rec["hyper_text"] = hyper[:2000]
-        return rec
+        changed = _changed(self.last_hyper, hyper) if self.last_step is not None and hyper != self.last_hyper else None
+        return replace(rec, hyper=_word(hyper), hyper_changed=changed, hyper_text=hyper[:2000])
 
-    def _check_gradients(self, rec: dict[str, Any]) -> None:
+    def _check_gradients(self) -> None:
         """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
         guarded by their version counters: gradients written before it read them leave the check unknown)."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
         params = [p for p in params if replicated_everywhere(p.grad)]  # a shard's gradient is its rank's own
         names = [self.names.get(id(p), "?") for p in params]
         grads = [readable(p.grad, f"{n}.grad") for p, n in zip(params, names)]  # a DTensor's: its local shard
-        ids = [id(p) for p in params]
+        ids, n = [id(p) for p in params], self.steps_taken
         if self.deferred is None:
-            self._compare_gradients(rec, ids, grads, names, None)
-            return
-        rec["grads"] = None  # said below, once read
-        stamps = [tensor_version(g) for g in grads]
-        self.deferred.submit(lambda: self._compare_gradients(rec, ids, grads, names, stamps))
+            self._compare_gradients(n, ids, grads, names, None)
+        else:
+            stamps = [tensor_version(g) for g in grads]
+            self.deferred.submit(lambda: self._compare_gradients(n, ids, grads, names, stamps))
+        self._grads_read = True
 
     def _compare_gradients(
-        self, rec: dict[str, Any], ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None
+        self, n: int, ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None
     ) -> None:
         buckets, reduced = self.reduced.take(wait=stamps is None)
-        rec["buckets"] = sorted(buckets.items())
+        self._amend(n, buckets=tuple(sorted(buckets.items())))
         mine = digest_tensors(grads) if grads else np.zeros(0, np.int64)
         if stamps is not None and [tensor_version(g) for g in grads] != stamps:
             return  # written before the worker read them: unknown this step (``grads`` stays null)
-        rec["grads"] = int(overall_digest(mine, len(mine)))
-        moved = [n for i, n, d in zip(ids, names, mine.tolist()) if reduced.get(i, d) != d]
-        if moved:
-            rec["grads_changed"] = moved[:MAX_NAMES]
+        moved = [x for i, x, d in zip(ids, names, mine.tolist()) if reduced.get(i, d) != d]
+        self._amend(n, grads=int(overall_digest(mine, len(mine))), grads_changed=tuple(moved[:MAX_NAMES]))
 
     # -- the step's end --------------------------------------------------------------------------
 
@@ -358,31 +365,30 @@ class StepWatch:
         accumulation): that step's record stands. A second optimizer step under the same step number
         (several optimizers, or a manual second step) is a record of its own (``seq``)."""
         self.last_hyper = hyper_text(self.optimizers)  # what the next step must find, unless changed at rest
-        last = self.records[-1] if self.records else None
-        if self.current is None and last is not None and last["step"] == int(step):
-            return  # the same step marked again with no optimizer step since: idempotent
-        rec = self.current if self.current is not None else {"stepped": False}
-        self.current = None
-        rec["step"] = int(step)
-        if last is not None and last["step"] == rec["step"]:
-            rec["seq"] = int(last.get("seq", 0)) + 1
-        self.records.append(rec)
-        self.last_step = int(step)
-        self.steps_taken += 1
+        with self.lock:
+            last = self.records[-1] if self.records else None
+            if self.current is None and last is not None and last.step == int(step):
+                return  # the same step marked again with no optimizer step since: idempotent
+            again = last is not None and last.step == int(step)
+            self.records.append(replace(self.current or StepRecord(), step=int(step), seq=last.seq + 1 if again else 0))
+            self.current, self._grads_read = None, False
+            self.last_step = int(step)
+            self.steps_taken += 1
 
     def in_sync(self) -> None:
         """A full audit found every rank in sync: what came before is known good."""
-        self.records.clear()
+        with self.lock:
+            self.records.clear()
 
     def repaired(self) -> None:
         """A repair was confirmed (every rank holds the same values now): the records and the blame were about
         the divergence it ended, so they go; what is held now is the baseline the next step is checked
         against (the repair itself is no change at rest), and a step under way keeps no pre-repair digest."""
-        self.records.clear()
+        with self.lock:
+            self.records.clear()
         self.found = None
         if self.current is not None:
-            for key in ("pre", "rest", "rest_count", "rest_evidence", "hyper_changed"):
-                self.current.pop(key, None)
+            self._amend(self.steps_taken, pre=None, rest=(), rest_count=0, rest_evidence=(), hyper_changed=None)
         self.last_hyper = hyper_text(self.optimizers)
         if self.replay is not None:
             self._rebase_reference(self.replay.reference)
@@ -426,4 +432,6 @@ class StepWatch:
             self.rest.settle_post()  # offloaded: the last step's post-step word, read by now
         if self.deferred is not None:
             self.deferred.drain()  # offloaded: the collective check's words, read by now
-        return {"records": list(self.records), "hyper": self.last_hyper}
+        with self.lock:
+            records = [r.as_dict() for r in self.records]
+        return {"records": records, "hyper": self.last_hyper}
