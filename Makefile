@@ -28,7 +28,8 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	touch $(STAMP)
 
 # Most tests wait on rank processes they spawn: two workers keep both cores busy. Files stay whole on one
-# worker (module fixtures are built once); the session's shared runs are built once for all workers
+# worker (module fixtures are built once), the longest first (tests/conftest.py HEAVIEST_FIRST: xdist's own
+# reordering, by number of tests, is off); the session's shared runs are built once for all workers
 # (tests/conftest.py once_per_session). TEST_WORKERS=0 runs in one process.
 # The tests build no DeepSpeed op (its shm_comm op, about a CPU-minute, serves inference only: see
 # tests/test_replicas_deepspeed.py). Any torch extension a run still compiles goes to TORCH_EXTENSIONS_DIR,
@@ -38,7 +39,7 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch-extensions}" \
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/weightsync-audit demo
