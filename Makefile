@@ -28,17 +28,18 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	touch $(STAMP)
 
 # Most tests wait on rank processes they spawn: two workers keep both cores busy. Files stay whole on one
-# worker (module fixtures are built once); the session's shared runs are built once for all workers
+# worker (module fixtures are built once), the longest first (tests/conftest.py HEAVIEST_FIRST: xdist's own
+# reordering, by number of tests, is off); the session's shared runs are built once for all workers
 # (tests/conftest.py once_per_session). TEST_WORKERS=0 runs in one process.
-# DeepSpeed compiles a C++ op (shm_comm, two g++ -O2 files: about a CPU-minute) on first use into
-# TORCH_EXTENSIONS_DIR, by default one folder per user: a build made from another venv's paths is rebuilt,
-# so two checkouts on one machine rebuild it in turn. Kept in this venv, it is built once per venv.
+# The tests build no DeepSpeed op (its shm_comm op, about a CPU-minute, serves inference only: see
+# tests/test_replicas_deepspeed.py). Any torch extension a run still compiles goes to TORCH_EXTENSIONS_DIR,
+# by default one folder per user, where a build from another venv's paths is rebuilt: kept in this venv.
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE): every launched
 # process (torchrun, ddp_spawn, the CLI) would compile the package again, and each worker its test modules.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	PYTHONDONTWRITEBYTECODE= TORCH_EXTENSIONS_DIR="$${TORCH_EXTENSIONS_DIR:-$(abspath $(VENV))/torch-extensions}" \
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/weightsync-audit demo

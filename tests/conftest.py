@@ -14,6 +14,49 @@ os.environ.setdefault("PL_DISABLE_FORK", "0")
 # every forked rank inherits it instead of paying for it again.
 import torch._dynamo  # noqa: F401
 
+HEAVIEST_FIRST = (
+    "test_docs.py",
+    "test_ray_train.py",
+    "test_campaign.py",
+    "test_lightning_20340.py",
+    "test_callback.py",
+    "test_torchft.py",
+    "test_integrations.py",
+    "test_timeouts.py",
+    "test_mesh.py",
+    "test_channel_tree.py",
+    "test_replicas_trainers.py",
+    "test_first_contact.py",
+    "test_restart.py",
+    "test_lightning_sharded.py",
+    "test_adapter_parity.py",
+    "test_hostile_input.py",
+    "test_soak.py",
+    "test_dataplane.py",
+    "test_gpu_check.py",
+    "test_activation_hf_zero_code.py",
+    "test_device_digest.py",
+    "test_lifetime.py",
+    "test_channel_faults.py",
+    "test_launch.py",
+    "test_mesh_attribution.py",
+    "test_callback_faults.py",
+    "test_foreign_groups.py",
+)
+"""The files that take longest (``pytest --durations``, CPU seconds on 2 cores), longest first. ``make test``
+hands whole files to its workers in collection order (``--dist loadfile --no-loadscope-reorder``): these
+first, then the others by their number of tests, so that no long file starts last and holds the run's end."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Test files in the order of :data:`HEAVIEST_FIRST`, then by their number of tests; each file's own
+    order is kept (its module fixtures and tests/test_docs.py's page order rely on it)."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], str(item.path)))
+
 
 @pytest.fixture(scope="session")
 def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:

@@ -4,17 +4,13 @@ callbacks (real Trainers, 2 gloo ranks)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from ranks import run_ranks
-from torchrun import two_node_job
 
 from weightsync_audit import Auditor, LoopAudit
-
-SCRIPT = Path(__file__).parent / "scripts" / "adapter_parity_run.py"
 
 
 def _loop_rank(rank: int, world: int, options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -82,14 +78,16 @@ def _verdicts(records: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
     return out
 
 
-def test_the_same_planted_gradient_fault_gives_the_same_verdict_under_every_adapter(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
+def test_the_same_planted_gradient_fault_gives_the_same_verdict_under_every_adapter(
+    trainer_runs: dict[str, Any],
+) -> None:
+    # Scenarios of the session's one torchrun launch (tests/conftest.py trainer_runs; adapter_parity_run.py).
     pytest.importorskip("pytorch_lightning")
-    runs = two_node_job(SCRIPT, tmp_path, timeout=400)
+    runs = trainer_runs
     assert runs["codes"] == [0, 0], runs["log"]
     verdicts = {}
     for name in ("loop", "lightning", "hf"):
-        got = runs.get(name, {}).get(0)
+        got = runs.get(f"parity_{name}", {}).get(0)
         assert got is not None and "error" not in got, f"{name}: {got}\n{runs['log']}"
         assert all(r["checked"]["grad"] == 2 for r in got["records"] if r["hook"].endswith("optimizer_step"))
         verdicts[name] = _verdicts(got["records"])

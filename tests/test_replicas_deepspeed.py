@@ -5,8 +5,8 @@ judge its results. fp16 is refused by DeepSpeed on a CPU without ``mkldnn`` fp16
 saying so).
 
 DeepSpeed installs from its source distribution (``DS_BUILD_OPS=0 pip install deepspeed``, the
-``[deepspeed]`` extra); without it these tests skip. Its shared-memory op compiles once on first use
-(about a minute, cached), so they are marked slow. A torch optimizer is passed in, not DeepSpeed's
+``[deepspeed]`` extra); without it these tests skip. Its shared-memory op (inference only) is not built
+here (below); they are marked slow. A torch optimizer is passed in, not DeepSpeed's
 FusedAdam, which would compile another op.
 """
 
@@ -22,6 +22,12 @@ import torch
 from tests.ranks import free_port, run_ranks
 
 deepspeed = pytest.importorskip("deepspeed")  # imported here, before the ranks fork: they inherit it
+# DeepSpeed's CPU backend builds its shared-memory op (two g++ -O2 files, about a CPU-minute per venv) for
+# one use: ``inference_all_reduce`` (tensor-parallel inference), which no ZeRO engine here calls. Marked
+# unbuildable (DeepSpeed's own table of compatible ops, kept for the process), collectives stay on gloo.
+# The forked ranks inherit it; the torchrun scripts (tests/scripts/hf_deepspeed_run.py, lightning_sharded_run.py)
+# do the same.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,10 +1,10 @@
-"""Run under ``torchrun`` on 2 ranks: one planted fault under each adapter (``LoopAudit``, the Lightning callback,
-the Hugging Face callback), for tests/test_adapter_parity.py.
+"""One planted fault under each adapter (``LoopAudit``, the Lightning callback, the Hugging Face callback), for
+tests/test_adapter_parity.py: scenarios of tests/scripts/trainers_run.py (the session's one ``torchrun``
+launch on 2 ranks), which imports this module.
 
 Each scenario trains the same one-layer model (``layer``) for 4 optimizer steps with ``include`` grads,
 ``attribution`` and an audit every step; on rank 1 the gradient of ``layer.weight`` is changed after the
-all-reduce, right before optimizer step 3. Rank 0 writes ``OUT/<scenario>.rank0.json`` with its records.
-Usage: torchrun --nnodes=2 --nproc_per_node=1 --node-rank=N ... adapter_parity_run.py OUT_DIR
+all-reduce, right before optimizer step 3. :func:`run` returns the records (rank 0's; rank 1 returns none).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,7 @@ def lightning(path: Path) -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, num_nodes=2, strategy="ddp", max_steps=4, callbacks=[Plant(), audit],
         enable_progress_bar=False, enable_model_summary=False, logger=False, enable_checkpointing=False,
-        default_root_dir=str(OUT / "pl"),
+        default_root_dir=str(OUT / "parity_pl"),
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(tiny_rows(16, seed=1), batch_size=2)
     trainer.fit(Module(), loader)
@@ -104,7 +103,7 @@ def hf(path: Path) -> None:
                 plant(model)
 
     audit = WeightSyncAuditCallback(every_n_steps=1, report_path=str(path), **OPTIONS)
-    args = training_args(OUT / "hf", gloo=True, max_steps=4, per_device_train_batch_size=2, learning_rate=0.01)
+    args = training_args(OUT / "parity_hf", gloo=True, max_steps=4, per_device_train_batch_size=2, learning_rate=0.01)
     args.max_grad_norm = 0.0  # no clipping: the planted value reaches the step as it is
     model = TinyNet(seed=0)
     sgd = torch.optim.SGD(model.parameters(), lr=0.01)  # as the other adapters train
@@ -112,13 +111,8 @@ def hf(path: Path) -> None:
     Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks, optimizers=(sgd, None)).train()
 
 
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    for name, fn in (("loop", loop), ("lightning", lightning), ("hf", hf)):
-        path = OUT / f"{name}.jsonl"
-        try:
-            fn(path)
-            out: dict[str, Any] = {"records": records(path)}
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
-        (OUT / f"{name}.rank{RANK}.json").write_text(json.dumps(out))
+def run(name: str) -> dict[str, Any]:
+    """The ``loop``, ``lightning`` or ``hf`` scenario in the process group already open; ``{"records": [...]}``."""
+    path = OUT / f"parity_{name}.jsonl"
+    {"loop": loop, "lightning": lightning, "hf": hf}[name](path)
+    return {"records": records(path)}

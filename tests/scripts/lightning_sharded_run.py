@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 try:
-    import deepspeed  # noqa: F401 - imported first: its accelerator (CPU here) is settled once
+    import deepspeed  # imported first: its accelerator (CPU here) is settled once
+
+    # Its shared-memory op serves inference only: not built (tests/test_replicas_deepspeed.py says why).
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 except ImportError:  # the FSDP scenario runs without it
     pass
 import pytorch_lightning as pl

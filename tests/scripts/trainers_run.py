@@ -29,6 +29,7 @@ from hf_setup import go_offline, training_args
 
 go_offline()  # no hub, no trackers: before `transformers` is imported (the test sets them too)
 
+import adapter_parity_run  # noqa: E402 - beside this script: one fault under each adapter, scenarios here too
 import hf_resume_run  # noqa: E402 - beside this script: resume fidelity per rank
 import hf_unfreeze_run  # noqa: E402 - beside this script: its two runs are scenarios here too
 
@@ -395,6 +396,24 @@ def hf_unfreeze_fix() -> dict[str, Any]:
 @scenario
 def hf_resume() -> dict[str, Any]:
     return hf_resume_run.run(OUT)
+
+
+# -- one planted fault under each adapter (adapter_parity_run.py; tests/test_adapter_parity.py), last ---------
+
+
+@scenario
+def parity_loop() -> dict[str, Any]:
+    return adapter_parity_run.run("loop")
+
+
+@scenario
+def parity_lightning() -> dict[str, Any]:
+    return adapter_parity_run.run("lightning")
+
+
+@scenario
+def parity_hf() -> dict[str, Any]:
+    return adapter_parity_run.run("hf")
 
 
 if __name__ == "__main__":
