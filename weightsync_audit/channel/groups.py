@@ -136,6 +136,8 @@ class AuditGroup:
         exchange, when it could not answer some rank after the others had their answer."""
         # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
+        self.scratch: dict[Any, Any] = {}
+        """Frame buffers kept from one round to the next while every operation on them completed."""
         self.lock = threading.Lock()
         self.own_names = True
         """Whether every member names its gloo groups itself (this release and later); ``False`` when a

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ __all__ = [
     "LEGACY_INLINE_BYTES",
     "Rule",
     "StarWire",
+    "as_bytes",
     "as_u8",
     "compact_rows",
     "expand_rows",
@@ -103,6 +104,13 @@ def used_words(header_words: int, inline_bytes: int) -> int:
     largest frame's size and sent at its own length: a short exchange costs its own bytes only.
     """
     return header_words + -(-inline_bytes // 8)
+
+
+def as_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+    """A message's bytes (an array's in C order)."""
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).tobytes()
+    return data if type(data) is bytes else bytes(data)
 
 
 def as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
@@ -187,7 +195,11 @@ class StarWire:
     # -- point-to-point with deadlines ---------------------------------------------------------
 
     def _wait(self, group: AuditGroup, work: Any, buf: Any, deadline: float) -> None:
-        wait_until(work, buf, deadline, group.graveyard)
+        try:
+            wait_until(work, buf, deadline, group.graveyard)
+        except WaitFailure:
+            group.scratch.clear()  # gloo may still use a buffer of a failed operation: none is reused
+            raise
 
     def _post(self, group: AuditGroup, t: torch.Tensor, peer: int, send: bool) -> Any:
         try:
@@ -196,7 +208,19 @@ class StarWire:
                 group.sent_messages += 1
             return self.post(group.pg, t, peer, send)
         except Exception as exc:
+            group.scratch.clear()
             raise WaitFailure(False, str(exc)[:200]) from exc
+
+    @staticmethod
+    def _scratch(group: AuditGroup, key: Hashable, words: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A frame buffer of ``words`` int64 words kept for the next round (as numpy and as a tensor over the
+        same memory): frames are made and received at every round, and a buffer is only used again once
+        its operation completed (any failure forgets them all, :meth:`_wait`)."""
+        kept = group.scratch.get(key)
+        if kept is None:
+            t = torch.zeros(words, dtype=torch.int64)
+            kept = group.scratch[key] = (t.numpy(), t)
+        return kept
 
     # -- the layout: who sends to whom (a star unless the group's ``block`` makes it a tree) ----------
 
@@ -223,7 +247,7 @@ class StarWire:
     def _recover(self, group: AuditGroup, seq: int, failures: dict[int, WaitFailure], missing: list[int]) -> None:
         """(A tree's) what a leader that lost its connections left in the store instead."""
 
-    def _relay(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
+    def _relay(self, group: AuditGroup, seq: int, body: bytes, what: str) -> bytes:
         """A non-coordinator's part of the round."""
         return self._participate(group, seq, body, what)
 
@@ -249,22 +273,29 @@ class StarWire:
                     raise self._broken_error(group)
             seq = group.seq
             group.seq += 1
-            body = as_u8(payload)
-            if self.rank == 0:
-                return self._coordinate(group, seq, body, rule, what, pending)
-            return self._relay(group, seq, body, what)
+            body = as_bytes(payload)
+            try:
+                if self.rank == 0:
+                    return self._coordinate(group, seq, body, rule, what, pending)
+                return self._relay(group, seq, body, what)
+            except BaseException:
+                group.scratch.clear()  # an operation may still be pending on a kept buffer
+                raise
 
-    def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
+    def _request_frame(self, group: AuditGroup, seq: int, body: bytes, what: str) -> torch.Tensor:
         what_hash, name_words = what_words(what)
-        frame = np.zeros(REQ_WORDS, dtype=np.int64)
-        inline = body.numel() if body.numel() <= self.inline_limit else 0
-        frame[:4] = (MAGIC, seq, what_hash, length_word(body.numel(), inline > 0))
-        frame[4 : 4 + len(name_words)] = name_words
+        inline = len(body) if len(body) <= self.inline_limit else 0
+        head = 4 + len(name_words)
+        n = used_words(head, inline)
+        frame, t = self._scratch(group, ("request", n), n)
+        frame[:4] = (MAGIC, seq, what_hash, length_word(len(body), inline > 0))
+        frame[4:head] = name_words
         if inline:
-            frame.view(np.uint8)[(4 + len(name_words)) * 8 :][:inline] = body.numpy()
-        return torch.from_numpy(frame[: used_words(4 + len(name_words), inline)])
+            frame[n - 1] = 0  # the last word's bytes past the body stay zero
+            frame.view(np.uint8)[head * 8 : head * 8 + inline] = np.frombuffer(body, np.uint8)
+        return t
 
-    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, peer: int = 0) -> bytes:
+    def _participate(self, group: AuditGroup, seq: int, body: bytes, what: str, peer: int = 0) -> bytes:
         deadline = time.monotonic() + self._deadline_s() + self.grace_s
         try:
             status, data = self._ask(group, seq, body, what, peer, deadline)
@@ -275,17 +306,17 @@ class StarWire:
         return self._settle(group, status, data, what)
 
     def _ask(
-        self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, peer: int, deadline: float
+        self, group: AuditGroup, seq: int, body: bytes, what: str, peer: int, deadline: float
     ) -> tuple[int, bytes]:
         """Send this rank's bytes to ``peer`` and take its answer: ``(status, data)``, or :class:`WaitFailure`."""
-        reply = torch.empty(REPLY_WORDS, dtype=torch.int64)
+        r, reply = self._scratch(group, "reply", REPLY_WORDS)
         answer = self._post(group, reply, peer, send=False)  # posted first: the answer may come at once
-        frame = self._request_frame(seq, body, what)
+        frame = self._request_frame(group, seq, body, what)
         self._wait(group, self._post(group, frame, peer, send=True), frame, deadline)
-        if body.numel() > self.inline_limit:
-            self._wait(group, self._post(group, body, peer, send=True), body, deadline)
+        if len(body) > self.inline_limit:
+            big = as_u8(body)
+            self._wait(group, self._post(group, big, peer, send=True), big, deadline)
         self._wait(group, answer, reply, deadline)
-        r = reply.numpy()
         if r[0] != MAGIC or r[1] != seq:
             raise WaitFailure(False, "the coordinator answered another exchange")
         nbytes, inline = read_length(int(r[3]))
@@ -309,18 +340,18 @@ class StarWire:
     ) -> tuple[dict[int, bytes], dict[int, WaitFailure], dict[int, str]]:
         """The way up: each child's bytes (those in step), the children lost, the ranks elsewhere."""
         what_hash, _ = what_words(what)
-        frames = {r: torch.empty(REQ_WORDS, dtype=torch.int64) for r in children}
+        frames = {r: self._scratch(group, ("frame", r), REQ_WORDS) for r in children}
         works: dict[int, Any] = {}
         failures: dict[int, WaitFailure] = {r: WaitFailure(False, "lost at an earlier exchange") for r in skip}
         for r in children:
             if r not in failures:
                 try:
-                    works[r] = self._post(group, frames[r], r, send=False)
+                    works[r] = self._post(group, frames[r][1], r, send=False)
                 except WaitFailure as f:
                     failures[r] = f
         for r, work in works.items():
             try:
-                self._wait(group, work, frames[r], deadline)
+                self._wait(group, work, frames[r][1], deadline)
             except WaitFailure as f:
                 failures[r] = f
         positions: dict[int, str] = {}
@@ -329,7 +360,7 @@ class StarWire:
         for r in children:
             if r in failures:
                 continue
-            f = frames[r].numpy()
+            f = frames[r][0]
             if f[0] != MAGIC or f[1] != seq or f[2] != what_hash:
                 text = words_text(f[4 : 4 + WHAT_BYTES // 8])
                 positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
@@ -356,7 +387,7 @@ class StarWire:
         self,
         group: AuditGroup,
         seq: int,
-        body: torch.Tensor,
+        body: bytes,
         rule: Rule,
         what: str,
         pending: tuple[dict[str, Any], frozenset[int]] | None,
@@ -366,7 +397,7 @@ class StarWire:
         deadline = time.monotonic() + self._deadline_s() + (self.grace_s / 2 if group.block else 0.0)
         skip = pending[1] if pending else frozenset()
         got, failures, positions = self._gather_frames(group, seq, what, skip, children, deadline)
-        datas, missing = [body.numpy().tobytes()] + [b""] * (self.world_size - 1), []
+        datas, missing = [body] + [b""] * (self.world_size - 1), []
         for c, data in got.items():
             self._unfold(c, data, datas, missing, positions)
         self._recover(group, seq, failures, missing)
@@ -415,12 +446,13 @@ class StarWire:
         children: list[int],
     ) -> list[int]:
         """Send the same answer to every reachable child at once; the children it could not reach."""
-        frame = np.zeros(REPLY_WORDS, dtype=np.int64)
         inline = len(data) if len(data) <= self.inline_limit else 0
+        n = used_words(4, inline)
+        frame, reply = self._scratch(group, ("answer", n), n)
         frame[:4] = (MAGIC, seq, status, length_word(len(data), inline > 0))
         if inline:
-            frame.view(np.uint8)[32:][:inline] = np.frombuffer(data, dtype=np.uint8)
-        reply = torch.from_numpy(frame[: used_words(4, inline)])
+            frame[n - 1] = 0  # the last word's bytes past the answer stay zero
+            frame.view(np.uint8)[32 : 32 + inline] = np.frombuffer(data, dtype=np.uint8)
         big = as_u8(data) if len(data) > self.inline_limit else None
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
