@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -136,8 +137,8 @@ class AuditGroup:
         exchange, when it could not answer some rank after the others had their answer."""
         # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
-        self.scratch: dict[Any, Any] = {}
-        """Frame buffers kept from one round to the next while every operation on them completed."""
+        self.scratch: dict[Any, tuple[np.ndarray, torch.Tensor]] = {}
+        """Frame buffers kept from one round to the next (:meth:`frame`); emptied at any failure."""
         self.lock = threading.Lock()
         self.own_names = True
         """Whether every member names its gloo groups itself (this release and later); ``False`` when a
@@ -147,6 +148,15 @@ class AuditGroup:
         once when the group opens."""
         self.block = 0
         """Ranks per block of the channel's tree (:class:`~weightsync_audit.channel.star.TreeWire`); 0: a star."""
+
+    def frame(self, key: Any, words: int) -> tuple[np.ndarray, torch.Tensor]:
+        """A frame buffer of ``words`` int64 words (numpy, and a tensor over it) kept for the next round: one
+        is used again only after its operation completed (a failed wait forgets them all)."""
+        kept = self.scratch.get(key)
+        if kept is None:
+            t = torch.zeros(words, dtype=torch.int64)
+            kept = self.scratch[key] = (t.numpy(), t)
+        return kept
 
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditGroup]] = {}

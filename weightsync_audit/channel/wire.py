@@ -5,18 +5,14 @@ coordinator and one answer back, each wait bounded by a deadline.
 answering, the failure verdicts); ``Comm`` adds the set-up and the public exchanges on top. Why a star
 and what gloo's failures make of it: :mod:`~weightsync_audit.channel.star`.
 
-How audit messages are framed: a fixed-size header that names the exchange, and its body.
-
-A message larger than the receive buffer aborts the receiving *process* in gloo, and ranks at different
-points of the protocol would send messages of different sizes; so every message starts with a frame of
-``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body length,
-and up to ``INLINE_BYTES`` of the body), and a longer body is received into a buffer of exactly the
-announced length. The coordinator's reply is framed the same way in ``REPLY_WORDS`` words (magic,
-exchange number, status, body length, and up to ``INLINE_BYTES`` of the body), whatever the number of
-ranks, so a healthy audit sends a fixed number of bytes per rank. Frames are received into buffers of the
-largest frame's size and sent at their own length (:func:`used_words`): an exchange of up to a kilobyte
-each way is one message up and one down, which on the wire costs far less than a second message (each
-gloo message brings its own handshake and acknowledgements: about 500 bytes on loopback).
+Framing: a message larger than the receive buffer aborts the receiving *process* in gloo, and ranks at
+different points of the protocol would send messages of different sizes; so every message starts with a
+frame of ``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body
+length, and up to ``INLINE_BYTES`` of the body); a longer body is received into a buffer of exactly the
+announced length. The reply is framed alike in ``REPLY_WORDS`` words (magic, exchange number, status, body
+length, inline body), whatever the number of ranks. Frames are received into buffers of the largest
+frame's size and sent at their own length (:func:`used_words`): an exchange of up to a kilobyte each way
+is one message up and one down (each gloo message brings its own handshake: about 500 bytes on loopback).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,7 +44,6 @@ __all__ = [
     "Rule",
     "StarWire",
     "as_bytes",
-    "as_u8",
     "compact_rows",
     "expand_rows",
     "join_parts",
@@ -108,17 +103,7 @@ def used_words(header_words: int, inline_bytes: int) -> int:
 
 def as_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
     """A message's bytes (an array's in C order)."""
-    if isinstance(data, np.ndarray):
-        return np.ascontiguousarray(data).tobytes()
-    return data if type(data) is bytes else bytes(data)
-
-
-def as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).tobytes()
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
 
 
 def join_parts(parts: list[bytes]) -> bytes:
@@ -208,19 +193,7 @@ class StarWire:
                 group.sent_messages += 1
             return self.post(group.pg, t, peer, send)
         except Exception as exc:
-            group.scratch.clear()
             raise WaitFailure(False, str(exc)[:200]) from exc
-
-    @staticmethod
-    def _scratch(group: AuditGroup, key: Hashable, words: int) -> tuple[np.ndarray, torch.Tensor]:
-        """A frame buffer of ``words`` int64 words kept for the next round (as numpy and as a tensor over the
-        same memory): frames are made and received at every round, and a buffer is only used again once
-        its operation completed (any failure forgets them all, :meth:`_wait`)."""
-        kept = group.scratch.get(key)
-        if kept is None:
-            t = torch.zeros(words, dtype=torch.int64)
-            kept = group.scratch[key] = (t.numpy(), t)
-        return kept
 
     # -- the layout: who sends to whom (a star unless the group's ``block`` makes it a tree) ----------
 
@@ -287,7 +260,7 @@ class StarWire:
         inline = len(body) if len(body) <= self.inline_limit else 0
         head = 4 + len(name_words)
         n = used_words(head, inline)
-        frame, t = self._scratch(group, ("request", n), n)
+        frame, t = group.frame(("request", n), n)
         frame[:4] = (MAGIC, seq, what_hash, length_word(len(body), inline > 0))
         frame[4:head] = name_words
         if inline:
@@ -309,12 +282,12 @@ class StarWire:
         self, group: AuditGroup, seq: int, body: bytes, what: str, peer: int, deadline: float
     ) -> tuple[int, bytes]:
         """Send this rank's bytes to ``peer`` and take its answer: ``(status, data)``, or :class:`WaitFailure`."""
-        r, reply = self._scratch(group, "reply", REPLY_WORDS)
+        r, reply = group.frame("reply", REPLY_WORDS)
         answer = self._post(group, reply, peer, send=False)  # posted first: the answer may come at once
         frame = self._request_frame(group, seq, body, what)
         self._wait(group, self._post(group, frame, peer, send=True), frame, deadline)
         if len(body) > self.inline_limit:
-            big = as_u8(body)
+            big = torch.frombuffer(bytearray(body), dtype=torch.uint8)
             self._wait(group, self._post(group, big, peer, send=True), big, deadline)
         self._wait(group, answer, reply, deadline)
         if r[0] != MAGIC or r[1] != seq:
@@ -340,7 +313,7 @@ class StarWire:
     ) -> tuple[dict[int, bytes], dict[int, WaitFailure], dict[int, str]]:
         """The way up: each child's bytes (those in step), the children lost, the ranks elsewhere."""
         what_hash, _ = what_words(what)
-        frames = {r: self._scratch(group, ("frame", r), REQ_WORDS) for r in children}
+        frames = {r: group.frame(("frame", r), REQ_WORDS) for r in children}
         works: dict[int, Any] = {}
         failures: dict[int, WaitFailure] = {r: WaitFailure(False, "lost at an earlier exchange") for r in skip}
         for r in children:
@@ -448,12 +421,12 @@ class StarWire:
         """Send the same answer to every reachable child at once; the children it could not reach."""
         inline = len(data) if len(data) <= self.inline_limit else 0
         n = used_words(4, inline)
-        frame, reply = self._scratch(group, ("answer", n), n)
+        frame, reply = group.frame(("answer", n), n)
         frame[:4] = (MAGIC, seq, status, length_word(len(data), inline > 0))
         if inline:
             frame[n - 1] = 0  # the last word's bytes past the answer stay zero
             frame.view(np.uint8)[32 : 32 + inline] = np.frombuffer(data, dtype=np.uint8)
-        big = as_u8(data) if len(data) > self.inline_limit else None
+        big = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) > self.inline_limit else None
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         lost = []
