@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 import time
 from typing import Any, Callable
 
@@ -64,19 +65,21 @@ REPLY_WORDS = 4 + INLINE_BYTES // 8  # magic, seq, status, nbytes, inline
 OK, MISSING, OUT_OF_STEP, RULE_FAILED = 0, 1, 2, 3
 
 
+HEADER = struct.Struct("=4q")  # a frame's first four int64 words, in this machine's order
+_NAME = slice(32, 32 + WHAT_BYTES)
+_ZERO = bytes(8)
+
+
 @functools.lru_cache(maxsize=512)
-def what_words(what: str) -> tuple[int, np.ndarray]:
-    """An exchange's name as the frame carries it: its hash and its first ``WHAT_BYTES`` (read-only; the
+def what_words(what: str) -> tuple[int, bytes]:
+    """An exchange's name as the frame carries it: its hash and its first ``WHAT_BYTES`` (zero-padded; the
     names are few and fixed, so they are said once)."""
-    raw = what.encode("utf-8", "replace")[:WHAT_BYTES]
-    words = np.zeros(WHAT_BYTES // 8, dtype=np.int64)
-    words.view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    words.flags.writeable = False
-    return xxhash.xxh3_64_intdigest(what.encode("utf-8", "replace")) >> 1, words
+    raw = what.encode("utf-8", "replace")
+    return xxhash.xxh3_64_intdigest(raw) >> 1, raw[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0")
 
 
-def words_text(words: np.ndarray) -> str:
-    return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+def words_text(name: bytes | memoryview) -> str:
+    return bytes(name).rstrip(b"\0").decode("utf-8", "replace")
 
 
 def length_word(nbytes: int, inline: bool) -> int:
@@ -112,12 +115,8 @@ def join_parts(parts: list[bytes]) -> bytes:
 
 
 def split_parts(data: bytes, world: int) -> list[bytes]:
-    lengths = np.frombuffer(data[: 8 * world], dtype=np.int64).tolist()
-    out, pos = [], 8 * world
-    for n in lengths:
-        out.append(data[pos : pos + n])
-        pos += n
-    return out
+    ends = np.cumsum(np.frombuffer(data[: 8 * world], dtype=np.int64)).tolist()
+    return [data[8 * world + a : 8 * world + b] for a, b in zip([0, *ends], ends)]
 
 
 def compact_rows(parts: list[bytes]) -> bytes:
@@ -256,16 +255,15 @@ class StarWire:
                 raise
 
     def _request_frame(self, group: AuditGroup, seq: int, body: bytes, what: str) -> torch.Tensor:
-        what_hash, name_words = what_words(what)
+        what_hash, name = what_words(what)
         inline = len(body) if len(body) <= self.inline_limit else 0
-        head = 4 + len(name_words)
-        n = used_words(head, inline)
+        n = used_words(_NAME.stop // 8, inline)
         frame, t = group.frame(("request", n), n)
-        frame[:4] = (MAGIC, seq, what_hash, length_word(len(body), inline > 0))
-        frame[4:head] = name_words
+        HEADER.pack_into(frame, 0, MAGIC, seq, what_hash, length_word(len(body), inline > 0))
+        frame[_NAME] = name
         if inline:
-            frame[n - 1] = 0  # the last word's bytes past the body stay zero
-            frame.view(np.uint8)[head * 8 : head * 8 + inline] = np.frombuffer(body, np.uint8)
+            frame[8 * n - 8 :] = _ZERO  # the last word's bytes past the body stay zero
+            frame[_NAME.stop : _NAME.stop + inline] = body
         return t
 
     def _participate(self, group: AuditGroup, seq: int, body: bytes, what: str, peer: int = 0) -> bytes:
@@ -290,14 +288,15 @@ class StarWire:
             big = torch.frombuffer(bytearray(body), dtype=torch.uint8)
             self._wait(group, self._post(group, big, peer, send=True), big, deadline)
         self._wait(group, answer, reply, deadline)
-        if r[0] != MAGIC or r[1] != seq:
+        magic, got, status, word = HEADER.unpack_from(r)
+        if magic != MAGIC or got != seq:
             raise WaitFailure(False, "the coordinator answered another exchange")
-        nbytes, inline = read_length(int(r[3]))
+        nbytes, inline = read_length(word)
         if inline:
-            return int(r[2]), r[4:].view(np.uint8)[:nbytes].tobytes()
+            return status, bytes(r[32 : 32 + nbytes])
         big = torch.empty(nbytes, dtype=torch.uint8)
         self._wait(group, self._post(group, big, peer, send=False), big, deadline)
-        return int(r[2]), big.numpy().tobytes()
+        return status, big.numpy().tobytes()
 
     def _settle(self, group: AuditGroup, status: int, data: bytes, what: str) -> bytes:
         """The answer's data, or the error it says."""
@@ -334,12 +333,13 @@ class StarWire:
             if r in failures:
                 continue
             f = frames[r][0]
-            if f[0] != MAGIC or f[1] != seq or f[2] != what_hash:
-                text = words_text(f[4 : 4 + WHAT_BYTES // 8])
-                positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
-            nbytes, inline = read_length(int(f[3]))
+            magic, got, named, word = HEADER.unpack_from(f)
+            if magic != MAGIC or got != seq or named != what_hash:
+                text = words_text(f[_NAME])
+                positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{got})"
+            nbytes, inline = read_length(word)
             if inline:
-                datas[r] = f.view(np.uint8)[(4 + WHAT_BYTES // 8) * 8 :][:nbytes].tobytes()
+                datas[r] = bytes(f[_NAME.stop : _NAME.stop + nbytes])
             else:  # exactly the announced size: a frame from elsewhere in the protocol cannot crash gloo
                 big = torch.empty(nbytes, dtype=torch.uint8)
                 try:
@@ -422,10 +422,10 @@ class StarWire:
         inline = len(data) if len(data) <= self.inline_limit else 0
         n = used_words(4, inline)
         frame, reply = group.frame(("answer", n), n)
-        frame[:4] = (MAGIC, seq, status, length_word(len(data), inline > 0))
+        HEADER.pack_into(frame, 0, MAGIC, seq, status, length_word(len(data), inline > 0))
         if inline:
-            frame[n - 1] = 0  # the last word's bytes past the answer stay zero
-            frame.view(np.uint8)[32 : 32 + inline] = np.frombuffer(data, dtype=np.uint8)
+            frame[8 * n - 8 :] = _ZERO  # the last word's bytes past the answer stay zero
+            frame[32 : 32 + inline] = data
         big = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) > self.inline_limit else None
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
