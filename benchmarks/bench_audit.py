@@ -46,34 +46,28 @@ from harness import launch, machine, median, own_copy, peak_extra_bytes, table, 
 from models import SPECS, ModelSpec, build, count, nbytes
 
 from weightsync_audit import Auditor
+from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.hashing.digest import workers
 
 _MODEL: torch.nn.Module | None = None  # built in the parent, inherited by the forked ranks
 
 
 def wire_bytes(fn: Callable[[], Any]) -> dict[str, int]:
-    """Point-to-point messages and bytes this rank sends and receives while ``fn`` runs."""
+    """Point-to-point messages and bytes this rank sends and receives over the audit channel while ``fn`` runs."""
     counts = {"sent_msgs": 0, "sent": 0, "recv_msgs": 0, "recv": 0}
-    names = ("isend", "irecv", "send", "recv")
-    originals = {n: getattr(dist, n) for n in names}
+    original = Comm.post
 
-    def wrap(name: str, f: Callable[..., Any]) -> Callable[..., Any]:
-        side = "sent" if "send" in name else "recv"
+    def counted(self: Comm, pg: Any, t: torch.Tensor, peer: int, send: bool) -> Any:
+        side = "sent" if send else "recv"
+        counts[side + "_msgs"] += 1
+        counts[side] += t.numel() * t.element_size()
+        return original(self, pg, t, peer, send)
 
-        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            counts[side + "_msgs"] += 1
-            counts[side] += tensor.numel() * tensor.element_size()
-            return f(tensor, *args, **kwargs)
-
-        return counted
-
-    for n in names:
-        setattr(dist, n, wrap(n, originals[n]))
+    Comm.post = counted  # type: ignore[method-assign]
     try:
         fn()
     finally:
-        for n, f in originals.items():
-            setattr(dist, n, f)
+        Comm.post = original  # type: ignore[method-assign]
     return counts
 
 

@@ -9,6 +9,7 @@ only costs a hint (DDP's reducer buckets, its logging data) return ``None`` inst
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ __all__ = [
     "lightning_ddp_factory",
     "lightning_reset_static_graph",
     "new_named_gloo_group",
+    "module_attr",
     "peel_wrapper",
     "remove_ddp_autograd_hooks",
     "self_check",
@@ -224,6 +226,35 @@ def tensor_version(t: torch.Tensor) -> int:
 # -- wrappers and tensor types -----------------------------------------------------------------
 
 
+_MODULE_GETATTR = nn.Module.__getattr__
+_OBJECT_GETATTRIBUTE = object.__getattribute__
+
+
+def module_attr(module: Any, name: str) -> Any:
+    """``getattr(module, name, None)``, without ``nn.Module.__getattr__`` raising and catching an
+    ``AttributeError`` when ``name`` is absent (the common case, looked up at every audit)."""
+    cls = type(module)
+    if (
+        isinstance(module, nn.Module)
+        and cls.__getattr__ is _MODULE_GETATTR
+        and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
+        and name not in module.__dict__
+        and not hasattr(cls, name)
+    ):  # not on the instance nor its class: nn.Module's own lookup reads its three dicts, nothing else
+        d = module.__dict__
+        for key in ("_parameters", "_buffers", "_modules"):
+            held = d.get(key)
+            if held is not None and name in held:
+                return held[name]
+        return None
+    return getattr(module, name, None)
+
+
+@functools.lru_cache(maxsize=256)
+def _mro_names(cls: type) -> frozenset[str]:
+    return frozenset(c.__name__ for c in cls.__mro__)
+
+
 def peel_wrapper(module: nn.Module) -> nn.Module | None:
     """The module inside one layer of wrapping (DDP, DataParallel, Fabric, ``torch.compile``, old
     Lightning), or ``None`` when ``module`` is not a wrapper. Fabric and Lightning are recognised by
@@ -233,14 +264,14 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
     name = type(module).__name__
     if name == "_FabricModule" and hasattr(module, "_original_module"):
         return module._original_module or module._forward_module
-    orig = getattr(module, "_orig_mod", None)  # torch.compile's OptimizedModule
+    orig = module_attr(module, "_orig_mod")  # torch.compile's OptimizedModule
     if isinstance(orig, nn.Module):
         return orig
     if name == "_LightningModuleWrapperBase" and hasattr(module, "_forward_module"):
         return module._forward_module  # Lightning < 2.2
-    if "DeepSpeedEngine" in {c.__name__ for c in type(module).__mro__} and isinstance(module.module, nn.Module):
+    if "DeepSpeedEngine" in _mro_names(type(module)) and isinstance(module.module, nn.Module):
         return module.module  # deepspeed.DeepSpeedEngine (also Lightning's and Accelerate's)
-    if type(module).__module__.startswith("megatron.") and {c.__name__ for c in type(module).__mro__} & {
+    if type(module).__module__.startswith("megatron.") and _mro_names(type(module)) & {
         "_BaseDataParallel",
         "Float16Module",
     }:

@@ -136,6 +136,8 @@ class AuditGroup:
         exchange, when it could not answer some rank after the others had their answer."""
         # Buffers of operations that failed stay referenced: gloo may still write into them.
         self.graveyard: list[Any] = []
+        self.scratch: dict[Any, tuple[memoryview, torch.Tensor]] = {}
+        """Frame buffers kept from one round to the next (:meth:`frame`); emptied at any failure."""
         self.lock = threading.Lock()
         self.own_names = True
         """Whether every member names its gloo groups itself (this release and later); ``False`` when a
@@ -145,6 +147,15 @@ class AuditGroup:
         once when the group opens."""
         self.block = 0
         """Ranks per block of the channel's tree (:class:`~weightsync_audit.channel.star.TreeWire`); 0: a star."""
+
+    def frame(self, key: Any, words: int) -> tuple[memoryview, torch.Tensor]:
+        """A frame buffer of ``words`` int64 words (its bytes, and a tensor over them) kept for the next round: one
+        is used again only after its operation completed (a failed wait forgets them all)."""
+        kept = self.scratch.get(key)
+        if kept is None:
+            t = torch.zeros(words, dtype=torch.int64)
+            kept = self.scratch[key] = (memoryview(t.numpy()).cast("B"), t)
+        return kept
 
 
 _groups: dict[tuple[int, tuple[int, ...]], tuple[Any, AuditGroup]] = {}

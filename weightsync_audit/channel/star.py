@@ -66,7 +66,6 @@ from datetime import timedelta
 from typing import Any, Callable, Hashable
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from weightsync_audit.channel.groups import AuditGroup, forget_groups, open_group
@@ -82,7 +81,7 @@ from weightsync_audit.channel.wire import (
     OUT_OF_STEP,
     Rule,
     StarWire,
-    as_u8,
+    as_bytes,
     compact_rows,
     expand_rows,
     join_parts,
@@ -139,13 +138,13 @@ def block_size(hosts: list[str]) -> int:
 class TreeWire(StarWire):
     """The leaders' part of a round, and the coordinator's reading of what leaders send."""
 
-    def _relay(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
+    def _relay(self, group: AuditGroup, seq: int, body: bytes, what: str) -> bytes:
         k = group.block
         if k and self.rank % k == 0:
             return self._lead(group, seq, body, what)
         return self._participate(group, seq, body, what, self.rank - self.rank % k if k else 0)
 
-    def _lead(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
+    def _lead(self, group: AuditGroup, seq: int, body: bytes, what: str) -> bytes:
         start = time.monotonic()
         children = self._children(self.rank)
         skip, group.pending = (group.pending[1] if group.pending else frozenset()), None
@@ -155,13 +154,13 @@ class TreeWire(StarWire):
         if missing or positions:
             up = _REPORT + report.encode()
         else:
-            up = _PARTS + join_parts([body.numpy().tobytes()] + [got[c] for c in children])
+            up = _PARTS + join_parts([body] + [got[c] for c in children])
         deadline = start + self._deadline_s() + self.grace_s
         try:
             if any(f.timed_out for f in failures.values()):
                 group.store.set(f"block/{seq}/{self.rank}", report)
                 raise WaitFailure(False, "this leader's connections closed when it waited out a rank")
-            status, data = self._ask(group, seq, as_u8(up), what, 0, deadline)
+            status, data = self._ask(group, seq, up, what, 0, deadline)
         except WaitFailure as failure:
             wait = max(deadline - time.monotonic(), 0.0) + STORE_WAIT_S
             verdict, error = no_answer(self._who, group, seq, what, failure, 0, wait)
@@ -222,6 +221,8 @@ class Comm(TreeWire):
         self.user_group = group
         self.world_size, self.rank, self.global_ranks = self.membership(group)
         self._group: AuditGroup | None = None
+        self._pg_ranks: tuple[Any, list[int]] | None = None
+        """The last group :meth:`post` used, and each member's rank in it."""
         self._who = Who(self.rank, self.world_size, self.global_ranks, timeout_s)
 
     def membership(self, group: Any) -> tuple[int, int, tuple[int, ...]]:
@@ -243,9 +244,12 @@ class Comm(TreeWire):
     def post(self, pg: Any, t: Any, peer: int, send: bool) -> Any:
         """Post one point-to-point message of ``t`` to (``send``) or from the member at position ``peer``, on
         ``pg`` (a process group over this channel's members): its work, to wait on with a deadline."""
-        if send:
-            return dist.isend(t, dst=self.global_ranks[peer], group=pg)
-        return dist.irecv(t, src=self.global_ranks[peer], group=pg)
+        # The group's own send and recv, as ``dist.isend``/``dist.irecv`` end up calling them, without their
+        # per-call checks (a plain CPU tensor, this rank a member): a healthy audit posts two per rank.
+        ranks = self._pg_ranks
+        if ranks is None or ranks[0] is not pg:
+            ranks = self._pg_ranks = (pg, [dist.get_group_rank(pg, g) for g in self.global_ranks])
+        return pg.send([t], ranks[1][peer], 0) if send else pg.recv([t], ranks[1][peer], 0)
 
     def side_group(self, name: str, timeout: timedelta) -> Any:
         """A new gloo group over this channel's members, named ``name`` alike on every member (the data
@@ -335,7 +339,7 @@ class Comm(TreeWire):
         ranks. If it raises, every rank raises :class:`~weightsync_audit.AuditPreparationError`.
         """
         if not self.distributed:
-            return rule([as_u8(payload).numpy().tobytes()])
+            return rule([as_bytes(payload)])
         return self._round(payload, rule, what)
 
     def exchange(self, payload: np.ndarray, what: str = "the audit", compact: bool = False) -> np.ndarray:

@@ -5,24 +5,21 @@ coordinator and one answer back, each wait bounded by a deadline.
 answering, the failure verdicts); ``Comm`` adds the set-up and the public exchanges on top. Why a star
 and what gloo's failures make of it: :mod:`~weightsync_audit.channel.star`.
 
-How audit messages are framed: a fixed-size header that names the exchange, and its body.
-
-A message larger than the receive buffer aborts the receiving *process* in gloo, and ranks at different
-points of the protocol would send messages of different sizes; so every message starts with a frame of
-``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body length,
-and up to ``INLINE_BYTES`` of the body), and a longer body is received into a buffer of exactly the
-announced length. The coordinator's reply is framed the same way in ``REPLY_WORDS`` words (magic,
-exchange number, status, body length, and up to ``INLINE_BYTES`` of the body), whatever the number of
-ranks, so a healthy audit sends a fixed number of bytes per rank. Frames are received into buffers of the
-largest frame's size and sent at their own length (:func:`used_words`): an exchange of up to a kilobyte
-each way is one message up and one down, which on the wire costs far less than a second message (each
-gloo message brings its own handshake and acknowledgements: about 500 bytes on loopback).
+Framing: a message larger than the receive buffer aborts the receiving *process* in gloo, and ranks at
+different points of the protocol would send messages of different sizes; so every message starts with a
+frame of ``REQ_WORDS`` int64 words (magic, exchange number, hash and text of the exchange's name, body
+length, and up to ``INLINE_BYTES`` of the body); a longer body is received into a buffer of exactly the
+announced length. The reply is framed alike in ``REPLY_WORDS`` words (magic, exchange number, status, body
+length, inline body), whatever the number of ranks. Frames are received into buffers of the largest
+frame's size and sent at their own length (:func:`used_words`): an exchange of up to a kilobyte each way
+is one message up and one down (each gloo message brings its own handshake: about 500 bytes on loopback).
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import struct
 import time
 from typing import Any, Callable
 
@@ -47,7 +44,7 @@ __all__ = [
     "LEGACY_INLINE_BYTES",
     "Rule",
     "StarWire",
-    "as_u8",
+    "as_bytes",
     "compact_rows",
     "expand_rows",
     "join_parts",
@@ -68,19 +65,21 @@ REPLY_WORDS = 4 + INLINE_BYTES // 8  # magic, seq, status, nbytes, inline
 OK, MISSING, OUT_OF_STEP, RULE_FAILED = 0, 1, 2, 3
 
 
+HEADER = struct.Struct("=4q")  # a frame's first four int64 words, in this machine's order
+_NAME = slice(32, 32 + WHAT_BYTES)
+_ZERO = bytes(8)
+
+
 @functools.lru_cache(maxsize=512)
-def what_words(what: str) -> tuple[int, np.ndarray]:
-    """An exchange's name as the frame carries it: its hash and its first ``WHAT_BYTES`` (read-only; the
+def what_words(what: str) -> tuple[int, bytes]:
+    """An exchange's name as the frame carries it: its hash and its first ``WHAT_BYTES`` (zero-padded; the
     names are few and fixed, so they are said once)."""
-    raw = what.encode("utf-8", "replace")[:WHAT_BYTES]
-    words = np.zeros(WHAT_BYTES // 8, dtype=np.int64)
-    words.view(np.uint8)[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    words.flags.writeable = False
-    return xxhash.xxh3_64_intdigest(what.encode("utf-8", "replace")) >> 1, words
+    raw = what.encode("utf-8", "replace")
+    return xxhash.xxh3_64_intdigest(raw) >> 1, raw[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0")
 
 
-def words_text(words: np.ndarray) -> str:
-    return words.view(np.uint8).tobytes().rstrip(b"\0").decode("utf-8", "replace")
+def words_text(name: bytes | memoryview) -> str:
+    return bytes(name).rstrip(b"\0").decode("utf-8", "replace")
 
 
 def length_word(nbytes: int, inline: bool) -> int:
@@ -105,12 +104,9 @@ def used_words(header_words: int, inline_bytes: int) -> int:
     return header_words + -(-inline_bytes // 8)
 
 
-def as_u8(data: bytes | bytearray | memoryview | np.ndarray) -> torch.Tensor:
-    if isinstance(data, np.ndarray):
-        data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).tobytes()
-    if not len(data):
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def as_bytes(data: bytes | bytearray | memoryview | np.ndarray) -> bytes:
+    """A message's bytes (an array's in C order)."""
+    return data.tobytes() if isinstance(data, np.ndarray) else bytes(data)
 
 
 def join_parts(parts: list[bytes]) -> bytes:
@@ -119,12 +115,8 @@ def join_parts(parts: list[bytes]) -> bytes:
 
 
 def split_parts(data: bytes, world: int) -> list[bytes]:
-    lengths = np.frombuffer(data[: 8 * world], dtype=np.int64).tolist()
-    out, pos = [], 8 * world
-    for n in lengths:
-        out.append(data[pos : pos + n])
-        pos += n
-    return out
+    ends = np.cumsum(np.frombuffer(data[: 8 * world], dtype=np.int64)).tolist()
+    return [data[8 * world + a : 8 * world + b] for a, b in zip([0, *ends], ends)]
 
 
 def compact_rows(parts: list[bytes]) -> bytes:
@@ -187,7 +179,11 @@ class StarWire:
     # -- point-to-point with deadlines ---------------------------------------------------------
 
     def _wait(self, group: AuditGroup, work: Any, buf: Any, deadline: float) -> None:
-        wait_until(work, buf, deadline, group.graveyard)
+        try:
+            wait_until(work, buf, deadline, group.graveyard)
+        except WaitFailure:
+            group.scratch.clear()  # gloo may still use a buffer of a failed operation: none is reused
+            raise
 
     def _post(self, group: AuditGroup, t: torch.Tensor, peer: int, send: bool) -> Any:
         try:
@@ -223,7 +219,7 @@ class StarWire:
     def _recover(self, group: AuditGroup, seq: int, failures: dict[int, WaitFailure], missing: list[int]) -> None:
         """(A tree's) what a leader that lost its connections left in the store instead."""
 
-    def _relay(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str) -> bytes:
+    def _relay(self, group: AuditGroup, seq: int, body: bytes, what: str) -> bytes:
         """A non-coordinator's part of the round."""
         return self._participate(group, seq, body, what)
 
@@ -249,22 +245,28 @@ class StarWire:
                     raise self._broken_error(group)
             seq = group.seq
             group.seq += 1
-            body = as_u8(payload)
-            if self.rank == 0:
-                return self._coordinate(group, seq, body, rule, what, pending)
-            return self._relay(group, seq, body, what)
+            body = as_bytes(payload)
+            try:
+                if self.rank == 0:
+                    return self._coordinate(group, seq, body, rule, what, pending)
+                return self._relay(group, seq, body, what)
+            except BaseException:
+                group.scratch.clear()  # an operation may still be pending on a kept buffer
+                raise
 
-    def _request_frame(self, seq: int, body: torch.Tensor, what: str) -> torch.Tensor:
-        what_hash, name_words = what_words(what)
-        frame = np.zeros(REQ_WORDS, dtype=np.int64)
-        inline = body.numel() if body.numel() <= self.inline_limit else 0
-        frame[:4] = (MAGIC, seq, what_hash, length_word(body.numel(), inline > 0))
-        frame[4 : 4 + len(name_words)] = name_words
+    def _request_frame(self, group: AuditGroup, seq: int, body: bytes, what: str) -> torch.Tensor:
+        what_hash, name = what_words(what)
+        inline = len(body) if len(body) <= self.inline_limit else 0
+        n = used_words(_NAME.stop // 8, inline)
+        frame, t = group.frame(("request", n), n)
+        HEADER.pack_into(frame, 0, MAGIC, seq, what_hash, length_word(len(body), inline > 0))
+        frame[_NAME] = name
         if inline:
-            frame.view(np.uint8)[(4 + len(name_words)) * 8 :][:inline] = body.numpy()
-        return torch.from_numpy(frame[: used_words(4 + len(name_words), inline)])
+            frame[8 * n - 8 :] = _ZERO  # the last word's bytes past the body stay zero
+            frame[_NAME.stop : _NAME.stop + inline] = body
+        return t
 
-    def _participate(self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, peer: int = 0) -> bytes:
+    def _participate(self, group: AuditGroup, seq: int, body: bytes, what: str, peer: int = 0) -> bytes:
         deadline = time.monotonic() + self._deadline_s() + self.grace_s
         try:
             status, data = self._ask(group, seq, body, what, peer, deadline)
@@ -275,25 +277,26 @@ class StarWire:
         return self._settle(group, status, data, what)
 
     def _ask(
-        self, group: AuditGroup, seq: int, body: torch.Tensor, what: str, peer: int, deadline: float
+        self, group: AuditGroup, seq: int, body: bytes, what: str, peer: int, deadline: float
     ) -> tuple[int, bytes]:
         """Send this rank's bytes to ``peer`` and take its answer: ``(status, data)``, or :class:`WaitFailure`."""
-        reply = torch.empty(REPLY_WORDS, dtype=torch.int64)
+        r, reply = group.frame("reply", REPLY_WORDS)
         answer = self._post(group, reply, peer, send=False)  # posted first: the answer may come at once
-        frame = self._request_frame(seq, body, what)
+        frame = self._request_frame(group, seq, body, what)
         self._wait(group, self._post(group, frame, peer, send=True), frame, deadline)
-        if body.numel() > self.inline_limit:
-            self._wait(group, self._post(group, body, peer, send=True), body, deadline)
+        if len(body) > self.inline_limit:
+            big = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+            self._wait(group, self._post(group, big, peer, send=True), big, deadline)
         self._wait(group, answer, reply, deadline)
-        r = reply.numpy()
-        if r[0] != MAGIC or r[1] != seq:
+        magic, got, status, word = HEADER.unpack_from(r)
+        if magic != MAGIC or got != seq:
             raise WaitFailure(False, "the coordinator answered another exchange")
-        nbytes, inline = read_length(int(r[3]))
+        nbytes, inline = read_length(word)
         if inline:
-            return int(r[2]), r[4:].view(np.uint8)[:nbytes].tobytes()
+            return status, bytes(r[32 : 32 + nbytes])
         big = torch.empty(nbytes, dtype=torch.uint8)
         self._wait(group, self._post(group, big, peer, send=False), big, deadline)
-        return int(r[2]), big.numpy().tobytes()
+        return status, big.numpy().tobytes()
 
     def _settle(self, group: AuditGroup, status: int, data: bytes, what: str) -> bytes:
         """The answer's data, or the error it says."""
@@ -309,18 +312,18 @@ class StarWire:
     ) -> tuple[dict[int, bytes], dict[int, WaitFailure], dict[int, str]]:
         """The way up: each child's bytes (those in step), the children lost, the ranks elsewhere."""
         what_hash, _ = what_words(what)
-        frames = {r: torch.empty(REQ_WORDS, dtype=torch.int64) for r in children}
+        frames = {r: group.frame(("frame", r), REQ_WORDS) for r in children}
         works: dict[int, Any] = {}
         failures: dict[int, WaitFailure] = {r: WaitFailure(False, "lost at an earlier exchange") for r in skip}
         for r in children:
             if r not in failures:
                 try:
-                    works[r] = self._post(group, frames[r], r, send=False)
+                    works[r] = self._post(group, frames[r][1], r, send=False)
                 except WaitFailure as f:
                     failures[r] = f
         for r, work in works.items():
             try:
-                self._wait(group, work, frames[r], deadline)
+                self._wait(group, work, frames[r][1], deadline)
             except WaitFailure as f:
                 failures[r] = f
         positions: dict[int, str] = {}
@@ -329,13 +332,14 @@ class StarWire:
         for r in children:
             if r in failures:
                 continue
-            f = frames[r].numpy()
-            if f[0] != MAGIC or f[1] != seq or f[2] != what_hash:
-                text = words_text(f[4 : 4 + WHAT_BYTES // 8])
-                positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{int(f[1])})"
-            nbytes, inline = read_length(int(f[3]))
+            f = frames[r][0]
+            magic, got, named, word = HEADER.unpack_from(f)
+            if magic != MAGIC or got != seq or named != what_hash:
+                text = words_text(f[_NAME])
+                positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{got})"
+            nbytes, inline = read_length(word)
             if inline:
-                datas[r] = f.view(np.uint8)[(4 + WHAT_BYTES // 8) * 8 :][:nbytes].tobytes()
+                datas[r] = bytes(f[_NAME.stop : _NAME.stop + nbytes])
             else:  # exactly the announced size: a frame from elsewhere in the protocol cannot crash gloo
                 big = torch.empty(nbytes, dtype=torch.uint8)
                 try:
@@ -356,7 +360,7 @@ class StarWire:
         self,
         group: AuditGroup,
         seq: int,
-        body: torch.Tensor,
+        body: bytes,
         rule: Rule,
         what: str,
         pending: tuple[dict[str, Any], frozenset[int]] | None,
@@ -366,7 +370,7 @@ class StarWire:
         deadline = time.monotonic() + self._deadline_s() + (self.grace_s / 2 if group.block else 0.0)
         skip = pending[1] if pending else frozenset()
         got, failures, positions = self._gather_frames(group, seq, what, skip, children, deadline)
-        datas, missing = [body.numpy().tobytes()] + [b""] * (self.world_size - 1), []
+        datas, missing = [body] + [b""] * (self.world_size - 1), []
         for c, data in got.items():
             self._unfold(c, data, datas, missing, positions)
         self._recover(group, seq, failures, missing)
@@ -415,13 +419,14 @@ class StarWire:
         children: list[int],
     ) -> list[int]:
         """Send the same answer to every reachable child at once; the children it could not reach."""
-        frame = np.zeros(REPLY_WORDS, dtype=np.int64)
         inline = len(data) if len(data) <= self.inline_limit else 0
-        frame[:4] = (MAGIC, seq, status, length_word(len(data), inline > 0))
+        n = used_words(4, inline)
+        frame, reply = group.frame(("answer", n), n)
+        HEADER.pack_into(frame, 0, MAGIC, seq, status, length_word(len(data), inline > 0))
         if inline:
-            frame.view(np.uint8)[32:][:inline] = np.frombuffer(data, dtype=np.uint8)
-        reply = torch.from_numpy(frame[: used_words(4, inline)])
-        big = as_u8(data) if len(data) > self.inline_limit else None
+            frame[8 * n - 8 :] = _ZERO  # the last word's bytes past the answer stay zero
+            frame[32 : 32 + inline] = data
+        big = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) > self.inline_limit else None
         deadline = time.monotonic() + self.grace_s
         works: dict[int, list[tuple[Any, torch.Tensor]]] = {}
         lost = []

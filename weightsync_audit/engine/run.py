@@ -23,8 +23,7 @@ from __future__ import annotations
 import copy
 import gc
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,20 +73,23 @@ from weightsync_audit.reporting.record import AuditResult, Mismatch
 __all__ = ["AuditRun", "gc_paused"]
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
+class gc_paused:  # named as the function it replaces: ``with gc_paused():``
     """Hold the cyclic garbage collector while the manifest is built.
 
     A manifest allocates a small object per tensor; on a model of thousands of tensors the collector's
     repeated passes over the training process's heap cost more than the audit itself (measured: 2.3 of
     3.6 us per tensor). Nothing built here forms cycles, so nothing is kept longer than the audit.
+    (A class rather than a generator-based context manager: entered twice per audit, it costs a third.)
     """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
+
+    __slots__ = ("was",)
+
+    def __enter__(self) -> None:
+        self.was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.was:
             gc.enable()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
-from datetime import datetime, timezone
+from time import gmtime, strftime, time_ns
 from typing import Any, Callable, Iterable, Literal, Mapping, get_args
 
 from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
@@ -49,8 +49,17 @@ PINPOINT_STATES: tuple[str, ...] = get_args(PinpointState)
 assert PINPOINT_STATES == VALID_PINPOINT_STATES, "one list of pinpoint states"
 
 
+_stamp: tuple[int, str] = (-1, "")
+"""The last second a record was stamped in, and its text: the date and time are formatted once a second."""
+
+
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """Now, in UTC, to the microsecond (``2026-01-02T03:04:05.678901Z``)."""
+    global _stamp
+    sec, us = divmod(time_ns() // 1000, 1_000_000)
+    if _stamp[0] != sec:
+        _stamp = (sec, strftime("%Y-%m-%dT%H:%M:%S", gmtime(sec)))
+    return f"{_stamp[1]}.{us:06d}Z"
 
 
 def _put_present(d: dict[str, Any], obj: Any, fields: Mapping[str, Callable[[Any], Any]]) -> None:

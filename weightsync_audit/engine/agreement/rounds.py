@@ -24,6 +24,7 @@ each decision below comes from gathered data, never from what one rank holds alo
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
@@ -205,14 +206,25 @@ SKETCH_BUCKETS = 32
 """Contiguous buckets of the digest column whose 8-bit sketches ride the summary (4 words, 32 bytes)."""
 
 
+@functools.lru_cache(maxsize=64)
+def _cuts(nbytes: int) -> list[slice]:
+    """The non-empty buckets of a digest column of ``nbytes`` bytes, as slices of its bytes."""
+    size = 8 * (-(-nbytes // (8 * SKETCH_BUCKETS)) or 1)
+    return [slice(b * size, (b + 1) * size) for b in range(-(-nbytes // size))]
+
+
+_EMPTY_BUCKET = xxhash.xxh3_64_intdigest(b"") >> 1
+
+
 def bucket_sketch(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The summary's sketch of ``digests`` (``SKETCH_BUCKETS`` 8-bit digests packed in 4 int64 words) and
     the buckets' full 64-bit digests (kept by the rank, for :func:`localize_values`)."""
     data = np.ascontiguousarray(digests, dtype=np.int64).tobytes()  # slices of bytes: no array per bucket
-    size = 8 * (-(-len(data) // (8 * SKETCH_BUCKETS)) or 1)
     hash64 = xxhash.xxh3_64_intdigest
-    full = np.array([hash64(data[b * size : (b + 1) * size]) >> 1 for b in range(SKETCH_BUCKETS)], dtype=np.int64)
-    return (full & 0xFF).astype(np.uint8).view(np.int64), full
+    full = [hash64(data[cut]) >> 1 for cut in _cuts(len(data))]
+    full += [_EMPTY_BUCKET] * (SKETCH_BUCKETS - len(full))  # the buckets past the column's end
+    column = np.array(full, dtype=np.int64)
+    return (column & 0xFF).astype(np.uint8).view(np.int64), column
 
 
 def _candidates(sketches: np.ndarray) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from weightsync_audit.compat import ddp_reducer_parameter_ids
+from weightsync_audit.compat import ddp_reducer_parameter_ids, module_attr
 
 __all__ = [
     "FIX_ATTR",
@@ -78,7 +78,7 @@ def find_ddp(module: Any) -> DistributedDataParallel | None:
             return live_ddp(module)
         nxt = None
         for attr in ("_forward_module", "_orig_mod", "module"):
-            cand = getattr(module, attr, None) if attr != "module" or isinstance(module, nn.DataParallel) else None
+            cand = module_attr(module, attr) if attr != "module" or isinstance(module, nn.DataParallel) else None
             if isinstance(cand, nn.Module):
                 nxt = cand
                 break
