@@ -339,3 +339,28 @@ def test_include_grads_compares_the_gradients_after_the_all_reduce_in_the_audit_
     records = [_same_record([_by_step(res[(i, 0)])[step] for i in range(2)]) for step in (0, 2)]
     assert records[1]["checked"]["grad"] == 4 and records[1]["checked"]["param"] == 4
     assert all(r["in_sync"] for r in records)
+
+
+def test_coverage_reads_a_slice_that_follows_the_committed_step_the_same_on_every_replica() -> None:
+    """``coverage="1/4"``, an audit every committed step, 0.weight 128 KiB (sliced; a small tensor is read whole).
+    Replica 1's ``0.weight[0, 0]`` (slice 1 of 4) moved after step 3: the audit of step 3 reads slice 4 and
+    misses it, the next one (slice 1) names it; the first quorum's audit read every byte."""
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=5, every=1, width=8192,
+                  options={"coverage": "1/4"})  # fmt: skip
+    truth = [res[(i, 0)]["snapshots"] for i in range(2)]
+    assert _equal(truth[0][2], truth[1][2]) and not _equal(truth[0][3], truth[1][3], ["p:0.weight"])
+    records = {s: _same_record([_by_step(res[(i, 0)])[s] for i in range(2)]) for s in range(5)}
+    assert "coverage" not in records[0] and records[0]["last_full_sync_step"] == 0  # a quorum change: in full
+    assert [records[s].get("coverage") for s in range(1, 5)] == ["2/4", "3/4", "4/4", "1/4"]
+    assert [records[s]["in_sync"] for s in range(5)] == [True, True, True, True, False]
+    assert [(m["name"], m["ranks"]) for m in records[4]["mismatches"]] == [("0.weight", [1])]
+    assert records[3]["last_full_sync_step"] == 0 and records[4]["last_in_sync_step"] == 3
+
+
+def test_under_coverage_a_heal_is_verified_reading_every_byte() -> None:
+    res, at = _heal_job({}, width=8192, options={"coverage": "1/4"})
+    record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
+    assert "coverage" not in record and record["last_full_sync_step"] == at
+    assert record["torchft"]["healed"] == {"1": {"source": 0, "verified": True, "differs": []}}
+    sampled = [r for r in res[(1, 0)]["records"] if r["step"] > at]
+    assert sampled and all(r.get("coverage") for r in sampled) and all(r["in_sync"] for r in sampled)

@@ -218,10 +218,12 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     hsdp = plan["mode"] == "hsdp"
     ddp = model if hsdp else DistributedDataParallel(manager, model)
     wrapped = OptimizerWrapper(manager, opt)
-    # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's.
-    opt.register_step_pre_hook(
-        lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
-    )
+    # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's
+    # (not in benchmarks, ``truth=False``: a copy of the whole state every step is no training loop's).
+    if plan.get("truth", True):
+        opt.register_step_pre_hook(
+            lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
+        )
     audit = (TorchFTAudit if plan.get("audit", True) else _NoAudit)(
         manager,
         ddp,

@@ -59,8 +59,11 @@ class Member:
     counters: dict[str, Any] = field(default_factory=dict)
     """Step counters and declared state, each ``[kind, value]`` (:func:`~.verdict.collect`)."""
     last_in_sync_step: int | None = None
+    last_full_sync_step: int | None = None
     channel: str | None = None
     """The audit channel this member holds open and whole (its prefix): reused when every member holds it."""
+    full: bool = False
+    """It asks for every byte (it saw a quorum change or a heal): the audit reads every byte if any member asks."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
