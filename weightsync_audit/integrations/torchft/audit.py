@@ -24,6 +24,7 @@ Each group rank audits among the same group rank of the other replica groups (it
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from torch import nn
@@ -35,7 +36,7 @@ from weightsync_audit.engine.config import AuditRequest, parse_coverage, with_ch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
 from weightsync_audit.integrations.session.trainer_session import SessionAdapter, TrainerSession
-from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, call_roll, drop_store, quorum_store
+from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, Roll, call_roll, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
     Quorum,
@@ -286,26 +287,26 @@ class TorchFTAudit(SessionAdapter):
                     last_in_sync_step=self._last_in_sync,
                     last_full_sync_step=self._last_full,
                     channel=self._held(quorum),
-                    full=full,
                 )
                 store = quorum_store(quorum.store_address, bound)
-                roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
-                if roll.position is None:
-                    raise TimeoutError(
-                        f"this replica ({quorum.replica_rank}) reached the audit after the others had closed its "
-                        f"roll (they waited {self.timeout_s:g}s)"
-                    )
-                # The channel of the last audit when every member holds it whole, over the same members in the
-                # same order (a decision every member takes alike, from the roll); else a new one.
-                held = self._channel
-                if held is None or held.members != roll.ranks or any(m.channel != held.prefix for m in roll.members):
-                    self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
-                    self._channel_quorum = quorum.quorum_id
-                # Before the step, after the all-reduce: the gradients (include grads) in this same audit. Every
-                # byte when any member asks (a quorum change or a heal it saw): a decision all take alike.
-                full_read = any(m.full for m in roll.members)
-                request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full_read)
+                link, expected = StoreLink(store, prefix), quorum.replica_world_size
+
+                def roll_call(summary: bytes) -> Roll:  # the channel's first exchange: the summaries ride the roll
+                    return call_roll(link, replace(me, summary=summary.hex()), expected, self.timeout_s, bound)
+
+                # The last audit's channel is taken over when every member holds it whole (the roll says so).
+                comm = QuorumComm(store, prefix, self.timeout_s, roll_call=roll_call, held=self._channel)
+                self._channel = None
+                self._open(comm)
+                # Before the step, after the all-reduce: the gradients (include grads) in this same audit; every
+                # byte at a quorum change or a heal (a decision every member takes alike, from what they all saw).
+                request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full)
                 result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
+                roll = comm.roll
+                if roll is None:
+                    raise RuntimeError("weightsync audit: the audit ended before its roll call")
+                if comm.prefix == prefix:  # a channel of its own (not the last one's, taken over)
+                    self._channel_quorum = quorum.quorum_id
             except Exception:
                 drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
                 self._open(None)  # nor a channel that may hold a half-done exchange
