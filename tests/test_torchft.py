@@ -99,6 +99,8 @@ def test_a_healthy_run_of_three_replica_groups_is_quiet() -> None:
         assert record["checked"]["param"] == 4 and record["checked"]["optimizer"] > 12
         assert sorted(record["torchft"]["replicas"]) == ["0", "1", "2"] and record["torchft"]["absent"] == []
         assert any("dataloader position" in n for n in record["notes"])  # per replica by design: said, not compared
+    # The summaries rode the roll call: healthy audits opened no gloo group (a divergent one does: below).
+    assert [res[(i, 0)]["groups"] for i in range(3)] == [0, 0, 0]
 
 
 def test_hsdp_each_shard_is_compared_among_its_own_replicas() -> None:
@@ -329,6 +331,7 @@ def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: 
     ft = res[(0, 0)]
     assert [_verdict(r) for r in ft["records"]] == [_verdict(r) for r in loop["records"]]
     assert [r["step"] for r in ft["records"] if not r["in_sync"]] == [4]
+    assert ft["groups"] > 0  # the divergence was localized over a gloo group of the replicas
     for records, path in ((ft["records"], tmp_path / "ft-0.jsonl"), (loop["records"], tmp_path / "loop.jsonl")):
         assert [r.to_dict() for _, r in read_report(path).records] == records
     assert ft["summary"] == loop["summary"] and "first at step 4 (0.weight)" in ft["summary"]
