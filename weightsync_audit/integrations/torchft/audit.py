@@ -29,7 +29,6 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from torch import nn
 
-from weightsync_audit.channel.groups import StoreLink
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.engine.auditor import Auditor
 from weightsync_audit.engine.config import AuditRequest, parse_coverage, with_checked_options
@@ -177,6 +176,7 @@ class TorchFTAudit(SessionAdapter):
         self._last_quorum: int | None = None
         self._last_in_sync: int | None = None
         self._last_full: int | None = None
+        self._names: frozenset[str] | None = None
         self._synced_step = int(manager.current_step())
         self._channel: QuorumComm | None = None
         self._channel_quorum: int | None = None
@@ -237,10 +237,12 @@ class TorchFTAudit(SessionAdapter):
             sync = {"algorithm": targets.algorithm, "every": targets.sync_every}
             if fragment is not None:
                 sync["fragment"] = fragment
-        names = frozenset()
-        if self.module is not None:
-            user = unwrap_module(self.module)
-            names = frozenset([n for n, _ in user.named_parameters()] + [n for n, _ in user.named_buffers()])
+        if self._names is None:  # once: a heal's hints tell the model's state from the optimizer's by them
+            user = unwrap_module(self.module) if self.module is not None else None
+            names = (
+                [] if user is None else [n for n, _ in user.named_parameters()] + [n for n, _ in user.named_buffers()]
+            )
+            self._names = frozenset(names)
         return AuditPoint(
             quorum_id=quorum.quorum_id,
             group_rank=group_rank(self.manager),
@@ -251,7 +253,7 @@ class TorchFTAudit(SessionAdapter):
             sync=sync,
             notes=(targets.note(fragment),) if targets is not None else (),
             per_replica=self.per_replica,
-            model_names=names,
+            model_names=self._names,
         )
 
     def _audit(
@@ -289,10 +291,10 @@ class TorchFTAudit(SessionAdapter):
                     channel=self._held(quorum),
                 )
                 store = quorum_store(quorum.store_address, bound)
-                link, expected = StoreLink(store, prefix), quorum.replica_world_size
+                expected = quorum.replica_world_size
 
                 def roll_call(summary: bytes) -> Roll:  # the channel's first exchange: the summaries ride the roll
-                    return call_roll(link, replace(me, summary=summary.hex()), expected, self.timeout_s, bound)
+                    return call_roll(store, prefix, replace(me, summary=summary.hex()), expected, self.timeout_s, bound)
 
                 # The last audit's channel is taken over when every member holds it whole (the roll says so).
                 comm = QuorumComm(store, prefix, self.timeout_s, roll_call=roll_call, held=self._channel)

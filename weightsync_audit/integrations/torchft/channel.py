@@ -36,6 +36,8 @@ False
 from __future__ import annotations
 
 import json
+import os
+import queue
 import threading
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -45,7 +47,7 @@ import numpy as np
 import torch.distributed as dist
 
 from weightsync_audit.channel.dataplane import DataPlane
-from weightsync_audit.channel.groups import AuditGroup, StoreLink, StoreUnreachable, run_bounded
+from weightsync_audit.channel.groups import AuditGroup, StoreLink, run_bounded
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.errors import AuditPreparationError, AuditTimeoutError
 
@@ -103,17 +105,18 @@ def order(members: Sequence[Member]) -> tuple[int, ...]:
     return tuple(m.replica_rank for m in sorted(members, key=key))
 
 
-def call_roll(link: StoreLink, me: Member, expected: int, wait_s: float, bound_s: float) -> Roll:
-    """Meet the quorum's ``expected`` replicas under ``link``'s prefix; at most ``wait_s`` for latecomers.
+def call_roll(store: Any, prefix: str, me: Member, expected: int, wait_s: float, bound_s: float) -> Roll:
+    """Meet the quorum's ``expected`` replicas under ``prefix`` in ``store``; at most ``wait_s`` for latecomers.
 
     Raises :class:`AuditTimeoutError` when the store does not answer within ``bound_s``."""
-    try:
-        raw = link.call(lambda store: _roll(store, me, expected, wait_s), bound_s)
-    except StoreUnreachable as exc:
+    view = dist.PrefixStore(prefix, store)
+    outcome = _bounded(lambda: _roll(view, me, expected, wait_s, bound_s), bound_s)
+    if outcome is None or not outcome[0]:
+        why = f"not within {bound_s:.3g}s" if outcome is None else str(outcome[1]).strip()[:200]
         raise AuditTimeoutError(
-            f"weightsync audit: the quorum's store did not answer while the replicas met for the audit: {exc}"
-        ) from exc
-    members = [Member(**entry) for entry in json.loads(raw)]
+            f"weightsync audit: the quorum's store did not answer while the replicas met for the audit: {why}"
+        )
+    members = [Member(**entry) for entry in json.loads(outcome[1])]
     by_rank = {m.replica_rank: m for m in members}
     ranked = order(members)
     return Roll(
@@ -124,17 +127,63 @@ def call_roll(link: StoreLink, me: Member, expected: int, wait_s: float, bound_s
     )
 
 
-def _roll(store: Any, me: Member, expected: int, wait_s: float) -> bytes:
-    """The roll's decision: the entries of those it closed with (4 store round trips when all come)."""
+def _roll(store: Any, me: Member, expected: int, wait_s: float, bound_s: float) -> bytes:
+    """The roll's decision: the entries of those it closed with (3 store round trips when all come; the
+    ``set`` is not answered)."""
     store.set(f"member/{me.replica_rank}", me.to_json())
     if store.add("count", 1) >= expected:  # the last to arrive: every entry is there
         return store.compare_set("decision", "", _entries(store, list(range(expected))))
     try:
-        store.wait(["decision"], timedelta(seconds=max(wait_s, 0.001)))
-        return store.get("decision")
+        store.set_timeout(timedelta(seconds=max(wait_s, 0.001)))  # this client's, for the get only
+        return store.get("decision")  # once it is there: one round trip
     except Exception:  # noqa: BLE001 - DistStoreError on timeout: close the roll with those present
         present = [r for r in range(expected) if store.check([f"member/{r}"])]
         return store.compare_set("decision", "", _entries(store, present))  # or the decision taken first
+    finally:
+        store.set_timeout(timedelta(seconds=bound_s))
+
+
+class _Caller:
+    """A daemon thread kept for the roll's store calls, each waited for at most its bound (a thread started per
+    call cost a hand-off more, 0.3-1 ms on busy cores). One that misses its bound is left to end on its own;
+    the next call gets a thread of its own."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.calls: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="weightsync-torchft-roll", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self.calls.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[], Any], bound_s: float) -> tuple[bool, Any] | None:
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self.calls.put((fn, box, done))
+        return box[0] if done.wait(max(bound_s, 0.01)) else None
+
+
+_caller: list[_Caller] = []
+
+
+def _bounded(fn: Callable[[], Any], bound_s: float) -> tuple[bool, Any] | None:
+    """``fn()`` on the kept thread: ``(True, value)``, ``(False, what it raised)``, or ``None`` past ``bound_s``."""
+    with _stores_lock:
+        if not _caller or _caller[0].pid != os.getpid():  # none yet, or the parent's (forked since)
+            _caller[:] = [_Caller()]
+        caller = _caller[0]
+    outcome = caller.call(fn, bound_s)
+    if outcome is None:
+        with _stores_lock:
+            if _caller and _caller[0] is caller:
+                _caller.clear()  # stuck on a store that does not answer: the next call gets another thread
+    return outcome
 
 
 def _entries(store: Any, ranks: list[int]) -> str:
