@@ -367,3 +367,35 @@ def test_under_coverage_a_heal_is_verified_reading_every_byte() -> None:
     assert record["torchft"]["healed"] == {"1": {"source": 0, "verified": True, "differs": []}}
     sampled = [r for r in res[(1, 0)]["records"] if r["step"] > at]
     assert sampled and all(r.get("coverage") for r in sampled) and all(r["in_sync"] for r in sampled)
+
+
+def test_the_roll_call_gives_up_on_a_stopped_store_within_its_bound_and_the_next_one_goes_on() -> None:
+    """The quorum's store served by a process that is stopped (SIGSTOP): the roll's calls block, and the roll
+    gives up within its bound; the next roll, on a store that answers, completes (on a thread of its own)."""
+    import os
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from weightsync_audit.errors import AuditTimeoutError
+    from weightsync_audit.integrations.torchft.channel import Member, call_roll
+
+    code = "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True); print(s.port, flush=True); sys.stdin.read()"
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(AuditTimeoutError, match="did not answer"):
+            call_roll(client, "a", Member(0, "r0"), 2, wait_s=0.5, bound_s=1.0)
+        assert time.monotonic() - t0 < 3.0
+        roll = call_roll(dist.HashStore(), "b", Member(0, "r0"), 1, wait_s=0.5, bound_s=1.0)
+        assert roll.position == 0 and roll.ranks == (0,) and roll.absent == ()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()
