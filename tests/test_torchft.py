@@ -99,6 +99,8 @@ def test_a_healthy_run_of_three_replica_groups_is_quiet() -> None:
         assert record["checked"]["param"] == 4 and record["checked"]["optimizer"] > 12
         assert sorted(record["torchft"]["replicas"]) == ["0", "1", "2"] and record["torchft"]["absent"] == []
         assert any("dataloader position" in n for n in record["notes"])  # per replica by design: said, not compared
+    # The summaries rode the roll call: healthy audits opened no gloo group (a divergent one does: below).
+    assert [res[(i, 0)]["groups"] for i in range(3)] == [0, 0, 0]
 
 
 def test_hsdp_each_shard_is_compared_among_its_own_replicas() -> None:
@@ -329,6 +331,7 @@ def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: 
     ft = res[(0, 0)]
     assert [_verdict(r) for r in ft["records"]] == [_verdict(r) for r in loop["records"]]
     assert [r["step"] for r in ft["records"] if not r["in_sync"]] == [4]
+    assert ft["groups"] > 0  # the divergence was localized over a gloo group of the replicas
     for records, path in ((ft["records"], tmp_path / "ft-0.jsonl"), (loop["records"], tmp_path / "loop.jsonl")):
         assert [r.to_dict() for _, r in read_report(path).records] == records
     assert ft["summary"] == loop["summary"] and "first at step 4 (0.weight)" in ft["summary"]
@@ -339,3 +342,60 @@ def test_include_grads_compares_the_gradients_after_the_all_reduce_in_the_audit_
     records = [_same_record([_by_step(res[(i, 0)])[step] for i in range(2)]) for step in (0, 2)]
     assert records[1]["checked"]["grad"] == 4 and records[1]["checked"]["param"] == 4
     assert all(r["in_sync"] for r in records)
+
+
+def test_coverage_reads_a_slice_that_follows_the_committed_step_the_same_on_every_replica() -> None:
+    """``coverage="1/4"``, an audit every committed step, 0.weight 128 KiB (sliced; a small tensor is read whole).
+    Replica 1's ``0.weight[0, 0]`` (slice 1 of 4) moved after step 3: the audit of step 3 reads slice 4 and
+    misses it, the next one (slice 1) names it; the first quorum's audit read every byte."""
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=5, every=1, width=8192,
+                  options={"coverage": "1/4"})  # fmt: skip
+    truth = [res[(i, 0)]["snapshots"] for i in range(2)]
+    assert _equal(truth[0][2], truth[1][2]) and not _equal(truth[0][3], truth[1][3], ["p:0.weight"])
+    records = {s: _same_record([_by_step(res[(i, 0)])[s] for i in range(2)]) for s in range(5)}
+    assert "coverage" not in records[0] and records[0]["last_full_sync_step"] == 0  # a quorum change: in full
+    assert [records[s].get("coverage") for s in range(1, 5)] == ["2/4", "3/4", "4/4", "1/4"]
+    assert [records[s]["in_sync"] for s in range(5)] == [True, True, True, True, False]
+    assert [(m["name"], m["ranks"]) for m in records[4]["mismatches"]] == [("0.weight", [1])]
+    assert records[3]["last_full_sync_step"] == 0 and records[4]["last_in_sync_step"] == 3
+
+
+def test_under_coverage_a_heal_is_verified_reading_every_byte() -> None:
+    res, at = _heal_job({}, width=8192, options={"coverage": "1/4"})
+    record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
+    assert "coverage" not in record and record["last_full_sync_step"] == at
+    assert record["torchft"]["healed"] == {"1": {"source": 0, "verified": True, "differs": []}}
+    sampled = [r for r in res[(1, 0)]["records"] if r["step"] > at]
+    assert sampled and all(r.get("coverage") for r in sampled) and all(r["in_sync"] for r in sampled)
+
+
+def test_the_roll_call_gives_up_on_a_stopped_store_within_its_bound_and_the_next_one_goes_on() -> None:
+    """The quorum's store served by a process that is stopped (SIGSTOP): the roll's calls block, and the roll
+    gives up within its bound; the next roll, on a store that answers, completes (on a thread of its own)."""
+    import os
+    import signal
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from weightsync_audit.errors import AuditTimeoutError
+    from weightsync_audit.integrations.torchft.channel import Member, call_roll
+
+    code = "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True); print(s.port, flush=True); sys.stdin.read()"
+    server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        os.kill(server.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(AuditTimeoutError, match="did not answer"):
+            call_roll(client, "a", Member(0, "r0"), 2, wait_s=0.5, bound_s=1.0)
+        assert time.monotonic() - t0 < 3.0
+        roll = call_roll(dist.HashStore(), "b", Member(0, "r0"), 1, wait_s=0.5, bound_s=1.0)
+        assert roll.position == 0 and roll.ranks == (0,) and roll.absent == ()
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+        server.kill()
+        server.wait()

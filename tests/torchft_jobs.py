@@ -208,7 +208,7 @@ def _train(plan: dict[str, Any]) -> dict[str, Any]:
     finally:
         manager.shutdown(wait=False)
     out = {"records": records, "snapshots": snapshots, "step": manager.current_step(), "raised": raised}
-    return {**out, "step_s": STEP_S, "summary": SUMMARY[0] if SUMMARY else None}
+    return {**out, "step_s": STEP_S, "summary": SUMMARY[0] if SUMMARY else None, "groups": GROUPS[0] if GROUPS else 0}
 
 
 def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchFTAudit) -> list[dict[str, Any]]:
@@ -218,10 +218,12 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
     hsdp = plan["mode"] == "hsdp"
     ddp = model if hsdp else DistributedDataParallel(manager, model)
     wrapped = OptimizerWrapper(manager, opt)
-    # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's.
-    opt.register_step_pre_hook(
-        lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
-    )
+    # The truth: the state each audit point sees, taken by a hook registered (and so run) before the audit's
+    # (not in benchmarks, ``truth=False``: a copy of the whole state every step is no training loop's).
+    if plan.get("truth", True):
+        opt.register_step_pre_hook(
+            lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
+        )
     audit = (TorchFTAudit if plan.get("audit", True) else _NoAudit)(
         manager,
         ddp,
@@ -257,6 +259,8 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
             os.kill(os.getpid(), signal.SIGKILL)
         STEP_S.append((before, time.perf_counter() - t0))
         time.sleep(plan.get("pause_s", 0.0))
+    channel = getattr(getattr(audit, "auditor", None), "channel", None)
+    GROUPS.append(len(channel.pgs) if channel is not None else 0)
     audit.close()
     SUMMARY.append(audit.summary() if hasattr(audit, "summary") else None)
     return [r.to_dict() for r in audit.results]
@@ -316,6 +320,9 @@ STEP_S: list[tuple[int, float]] = []
 
 SUMMARY: list[str | None] = []
 """The audit's closing summary in this process (the DDP loop's)."""
+
+GROUPS: list[int] = []
+"""The gloo groups the audit's channel held at the end in this process (the DDP loop's)."""
 
 SEEN = {"batches": 0}
 """The user's own counter of committed batches (in its state_dict; declared to the audit with must_match)."""

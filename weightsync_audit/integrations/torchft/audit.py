@@ -12,7 +12,10 @@ When it audits:
   optimizer: ``should_commit()`` said yes, the step has not moved anything yet), every ``every_n_steps``
   committed steps, at every quorum change and at every step where a replica heals. A replica that healed
   is thus verified against its source *before its first committed step*: parameters, buffers, optimizer
-  state, the Manager's step, the lr scheduler and any ``must_match`` state.
+  state, the Manager's step, the lr scheduler and any ``must_match`` state. With ``coverage="1/n"`` a
+  cadence audit reads slice ``(step // every_n_steps) % n`` of each large tensor (the same on every replica,
+  one that joined late too; n cadence audits in a row read every byte); an audit at a quorum change or a
+  heal reads every byte.
 - **LocalSGD / DiLoCo** (``sync=``): right after a sync committed, and never in between.
 
 Each group rank audits among the same group rank of the other replica groups (its shard, under HSDP).
@@ -21,18 +24,18 @@ Each group rank audits among the same group rank of the other replica groups (it
 from __future__ import annotations
 
 import collections
+from dataclasses import replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
 from torch import nn
 
-from weightsync_audit.channel.groups import StoreLink
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.config import AuditRequest, with_checked_options
+from weightsync_audit.engine.config import AuditRequest, parse_coverage, with_checked_options
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
 from weightsync_audit.integrations.session.trainer_session import SessionAdapter, TrainerSession
-from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, call_roll, drop_store, quorum_store
+from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, Roll, call_roll, drop_store, quorum_store
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
     Quorum,
@@ -56,6 +59,13 @@ class QuorumAuditor(Auditor):
     """The engine over the channel of the audit in progress (:attr:`channel`, set per audit)."""
 
     channel: Optional[QuorumComm] = None
+    every_n: int = 1
+    """The adapter's cadence: a sampled audit's slice follows the committed step, not this process's count of
+    audits (a replica that joined late has fewer), so every member of an audit reads the same slice."""
+
+    def slice_for(self, step: int | None, slices: int | None = None) -> int:
+        slices = self.config.slices if slices is None else slices
+        return 0 if step is None else (int(step) // self.every_n) % slices
 
     @property
     def comm(self) -> Comm:
@@ -95,6 +105,10 @@ class TorchFTAudit(SessionAdapter):
         per_replica: names of state that is per replica by design (a dataloader's position): said in the
             record as not compared.
         include, exclude, tolerance: as for :class:`~weightsync_audit.Auditor`.
+        coverage: ``1`` (every byte at every audit) or ``"1/n"``: each cadence audit reads one n-th of every
+            large tensor (small ones whole), the slice following the committed step so that every replica
+            reads the same one, and n cadence audits in a row read every byte; quorum changes and heals are
+            always audited in full.
         timeout_s: the longest any member waits for another at any point of an audit.
         on_mismatch: ``warn`` (report, train on) or ``raise`` (:class:`~weightsync_audit.WeightDivergenceError`
             from the optimizer step on every replica compared). An audit that could not complete is never raised.
@@ -122,12 +136,14 @@ class TorchFTAudit(SessionAdapter):
         include: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         tolerance: float | None = None,
+        coverage: float | str = 1,
         timeout_s: float = 10.0,
         on_mismatch: Literal["warn", "raise"] = "warn",
         report_path: str | None = None,
         verbose: bool = True,
     ) -> None:
         _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match)
+        parse_coverage(coverage)  # answered before the manager is looked at, as every option
         check_manager(manager)
         self.manager = manager
         every = check_every_n(every_n_steps, "every_n_steps")
@@ -145,7 +161,7 @@ class TorchFTAudit(SessionAdapter):
         """The records this process took part in (the last 1024)."""
         self.options = AuditOptions(
             include=self.targets.include if self.targets is not None else (include or AuditOptions().include),
-            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, on_mismatch=on_mismatch,
+            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, coverage=coverage, on_mismatch=on_mismatch,
             report_path=report_path, verbose=verbose, sinks=[_Keep(self.results)],
         )  # fmt: skip
         """The options, whole, as every adapter's: the session (:attr:`session`) acts on them alike."""
@@ -156,8 +172,11 @@ class TorchFTAudit(SessionAdapter):
         self.session.open(world_size=1, is_main=True, ddp_broadcast_buffers=False, engine=QuorumAuditor)
         self.runner = self.session.runner
         self.auditor: QuorumAuditor = self.runner.auditor  # type: ignore[assignment]
+        self.auditor.every_n = self.every_n_steps
         self._last_quorum: int | None = None
         self._last_in_sync: int | None = None
+        self._last_full: int | None = None
+        self._names: frozenset[str] | None = None
         self._synced_step = int(manager.current_step())
         self._channel: QuorumComm | None = None
         self._channel_quorum: int | None = None
@@ -172,21 +191,24 @@ class TorchFTAudit(SessionAdapter):
 
     # -- the audit points -------------------------------------------------------------------------
 
-    def _due(self, quorum: Quorum, heals: Heals, step: int, module: Any, optimizers: list[Any]) -> bool:
-        """The same answer on every member of ``quorum``: from the quorums they all saw and the step only (the
-        session's cadence, as every adapter's, and every quorum change and heal)."""
+    def _due(self, quorum: Quorum, heals: Heals, step: int, module: Any, optimizers: list[Any]) -> bool | None:
+        """The same answer on every member of ``quorum``, from the quorums they all saw and the step only:
+        ``True`` at a quorum change or a heal (read in full), ``False`` at the session's cadence (as every
+        adapter's), ``None``: no audit here."""
         changed = quorum.quorum_id != self._last_quorum
         self._last_quorum = quorum.quorum_id
         cadence = self.session.after_step(module, optimizers, step, once=False)
-        return changed or heals.someone or cadence
+        return True if changed or heals.someone else False if cadence else None
 
     def _before_step(self) -> None:
         quorum, heals = self.tap.latest, self.tap.take_heals()
         # The committed steps the state holds: should_commit already counted the one about to be taken.
         step = int(self.manager.current_step()) - 1
-        if quorum is None or not self._due(quorum, heals, step, self.module, self.optimizers):
+        full = None if quorum is None else self._due(quorum, heals, step, self.module, self.optimizers)
+        if quorum is None or full is None:
             return
-        self._audit(quorum, heals, step, "step", self.module, self.optimizers, tuple(self.options.exclude), None)
+        exclude = tuple(self.options.exclude)
+        self._audit(quorum, heals, step, "step", self.module, self.optimizers, exclude, None, full)
 
     def _after_sync_of(self, fragment: int | None) -> Callable[[Any], None]:
         def after(committed: Any) -> None:
@@ -198,10 +220,11 @@ class TorchFTAudit(SessionAdapter):
             heals = self.tap.take_heals()
             targets = self.targets
             assert targets is not None
-            if not self._due(quorum, heals, step, targets.module, targets.optimizers):
+            full = self._due(quorum, heals, step, targets.module, targets.optimizers)
+            if full is None:
                 return
             exclude = tuple(self.options.exclude) + targets.per_fragment_exclude.get(fragment or 0, ())
-            self._audit(quorum, heals, step, "sync", targets.module, targets.optimizers, exclude, fragment)
+            self._audit(quorum, heals, step, "sync", targets.module, targets.optimizers, exclude, fragment, full)
 
         return after
 
@@ -214,10 +237,12 @@ class TorchFTAudit(SessionAdapter):
             sync = {"algorithm": targets.algorithm, "every": targets.sync_every}
             if fragment is not None:
                 sync["fragment"] = fragment
-        names = frozenset()
-        if self.module is not None:
-            user = unwrap_module(self.module)
-            names = frozenset([n for n, _ in user.named_parameters()] + [n for n, _ in user.named_buffers()])
+        if self._names is None:  # once: a heal's hints tell the model's state from the optimizer's by them
+            user = unwrap_module(self.module) if self.module is not None else None
+            names = (
+                [] if user is None else [n for n, _ in user.named_parameters()] + [n for n, _ in user.named_buffers()]
+            )
+            self._names = frozenset(names)
         return AuditPoint(
             quorum_id=quorum.quorum_id,
             group_rank=group_rank(self.manager),
@@ -228,7 +253,7 @@ class TorchFTAudit(SessionAdapter):
             sync=sync,
             notes=(targets.note(fragment),) if targets is not None else (),
             per_replica=self.per_replica,
-            model_names=names,
+            model_names=self._names,
         )
 
     def _audit(
@@ -241,6 +266,7 @@ class TorchFTAudit(SessionAdapter):
         optimizers: list[Any],
         exclude: tuple[str, ...],
         fragment: int | None,
+        full: bool,
     ) -> AuditResult | None:
         at = self._point(quorum, step, point, fragment)
         hook = "torchft_step" if point == "step" else f"{self.targets.algorithm.lower()}_sync"  # type: ignore[union-attr]
@@ -261,30 +287,34 @@ class TorchFTAudit(SessionAdapter):
                     source=heals.source,
                     counters=counters,
                     last_in_sync_step=self._last_in_sync,
+                    last_full_sync_step=self._last_full,
                     channel=self._held(quorum),
                 )
                 store = quorum_store(quorum.store_address, bound)
-                roll = call_roll(StoreLink(store, prefix), me, quorum.replica_world_size, self.timeout_s, bound)
-                if roll.position is None:
-                    raise TimeoutError(
-                        f"this replica ({quorum.replica_rank}) reached the audit after the others had closed its "
-                        f"roll (they waited {self.timeout_s:g}s)"
-                    )
-                # The channel of the last audit when every member holds it whole, over the same members in the
-                # same order (a decision every member takes alike, from the roll); else a new one.
-                held = self._channel
-                if held is None or held.members != roll.ranks or any(m.channel != held.prefix for m in roll.members):
-                    self._open(QuorumComm(roll.ranks, roll.position, store, prefix, self.timeout_s))
-                    self._channel_quorum = quorum.quorum_id
-                # Before the step, after the all-reduce: the gradients (include grads) in this same audit.
-                request = AuditRequest(include=tuple(self.options.include), exclude=exclude)
+                expected = quorum.replica_world_size
+
+                def roll_call(summary: bytes) -> Roll:  # the channel's first exchange: the summaries ride the roll
+                    return call_roll(store, prefix, replace(me, summary=summary.hex()), expected, self.timeout_s, bound)
+
+                # The last audit's channel is taken over when every member holds it whole (the roll says so).
+                comm = QuorumComm(store, prefix, self.timeout_s, roll_call=roll_call, held=self._channel)
+                self._channel = None
+                self._open(comm)
+                # Before the step, after the all-reduce: the gradients (include grads) in this same audit; every
+                # byte at a quorum change or a heal (a decision every member takes alike, from what they all saw).
+                request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full)
                 result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
+                roll = comm.roll
+                if roll is None:
+                    raise RuntimeError("weightsync audit: the audit ended before its roll call")
+                if comm.prefix == prefix:  # a channel of its own (not the last one's, taken over)
+                    self._channel_quorum = quorum.quorum_id
             except Exception:
                 drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
                 self._open(None)  # nor a channel that may hold a half-done exchange
                 raise
-            complete(result, roll, at, skipped, roll.members[0].last_in_sync_step)
-            self._last_in_sync = result.last_in_sync_step
+            complete(result, roll, at, skipped)
+            self._last_in_sync, self._last_full = result.last_in_sync_step, result.last_full_sync_step
             return result
 
         # The session's response, as every adapter's; an audit that cannot complete warns, never raises.

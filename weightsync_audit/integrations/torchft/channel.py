@@ -1,4 +1,5 @@
-"""Where replica groups meet for one audit: a roll call in the quorum's store, then a channel over gloo.
+"""Where replica groups meet for one audit: a roll call in the quorum's store, then, off the healthy path, a
+channel over gloo.
 
 Each replica group is its own job (its own ``torch.distributed`` world, or none), so the library's channel
 over the job's process group cannot reach the other replicas. What every member of a quorum does reach is
@@ -7,7 +8,8 @@ the store torchft's own process group meets in (the quorum's ``store_address``).
 **The roll** (:func:`call_roll`). Not every replica group of a quorum reaches a given audit: a group whose
 step did not commit, or that died after the quorum formed, never comes, and the roll never waits for it
 past its deadline. Each member writes its entry (replica rank and id, whether it healed at this step and
-from whom, its step counters, its history, the channel it holds) and counts itself in; the last of the
+from whom, its step counters, its history, the channel it holds, its audit summary) and counts itself in;
+the last of the
 quorum to arrive closes the roll with every entry, and otherwise the first member to give up closes it
 with those present. Whichever closes it first is what every member acts on: a member that arrives after
 the roll closed without it takes no part (its audit reports so; nobody waits for it). Every member reads
@@ -15,33 +17,39 @@ the same entries, so each takes the same decisions. Its order is the channel's p
 of a heal first, then the other replicas that did not heal, then those that healed, each by replica rank;
 the coordinator is thus a replica that did not heal, and a tie vote goes to the source.
 
-**The channel** (:class:`QuorumComm`): the library's :class:`~weightsync_audit.channel.star.Comm` over a
-gloo group of the members, made in that store under the prefix of the roll that first met them, and used
-again at the next audits while every member holds it whole over the same members (the roll says so). Every
-phase of the audit, the data plane included, runs over it unchanged, and every wait keeps its deadline.
+**The channel** (:class:`QuorumComm`): the library's :class:`~weightsync_audit.channel.star.Comm` over the
+members. Its first exchange of an audit, the summaries, *is* the roll: each member's summary rides its
+entry, and the rule, a pure function of every member's bytes, is computed by each member alike from the
+same entries, so a healthy audit is one roll call and sends nothing over gloo. The exchanges that follow
+(off the healthy path: localizing, measuring) run over a gloo group of the members, made on first use in
+that store under the prefix of the roll that first met them, and used again at the next audits while every
+member holds it whole over the same members (the roll says so); every wait keeps its deadline.
 torchft's training process group is never used: a timed-out gloo wait closes every connection of its
 group, which must never be torchft's.
 
 >>> order([Member(0, "a", healed=True, source=1), Member(1, "b"), Member(2, "c")])
 (1, 2, 0)
->>> QuorumComm((3,), 0, None, "demo", 5.0).distributed
+>>> QuorumComm(None, "demo", 5.0).distributed  # its members are the roll's, at its first exchange
 False
 """
 
 from __future__ import annotations
 
 import json
+import os
+import queue
 import threading
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
+import numpy as np
 import torch.distributed as dist
 
 from weightsync_audit.channel.dataplane import DataPlane
-from weightsync_audit.channel.groups import AuditGroup, StoreLink, StoreUnreachable, run_bounded
+from weightsync_audit.channel.groups import AuditGroup, StoreLink, run_bounded
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
-from weightsync_audit.errors import AuditTimeoutError
+from weightsync_audit.errors import AuditPreparationError, AuditTimeoutError
 
 __all__ = ["Member", "QuorumComm", "Roll", "call_roll", "drop_store", "order", "quorum_store", "within"]
 
@@ -59,8 +67,11 @@ class Member:
     counters: dict[str, Any] = field(default_factory=dict)
     """Step counters and declared state, each ``[kind, value]`` (:func:`~.verdict.collect`)."""
     last_in_sync_step: int | None = None
+    last_full_sync_step: int | None = None
     channel: str | None = None
     """The audit channel this member holds open and whole (its prefix): reused when every member holds it."""
+    summary: str = ""
+    """Its first exchange of the audit (the summary), hex: every member decides it from the entries."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -74,6 +85,8 @@ class Roll:
     absent: tuple[int, ...]
     position: int | None
     """This process's position, or ``None`` when the roll closed without it."""
+    replica_rank: int = -1
+    """This process's replica rank."""
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -92,37 +105,85 @@ def order(members: Sequence[Member]) -> tuple[int, ...]:
     return tuple(m.replica_rank for m in sorted(members, key=key))
 
 
-def call_roll(link: StoreLink, me: Member, expected: int, wait_s: float, bound_s: float) -> Roll:
-    """Meet the quorum's ``expected`` replicas under ``link``'s prefix; at most ``wait_s`` for latecomers.
+def call_roll(store: Any, prefix: str, me: Member, expected: int, wait_s: float, bound_s: float) -> Roll:
+    """Meet the quorum's ``expected`` replicas under ``prefix`` in ``store``; at most ``wait_s`` for latecomers.
 
     Raises :class:`AuditTimeoutError` when the store does not answer within ``bound_s``."""
-    try:
-        raw = link.call(lambda store: _roll(store, me, expected, wait_s), bound_s)
-    except StoreUnreachable as exc:
+    view = dist.PrefixStore(prefix, store)
+    outcome = _bounded(lambda: _roll(view, me, expected, wait_s, bound_s), bound_s)
+    if outcome is None or not outcome[0]:
+        why = f"not within {bound_s:.3g}s" if outcome is None else str(outcome[1]).strip()[:200]
         raise AuditTimeoutError(
-            f"weightsync audit: the quorum's store did not answer while the replicas met for the audit: {exc}"
-        ) from exc
-    members = [Member(**entry) for entry in json.loads(raw)]
+            f"weightsync audit: the quorum's store did not answer while the replicas met for the audit: {why}"
+        )
+    members = [Member(**entry) for entry in json.loads(outcome[1])]
     by_rank = {m.replica_rank: m for m in members}
     ranked = order(members)
     return Roll(
         members=tuple(by_rank[r] for r in ranked),
         absent=tuple(r for r in range(expected) if r not in by_rank),
         position=ranked.index(me.replica_rank) if me.replica_rank in by_rank else None,
+        replica_rank=me.replica_rank,
     )
 
 
-def _roll(store: Any, me: Member, expected: int, wait_s: float) -> bytes:
-    """The roll's decision: the entries of those it closed with (4 store round trips when all come)."""
+def _roll(store: Any, me: Member, expected: int, wait_s: float, bound_s: float) -> bytes:
+    """The roll's decision: the entries of those it closed with (3 store round trips when all come; the
+    ``set`` is not answered)."""
     store.set(f"member/{me.replica_rank}", me.to_json())
     if store.add("count", 1) >= expected:  # the last to arrive: every entry is there
         return store.compare_set("decision", "", _entries(store, list(range(expected))))
     try:
-        store.wait(["decision"], timedelta(seconds=max(wait_s, 0.001)))
-        return store.get("decision")
+        store.set_timeout(timedelta(seconds=max(wait_s, 0.001)))  # this client's, for the get only
+        return store.get("decision")  # once it is there: one round trip
     except Exception:  # noqa: BLE001 - DistStoreError on timeout: close the roll with those present
         present = [r for r in range(expected) if store.check([f"member/{r}"])]
         return store.compare_set("decision", "", _entries(store, present))  # or the decision taken first
+    finally:
+        store.set_timeout(timedelta(seconds=bound_s))
+
+
+class _Caller:
+    """A daemon thread kept for the roll's store calls, each waited for at most its bound (a thread started per
+    call cost a hand-off more, 0.3-1 ms on busy cores). One that misses its bound is left to end on its own;
+    the next call gets a thread of its own."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.calls: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="weightsync-torchft-roll", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self.calls.get()
+            try:
+                box.append((True, fn()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[], Any], bound_s: float) -> tuple[bool, Any] | None:
+        box: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self.calls.put((fn, box, done))
+        return box[0] if done.wait(max(bound_s, 0.01)) else None
+
+
+_caller: list[_Caller] = []
+
+
+def _bounded(fn: Callable[[], Any], bound_s: float) -> tuple[bool, Any] | None:
+    """``fn()`` on the kept thread: ``(True, value)``, ``(False, what it raised)``, or ``None`` past ``bound_s``."""
+    with _stores_lock:
+        if not _caller or _caller[0].pid != os.getpid():  # none yet, or the parent's (forked since)
+            _caller[:] = [_Caller()]
+        caller = _caller[0]
+    outcome = caller.call(fn, bound_s)
+    if outcome is None:
+        with _stores_lock:
+            if _caller and _caller[0] is caller:
+                _caller.clear()  # stuck on a store that does not answer: the next call gets another thread
+    return outcome
 
 
 def _entries(store: Any, ranks: list[int]) -> str:
@@ -177,28 +238,73 @@ def drop_store(address: str) -> None:
 
 
 class QuorumComm(Comm):
-    """The star over ``members`` (replica ranks, in position order), this process at ``position``.
+    """The star over the members of one audit, in the roll's position order.
 
-    ``store`` is the quorum's store, ``prefix`` this audit's place in it; groups are made on first use
-    (:meth:`open_members`, :meth:`side_group`) and released by :meth:`close`.
+    ``store`` is the quorum's store, ``prefix`` this audit's place in it. ``roll_call`` takes this member's
+    summary and returns the roll: the first :meth:`decide` is answered from it, and the members and this
+    process's position are the roll's from then on. ``held``: the last audit's channel, whose groups are
+    taken over when every member holds it whole over the same members, else released. Groups are made on
+    first use (:meth:`open_members`, :meth:`side_group`) and released by :meth:`close`.
     """
 
     def __init__(
         self,
-        members: tuple[int, ...],
-        position: int,
         store: Any,
         prefix: str,
         timeout_s: float,
         grace_s: float = DEFAULT_GRACE_S,
+        *,
+        roll_call: Callable[[bytes], Roll] | None = None,
+        held: QuorumComm | None = None,
     ) -> None:
-        self.members = tuple(members)
-        self.position = position
+        self.members: tuple[int, ...] = ()
+        self.position = 0
         self.store = store
         self.prefix = prefix
         self.pgs: list[Any] = []
         """Every gloo group of this channel (the star's and the data plane's), released by :meth:`close`."""
+        self.roll_call = roll_call
+        self.held = held
+        self.roll: Roll | None = None
+        """The roll this audit's members came to (set by the first :meth:`decide`)."""
         super().__init__(None, timeout_s, grace_s)
+
+    def decide(self, payload: bytes | np.ndarray, rule: Any, what: str = "the audit") -> bytes:
+        """The first exchange: the roll call, carrying this member's bytes; ``rule`` of every member's bytes,
+        computed here as on every member (it is a pure function of them). Later ones: the star's."""
+        call, self.roll_call = self.roll_call, None
+        if call is None:
+            return super().decide(payload, rule, what)
+        roll = call(payload.tobytes() if isinstance(payload, np.ndarray) else bytes(payload))
+        if roll.position is None:
+            raise TimeoutError(
+                f"this replica ({roll.replica_rank}) reached the audit after the others had closed its roll (they "
+                f"waited {self.timeout_s:g}s)"
+            )
+        self._meet(roll)
+        try:
+            return rule([bytes.fromhex(m.summary) for m in roll.members])
+        except Exception as exc:  # every member fails alike: the same rule over the same bytes
+            text = f"weightsync audit: the replicas could not decide {what}: {type(exc).__name__}: {exc}"
+            raise AuditPreparationError(text, {self.global_ranks[0]: text}) from exc
+
+    def _meet(self, roll: Roll) -> None:
+        """The roll's members from now on; the held channel's groups taken over when every member holds it
+        whole over the same members (a decision every member takes alike, from the roll), else released."""
+        held, self.held, self.roll = self.held, None, roll
+        assert roll.position is not None
+        same = held is not None and held.members == roll.ranks and all(m.channel == held.prefix for m in roll.members)
+        self.members, self.position = roll.ranks, roll.position
+        Comm.__init__(self, None, self.timeout_s, self.grace_s)
+        if held is not None and same:
+            self.store, self.prefix, self.pgs, self._group = held.store, held.prefix, held.pgs, held._group
+        elif held is not None:
+            held.close()
+
+    def setup(self) -> None:
+        if self.roll_call is not None:
+            raise RuntimeError("weightsync audit: the quorum channel's first exchange must be the roll call")
+        super().setup()
 
     @property
     def whole(self) -> bool:
@@ -206,7 +312,7 @@ class QuorumComm(Comm):
         return self._group is None or not self._group.broken
 
     def membership(self, group: Any) -> tuple[int, int, tuple[int, ...]]:
-        return len(self.members), self.position, self.members
+        return max(len(self.members), 1), self.position, self.members or (0,)
 
     def _gloo(self, suffix: str) -> Any:
         """A gloo group of the members under ``prefix/suffix``, every pair connected within the deadline."""
@@ -235,7 +341,10 @@ class QuorumComm(Comm):
         return ("torchft", self.prefix)
 
     def close(self) -> None:
-        """Release the channel's groups; later exchanges over it fail at once."""
+        """Release the channel's groups (and the last audit's, if not taken over); later exchanges fail at once."""
+        if self.held is not None:
+            self.held.close()
+            self.held = None
         if self._group is not None:
             self._group.broken = self._group.broken or "the audit's channel was closed after the audit"
         DataPlane(self).close()

@@ -269,7 +269,7 @@ def _blame_sync(result: AuditResult, at: AuditPoint) -> None:
     }
 
 
-def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[str], last_in_sync: int | None) -> None:
+def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[str]) -> None:
     """Add the counters, the ``torchft`` field, the notes and hints to ``result`` (the same on every member)."""
     found, compared_counters = compare([m.counters for m in roll.members], roll.ranks)
     kinds = {n: v[0] for m in roll.members for n, v in m.counters.items()}
@@ -279,9 +279,9 @@ def complete(result: AuditResult, roll: Roll, at: AuditPoint, skipped: Sequence[
         result.mismatches.extend(found)
         result.in_sync = False
     # From the roll's first member, not this process's history: a replica that just joined has none.
-    # Every audit reads every byte, so the last full agreement is the last agreement.
-    result.last_in_sync_step = at.step if result.in_sync else last_in_sync
-    result.last_full_sync_step = result.last_in_sync_step
+    first = roll.members[0]
+    result.last_in_sync_step = at.step if result.in_sync else first.last_in_sync_step
+    result.last_full_sync_step = at.step if result.in_sync and not result.coverage else first.last_full_sync_step
     what = [_KIND_WORDS[k] for k in ("params", "buffers", "optimizer") if k in at.include]
     counters = sorted({n.split(".")[0] for n in kinds if not n.startswith("torchft.")})
     compared = ", ".join(what) + ", the Manager's step and committed batches" + "".join(f", {c}" for c in counters)
