@@ -93,9 +93,7 @@ from weightsync_audit.engine.inventory.manifest import (
     Entry,
     Manifest,
     build_manifest,
-    named_tensors,
     remember_wrapper,
-    unwrap_module,
     unwrap_optimizer,
     wrapper_of,
 )
@@ -122,12 +120,13 @@ def replica_rules(
     module: nn.Module | None,
     optimizers: Sequence[torch.optim.Optimizer],
     include: Sequence[str],
-    names: Sequence[str] = (),
+    built: Manifest,
 ) -> tuple[Rules, list[str], list[str]]:
     """The table, the engines that reduce the gradients themselves (DeepSpeed, FSDP1), and every engine:
-    the model unwrapped and its parameters named once, each engine asked once."""
-    user = unwrap_module(module) if module is not None else None
-    rules = Rules(params_by_name=dict(named_tensors(user)) if user is not None else {})
+    the model unwrapped and its parameters named once (by ``built``'s build), each engine asked once."""
+    user, params = built.walked
+    rules = Rules(params_by_name=params)
+    names = [e.name for e in built.entries]
     reducing = [
         deepspeed_rules(rules, user, optimizers, include, module),
         fsdp1_rules(rules, user, names, optimizers, include),
@@ -137,16 +136,23 @@ def replica_rules(
     return rules, [e for e in reducing if e], [e for e in engines if e]
 
 
+def _engines(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
+    """The engines that reduce the gradients themselves, and every engine (no entries: names not read)."""
+    unwrapped = [unwrap_optimizer(o) for o in optimizers]
+    walked = build_manifest(module, unwrapped, include=()).walked
+    return replica_rules(module, unwrapped, (), Manifest(walked=walked))[1:]
+
+
 def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[str]:
     """The engines that hold ``module``'s tensors, e.g. ``["DeepSpeed ZeRO-2"]`` (empty: plain replicas).
     ``optimizers`` as the audit takes them (``engine.optimizer`` included)."""
-    return replica_rules(module, [unwrap_optimizer(o) for o in optimizers], ())[2]
+    return _engines(module, optimizers)[1]
 
 
 def reducing_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> str | None:
     """The engine that reduces ``module``'s gradients itself (DeepSpeed, FSDP1), ``None`` for DDP's or
     plain replicas, and for a declared layout (pipeline stages, expert groups), which reduces nothing."""
-    return ", ".join(replica_rules(module, [unwrap_optimizer(o) for o in optimizers], ())[1]) or None
+    return ", ".join(_engines(module, optimizers)[0]) or None
 
 
 def replica_manifest(
@@ -161,7 +167,7 @@ def replica_manifest(
     ``settings``: the rest of :func:`~weightsync_audit.engine.inventory.manifest.build_manifest`'s (exclude,
     skipped buffers), which leave entries out and change none of those kept."""
     manifest = build_manifest(module, optimizers, include=include, **settings)
-    rules = replica_rules(module, optimizers, include, [e.name for e in manifest.entries])[0]
+    rules = replica_rules(module, optimizers, include, manifest)[0]
     if not rules.empty:
         apply_rules(manifest, optimizers, rules)
     return manifest
