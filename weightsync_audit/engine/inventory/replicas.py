@@ -93,7 +93,9 @@ from weightsync_audit.engine.inventory.manifest import (
     Entry,
     Manifest,
     build_manifest,
+    named_tensors,
     remember_wrapper,
+    unwrap_module,
     unwrap_optimizer,
     wrapper_of,
 )
@@ -138,9 +140,9 @@ def replica_rules(
 
 def _engines(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
     """The engines that reduce the gradients themselves, and every engine (no entries: names not read)."""
-    unwrapped = [unwrap_optimizer(o) for o in optimizers]
-    walked = build_manifest(module, unwrapped, include=()).walked
-    return replica_rules(module, unwrapped, (), Manifest(walked=walked))[1:]
+    user = unwrap_module(module) if module is not None else None
+    walked = (user, dict(named_tensors(user)) if user is not None else {})
+    return replica_rules(module, [unwrap_optimizer(o) for o in optimizers], (), Manifest(walked=walked))[1:]
 
 
 def detect_engine(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer] = ()) -> list[str]:
