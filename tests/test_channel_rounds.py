@@ -195,3 +195,32 @@ def test_a_divergence_of_a_small_tensor_among_1000_takes_three_rounds_with_its_g
     results = run_ranks(_divergent_rounds, 4)
     assert [r[0] for r in results[1:]] == [3, 3, 3]
     assert {r[1] for r in results} == {"500 [1] 1.0 True"}
+
+
+def _frames_kept_until_a_failure(rank: int, world: int) -> tuple[bool, int, bool]:
+    import time
+
+    from weightsync_audit import AuditTimeoutError
+    from weightsync_audit.channel.star import Comm
+
+    comm = Comm(timeout_s=2)
+    comm.setup()
+    group = comm._group
+    assert group is not None
+    comm.decide(bytes(100), lambda parts: b"ok", "first")
+    kept = {k: t.data_ptr() for k, (_, t) in group.scratch.items()}
+    comm.decide(bytes([1]) * 100, lambda parts: b"no", "second")  # other bytes, the same buffers
+    same = kept == {k: t.data_ptr() for k, (_, t) in group.scratch.items()}
+    if rank:
+        time.sleep(4)  # misses the third round: the coordinator's wait fails
+        return same, len(kept), True
+    try:
+        comm.decide(b"x", lambda parts: b"ok", "third")
+    except AuditTimeoutError:
+        return same, len(kept), not group.scratch  # a failed wait's buffer may still be gloo's: none kept
+    return same, len(kept), False
+
+
+def test_frame_buffers_are_reused_between_rounds_and_forgotten_after_a_failed_wait() -> None:
+    results = run_ranks(_frames_kept_until_a_failure, 2, timeout=60)
+    assert all(same and n > 0 and forgotten for same, n, forgotten in results), results

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from ranks import run_ranks
@@ -79,3 +80,32 @@ def test_unchanged_hyper_parameters_are_digested_once_and_a_change_is_seen() -> 
     opt.param_groups[0]["betas"][1] = 0.99
     changed = auditor.context().prepared
     assert changed is not None and (changed.digests() != listed.digests()).any()
+
+
+def test_wrapper_lookups_read_what_getattr_reads() -> None:
+    from weightsync_audit.compat import module_attr, peel_wrapper
+    from weightsync_audit.engine.inventory.reducer import find_ddp
+
+    plain = torch.nn.Linear(2, 2)
+    assert module_attr(plain, "_orig_mod") is None and module_attr(plain, "weight") is plain.weight
+    assert peel_wrapper(plain) is None and find_ddp(plain) is None
+
+    class Holds(torch.nn.Module):  # a child named like torch.compile's inner module
+        def __init__(self) -> None:
+            super().__init__()
+            self._orig_mod = torch.nn.Linear(2, 2)
+
+    class Property(torch.nn.Module):
+        @property
+        def _forward_module(self) -> torch.nn.Module:
+            return plain
+
+    class Dynamic(torch.nn.Module):  # its own __getattr__: asked, as getattr asks it
+        def __getattr__(self, name: str) -> Any:
+            return plain if name == "_orig_mod" else super().__getattr__(name)
+
+    holds = Holds()
+    assert module_attr(holds, "_orig_mod") is holds._orig_mod and peel_wrapper(holds) is holds._orig_mod
+    assert module_attr(Property(), "_forward_module") is plain
+    assert module_attr(Dynamic(), "_orig_mod") is plain and peel_wrapper(Dynamic()) is plain
+    assert module_attr(object(), "_orig_mod") is None

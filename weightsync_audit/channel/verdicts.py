@@ -76,7 +76,7 @@ def wait_until(work: Any, buf: Any, deadline: float, graveyard: list[Any]) -> No
     """
     left = max(deadline - time.monotonic(), 0.001)
     try:
-        work.wait(timeout=timedelta(seconds=left))
+        work.wait(timedelta(seconds=left))
     except Exception as exc:
         graveyard.append((work, buf))
         text = str(exc)

@@ -346,15 +346,16 @@ class StarWire:
                     bodies[r] = (self._post(group, big, r, send=False), big)
                 except WaitFailure as fail:
                     failures[r] = fail
-        body_deadline = max(deadline, time.monotonic() + self.grace_s)
+        body_deadline = max(deadline, time.monotonic() + self.grace_s) if bodies else deadline
         for r, (work, big) in bodies.items():
             try:
                 self._wait(group, work, big, body_deadline)
                 datas[r] = big.numpy().tobytes()
             except WaitFailure as fail:
                 failures[r] = fail
-        out_of_step = {r for r in datas if self.global_ranks[r] in positions}
-        return {r: d for r, d in datas.items() if r not in out_of_step}, failures, positions
+        if positions:  # the bytes of a rank elsewhere in the protocol are not this exchange's
+            datas = {r: d for r, d in datas.items() if self.global_ranks[r] not in positions}
+        return datas, failures, positions
 
     def _coordinate(
         self,

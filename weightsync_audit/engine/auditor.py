@@ -56,6 +56,7 @@ __all__ = ["Auditor", "audit"]
 
 THE_RUNS_OWN = AuditRequest()
 """An audit of the config's kinds, entered in the run's history: what :meth:`Auditor.audit` makes by default."""
+_FULL = AuditRequest(full=True)
 
 
 @with_checked_options
@@ -299,9 +300,10 @@ class Auditor:
         first: the channel is used in order."""
         if self.window is not None:
             self.window.settle("another audit")
-        request = (
-            AuditRequest(full=full) if request is None else dataclasses.replace(request, full=request.full or full)
-        )
+        if request is None:  # the two usual requests are made once (``full`` checked as AuditRequest does)
+            request = THE_RUNS_OWN if full is False else _FULL if full is True else AuditRequest(full=full)
+        elif full is not False and not request.full:
+            request = dataclasses.replace(request, full=full)
         batch = self.batches  # this step's digest, consumed by the audit that covers it
         ctx = self.context(module, optimizer, step=step, epoch=epoch, hook=hook, request=request, batch=batch)
         return self.run(ctx)
