@@ -286,7 +286,7 @@ def test_diloco_is_audited_at_sync_points_only() -> None:
         assert record["torchft"]["sync"]["fragment"] == 0
 
 
-def _loop_rank(rank: int, world: int, report: str) -> dict[str, Any]:
+def _loop_rank(rank: int, world: int, report: str, coverage: str = "1") -> dict[str, Any]:
     """The same job under LoopAudit: two ranks of one torch DDP group, the same model, optimizer, scheduler and
     cadence, the same fault planted (rank 1's ``0.weight`` moved after step 3), the first state audited too."""
     from weightsync_audit import LoopAudit
@@ -297,7 +297,7 @@ def _loop_rank(rank: int, world: int, report: str) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     gen = torch.Generator().manual_seed(rank)
-    audit = LoopAudit(ddp, opt, every_n_steps=2, timeout_s=5.0, verbose=False, report_path=report)
+    audit = LoopAudit(ddp, opt, every_n_steps=2, timeout_s=5.0, verbose=False, report_path=report, coverage=coverage)
     records = [audit.audit(0, hook="step")]
     for step in range(1, 6):
         opt.zero_grad()
@@ -320,14 +320,20 @@ def _verdict(record: dict[str, Any]) -> tuple[Any, ...]:
     return record["step"], record["in_sync"], record["action"], record["last_in_sync_step"], mismatches, blamed
 
 
-def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("coverage", ["1", "1/2"])
+def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: Path, coverage: str) -> None:
     """One session for every adapter: the same fault gives TorchFTAudit and LoopAudit the same verdicts (what
-    differs, where, the action, the blame), the same report written to report_path, the same summary."""
+    differs, where, the action, the blame), the same report written to report_path, the same summary; under
+    ``coverage="1/2"`` the cadence audits read the same slices (the first quorum's audit reads every byte)."""
     from weightsync_audit.reporting.jsonl import read_report
 
     report = str(tmp_path / "ft-{index}.jsonl")
-    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, report=report)
-    loop = run_ranks(_loop_rank, 2, str(tmp_path / "loop.jsonl"))[0]
+    options = {"options": {"coverage": coverage}} if coverage != "1" else {}
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, report=report, **options)
+    loop = run_ranks(_loop_rank, 2, str(tmp_path / "loop.jsonl"), coverage)[0]
+    sliced = [r.get("coverage") for r in res[(0, 0)]["records"]]
+    assert sliced == ([None, None, None] if coverage == "1" else [None, "2/2", "1/2"])
+    assert [r.get("coverage") for r in loop["records"]][1:] == sliced[1:]
     ft = res[(0, 0)]
     assert [_verdict(r) for r in ft["records"]] == [_verdict(r) for r in loop["records"]]
     assert [r["step"] for r in ft["records"] if not r["in_sync"]] == [4]
