@@ -366,6 +366,18 @@ def test_coverage_reads_a_slice_that_follows_the_committed_step_the_same_on_ever
     assert records[3]["last_full_sync_step"] == 0 and records[4]["last_in_sync_step"] == 3
 
 
+def test_under_coverage_replicas_that_would_read_otherwise_read_again_in_full_together() -> None:
+    """Replica 1's audit is made at step 1: it saw no quorum before, so it reads every byte there, while replica
+    0 reads slice 2 of 4. The roll shows it: both read step 1 again in full, and the next audits a slice alike."""
+    res = run_job([Replica(0), Replica(1, extra={"audit_from": 1})], steps=3, every=1, width=8192, timeout_s=1.0,
+                  options={"coverage": "1/4"})  # fmt: skip
+    assert sorted(_by_step(res[(1, 0)])) == [1, 2]
+    again = _same_record([_by_step(res[(i, 0)])[1] for i in range(2)])
+    assert "coverage" not in again and again["world_size"] == 2 and again["in_sync"]
+    assert again["last_full_sync_step"] == 1 and not any("failed" in n for n in again["notes"])
+    assert _same_record([_by_step(res[(i, 0)])[2] for i in range(2)])["coverage"] == "3/4"
+
+
 def test_under_coverage_a_heal_is_verified_reading_every_byte() -> None:
     res, at = _heal_job({}, width=8192, options={"coverage": "1/4"})
     record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])

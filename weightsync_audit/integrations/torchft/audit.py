@@ -35,7 +35,15 @@ from weightsync_audit.engine.config import AuditRequest, parse_coverage, with_ch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
 from weightsync_audit.integrations.session.trainer_session import SessionAdapter, TrainerSession
-from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, Roll, call_roll, drop_store, quorum_store
+from weightsync_audit.integrations.torchft.channel import (
+    Member,
+    QuorumComm,
+    ReadInFull,
+    Roll,
+    call_roll,
+    drop_store,
+    quorum_store,
+)
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
     Quorum,
@@ -272,7 +280,6 @@ class TorchFTAudit(SessionAdapter):
         hook = "torchft_step" if point == "step" else f"{self.targets.algorithm.lower()}_sync"  # type: ignore[union-attr]
         where = f"{point}{'' if fragment is None else fragment}"
         prefix = f"weightsync_audit/torchft/{quorum.quorum_id}/{at.group_rank}/{where}/{step}"
-        bound = self.timeout_s + DEFAULT_GRACE_S
 
         def audit(module: Any, optimizers: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
             try:
@@ -288,27 +295,8 @@ class TorchFTAudit(SessionAdapter):
                     counters=counters,
                     last_in_sync_step=self._last_in_sync,
                     last_full_sync_step=self._last_full,
-                    channel=self._held(quorum),
                 )
-                store = quorum_store(quorum.store_address, bound)
-                expected = quorum.replica_world_size
-
-                def roll_call(summary: bytes) -> Roll:  # the channel's first exchange: the summaries ride the roll
-                    return call_roll(store, prefix, replace(me, summary=summary.hex()), expected, self.timeout_s, bound)
-
-                # The last audit's channel is taken over when every member holds it whole (the roll says so).
-                comm = QuorumComm(store, prefix, self.timeout_s, roll_call=roll_call, held=self._channel)
-                self._channel = None
-                self._open(comm)
-                # Before the step, after the all-reduce: the gradients (include grads) in this same audit; every
-                # byte at a quorum change or a heal (a decision every member takes alike, from what they all saw).
-                request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full)
-                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
-                roll = comm.roll
-                if roll is None:
-                    raise RuntimeError("weightsync audit: the audit ended before its roll call")
-                if comm.prefix == prefix:  # a channel of its own (not the last one's, taken over)
-                    self._channel_quorum = quorum.quorum_id
+                result, roll = self._read(quorum, me, prefix, full, exclude, module, optimizers, step, epoch, hook)
             except Exception:
                 drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
                 self._open(None)  # nor a channel that may hold a half-done exchange
@@ -321,6 +309,41 @@ class TorchFTAudit(SessionAdapter):
         return self.session.audit(
             module, optimizers, step=step, epoch=None, hook=hook, is_main=True, audit=audit, failure_warns=True
         )
+
+    def _read(
+        self, quorum: Quorum, me: Member, prefix: str, full: bool, exclude: tuple[str, ...], *at: Any
+    ) -> tuple[AuditResult, Roll]:
+        """The engine's audit (``at``: module, optimizers, step, epoch, hook), its summaries riding the roll under
+        ``prefix``: read again in full, under a roll of its own, when the members did not all read alike."""
+        module, optimizers, step, epoch, hook = at
+        store = quorum_store(quorum.store_address, self.timeout_s + DEFAULT_GRACE_S)
+        for again in (False, True):
+            where, entry = (
+                prefix + ("/full" if again else ""),
+                replace(me, channel=self._held(quorum), full=full or again),
+            )
+
+            def roll_call(summary: bytes, where: str = where, entry: Member = entry) -> Roll:
+                return call_roll(store, where, replace(entry, summary=summary.hex()), quorum.replica_world_size,
+                                 self.timeout_s, self.timeout_s + DEFAULT_GRACE_S)  # fmt: skip
+
+            # The last audit's channel is taken over when every member holds it whole (the roll says so).
+            comm = QuorumComm(store, where, self.timeout_s, roll_call=roll_call, held=self._channel)
+            self._channel = None
+            self._open(comm)
+            # Before the step, after the all-reduce: the gradients (include grads) in this same audit; every byte
+            # at a quorum change or a heal (a decision every member takes from what it saw, checked by the roll).
+            request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full or again)
+            try:
+                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
+            except ReadInFull:
+                continue
+            if comm.roll is None:
+                raise RuntimeError("weightsync audit: the audit ended before its roll call")
+            if comm.prefix == where:  # a channel of its own (not the last one's, taken over)
+                self._channel_quorum = quorum.quorum_id
+            return result, comm.roll
+        raise RuntimeError("weightsync audit: the replicas did not read alike in full")
 
     def _held(self, quorum: Quorum) -> str | None:
         """The prefix of the channel this member can use again under ``quorum`` (made in it, never failed)."""
