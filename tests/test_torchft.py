@@ -85,6 +85,8 @@ def test_what_cannot_work_is_refused_at_construction() -> None:
         TorchFTAudit(object(), torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="torchft.manager.Manager"):
         TorchFTAudit(object(), torch.nn.Linear(2, 2), object())
+    with pytest.raises(ValueError, match=r"overlap=True: not offered under TorchFTAudit: a heal .* coverage='1/n'"):
+        TorchFTAudit(object(), torch.nn.Linear(2, 2), object(), overlap=True)
 
 
 def test_a_healthy_run_of_three_replica_groups_is_quiet() -> None:

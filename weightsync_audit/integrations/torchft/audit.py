@@ -117,6 +117,7 @@ class TorchFTAudit(SessionAdapter):
             large tensor (small ones whole), the slice following the committed step so that every replica
             reads the same one, and n cadence audits in a row read every byte; quorum changes and heals are
             always audited in full.
+        overlap: not offered (``True`` is refused, saying why): use ``coverage`` to make each audit cheaper.
         timeout_s: the longest any member waits for another at any point of an audit.
         on_mismatch: ``warn`` (report, train on) or ``raise`` (:class:`~weightsync_audit.WeightDivergenceError`
             from the optimizer step on every replica compared). An audit that could not complete is never raised.
@@ -145,12 +146,13 @@ class TorchFTAudit(SessionAdapter):
         exclude: Sequence[str] = (),
         tolerance: float | None = None,
         coverage: float | str = 1,
+        overlap: bool = False,
         timeout_s: float = 10.0,
         on_mismatch: Literal["warn", "raise"] = "warn",
         report_path: str | None = None,
         verbose: bool = True,
     ) -> None:
-        _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match)
+        _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match, overlap)
         parse_coverage(coverage)  # answered before the manager is looked at, as every option
         check_manager(manager)
         self.manager = manager
@@ -390,9 +392,22 @@ class TorchFTAudit(SessionAdapter):
 
 
 def _check_arguments(
-    on_mismatch: str, sync: Any, module: Any, optimizer: Any, lr_scheduler: Any, include: Any, must_match: Any
+    on_mismatch: str,
+    sync: Any,
+    module: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
+    include: Any,
+    must_match: Any,
+    overlap: Any = False,
 ) -> None:
     """Refuse, naming the arguments, what cannot work together (before anything is hooked)."""
+    if overlap is not False:
+        raise ValueError(
+            f"overlap={overlap!r}: not offered under TorchFTAudit: a heal is verified by an audit the healed "
+            "replica's first committed step waits for, and torchft loads a heal's state into the very tensors a "
+            "worker thread would be reading (docs/torchft.md, Cost); coverage='1/n' makes each audit cheaper"
+        )
     if on_mismatch not in ("warn", "raise"):
         raise ValueError(
             f"on_mismatch={on_mismatch!r}: TorchFTAudit warns or raises; torchft heals a replica from a live "
