@@ -130,8 +130,8 @@ def call_roll(store: Any, prefix: str, me: Member, expected: int, wait_s: float,
 
 
 def _roll(store: Any, me: Member, expected: int, wait_s: float, bound_s: float) -> bytes:
-    """The roll's decision: the entries of those it closed with (3 store round trips when all come; the
-    ``set`` is not answered)."""
+    """The roll's decision: the entries of those it closed with (at most 3 answered store round trips when all
+    come; the ``set`` is not answered)."""
     store.set(f"member/{me.replica_rank}", me.to_json())
     if store.add("count", 1) >= expected:  # the last to arrive: every entry is there
         return store.compare_set("decision", "", _entries(store, list(range(expected))))
