@@ -402,7 +402,10 @@ def test_the_roll_call_gives_up_on_a_stopped_store_within_its_bound_and_the_next
     from weightsync_audit.errors import AuditTimeoutError
     from weightsync_audit.integrations.torchft.channel import Member, call_roll
 
-    code = "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True); print(s.port, flush=True); sys.stdin.read()"
+    code = (
+        "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True); "
+        "print(s.port, flush=True); sys.stdin.read()"
+    )
     server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert server.stdout is not None

@@ -171,8 +171,8 @@ class TorchFTAudit(SessionAdapter):
         """The records this process took part in (the last 1024)."""
         self.options = AuditOptions(
             include=self.targets.include if self.targets is not None else (include or AuditOptions().include),
-            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, coverage=coverage, on_mismatch=on_mismatch,
-            report_path=report_path, verbose=verbose, sinks=[_Keep(self.results)],
+            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, coverage=coverage,
+            on_mismatch=on_mismatch, report_path=report_path, verbose=verbose, sinks=[_Keep(self.results)],
         )  # fmt: skip
         """The options, whole, as every adapter's: the session (:attr:`session`) acts on them alike."""
         self.timeout_s = float(timeout_s)
