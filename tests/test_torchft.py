@@ -85,6 +85,8 @@ def test_what_cannot_work_is_refused_at_construction() -> None:
         TorchFTAudit(object(), torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="torchft.manager.Manager"):
         TorchFTAudit(object(), torch.nn.Linear(2, 2), object())
+    with pytest.raises(ValueError, match=r"overlap=True: not offered under TorchFTAudit: a heal .* coverage='1/n'"):
+        TorchFTAudit(object(), torch.nn.Linear(2, 2), object(), overlap=True)
 
 
 def test_a_healthy_run_of_three_replica_groups_is_quiet() -> None:
@@ -286,7 +288,7 @@ def test_diloco_is_audited_at_sync_points_only() -> None:
         assert record["torchft"]["sync"]["fragment"] == 0
 
 
-def _loop_rank(rank: int, world: int, report: str) -> dict[str, Any]:
+def _loop_rank(rank: int, world: int, report: str, coverage: str = "1") -> dict[str, Any]:
     """The same job under LoopAudit: two ranks of one torch DDP group, the same model, optimizer, scheduler and
     cadence, the same fault planted (rank 1's ``0.weight`` moved after step 3), the first state audited too."""
     from weightsync_audit import LoopAudit
@@ -297,7 +299,7 @@ def _loop_rank(rank: int, world: int, report: str) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     gen = torch.Generator().manual_seed(rank)
-    audit = LoopAudit(ddp, opt, every_n_steps=2, timeout_s=5.0, verbose=False, report_path=report)
+    audit = LoopAudit(ddp, opt, every_n_steps=2, timeout_s=5.0, verbose=False, report_path=report, coverage=coverage)
     records = [audit.audit(0, hook="step")]
     for step in range(1, 6):
         opt.zero_grad()
@@ -320,14 +322,20 @@ def _verdict(record: dict[str, Any]) -> tuple[Any, ...]:
     return record["step"], record["in_sync"], record["action"], record["last_in_sync_step"], mismatches, blamed
 
 
-def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("coverage", ["1", "1/2"])
+def test_an_option_means_under_torchft_what_it_means_under_loop_audit(tmp_path: Path, coverage: str) -> None:
     """One session for every adapter: the same fault gives TorchFTAudit and LoopAudit the same verdicts (what
-    differs, where, the action, the blame), the same report written to report_path, the same summary."""
+    differs, where, the action, the blame), the same report written to report_path, the same summary; under
+    ``coverage="1/2"`` the cadence audits read the same slices (the first quorum's audit reads every byte)."""
     from weightsync_audit.reporting.jsonl import read_report
 
     report = str(tmp_path / "ft-{index}.jsonl")
-    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, report=report)
-    loop = run_ranks(_loop_rank, 2, str(tmp_path / "loop.jsonl"))[0]
+    options = {"options": {"coverage": coverage}} if coverage != "1" else {}
+    res = run_job([Replica(0), Replica(1, extra={"nudge": (0, 3)})], steps=6, report=report, **options)
+    loop = run_ranks(_loop_rank, 2, str(tmp_path / "loop.jsonl"), coverage)[0]
+    sliced = [r.get("coverage") for r in res[(0, 0)]["records"]]
+    assert sliced == ([None, None, None] if coverage == "1" else [None, "2/2", "1/2"])
+    assert [r.get("coverage") for r in loop["records"]][1:] == sliced[1:]
     ft = res[(0, 0)]
     assert [_verdict(r) for r in ft["records"]] == [_verdict(r) for r in loop["records"]]
     assert [r["step"] for r in ft["records"] if not r["in_sync"]] == [4]
@@ -360,6 +368,18 @@ def test_coverage_reads_a_slice_that_follows_the_committed_step_the_same_on_ever
     assert records[3]["last_full_sync_step"] == 0 and records[4]["last_in_sync_step"] == 3
 
 
+def test_under_coverage_replicas_that_would_read_otherwise_read_again_in_full_together() -> None:
+    """Replica 1's audit is made at step 1: it saw no quorum before, so it reads every byte there, while replica
+    0 reads slice 2 of 4. The roll shows it: both read step 1 again in full, and the next audits a slice alike."""
+    res = run_job([Replica(0), Replica(1, extra={"audit_from": 1})], steps=3, every=1, width=8192, timeout_s=1.0,
+                  options={"coverage": "1/4"})  # fmt: skip
+    assert sorted(_by_step(res[(1, 0)])) == [1, 2]
+    again = _same_record([_by_step(res[(i, 0)])[1] for i in range(2)])
+    assert "coverage" not in again and again["world_size"] == 2 and again["in_sync"]
+    assert again["last_full_sync_step"] == 1 and not any("failed" in n for n in again["notes"])
+    assert _same_record([_by_step(res[(i, 0)])[2] for i in range(2)])["coverage"] == "3/4"
+
+
 def test_under_coverage_a_heal_is_verified_reading_every_byte() -> None:
     res, at = _heal_job({}, width=8192, options={"coverage": "1/4"})
     record = _same_record([_by_step(res[(i, 0)])[at] for i in range(2)])
@@ -382,7 +402,10 @@ def test_the_roll_call_gives_up_on_a_stopped_store_within_its_bound_and_the_next
     from weightsync_audit.errors import AuditTimeoutError
     from weightsync_audit.integrations.torchft.channel import Member, call_roll
 
-    code = "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True); print(s.port, flush=True); sys.stdin.read()"
+    code = (
+        "import sys, torch.distributed as d; s = d.TCPStore('127.0.0.1', 0, is_master=True); "
+        "print(s.port, flush=True); sys.stdin.read()"
+    )
     server = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert server.stdout is not None

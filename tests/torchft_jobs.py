@@ -224,15 +224,20 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
         opt.register_step_pre_hook(
             lambda o, a, k: snapshots.__setitem__(manager.current_step() - 1, _state(model, opt, sched))
         )
-    audit = (TorchFTAudit if plan.get("audit", True) else _NoAudit)(
-        manager,
-        ddp,
-        wrapped,
-        lr_scheduler=sched,
-        must_match={"batches_seen": lambda: SEEN["batches"]},  # the user's own counter, declared
-        per_replica=("dataloader position",),
-        **audit_kw,
-    )
+
+    def make_audit() -> Any:
+        return (TorchFTAudit if plan.get("audit", True) else _NoAudit)(
+            manager,
+            ddp,
+            wrapped,
+            lr_scheduler=sched,
+            must_match={"batches_seen": lambda: SEEN["batches"]},  # the user's own counter, declared
+            per_replica=("dataloader position",),
+            **audit_kw,
+        )
+
+    late = plan.get("audit_from")  # this replica's audit made only at this step: it saw none of the quorums before
+    audit = make_audit() if late is None else _NoAudit()
     stepped: dict[int, bool] = {}
 
     def committed(o: Any, a: Any, k: Any) -> None:  # runs only when the optimizer stepped: a committed step
@@ -241,6 +246,8 @@ def _ddp_loop(plan, manager, model, opt, sched, gen, snapshots, audit_kw, TorchF
 
     opt.register_step_post_hook(committed)
     while manager.current_step() < plan["steps"]:
+        if late is not None and isinstance(audit, _NoAudit) and manager.current_step() >= late:
+            audit = make_audit()
         wrapped.zero_grad()
         t0, before = time.perf_counter(), manager.current_step()
         x = torch.randn(8, model[0].in_features, generator=gen)

@@ -35,7 +35,15 @@ from weightsync_audit.engine.config import AuditRequest, parse_coverage, with_ch
 from weightsync_audit.engine.inventory.manifest import unwrap_module
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n
 from weightsync_audit.integrations.session.trainer_session import SessionAdapter, TrainerSession
-from weightsync_audit.integrations.torchft.channel import Member, QuorumComm, Roll, call_roll, drop_store, quorum_store
+from weightsync_audit.integrations.torchft.channel import (
+    Member,
+    QuorumComm,
+    ReadInFull,
+    Roll,
+    call_roll,
+    drop_store,
+    quorum_store,
+)
 from weightsync_audit.integrations.torchft.compat import (
     Heals,
     Quorum,
@@ -109,6 +117,7 @@ class TorchFTAudit(SessionAdapter):
             large tensor (small ones whole), the slice following the committed step so that every replica
             reads the same one, and n cadence audits in a row read every byte; quorum changes and heals are
             always audited in full.
+        overlap: not offered (``True`` is refused, saying why): use ``coverage`` to make each audit cheaper.
         timeout_s: the longest any member waits for another at any point of an audit.
         on_mismatch: ``warn`` (report, train on) or ``raise`` (:class:`~weightsync_audit.WeightDivergenceError`
             from the optimizer step on every replica compared). An audit that could not complete is never raised.
@@ -137,12 +146,13 @@ class TorchFTAudit(SessionAdapter):
         exclude: Sequence[str] = (),
         tolerance: float | None = None,
         coverage: float | str = 1,
+        overlap: bool = False,
         timeout_s: float = 10.0,
         on_mismatch: Literal["warn", "raise"] = "warn",
         report_path: str | None = None,
         verbose: bool = True,
     ) -> None:
-        _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match)
+        _check_arguments(on_mismatch, sync, module, optimizer, lr_scheduler, include, must_match, overlap)
         parse_coverage(coverage)  # answered before the manager is looked at, as every option
         check_manager(manager)
         self.manager = manager
@@ -161,8 +171,8 @@ class TorchFTAudit(SessionAdapter):
         """The records this process took part in (the last 1024)."""
         self.options = AuditOptions(
             include=self.targets.include if self.targets is not None else (include or AuditOptions().include),
-            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, coverage=coverage, on_mismatch=on_mismatch,
-            report_path=report_path, verbose=verbose, sinks=[_Keep(self.results)],
+            exclude=tuple(exclude), timeout_s=timeout_s, tolerance=tolerance, coverage=coverage,
+            on_mismatch=on_mismatch, report_path=report_path, verbose=verbose, sinks=[_Keep(self.results)],
         )  # fmt: skip
         """The options, whole, as every adapter's: the session (:attr:`session`) acts on them alike."""
         self.timeout_s = float(timeout_s)
@@ -272,7 +282,6 @@ class TorchFTAudit(SessionAdapter):
         hook = "torchft_step" if point == "step" else f"{self.targets.algorithm.lower()}_sync"  # type: ignore[union-attr]
         where = f"{point}{'' if fragment is None else fragment}"
         prefix = f"weightsync_audit/torchft/{quorum.quorum_id}/{at.group_rank}/{where}/{step}"
-        bound = self.timeout_s + DEFAULT_GRACE_S
 
         def audit(module: Any, optimizers: Any, *, step: int, epoch: int | None, hook: str) -> AuditResult:
             try:
@@ -288,27 +297,8 @@ class TorchFTAudit(SessionAdapter):
                     counters=counters,
                     last_in_sync_step=self._last_in_sync,
                     last_full_sync_step=self._last_full,
-                    channel=self._held(quorum),
                 )
-                store = quorum_store(quorum.store_address, bound)
-                expected = quorum.replica_world_size
-
-                def roll_call(summary: bytes) -> Roll:  # the channel's first exchange: the summaries ride the roll
-                    return call_roll(store, prefix, replace(me, summary=summary.hex()), expected, self.timeout_s, bound)
-
-                # The last audit's channel is taken over when every member holds it whole (the roll says so).
-                comm = QuorumComm(store, prefix, self.timeout_s, roll_call=roll_call, held=self._channel)
-                self._channel = None
-                self._open(comm)
-                # Before the step, after the all-reduce: the gradients (include grads) in this same audit; every
-                # byte at a quorum change or a heal (a decision every member takes alike, from what they all saw).
-                request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full)
-                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
-                roll = comm.roll
-                if roll is None:
-                    raise RuntimeError("weightsync audit: the audit ended before its roll call")
-                if comm.prefix == prefix:  # a channel of its own (not the last one's, taken over)
-                    self._channel_quorum = quorum.quorum_id
+                result, roll = self._read(quorum, me, prefix, full, exclude, module, optimizers, step, epoch, hook)
             except Exception:
                 drop_store(quorum.store_address)  # a client left waiting on a gone host is not reused
                 self._open(None)  # nor a channel that may hold a half-done exchange
@@ -321,6 +311,41 @@ class TorchFTAudit(SessionAdapter):
         return self.session.audit(
             module, optimizers, step=step, epoch=None, hook=hook, is_main=True, audit=audit, failure_warns=True
         )
+
+    def _read(
+        self, quorum: Quorum, me: Member, prefix: str, full: bool, exclude: tuple[str, ...], *at: Any
+    ) -> tuple[AuditResult, Roll]:
+        """The engine's audit (``at``: module, optimizers, step, epoch, hook), its summaries riding the roll under
+        ``prefix``: read again in full, under a roll of its own, when the members did not all read alike."""
+        module, optimizers, step, epoch, hook = at
+        store = quorum_store(quorum.store_address, self.timeout_s + DEFAULT_GRACE_S)
+        for again in (False, True):
+            where, entry = (
+                prefix + ("/full" if again else ""),
+                replace(me, channel=self._held(quorum), full=full or again),
+            )
+
+            def roll_call(summary: bytes, where: str = where, entry: Member = entry) -> Roll:
+                return call_roll(store, where, replace(entry, summary=summary.hex()), quorum.replica_world_size,
+                                 self.timeout_s, self.timeout_s + DEFAULT_GRACE_S)  # fmt: skip
+
+            # The last audit's channel is taken over when every member holds it whole (the roll says so).
+            comm = QuorumComm(store, where, self.timeout_s, roll_call=roll_call, held=self._channel)
+            self._channel = None
+            self._open(comm)
+            # Before the step, after the all-reduce: the gradients (include grads) in this same audit; every byte
+            # at a quorum change or a heal (a decision every member takes from what it saw, checked by the roll).
+            request = AuditRequest(include=tuple(self.options.include), exclude=exclude, full=full or again)
+            try:
+                result = self.auditor.audit(module, optimizers, step=step, epoch=epoch, hook=hook, request=request)
+            except ReadInFull:
+                continue
+            if comm.roll is None:
+                raise RuntimeError("weightsync audit: the audit ended before its roll call")
+            if comm.prefix == where:  # a channel of its own (not the last one's, taken over)
+                self._channel_quorum = quorum.quorum_id
+            return result, comm.roll
+        raise RuntimeError("weightsync audit: the replicas did not read alike in full")
 
     def _held(self, quorum: Quorum) -> str | None:
         """The prefix of the channel this member can use again under ``quorum`` (made in it, never failed)."""
@@ -367,9 +392,22 @@ class TorchFTAudit(SessionAdapter):
 
 
 def _check_arguments(
-    on_mismatch: str, sync: Any, module: Any, optimizer: Any, lr_scheduler: Any, include: Any, must_match: Any
+    on_mismatch: str,
+    sync: Any,
+    module: Any,
+    optimizer: Any,
+    lr_scheduler: Any,
+    include: Any,
+    must_match: Any,
+    overlap: Any = False,
 ) -> None:
     """Refuse, naming the arguments, what cannot work together (before anything is hooked)."""
+    if overlap is not False:
+        raise ValueError(
+            f"overlap={overlap!r}: not offered under TorchFTAudit: a heal is verified by an audit the healed "
+            "replica's first committed step waits for, and torchft loads a heal's state into the very tensors a "
+            "worker thread would be reading (docs/torchft.md, Cost); coverage='1/n' makes each audit cheaper"
+        )
     if on_mismatch not in ("warn", "raise"):
         raise ValueError(
             f"on_mismatch={on_mismatch!r}: TorchFTAudit warns or raises; torchft heals a replica from a live "

@@ -51,7 +51,7 @@ from weightsync_audit.channel.groups import AuditGroup, StoreLink, run_bounded
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
 from weightsync_audit.errors import AuditPreparationError, AuditTimeoutError
 
-__all__ = ["Member", "QuorumComm", "Roll", "call_roll", "drop_store", "order", "quorum_store", "within"]
+__all__ = ["Member", "QuorumComm", "ReadInFull", "Roll", "call_roll", "drop_store", "order", "quorum_store", "within"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,8 @@ class Member:
     """The audit channel this member holds open and whole (its prefix): reused when every member holds it."""
     summary: str = ""
     """Its first exchange of the audit (the summary), hex: every member decides it from the entries."""
+    full: bool = False
+    """It read every byte (``coverage``: a quorum change or a heal it saw); members that differ read again."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -128,8 +130,8 @@ def call_roll(store: Any, prefix: str, me: Member, expected: int, wait_s: float,
 
 
 def _roll(store: Any, me: Member, expected: int, wait_s: float, bound_s: float) -> bytes:
-    """The roll's decision: the entries of those it closed with (3 store round trips when all come; the
-    ``set`` is not answered)."""
+    """The roll's decision: the entries of those it closed with (at most 3 answered store round trips when all
+    come; the ``set`` is not answered)."""
     store.set(f"member/{me.replica_rank}", me.to_json())
     if store.add("count", 1) >= expected:  # the last to arrive: every entry is there
         return store.compare_set("decision", "", _entries(store, list(range(expected))))
@@ -237,6 +239,12 @@ def drop_store(address: str) -> None:
         _stores.pop(address, None)
 
 
+class ReadInFull(Exception):
+    """The members of a roll did not all read every byte (one saw a quorum change or a heal the others had seen
+    at an audit it missed): every member raises it alike, and the audit is read again in full, under a roll of
+    its own."""
+
+
 class QuorumComm(Comm):
     """The star over the members of one audit, in the roll's position order.
 
@@ -282,6 +290,10 @@ class QuorumComm(Comm):
                 f"waited {self.timeout_s:g}s)"
             )
         self._meet(roll)
+        if len({m.full for m in roll.members}) > 1:
+            raise ReadInFull(
+                f"replicas {[m.replica_rank for m in roll.members if m.full]} read every byte, the others a slice"
+            )
         try:
             return rule([bytes.fromhex(m.summary) for m in roll.members])
         except Exception as exc:  # every member fails alike: the same rule over the same bytes
