@@ -36,8 +36,6 @@ False
 from __future__ import annotations
 
 import json
-import os
-import queue
 import threading
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -112,7 +110,7 @@ def call_roll(store: Any, prefix: str, me: Member, expected: int, wait_s: float,
 
     Raises :class:`AuditTimeoutError` when the store does not answer within ``bound_s``."""
     view = dist.PrefixStore(prefix, store)
-    outcome = _bounded(lambda: _roll(view, me, expected, wait_s, bound_s), bound_s)
+    outcome = run_bounded(lambda: _roll(view, me, expected, wait_s, bound_s), bound_s, "weightsync-torchft")
     if outcome is None or not outcome[0]:
         why = f"not within {bound_s:.3g}s" if outcome is None else str(outcome[1]).strip()[:200]
         raise AuditTimeoutError(
@@ -143,49 +141,6 @@ def _roll(store: Any, me: Member, expected: int, wait_s: float, bound_s: float) 
         return store.compare_set("decision", "", _entries(store, present))  # or the decision taken first
     finally:
         store.set_timeout(timedelta(seconds=bound_s))
-
-
-class _Caller:
-    """A daemon thread kept for the roll's store calls, each waited for at most its bound (a thread started per
-    call cost a hand-off more, 0.3-1 ms on busy cores). One that misses its bound is left to end on its own;
-    the next call gets a thread of its own."""
-
-    def __init__(self) -> None:
-        self.pid = os.getpid()
-        self.calls: queue.SimpleQueue[tuple[Callable[[], Any], list[Any], threading.Event]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="weightsync-torchft-roll", daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            fn, box, done = self.calls.get()
-            try:
-                box.append((True, fn()))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                box.append((False, exc))
-            done.set()
-
-    def call(self, fn: Callable[[], Any], bound_s: float) -> tuple[bool, Any] | None:
-        box: list[tuple[bool, Any]] = []
-        done = threading.Event()
-        self.calls.put((fn, box, done))
-        return box[0] if done.wait(max(bound_s, 0.01)) else None
-
-
-_caller: list[_Caller] = []
-
-
-def _bounded(fn: Callable[[], Any], bound_s: float) -> tuple[bool, Any] | None:
-    """``fn()`` on the kept thread: ``(True, value)``, ``(False, what it raised)``, or ``None`` past ``bound_s``."""
-    with _stores_lock:
-        if not _caller or _caller[0].pid != os.getpid():  # none yet, or the parent's (forked since)
-            _caller[:] = [_Caller()]
-        caller = _caller[0]
-    outcome = caller.call(fn, bound_s)
-    if outcome is None:
-        with _stores_lock:
-            if _caller and _caller[0] is caller:
-                _caller.clear()  # stuck on a store that does not answer: the next call gets another thread
-    return outcome
 
 
 def _entries(store: Any, ranks: list[int]) -> str:
