@@ -193,7 +193,7 @@ def test_every_command_module_owns_its_parser_and_its_run_and_the_dispatcher_reg
     import pkgutil
 
     import weightsync_audit.cli as cli
-    from weightsync_audit.cli.command import one_line
+    from weightsync_audit.cli import one_line
 
     # command: what the commands share; lightning_20340: the demo's scenario (its model and data)
     modules = {m.name for m in pkgutil.iter_modules(cli.__path__)} - {"command", "lightning_20340"}

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from weightsync_audit.cli.command import EXIT_DIFFERENT, EXIT_OK, CliError, add_json
+from weightsync_audit.cli import EXIT_DIFFERENT, EXIT_OK, CliError, add_json
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.text import fmt_gap
 

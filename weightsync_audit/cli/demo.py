@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.rule import Rule
 from rich.text import Text
 
-from weightsync_audit.cli.command import CliError
+from weightsync_audit.cli import CliError
 from weightsync_audit.errors import WeightSyncWarning
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.reporting.summary import ReportSummary, diverged_ranks, fmt_step

@@ -38,7 +38,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from weightsync_audit.cli.command import CliError
+from weightsync_audit.cli import CliError
 from weightsync_audit.integrations.evict import (
     EVICT_FILE_ENV,
     EXIT_STATUS_DIR_ENV,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from weightsync_audit.cli.command import CliError, add_allow_torn, add_json, add_report
+from weightsync_audit.cli import CliError, add_allow_torn, add_json, add_report
 from weightsync_audit.reporting.render import log_console
 from weightsync_audit.reporting.summary import ReportSummary
 from weightsync_audit.reporting.terminal import check_report, show_summary

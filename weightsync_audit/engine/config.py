@@ -190,10 +190,10 @@ def check_flag(value: object, argument: str) -> bool:
     raise TypeError(f"{argument}={value!r}: must be True or False")
 
 
-def check_count(value: object, argument: str, least: int = 0) -> int:
-    """A whole number ``>= least``, else a ``ValueError`` naming ``argument``."""
+def check_count(value: object, argument: str, least: int = 0, what: str = "") -> int:
+    """A whole number ``>= least``, else a ``ValueError`` naming ``argument`` (and ``what`` it counts)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ValueError(f"{argument}={value!r}: must be an integer >= {least}")
+        raise ValueError(f"{argument}={value!r}: must be an integer >= {least}" + (f" ({what})" if what else ""))
     return value
 
 
@@ -279,10 +279,7 @@ class AuditConfig:
         check_count(self.pinpoint_slices, "pinpoint_slices", 1)
         check_seconds(self.gap_budget_s, "gap_budget_s", optional=False)
         self.tolerance = check_tolerance(self.tolerance)
-        if isinstance(self.pinpoint_ring, bool) or not isinstance(self.pinpoint_ring, int) or self.pinpoint_ring < 1:
-            raise ValueError(
-                f"pinpoint_ring={self.pinpoint_ring!r}: must be an integer >= 1 (steps kept between audits)"
-            )
+        check_count(self.pinpoint_ring, "pinpoint_ring", 1, "steps kept between audits")
         check_count(self.max_diff_tensors, "max_diff_tensors")
         check_count(self.max_diff_bytes, "max_diff_bytes")
         for flag in ("compare_broadcast_buffers", "pinpoint", "check_finite"):

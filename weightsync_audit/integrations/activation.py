@@ -128,19 +128,15 @@ def callbacks_from_env(
     return [callback]
 
 
-def _callbacks(cls: type) -> list[Any]:
-    return callbacks_from_env(cls)  # each keeps env_options: from_env reads them
-
-
 def pytorch_lightning_callbacks() -> list[Any]:
     """Entry point for ``pytorch_lightning.callbacks_factory``."""
     from weightsync_audit.lightning.pytorch_lightning import WeightSyncAudit
 
-    return _callbacks(WeightSyncAudit)
+    return callbacks_from_env(WeightSyncAudit)  # each keeps env_options: from_env reads them
 
 
 def lightning_pytorch_callbacks() -> list[Any]:
     """Entry point for ``lightning.pytorch.callbacks_factory``."""
     from weightsync_audit.lightning.lightning_pytorch import WeightSyncAudit
 
-    return _callbacks(WeightSyncAudit)
+    return callbacks_from_env(WeightSyncAudit)  # each keeps env_options: from_env reads them

@@ -129,9 +129,6 @@ class _HookingLoader:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
 
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
         hook_trainer_module(module)
@@ -164,9 +161,6 @@ class TrainerHook:
         except Exception as exc:  # noqa: BLE001 - the finders after this one are asked again by the import system
             _warn(f"{TARGET} could not be found through the hook", exc)
             return None
-
-    def invalidate_caches(self) -> None:
-        """Nothing cached here (``importlib.invalidate_caches`` calls it)."""
 
 
 def install() -> None:

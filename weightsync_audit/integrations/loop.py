@@ -129,15 +129,11 @@ class LoopAudit(SessionAdapter):
         if "grads" in self.options.include and self.every_n_steps is not None:
             self._open()  # collective: every rank steps its optimizer here
         if self.session.before_step(self.module, self.last_step, is_main=self.is_main, optimizers=self.optimizers):
-            self.session.audit(
-                self.module,
-                self.optimizers,
-                step=upcoming,
-                epoch=self._epoch,
-                hook="before_optimizer_step",
-                is_main=self.is_main,
-                grads=True,
-            )
+            self._audit(step=upcoming, epoch=self._epoch, hook="before_optimizer_step", grads=True)
+
+    def _audit(self, **at: Any) -> AuditResult | None:
+        """The session's audit of this loop's module and optimizers, ``at`` the step, hook and checkpoint."""
+        return self.session.audit(self.module, self.optimizers, is_main=self.is_main, **at)
 
     def step(self, step: int, epoch: int | None = None, *, batch: Any = None) -> AuditResult | None:
         """Call after every optimizer step: keeps pinpoint's per-step digests, audits on the cadence.
@@ -149,16 +145,7 @@ class LoopAudit(SessionAdapter):
         if not self.session.after_step(self.module, self.optimizers, step, once=False, batch=batch):
             return None
         # With overlap, launched (the verdict acted on at the next safe point); the same audit either way.
-        after_step = self.runner.overlap is not None
-        return self.session.audit(
-            self.module,
-            self.optimizers,
-            step=step,
-            epoch=epoch,
-            hook="step",
-            is_main=self.is_main,
-            after_step=after_step,
-        )
+        return self._audit(step=step, epoch=epoch, hook="step", after_step=self.runner.overlap is not None)
 
     def settle(self) -> AuditResult | None:
         """With ``overlap=True``: wait for the pending audit and act on it now; the last verdict acted on."""
@@ -169,7 +156,7 @@ class LoopAudit(SessionAdapter):
     def audit(self, step: int, epoch: int | None = None, *, hook: str = "audit") -> AuditResult | None:
         """Audit now and act on the result (``on_mismatch``); ``None`` when the audit failed under ``warn``."""
         self._open()
-        return self.session.audit(self.module, self.optimizers, step=step, epoch=epoch, hook=hook, is_main=self.is_main)
+        return self._audit(step=step, epoch=epoch, hook=hook)
 
     def checkpoint_saved(
         self, path: Any, step: int, epoch: int | None = None, *, state: Any = None,
@@ -195,10 +182,7 @@ class LoopAudit(SessionAdapter):
         self._open()
         if checkpoint.event == "loaded" and step is not None:
             self.last_step = step  # resumed: the next optimizer step is the one after it
-        hook = f"checkpoint_{checkpoint.event}"
-        return self.session.audit(
-            self.module, self.optimizers, checkpoint=checkpoint, step=step, epoch=epoch, hook=hook, is_main=self.is_main
-        )
+        return self._audit(checkpoint=checkpoint, step=step, epoch=epoch, hook=f"checkpoint_{checkpoint.event}")
 
     def close(self) -> None:
         """Settle a pending overlapped audit (acting on it), close the report; with ``verbose``, print the

@@ -58,18 +58,6 @@ _MAX_DEPTH = 200
 """Deeper JSON than this is refused before parsing (records nest 4 levels; Python's parser recurses)."""
 
 
-class OversizedNumber:
-    """A JSON number too long to be a step or a count, kept as its text so the field can be named."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return f"a number of {len(self.text)} digits"
-
-
 class NonFinite:
     """``NaN``, ``Infinity`` or ``-Infinity`` in a line: not JSON, kept so the field can be named."""
 
@@ -80,6 +68,16 @@ class NonFinite:
 
     def __repr__(self) -> str:
         return self.text
+
+
+class OversizedNumber(NonFinite):
+    """A JSON number too long to be a step or a count, kept as its text (as :class:`NonFinite` keeps its
+    word) so the field can be named."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"a number of {len(self.text)} digits"
 
 
 def _parse_int(text: str) -> int | OversizedNumber:

@@ -88,11 +88,9 @@ DASH_MEANS = {
 }
 
 
-def mismatch_table(
-    mismatches: Sequence[MismatchLike], title: str | None = None, max_rows: int = MAX_TABLE_ROWS
-) -> Table:
-    """A table of mismatches grouped by layer: at most ``max_rows`` rows, then "and N more"; a caption
-    says what each "-" shown means."""
+def mismatch_table(mismatches: Sequence[MismatchLike], title: str | None = None) -> Table:
+    """A table of mismatches grouped by layer: at most :data:`MAX_TABLE_ROWS` rows, then "and N more"; a
+    caption says what each "-" shown means."""
     table = Table(title=title, show_lines=False, header_style="bold", caption_justify="left")
     for col, kw in (
         ("layer", {"style": "cyan"}),
@@ -107,7 +105,7 @@ def mismatch_table(
         table.add_column(col, **kw)
     by_layer: dict[str, list[MismatchLike]] = {}
     dashes: dict[str, None] = {}
-    for m in mismatches[:max_rows]:
+    for m in mismatches[:MAX_TABLE_ROWS]:
         by_layer.setdefault(layer_of(m.name, m.kind), []).append(m)
     for layer, ms in by_layer.items():
         for i, m in enumerate(ms):
@@ -131,8 +129,8 @@ def mismatch_table(
                 dashes.setdefault("gap", None)
         table.add_section()
     notes = [DASH_MEANS[k] for k in dashes]
-    if len(mismatches) > max_rows:
-        notes.insert(0, f"... and {len(mismatches) - max_rows} more tensor(s) (the report's record lists them all)")
+    if (more := len(mismatches) - MAX_TABLE_ROWS) > 0:
+        notes.insert(0, f"... and {more} more tensor(s) (the report's record lists them all)")
     if notes:
         table.caption = "\n".join(notes)
     return table

@@ -47,13 +47,10 @@ class AttributionConfig:
     (the records say so). 0: no budget (``recheck`` alone decides)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.recheck, bool) or not isinstance(self.recheck, int) or self.recheck < 0:
-            raise ValueError(f"attribution recheck={self.recheck!r}: must be an integer >= 0 (1 in n parameters)")
-        bad = isinstance(self.recheck_bytes, bool) or not isinstance(self.recheck_bytes, int)
-        if bad or self.recheck_bytes < 0:
-            raise ValueError(
-                f"attribution recheck_bytes={self.recheck_bytes!r}: must be an integer >= 0 (bytes per step)"
-            )
+        for name, unit in (("recheck", "1 in n parameters"), ("recheck_bytes", "bytes per step")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"attribution {name}={value!r}: must be an integer >= 0 ({unit})")
         if not (self.at_rest or self.collective or self.recheck):
             raise ValueError("attribution: at_rest, collective and recheck are all off; pass attribution=False")
 

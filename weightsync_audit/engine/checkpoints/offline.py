@@ -196,10 +196,8 @@ def verify_checkpoint(path: str | Path, progress: Any = None) -> dict[str, Any]:
     (:class:`UnsafeCheckpointError`, never loaded). ``progress``: called with the bytes of each tensor read.
     """
     p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or folder")
     if not p.is_dir():
-        regular_file(p)  # a FIFO or device is refused, never waited on
+        regular_file(p)  # no such file, or a FIFO or device: refused (one never waited on)
     sidecar = read_sidecar(p)
     out: dict[str, Any] = {"path": str(p), "sidecar": str(sidecar_path(p)), "changed": [], "missing": []}
     out.update(changed_files=[], missing_files=[], added_files=[], skipped=[], unread=[])

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from weightsync_audit.channel.star import Comm
+from weightsync_audit.engine.config import check_count
 from weightsync_audit.engine.hashing.digest import overall_digest, structure_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import KINDS
@@ -81,9 +82,7 @@ class StepRing:
     """
 
     def __init__(self, capacity: int = DEFAULT_RING, slices: int = 1) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"pinpoint_ring={capacity!r}: must be an integer >= 1 (steps kept between audits)")
-        self.capacity = capacity
+        self.capacity = check_count(capacity, "pinpoint_ring", 1, "steps kept between audits")
         self.slices = slices
         self.entries: deque[tuple[int, int]] = deque()
         self.dropped = 0
