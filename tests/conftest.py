@@ -107,6 +107,32 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return once_per_session(tmp_path_factory, "demo", make)
 
 
+@pytest.fixture(scope="session")
+def fsdp2_strategy_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``tests/scripts/model_parallel_run.py OUT fsdp-attribution`` once for the session: Lightning's
+    ``ModelParallelStrategy`` (FSDP2 over 2 ranks, its subprocess launcher), ``attribution=True``, rank 1's lr
+    doubled at step 3 under ``on_mismatch="warn"``. tests/test_mesh.py and tests/test_mesh_attribution.py
+    judge it. Returns ``records`` (the JSONL report's) and ``ends``: each rank's end, then the launcher's
+    ``rc`` and ``stderr``."""
+    import subprocess
+
+    def make() -> dict[str, Any]:
+        from lightning_helpers import records
+
+        out = tmp_path_factory.mktemp("fsdp2-strategy")
+        script = os.path.join(os.path.dirname(__file__), "scripts", "model_parallel_run.py")
+        proc = subprocess.run(
+            [sys.executable, script, str(out), "fsdp-attribution"], capture_output=True, text=True, timeout=240
+        )
+        ends = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        return {
+            "records": records(out / "audit.jsonl"),
+            "ends": [*ends, {"rc": proc.returncode, "stderr": proc.stderr[-3000:]}],
+        }
+
+    return once_per_session(tmp_path_factory, "fsdp2-strategy", make)
+
+
 def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:
     """``make()`` once per test session, also when pytest-xdist splits the session over workers.
 
