@@ -18,34 +18,35 @@ HEAVIEST_FIRST = (
     "test_docs.py",
     "test_ray_train.py",
     "test_campaign.py",
+    "test_timeouts.py",
     "test_lightning_20340.py",
+    "test_channel_tree.py",
     "test_callback.py",
+    "test_first_contact.py",
     "test_torchft.py",
     "test_integrations.py",
-    "test_timeouts.py",
-    "test_mesh.py",
-    "test_channel_tree.py",
-    "test_replicas_trainers.py",
-    "test_first_contact.py",
     "test_restart.py",
-    "test_lightning_sharded.py",
-    "test_adapter_parity.py",
-    "test_hostile_input.py",
-    "test_soak.py",
+    "test_replicas_trainers.py",
     "test_dataplane.py",
+    "test_lightning_sharded.py",
+    "test_channel_faults.py",
+    "test_mesh.py",
+    "test_launch.py",
+    "test_hostile_input.py",
+    "test_foreign_groups.py",
+    "test_soak.py",
+    "test_lifetime.py",
     "test_gpu_check.py",
+    "test_callback_faults.py",
     "test_activation_hf_zero_code.py",
     "test_device_digest.py",
-    "test_lifetime.py",
-    "test_channel_faults.py",
-    "test_launch.py",
     "test_mesh_attribution.py",
-    "test_callback_faults.py",
-    "test_foreign_groups.py",
 )
-"""The files that take longest (``pytest --durations``, CPU seconds on 2 cores), longest first. ``make test``
-hands whole files to its workers in collection order (``--dist loadfile --no-loadscope-reorder``): these
-first, then the others by their number of tests, so that no long file starts last and holds the run's end."""
+"""The files that take longest (``pytest --durations``; CPU seconds measured alone), longest first, those that
+mostly wait on deadlines (timeouts, late or dead ranks) between those that keep both cores busy, so that a
+waiting worker leaves its core to the other. ``make test`` hands whole files to its workers in collection
+order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests,
+so that no long file starts last and holds the run's end."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
