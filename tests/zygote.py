@@ -47,22 +47,23 @@ def page(folder):
 
 report = os.fdopen(os.dup(1), "w", buffering=1)
 running = {}
-open_ = True
+open_, pending = True, b""
 while open_ or running:
     if open_ and select.select([0], [], [], 0.1)[0]:
-        line = sys.stdin.readline()
-        if not line:
-            open_ = False
-            continue
-        folder = line.strip()
+        data = os.read(0, 65536)  # unbuffered: two requests that arrive together are both seen here
+        open_ = bool(data)
+        pending += data
+    elif not open_:
+        select.select([], [], [], 0.1)
+    while b"\n" in pending:
+        line, pending = pending.split(b"\n", 1)
+        folder = line.decode().strip()
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             page(folder)
         running[pid] = folder
         print("started", pid, folder, file=report)
-    elif not open_:
-        select.select([], [], [], 0.1)
     while running:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if not pid:
