@@ -16,9 +16,9 @@ import torch._dynamo  # noqa: F401
 
 HEAVIEST_FIRST = (
     "test_docs.py",
-    "test_ray_train.py",
     "test_campaign.py",
     "test_timeouts.py",
+    "test_ray_train.py",
     "test_lightning_20340.py",
     "test_channel_tree.py",
     "test_callback.py",
@@ -44,7 +44,8 @@ HEAVIEST_FIRST = (
 )
 """The files that take longest (``pytest --durations``; CPU seconds measured alone), longest first, those that
 mostly wait on deadlines (timeouts, late or dead ranks) between those that keep both cores busy, so that a
-waiting worker leaves its core to the other. ``make test`` hands whole files to its workers in collection
+waiting worker leaves its core to the other. Ray's runs (chains of actor starts) come after the docs' busiest
+start: on a crowded host a Ray run there took 99 s instead of 25. ``make test`` hands whole files to its workers in collection
 order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests,
 so that no long file starts last and holds the run's end."""
 
