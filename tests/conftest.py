@@ -16,36 +16,38 @@ import torch._dynamo  # noqa: F401
 
 HEAVIEST_FIRST = (
     "test_docs.py",
-    "test_ray_train.py",
     "test_campaign.py",
+    "test_timeouts.py",
+    "test_ray_train.py",
     "test_lightning_20340.py",
+    "test_channel_tree.py",
     "test_callback.py",
+    "test_first_contact.py",
     "test_torchft.py",
     "test_integrations.py",
-    "test_timeouts.py",
-    "test_mesh.py",
-    "test_channel_tree.py",
-    "test_replicas_trainers.py",
-    "test_first_contact.py",
     "test_restart.py",
-    "test_lightning_sharded.py",
-    "test_adapter_parity.py",
-    "test_hostile_input.py",
-    "test_soak.py",
+    "test_replicas_trainers.py",
     "test_dataplane.py",
+    "test_lightning_sharded.py",
+    "test_channel_faults.py",
+    "test_mesh.py",
+    "test_launch.py",
+    "test_hostile_input.py",
+    "test_foreign_groups.py",
+    "test_soak.py",
+    "test_lifetime.py",
     "test_gpu_check.py",
+    "test_callback_faults.py",
     "test_activation_hf_zero_code.py",
     "test_device_digest.py",
-    "test_lifetime.py",
-    "test_channel_faults.py",
-    "test_launch.py",
     "test_mesh_attribution.py",
-    "test_callback_faults.py",
-    "test_foreign_groups.py",
 )
-"""The files that take longest (``pytest --durations``, CPU seconds on 2 cores), longest first. ``make test``
-hands whole files to its workers in collection order (``--dist loadfile --no-loadscope-reorder``): these
-first, then the others by their number of tests, so that no long file starts last and holds the run's end."""
+"""The files that take longest (``pytest --durations``; CPU seconds measured alone), longest first, those that
+mostly wait on deadlines (timeouts, late or dead ranks) between those that keep both cores busy, so that a
+waiting worker leaves its core to the other. Ray's runs (chains of actor starts) come after the docs' busiest
+start: on a crowded host a Ray run there took 99 s instead of 25. ``make test`` hands whole files to its workers in collection
+order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests,
+so that no long file starts last and holds the run's end."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -105,6 +107,32 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "report": str(out)}
 
     return once_per_session(tmp_path_factory, "demo", make)
+
+
+@pytest.fixture(scope="session")
+def fsdp2_strategy_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``tests/scripts/model_parallel_run.py OUT fsdp-attribution`` once for the session: Lightning's
+    ``ModelParallelStrategy`` (FSDP2 over 2 ranks, its subprocess launcher), ``attribution=True``, rank 1's lr
+    doubled at step 3 under ``on_mismatch="warn"``. tests/test_mesh.py and tests/test_mesh_attribution.py
+    judge it. Returns ``records`` (the JSONL report's) and ``ends``: each rank's end, then the launcher's
+    ``rc`` and ``stderr``."""
+    import subprocess
+
+    def make() -> dict[str, Any]:
+        from lightning_helpers import records
+
+        out = tmp_path_factory.mktemp("fsdp2-strategy")
+        script = os.path.join(os.path.dirname(__file__), "scripts", "model_parallel_run.py")
+        proc = subprocess.run(
+            [sys.executable, script, str(out), "fsdp-attribution"], capture_output=True, text=True, timeout=240
+        )
+        ends = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        return {
+            "records": records(out / "audit.jsonl"),
+            "ends": [*ends, {"rc": proc.returncode, "stderr": proc.stderr[-3000:]}],
+        }
+
+    return once_per_session(tmp_path_factory, "fsdp2-strategy", make)
 
 
 def once_per_session(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[], Any]) -> Any:

@@ -1,6 +1,8 @@
 """Every code block in README.md and docs/*.md runs.
 
-Per page, in a fresh temporary folder and one fresh Python process:
+Per page, in a fresh temporary folder and one Python process of its own (forked from one that has imported
+torch and what Lightning and the Trainer import, never the package or a Lightning namespace: the imports
+every page would pay again):
 
 - each ```python block is executed in order, each in a namespace of its own, with ``__name__ == "__main__"``;
 - a python block preceded by ``<!-- file: NAME -->`` is not executed but written to ``NAME`` (a script
@@ -18,23 +20,21 @@ Per page, in a fresh temporary folder and one fresh Python process:
   ``weightsync-audit`` sub-commands only.
 
 Pages are independent (each its own folder and process), so two run at a time, the slowest first: most of
-a page's time is one interpreter importing torch, and the machine has two cores. Each page's test waits
+a page's time is interpreters importing torch, and the machine has two cores. Each page's test waits
 for its own page's run and judges it alone.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -228,31 +228,14 @@ def _cost(steps: list[dict[str, Any]]) -> int:
     return sum(10 if s["kind"] != "file" and any(h in s["code"] for h in heavy) else 1 for s in steps)
 
 
-def _run_page(steps: list[dict[str, Any]], folder: Path, procs: list[subprocess.Popen[str]]) -> tuple[int, str, str]:
+def _run_page(steps: list[dict[str, Any]], folder: Path, zygote: Zygote) -> tuple[int, str, str]:
     (folder / "steps.json").write_text(json.dumps(steps))
     (folder / "runner.py").write_text(_RUNNER)
-    env = {
-        **os.environ,
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        "COLUMNS": "120",
-    }
-    env.pop("WEIGHTSYNC_AUDIT", None)
-    proc = subprocess.Popen(
-        [sys.executable, "runner.py", "steps.json"],
-        cwd=folder,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    procs.append(proc)
-    try:
-        out, err = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
+    code = zygote.run(folder, timeout=600)
+    out, err = ((folder / name).read_text(errors="replace") for name in ("stdout.txt", "stderr.txt"))
+    if code is None:
         err += "\n(the page ran past 600 s)"
-    return proc.returncode, out, err
+    return -9 if code is None else code, out, err
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +249,7 @@ def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
         and hasattr(item, "callspec")
     ]
     runnable = {page: steps for page in chosen if (steps := _steps(page))}
-    procs: list[subprocess.Popen[str]] = []
+    zygote = Zygote(tmp_path_factory.mktemp("docs-zygote"))
     pool = ThreadPoolExecutor(max_workers=2)
     futures: dict[Path, Future] = {}
     # Pages that run the session's shared demo command start once it has run (tests/conftest.py demo_run),
@@ -275,14 +258,13 @@ def page_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     for page, steps in sorted(runnable.items(), key=lambda kv: (kv[0] in later, -_cost(kv[1]))):
         if page in later:
             steps = _with_shared_demo(steps, request.getfixturevalue("demo_run"))
-        futures[page] = pool.submit(_run_page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), procs)
+        futures[page] = pool.submit(_run_page, steps, tmp_path_factory.mktemp(f"docs-{page.stem}"), zygote)
     yield futures
     for f in futures.values():
         f.cancel()
-    for proc in procs:  # an interrupted session leaves no page running
-        if proc.poll() is None:
-            proc.kill()
+    zygote.kill()  # an interrupted session leaves no page running
     pool.shutdown(wait=True)
+    zygote.close()
 
 
 # In the order the pages are started (the slowest first): a page's test then waits for its own run, never for

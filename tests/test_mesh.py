@@ -146,8 +146,12 @@ def _model_parallel_run(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]]
     return records(tmp_path / "audit.jsonl"), [*ends, {"rc": proc.returncode, "stderr": proc.stderr[-3000:]}]
 
 
-def test_model_parallel_strategy_fsdp2_is_audited_in_sync_and_a_planted_lr_is_reported(tmp_path: Path) -> None:
-    recs, ends = _model_parallel_run(tmp_path, "fsdp")
+def test_model_parallel_strategy_fsdp2_is_audited_in_sync_and_a_planted_lr_is_reported(
+    fsdp2_strategy_run: dict[str, Any],
+) -> None:
+    # The session's one FSDP2 run through the strategy (tests/conftest.py; with attribution, which
+    # tests/test_mesh_attribution.py judges).
+    recs, ends = fsdp2_strategy_run["records"], fsdp2_strategy_run["ends"]
     assert ends[2]["rc"] == 0 and ends[0]["ended"] == ends[1]["ended"] == "ok", ends
     steps = {r["step"]: r for r in recs if r["hook"] == "on_train_batch_end"}
     assert steps[1]["in_sync"] and steps[2]["in_sync"]
