@@ -7,6 +7,7 @@ Lightning healthy and diverged (``on_mismatch="raise"``), the HF Trainer healthy
 
 from __future__ import annotations
 
+import builtins
 import importlib.util
 import json
 import os
@@ -52,6 +53,7 @@ def _script(name: str, folder: Path) -> ModuleType:
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     t0 = time.perf_counter()
+    kept_print = builtins.print  # Ray's progress bars replace the driver's print and never put it back
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     folder = tmp_path_factory.mktemp("ray")
@@ -64,6 +66,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         }
     finally:
         ray.shutdown()
+        builtins.print = kept_print  # the tests that run after these in this process see the real one
 
 
 def _records(result_path: str) -> list[Any]:
