@@ -99,8 +99,8 @@ class Manifest:
 
     entries: list[Entry] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    walked: tuple[nn.Module | None, dict[str, Any]] = (None, {})
-    """The model unwrapped and its parameters by name, as the build walked them (the replica rules read them)."""
+    walked: tuple[nn.Module | None, Sequence[tuple[str, Any]]] = (None, ())
+    """The model unwrapped and its named parameters, as the build walked them (the replica rules read them)."""
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(KINDS, 0)
@@ -303,7 +303,7 @@ def build_manifest(
     entries = manifest.entries
     user = unwrap_module(module) if module is not None else None
     named_params: list[tuple[str, nn.Parameter]] = named_tensors(user) if user is not None else []
-    manifest.walked = (user, dict(named_params))
+    manifest.walked = (user, named_params)
 
     if "params" in include:
         for n, p in named_params:

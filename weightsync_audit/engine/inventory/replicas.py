@@ -126,8 +126,8 @@ def replica_rules(
 ) -> tuple[Rules, list[str], list[str]]:
     """The table, the engines that reduce the gradients themselves (DeepSpeed, FSDP1), and every engine:
     the model unwrapped and its parameters named once (by ``built``'s build), each engine asked once."""
-    user, params = built.walked
-    rules = Rules(params_by_name=params)
+    user, named = built.walked
+    rules = Rules(params_by_name=dict(named))
     names = [e.name for e in built.entries]
     reducing = [
         deepspeed_rules(rules, user, optimizers, include, module),
@@ -141,7 +141,7 @@ def replica_rules(
 def _engines(module: nn.Module | None, optimizers: Sequence[torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
     """The engines that reduce the gradients themselves, and every engine (no entries: names not read)."""
     user = unwrap_module(module) if module is not None else None
-    walked = (user, dict(named_tensors(user)) if user is not None else {})
+    walked = (user, named_tensors(user) if user is not None else [])
     return replica_rules(module, [unwrap_optimizer(o) for o in optimizers], (), Manifest(walked=walked))[1:]
 
 
