@@ -82,8 +82,6 @@ audit, which waits for the whole device, needs no such care.
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -94,6 +92,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from weightsync_audit.channel.store import Call, Worker
 from weightsync_audit.compat import stream_ordered, tensor_version
 from weightsync_audit.engine.agreement.rounds import Agreement
 from weightsync_audit.engine.context import AuditContext, Prepared
@@ -263,7 +262,8 @@ class PendingAudit:
     def __init__(self, window: OverlapWindow, step: int | None, epoch: int | None, hook: str | None) -> None:
         self.step, self.epoch, self.hook = step, epoch, hook
         self._window = window
-        self._done = threading.Event()
+        self._call: Call | None = None
+        """The worker's run of it (:meth:`OverlapWindow.launch` sets it)."""
         self._result: AuditResult | None = None
         self._error: BaseException | None = None
         self.audit_ms = 0.0
@@ -277,7 +277,7 @@ class PendingAudit:
 
     def done(self) -> bool:
         """The worker has finished (the verdict is there to take, without waiting)."""
-        return self._done.is_set()
+        return self._call is not None and self._call.done.is_set()
 
     def result(self) -> AuditResult:
         """The verdict (waiting for it, at a safe point, if need be); raises what the audit raised."""
@@ -287,31 +287,6 @@ class PendingAudit:
             raise self._error
         assert self._result is not None
         return self._result
-
-
-JOIN_S = 10.0
-"""How long closing waits for a worker thread to end (it has nothing left to run by then)."""
-
-
-class _Worker:
-    """One daemon thread that runs the audits handed to it, in order."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.SimpleQueue[tuple[PendingAudit, Callable[[], AuditResult]] | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="weightsync-audit-overlap", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (item := self.jobs.get()) is not None:
-            pending, job = item
-            t0 = time.perf_counter()
-            try:
-                pending._result = job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread, raised there
-                pending._error = exc
-            finally:
-                pending.audit_ms = (time.perf_counter() - t0) * 1e3
-                pending._done.set()
 
 
 class OverlapWindow:
@@ -325,7 +300,7 @@ class OverlapWindow:
         self.auditor = auditor
         self.pending: PendingAudit | None = None
         self.on_settled: Callable[[PendingAudit], None] | None = None
-        self._worker: _Worker | None = None
+        self._worker: Worker | None = None
         self._hook: Any = None
         self._context: AuditContext | None = None
 
@@ -344,15 +319,19 @@ class OverlapWindow:
         run = OverlapRun(context, guard=guard)
 
         def job() -> AuditResult:
-            with order.on_worker() if order is not None else nullcontext():
-                return run.run()
+            t0 = time.perf_counter()
+            try:
+                with order.on_worker() if order is not None else nullcontext():
+                    return run.run()
+            finally:
+                pending.audit_ms = (time.perf_counter() - t0) * 1e3
 
         if self._worker is None:
-            self._worker = _Worker()
+            self._worker = Worker("weightsync-audit-overlap")
         self._install_hook()
         self._context = context
         self.pending = pending
-        self._worker.jobs.put((pending, job))
+        pending._call = self._worker.submit(job)
         return pending
 
     def settle(self, where: str, *, only: PendingAudit | None = None) -> PendingAudit | None:
@@ -362,9 +341,12 @@ class OverlapWindow:
             return None
         self.pending = None
         t0 = time.perf_counter()
-        pending._done.wait()
+        assert pending._call is not None
+        pending._call.done.wait()
         pending.waited_ms = (time.perf_counter() - t0) * 1e3
         pending.settled_at = where
+        ok, value = pending._call.outcome
+        pending._result, pending._error = (value, None) if ok else (None, value)
         error = pending._error
         if isinstance(error, AuditRaceError) and error.raced and self._context is not None:  # on every rank
             raced = self._context
@@ -428,8 +410,7 @@ class OverlapWindow:
                 self._hook.remove()
                 self._hook = None
             if self._worker is not None:
-                self._worker.jobs.put(None)
-                self._worker.thread.join(timeout=JOIN_S)  # ended before the interpreter is, never half-way
+                self._worker.close()
                 self._worker = None
 
 

@@ -24,7 +24,7 @@ finds what the check misses; its blame is then the vote's, or undecided. On the 
 the structure check, the small tensors and the counters; the reads use a core of their own where one is
 free (benchmarks/bench_attribution.py).
 
-The collective check's digests go to a worker too (:class:`Deferred`): each reduced bucket is digested after
+The collective check's digests go to a worker too (a :class:`~weightsync_audit.channel.store.Worker`): each reduced bucket is digested after
 DDP's hook returns, the gradients after the pre-step hook, each guarded by its version counter (a bucket
 DDP refilled, or gradients zeroed in place, before the worker read them leave that step's check unknown,
 never wrong); a divergent audit waits for what is still queued.
@@ -33,7 +33,6 @@ never wrong); a divergent audit waits for what is still queued.
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from collections import deque
@@ -41,16 +40,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from weightsync_audit.channel.store import Worker
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 
-__all__ = ["Deferred", "RestReader"]
+__all__ = ["RestReader"]
 
 MARGIN = 1.5
 """The late read starts this many read-lengths before the window's predicted end."""
 WINDOWS = 8
 """Windows whose shortest predicts the next one's end."""
-JOIN_S = 10.0
-"""How long closing waits for a worker thread to end."""
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -99,8 +97,7 @@ class RestReader:
         """One full read (moving average)."""
         self.late_reads = 0
         """Windows with a read complete before the next step besides the post-step one (the check covered them)."""
-        self._jobs: queue.SimpleQueue[_Window | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._worker: Worker | None = None
         self._window: _Window | None = None
 
     def launch(
@@ -111,11 +108,10 @@ class RestReader:
         stamped: np.ndarray | None = None,
     ) -> None:
         """Right after a step, on the training thread: the worker reads ``prepared``'s ``keep`` positions."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="weightsync-audit-at-rest", daemon=True)
-            self._thread.start()
-        self._window = _Window(prepared, keep, self.method, stamp, stamped)
-        self._jobs.put(self._window)
+        if self._worker is None:
+            self._worker = Worker("weightsync-audit-at-rest")
+        w = self._window = _Window(prepared, keep, self.method, stamp, stamped)
+        self._worker.submit(lambda: self._read(w))
 
     def post(self) -> np.ndarray | None:
         """The post-step read of the window under way, waiting for it if need be (None: none, or it failed)."""
@@ -146,83 +142,38 @@ class RestReader:
         self.late_reads += late is not None
         return post, late
 
-    def _loop(self) -> None:
-        while (w := self._jobs.get()) is not None:
+    def _read(self, w: _Window) -> None:  # on the worker
+        try:
+            t0 = time.perf_counter()
+            w.post = w.read(fresh=False)
+            if w.stamp is not None and w.stamped is not None:
+                w.raced = bool((w.stamp()[w.keep] != w.stamped).any())
+            self.read_s = _ema(self.read_s, time.perf_counter() - t0)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            w.error = exc
+        finally:
+            w.post_done.set()
+        windows = list(self.windows)
+        if w.error is not None or not windows or self.read_s is None:
+            return  # the first window: no length known yet (the counters still see every torch write)
+        shortest = min(windows)
+        for at in (shortest / 2, shortest - MARGIN * self.read_s):
+            if w.abort.wait(timeout=max(0.0, w.t_post + at - time.perf_counter())):
+                break
             try:
-                t0 = time.perf_counter()
-                w.post = w.read(fresh=False)
-                if w.stamp is not None and w.stamped is not None:
-                    w.raced = bool((w.stamp()[w.keep] != w.stamped).any())
-                self.read_s = _ema(self.read_s, time.perf_counter() - t0)
-            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-                w.error = exc
-            finally:
-                w.post_done.set()
-            windows = list(self.windows)
-            if w.error is not None or not windows or self.read_s is None:
-                continue  # the first window: no length known yet (the counters still see every torch write)
-            shortest = min(windows)
-            for at in (shortest / 2, shortest - MARGIN * self.read_s):
-                if w.abort.wait(timeout=max(0.0, w.t_post + at - time.perf_counter())):
+                late = w.read(fresh=True)
+            except Exception:  # noqa: BLE001 - a read that failed covers nothing; the counters still do
+                break
+            with w.lock:
+                if w.abort.is_set():
                     break
-                try:
-                    late = w.read(fresh=True)
-                except Exception:  # noqa: BLE001 - a read that failed covers nothing; the counters still do
-                    break
-                with w.lock:
-                    if w.abort.is_set():
-                        break
-                    w.late = late
+                w.late = late
 
     def close(self) -> None:
         """End the worker thread (the window under way is dropped)."""
         if self._window is not None:
             self._window.abort.set()
             self._window = None
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=JOIN_S)  # ended before the interpreter is, never half-way
-            self._thread = None
-
-
-class Deferred:
-    """Jobs run in order on one worker thread (the collective check's digests, with ``overlap``); :meth:`drain`
-    waits for every job submitted so far. A job records its own outcome; nothing it raises escapes."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._pending = 0
-        self._done = threading.Condition()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the worker, after those submitted before it."""
-        with self._done:
-            self._pending += 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="weightsync-audit-collective", daemon=True)
-            self._thread.start()
-        self._jobs.put(job)
-
-    def drain(self) -> None:
-        """Wait until every job submitted so far has run (never from a job itself)."""
-        with self._done:
-            self._done.wait_for(lambda: self._pending == 0)
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except Exception:  # noqa: BLE001 - a job writes what it found; a failed one leaves it unknown
-                pass
-            finally:
-                with self._done:
-                    self._pending -= 1
-                    self._done.notify_all()
-
-    def close(self) -> None:
-        """End the worker thread once its jobs have run."""
-        if self._thread is not None:
-            self._jobs.put(None)
-            self._thread.join(timeout=JOIN_S)
-            self._thread = None
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None

@@ -49,8 +49,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed
 
+from weightsync_audit.channel.store import Worker
 from weightsync_audit.compat import tensor_version
-from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 
 __all__ = ["ReducedDigests", "UpdateReplay", "attach_collective", "declined_reason", "torch_class"]
@@ -223,7 +223,7 @@ class ReducedDigests:
         self.grads: dict[int, int] = {}
         self.hook_s = 0.0
         """Seconds the hook's own work took, in all (inside DDP's reduction: on the critical path)."""
-        self.deferred: Deferred | None = None
+        self.deferred: Worker | None = None
 
     def take(self, *, wait: bool = True) -> tuple[dict[int, int], dict[int, int]]:
         """The digests of this step's reductions, and a fresh start for the next step (``wait``: for the deferred

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import xxhash
 
+from weightsync_audit.channel.store import Worker
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution import AttributionConfig
 from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, Change, StepRecord
 from weightsync_audit.engine.attribution.blame import Blame
-from weightsync_audit.engine.attribution.offload import Deferred
 from weightsync_audit.engine.attribution.replay import ReducedDigests, UpdateReplay, attach_collective
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
@@ -115,8 +115,8 @@ class StepWatch:
         self.last_step: int | None = None
         self.steps_taken = 0
         self.reduced = ReducedDigests()
-        self.deferred = Deferred() if offload and config.collective else None
-        """With ``offload``, the collective check's digests run on this worker (:class:`~.offload.Deferred`)."""
+        self.deferred = Worker("weightsync-audit-collective") if offload and config.collective else None
+        """With ``offload``, the collective check's digests run on this worker (:class:`~weightsync_audit.channel.store.Worker`)."""
         self.reduced.deferred = self.deferred
         self.replay = UpdateReplay(config.recheck, config.recheck_bytes) if config.recheck else None
         if self.replay is not None:
@@ -243,16 +243,7 @@ class StepWatch:
         if self.deferred is None:
             self._amend(n, job())
             return
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                self._amend(n, job())
-            finally:
-                done.set()
-
-        self._copies_read[id(opt)] = done
-        self.deferred.submit(run)
+        self._copies_read[id(opt)] = self.deferred.submit(lambda: self._amend(n, job())).done
 
     def _post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._depth[id(opt)] = self._depth.get(id(opt), 1) - 1

@@ -45,8 +45,9 @@ import numpy as np
 import torch.distributed as dist
 
 from weightsync_audit.channel.dataplane import DataPlane
-from weightsync_audit.channel.groups import AuditGroup, StoreLink, run_bounded
+from weightsync_audit.channel.groups import AuditGroup
 from weightsync_audit.channel.star import DEFAULT_GRACE_S, Comm
+from weightsync_audit.channel.store import StoreLink, run_bounded
 from weightsync_audit.errors import AuditPreparationError, AuditTimeoutError
 
 __all__ = ["Member", "QuorumComm", "ReadInFull", "Roll", "call_roll", "drop_store", "order", "quorum_store", "within"]
