@@ -14,7 +14,7 @@ import torch
 from ranks import run_ranks
 
 from weightsync_audit import LoopAudit, ResumeSources
-from weightsync_audit.engine.checkpoints.resume_state import compare, saved_differences
+from weightsync_audit.engine.checkpoints.resume_rules import compare, saved_differences
 
 
 def _build(rank: int) -> tuple[Any, Any, Any, Any]:

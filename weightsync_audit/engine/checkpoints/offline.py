@@ -39,7 +39,8 @@ from weightsync_audit.engine.checkpoints.load import (
     regular_file,
     stream_flat,
 )
-from weightsync_audit.engine.checkpoints.resume_state import compare, is_error, rng_file_state, saved_differences
+from weightsync_audit.engine.checkpoints.resume_rules import compare, is_error, saved_differences
+from weightsync_audit.engine.checkpoints.resume_state import rng_file_state
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     match_prefix,

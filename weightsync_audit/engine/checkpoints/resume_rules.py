@@ -1,4 +1,19 @@
-"""The rules a resume check compares by, beside :func:`~weightsync_audit.engine.checkpoints.resume_state.compare`.
+"""Resume fidelity compared: whether each rank got back its own saved state (:func:`compare`), and what
+differed at a save (:func:`saved_differences`); :mod:`~weightsync_audit.engine.checkpoints.resume_state` takes the
+states and exchanges them.
+
+- **every rank must hold its own saved state** (``exact``), whatever the other ranks hold;
+- a rank that holds what *another* rank saved: ``rank 1 resumed with rank 0's torch RNG state``;
+- ranks that saved different states and all resumed to one: ``every rank resumed at the same data
+  position although they saved different ones``;
+- a state no rank saved (re-created, not restored): ``the lr scheduler restarted at step 0 (saved at
+  step 4) on every rank``;
+- what is meant to be equal on every replica (``scope == "equal"``: lr schedulers, the grad scaler) is
+  also compared across ranks at the save: ``the lr scheduler differed across ranks when saved``.
+
+What is meant to differ (per-rank RNG streams, data shards) may also be equal (one seed on every rank):
+the rule is only that each rank gets back what *it* saved, so a swap is visible exactly when the ranks
+saved different states. The rules it compares by:
 
 - **Values, not their Python types.** A component whose shown ``value`` is the whole state it digests (a data
   position, a ``DistributedSampler``'s fields) is compared by that value, numbers by what they are worth:
@@ -13,7 +28,10 @@
 - **What cannot be checked is named.** A component a rank could not digest (a sampler with no state of its
   own) is a note naming it, and the others are checked (:func:`unchecked_notes`).
 
->>> import torch
+>>> saved = {"0": {"rng.torch": {"digest": "a"}}, "1": {"rng.torch": {"digest": "b"}}}
+>>> now = {"0": {"rng.torch": {"digest": "a"}}, "1": {"rng.torch": {"digest": "a"}}}
+>>> [f["detail"] for f in compare(saved, now)]
+["rank 1 resumed with rank 0's torch RNG state"]
 >>> torch.manual_seed(42)  # doctest: +ELLIPSIS
 <torch._C.Generator object at ...>
 >>> just_seeded("rng.torch", torch.get_rng_state())
@@ -26,14 +44,42 @@ False
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import torch
 
-__all__ = ["WHOLE_VALUE", "comparison_keys", "just_seeded", "reseeded_everywhere", "unchecked_notes", "with_cause"]
+__all__ = [
+    "COMPONENTS",
+    "WHOLE_VALUE",
+    "checked_components",
+    "compare",
+    "comparison_keys",
+    "is_error",
+    "just_seeded",
+    "reseeded_everywhere",
+    "saved_differences",
+    "unchecked_notes",
+    "with_cause",
+]
 
 WHOLE_VALUE = ("data.position", "data.sampler")
 """Components whose ``value``, when they carry one that is not a text, is all that their digest covers."""
+
+Scope = Literal["own", "equal"]
+
+COMPONENTS: dict[str, tuple[str, Scope]] = {
+    "rng.torch": ("torch RNG state", "own"),
+    "rng.cuda": ("CUDA RNG state", "own"),
+    "rng.numpy": ("numpy RNG state", "own"),
+    "rng.python": ("Python random state", "own"),
+    "data.position": ("data position", "own"),
+    "data.sampler": ("sampler (epoch, seed, rank)", "own"),
+    "lr_scheduler": ("lr scheduler", "equal"),
+    "grad_scaler": ("grad scaler", "equal"),
+}
+"""Component -> (its name in a sentence, ``own``: each rank its own, may differ across ranks; ``equal``:
+the same on every replica). ``lr_scheduler.1`` (a second scheduler) reads as ``lr_scheduler``."""
+
 
 _MT_FROM_ARRAY = 0x80000000
 """The first word of a Mersenne Twister seeded from an array (Python's ``random.seed``, numpy's array seeds)."""
@@ -182,3 +228,161 @@ def unchecked_notes(gathered: Mapping[str, Mapping[str, Any]], label: Callable[[
             "detail": f"the {label(comp)} is not checked on {where}: {why}",
         })  # fmt: skip
     return out
+
+
+def _label(comp: str) -> tuple[str, Scope]:
+    base = comp.split(".")[0] if comp.startswith(("lr_scheduler", "grad_scaler")) else comp
+    label, scope = COMPONENTS.get(base, (comp, "own"))
+    suffix = comp[len(base) :].lstrip(".")
+    return (f"{label} {suffix}" if suffix else label), scope
+
+
+def _ranks_text(ranks: Sequence[int], world: int) -> str:
+    if len(ranks) == world and world > 1:
+        return "every rank"
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _moved(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first of ``step``, ``epoch``, ``batch`` whose shown value moved: ``(key, saved, now)``."""
+    was, got = saved.get("value"), now.get("value")
+    if isinstance(was, int) and isinstance(got, int) and not isinstance(was, bool):
+        was, got = {"step": was}, {"step": got}
+    if not (isinstance(was, dict) and isinstance(got, dict)):
+        return None
+    for key in ("step", "epoch", "batch"):
+        if key in was and key in got and was[key] != got[key]:
+            return key, was[key], got[key]
+    return None
+
+
+def _merge_rng(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The RNG generators that went wrong alike (same kind, ranks and source) in one line: ``rank 1 resumed
+    with rank 0's RNG state (torch, numpy, Python random)``."""
+    out: list[dict[str, Any]] = []
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for f in findings:
+        if f["component"].startswith("rng.") and f["kind"] != "unequal":
+            key = (f["kind"], tuple(f["ranks"]), tuple(f["from_ranks"]), f.get("severity"))
+            if key not in groups:
+                groups[key] = []
+                out.append({"merge": key})
+            groups[key].append(f)
+        else:
+            out.append(f)
+    merged = []
+    for f in out:
+        if "merge" not in f:
+            merged.append(f)
+            continue
+        parts = groups[f["merge"]]
+        if len(parts) == 1:
+            merged.append(parts[0])
+            continue
+        names = ", ".join(_label(p["component"])[0].removesuffix(" RNG state").removesuffix(" state") for p in parts)
+        first = parts[0]
+        label = _label(first["component"])[0]
+        detail = first["detail"].replace(label, f"RNG state ({names})")
+        merged.append({**first, "component": "rng", "components": [p["component"] for p in parts], "detail": detail})
+    return merged
+
+
+def checked_components(*gathered: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """The components that every rank of every one of ``gathered`` (rank -> component -> entry) digested."""
+    sets = [{c for c, e in g[r].items() if isinstance(e, Mapping) and "digest" in e} for g in gathered for r in g]
+    return sorted(set.intersection(*sets)) if sets else []
+
+
+def saved_differences(saved: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Findings at a save: a component meant to be equal on every replica that differed across ranks (and a
+    note naming a component some rank could not digest)."""
+    ranks = sorted(saved, key=int)
+    out = []
+    for comp in checked_components(saved):
+        label, scope = _label(comp)
+        digests = {r: saved[r][comp]["digest"] for r in ranks}
+        if scope != "equal" or len(set(digests.values())) == 1:
+            continue
+        first = digests[ranks[0]]
+        odd = [int(r) for r in ranks if digests[r] != first]
+        out.append({
+            "component": comp, "kind": "unequal", "ranks": odd, "from_ranks": [],
+            "detail": f"the {label} differed across ranks when saved ({_ranks_text(odd, len(ranks))} held another "
+            f"than rank {ranks[0]}); it is meant to be equal on every replica",
+        })  # fmt: skip
+    return out + unchecked_notes(saved, lambda c: _label(c)[0])
+
+
+def _reseeded(label: str, s: Mapping[str, str], n: Mapping[str, str], bad: list[str], world: int) -> str:
+    """The note's text for a generator re-seeded on every rank (:func:`reseeded_everywhere`)."""
+    taken = set(s.values())
+    if len(bad) == world and not any(n[r] in taken for r in bad) and not (len(taken) > 1 and len(set(n.values())) == 1):
+        return f"the {label} was not restored on {_ranks_text([int(r) for r in bad], world)} (neither what it saved " \
+            "nor another rank's)"  # fmt: skip
+    where = _ranks_text([int(r) for r in bad], world)
+    verb = "hold" if where.startswith("ranks ") else "holds"
+    return f"every rank re-seeded the {label} instead of restoring it ({where} now {verb} another state than saved)"
+
+
+def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Findings at a resume: each rank against its own saved state (rank -> component -> entry, both), by value
+    where the entries carry their whole state as one, else by digest (the rules above).
+
+    Deterministic in its inputs: every rank that compares the same gathered data finds the same."""
+    ranks = sorted(saved, key=int)
+    if not ranks or sorted(now, key=int) != ranks:
+        return []
+    world = len(ranks)
+    out: list[dict[str, Any]] = []
+    order = list(COMPONENTS)
+    for comp in sorted(checked_components(saved, now), key=lambda c: (order.index(c) if c in order else len(order), c)):
+        label, _ = _label(comp)
+        s, n = comparison_keys(comp, saved, now, ranks)
+        bad = [r for r in ranks if n[r] != s[r]]
+        if not bad:
+            continue
+        # Fresh on every rank (re-seeded at start, not restored) is a policy, said as a note, whatever shape it
+        # takes: one state alike on every rank, or the seed state one rank saved before it drew.
+        if reseeded_everywhere(comp, saved, now, (s, n), ranks):
+            out.append({
+                "component": comp, "kind": "not_restored", "ranks": [int(r) for r in bad], "from_ranks": [],
+                "detail": _reseeded(label, s, n, bad, world), "severity": "note",
+            })  # fmt: skip
+            continue
+        if len(set(s.values())) > 1 and len(bad) > 1 and len(set(n.values())) == 1:
+            src = [int(r) for r in ranks if s[r] == n[ranks[0]]]
+            whose = f" ({_ranks_text(src, world)}'s)" if src else ""
+            out.append({
+                "component": comp, "kind": "collapsed", "ranks": [int(r) for r in bad], "from_ranks": src,
+                "detail": with_cause(
+                    f"every rank resumed at the same {label}{whose} although they saved different ones", comp, now, bad
+                ),
+            })  # fmt: skip
+            continue
+        lost = []
+        for r in bad:
+            others = [q for q in ranks if q != r and s[q] == n[r] and s[q] != s[r]]
+            if others:
+                out.append({
+                    "component": comp, "kind": "from_rank", "ranks": [int(r)], "from_ranks": [int(others[0])],
+                    "detail": with_cause(f"rank {r} resumed with rank {others[0]}'s {label}", comp, now, [r]),
+                })  # fmt: skip
+            else:
+                lost.append(r)
+        if lost:
+            moved = _moved(saved[lost[0]][comp], now[lost[0]][comp])
+            where = _ranks_text([int(r) for r in lost], world)
+            if moved is not None:
+                detail = f"the {label} restarted at {moved[0]} {moved[2]} (saved at {moved[0]} {moved[1]}) on {where}"
+            else:
+                detail = f"the {label} was not restored on {where} (neither what it saved nor another rank's)"
+            out.append({
+                "component": comp, "kind": "not_restored", "ranks": [int(r) for r in lost], "from_ranks": [],
+                "detail": with_cause(detail, comp, now, lost),
+            })  # fmt: skip
+    return _merge_rng(out) + unchecked_notes(now, lambda c: _label(c)[0])
+
+
+def is_error(finding: Mapping[str, Any]) -> bool:
+    """A finding that makes a resume ``differs`` (all but a generator re-seeded on every rank: a note)."""
+    return finding.get("severity", "error") != "note"

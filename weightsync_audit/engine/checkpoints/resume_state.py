@@ -1,32 +1,31 @@
-"""Resume fidelity, per rank: what a resume must restore besides the weights, and whether each rank got its own.
+"""Resume fidelity, per rank: what a resume must restore besides the weights, taken at a checkpoint and
+exchanged; whether each rank got its own is :mod:`~weightsync_audit.engine.checkpoints.resume_rules`' to say.
 
 At a checkpoint every rank digests what a resume must give it back (:class:`ResumeSources`): its RNG states
 (torch CPU, CUDA when in use, numpy, Python ``random``), its data position (a sampler's epoch, seed and
 rank; the framework's loop position; a stateful loader's ``state_dict``), the lr schedulers and the grad
-scaler. The digests of every rank go into the checkpoint's sidecar under ``resume``. At resume each rank
-digests the same things again and every rank compares all of them alike (:func:`compare`):
+scaler. The digests of every rank go into the checkpoint's sidecar under ``resume`` (:func:`resume_at_save`).
+At resume each rank digests the same things again and every rank compares all of them alike
+(:func:`resume_at_load`).
 
-- **every rank must hold its own saved state** (``exact``), whatever the other ranks hold;
-- a rank that holds what *another* rank saved: ``rank 1 resumed with rank 0's torch RNG state``;
-- ranks that saved different states and all resumed to one: ``every rank resumed at the same data
-  position although they saved different ones``;
-- a state no rank saved (re-created, not restored): ``the lr scheduler restarted at step 0 (saved at
-  step 4) on every rank``; an RNG state fresh on *every* rank is a note (``severity: note``: the run
-  re-seeds at start, as Lightning does), whether the ranks now hold one state alike or one rank's seed
-  state, one fresh on some ranks only is a finding (:mod:`.resume_rules` says what *fresh* is);
-- states are compared by value where their entries carry it whole (``1.0`` and ``1`` are one epoch); a
-  component a rank cannot digest is named in a note and the others are checked;
-- what is meant to be equal on every replica (``scope == "equal"``: lr schedulers, the grad scaler) is
-  also compared across ranks at the save: ``the lr scheduler differed across ranks when saved``.
+Both are collective (every rank of the audit calls them at the same point, after the checkpoint's own
+audit) and give the same ``resume`` entry on every rank: ``{"status", "checked", "findings"}`` with
+``status`` ``recorded`` (at a save: the digests are in the sidecar), ``exact`` (every rank resumed to its
+own state), ``differs`` (``findings`` say what did not come back and where) or ``unchecked`` (``why``).
 
-What is meant to differ (per-rank RNG streams, data shards) may also be equal (one seed on every rank):
-the rule is only that each rank gets back what *it* saved, so a swap is visible exactly when the ranks
-saved different states.
-
->>> saved = {"0": {"rng.torch": {"digest": "a"}}, "1": {"rng.torch": {"digest": "b"}}}
->>> now = {"0": {"rng.torch": {"digest": "a"}}, "1": {"rng.torch": {"digest": "a"}}}
->>> [f["detail"] for f in compare(saved, now)]
-["rank 1 resumed with rank 0's torch RNG state"]
+>>> import os, tempfile, torch
+>>> from weightsync_audit import Auditor
+>>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+>>> auditor = Auditor(torch.nn.Linear(2, 2))
+>>> torch.save({}, path)
+>>> _ = auditor.checkpoint_saved(path, 4)
+>>> sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), lambda s: 1.0)
+>>> sched.last_epoch = 4  # as after 4 steps
+>>> resume_at_save(auditor.comm, path, ResumeSources(lr_schedulers=[sched]))["status"]
+'recorded'
+>>> sched.last_epoch = 0
+>>> resume_at_load(auditor.comm, path, ResumeSources(lr_schedulers=[sched]))["findings"][0]["detail"]
+'the lr scheduler restarted at step 0 (saved at step 4) on rank 0'
 """
 
 from __future__ import annotations
@@ -35,48 +34,36 @@ import json
 import random
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import xxhash
 
+from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.checkpoints.load import load_checkpoint
 from weightsync_audit.engine.checkpoints.resume_rules import (
-    comparison_keys,
+    checked_components,
+    compare,
+    is_error,
     just_seeded,
-    reseeded_everywhere,
-    unchecked_notes,
-    with_cause,
+    saved_differences,
 )
+from weightsync_audit.engine.checkpoints.sidecar import SidecarError, read_sidecar, sidecar_path, write_sidecar
 from weightsync_audit.engine.hashing.reader import host_view, readable
-from weightsync_audit.errors import CheckpointError
+from weightsync_audit.errors import CheckpointError, warn_user
+from weightsync_audit.reporting.record import AuditResult
 
 __all__ = [
-    "COMPONENTS",
     "ResumeSources",
-    "checked_components",
-    "compare",
+    "attach_resume",
+    "capture",
     "digest_state",
-    "is_error",
+    "finish_resume",
+    "resume_at_load",
+    "resume_at_save",
     "rng_file_state",
     "rng_now",
-    "saved_differences",
 ]
-
-Scope = Literal["own", "equal"]
-
-COMPONENTS: dict[str, tuple[str, Scope]] = {
-    "rng.torch": ("torch RNG state", "own"),
-    "rng.cuda": ("CUDA RNG state", "own"),
-    "rng.numpy": ("numpy RNG state", "own"),
-    "rng.python": ("Python random state", "own"),
-    "data.position": ("data position", "own"),
-    "data.sampler": ("sampler (epoch, seed, rank)", "own"),
-    "lr_scheduler": ("lr scheduler", "equal"),
-    "grad_scaler": ("grad scaler", "equal"),
-}
-"""Component -> (its name in a sentence, ``own``: each rank its own, may differ across ranks; ``equal``:
-the same on every replica). ``lr_scheduler.1`` (a second scheduler) reads as ``lr_scheduler``."""
 
 
 def _feed(h: Any, obj: Any) -> None:
@@ -264,159 +251,111 @@ def _guarded(take: Callable[[Any], dict[str, Any]], obj: Any) -> dict[str, Any]:
         return {"why": f"it could not be read ({type(exc).__name__}: {exc})"}
 
 
-def _label(comp: str) -> tuple[str, Scope]:
-    base = comp.split(".")[0] if comp.startswith(("lr_scheduler", "grad_scaler")) else comp
-    label, scope = COMPONENTS.get(base, (comp, "own"))
-    suffix = comp[len(base) :].lstrip(".")
-    return (f"{label} {suffix}" if suffix else label), scope
+def capture(sources: ResumeSources) -> dict[str, Any]:
+    """This rank's components now (before the audit runs, so that nothing moves them in between); an
+    error is kept and said on every rank after the exchange, never raised on one rank alone."""
+    try:
+        return sources.capture()
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def _ranks_text(ranks: Sequence[int], world: int) -> str:
-    if len(ranks) == world and world > 1:
-        return "every rank"
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+def _gather(comm: Comm, mine: dict[str, Any], what: str) -> dict[str, dict[str, Any]]:
+    """Every rank's captured components, by global rank (as a string, the sidecar's key), on every rank."""
+    parts = [json.loads(p) for p in comm.exchange_bytes(json.dumps(mine).encode(), what)]
+    return {str(g): p for g, p in zip(comm.global_ranks, parts)}
 
 
-def _moved(saved: Mapping[str, Any], now: Mapping[str, Any]) -> tuple[str, Any, Any] | None:
-    """The first of ``step``, ``epoch``, ``batch`` whose shown value moved: ``(key, saved, now)``."""
-    was, got = saved.get("value"), now.get("value")
-    if isinstance(was, int) and isinstance(got, int) and not isinstance(was, bool):
-        was, got = {"step": was}, {"step": got}
-    if not (isinstance(was, dict) and isinstance(got, dict)):
-        return None
-    for key in ("step", "epoch", "batch"):
-        if key in was and key in got and was[key] != got[key]:
-            return key, was[key], got[key]
-    return None
+def _errors(gathered: dict[str, dict[str, Any]]) -> str | None:
+    bad = [f"rank {r}: {p['error']}" for r, p in gathered.items() if "error" in p]
+    return "; ".join(bad) or None
 
 
-def _merge_rng(findings: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The RNG generators that went wrong alike (same kind, ranks and source) in one line: ``rank 1 resumed
-    with rank 0's RNG state (torch, numpy, Python random)``."""
-    out: list[dict[str, Any]] = []
-    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for f in findings:
-        if f["component"].startswith("rng.") and f["kind"] != "unequal":
-            key = (f["kind"], tuple(f["ranks"]), tuple(f["from_ranks"]), f.get("severity"))
-            if key not in groups:
-                groups[key] = []
-                out.append({"merge": key})
-            groups[key].append(f)
-        else:
-            out.append(f)
-    merged = []
-    for f in out:
-        if "merge" not in f:
-            merged.append(f)
-            continue
-        parts = groups[f["merge"]]
-        if len(parts) == 1:
-            merged.append(parts[0])
-            continue
-        names = ", ".join(_label(p["component"])[0].removesuffix(" RNG state").removesuffix(" state") for p in parts)
-        first = parts[0]
-        label = _label(first["component"])[0]
-        detail = first["detail"].replace(label, f"RNG state ({names})")
-        merged.append({**first, "component": "rng", "components": [p["component"] for p in parts], "detail": detail})
-    return merged
+def resume_at_save(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any]) -> dict[str, Any]:
+    """Digest what a resume must restore on every rank and add it to the sidecar of ``path`` (written by
+    the group's first rank, after the checkpoint's audit wrote the sidecar). Collective."""
+    mine = sources if isinstance(sources, dict) else capture(sources)
+    gathered = _gather(comm, mine, "the resume state")
+    why = _errors(gathered)
+    if why is not None:
+        return {"status": "unchecked", "checked": [], "findings": [], "why": why}
+    if comm.rank == 0:
+        target = sidecar_path(path)
+        try:
+            sidecar = read_sidecar(path)
+            if sidecar is None:
+                raise SidecarError(f"{target}: no sidecar to add it to")
+            sidecar["resume"] = {"ranks": _kept(gathered)}
+            write_sidecar(path, sidecar)
+        except (OSError, SidecarError) as exc:  # the run goes on; the resume will say it is unchecked
+            warn_user(f"weightsync: could not add the resume state to {target}: {exc}")
+    findings = saved_differences(gathered)
+    status = "differs" if any(is_error(f) for f in findings) else "recorded"
+    return {"status": status, "checked": checked_components(gathered), "findings": findings}
 
 
-def checked_components(*gathered: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    """The components that every rank of every one of ``gathered`` (rank -> component -> entry) digested."""
-    sets = [{c for c, e in g[r].items() if isinstance(e, Mapping) and "digest" in e} for g in gathered for r in g]
-    return sorted(set.intersection(*sets)) if sets else []
+def _kept(gathered: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What the sidecar keeps of every rank's entries: ``digest`` and ``value`` of each component digested (a
+    component no rank could digest is said in a note, a generator's ``seeded`` and a ``cause`` only matter
+    at the resume)."""
+    return {
+        r: {c: {k: v for k, v in e.items() if k in ("digest", "value")} for c, e in p.items() if "digest" in e}
+        for r, p in gathered.items()
+    }
 
 
-def saved_differences(saved: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Findings at a save: a component meant to be equal on every replica that differed across ranks (and a
-    note naming a component some rank could not digest)."""
-    ranks = sorted(saved, key=int)
-    out = []
-    for comp in checked_components(saved):
-        label, scope = _label(comp)
-        digests = {r: saved[r][comp]["digest"] for r in ranks}
-        if scope != "equal" or len(set(digests.values())) == 1:
-            continue
-        first = digests[ranks[0]]
-        odd = [int(r) for r in ranks if digests[r] != first]
-        out.append({
-            "component": comp, "kind": "unequal", "ranks": odd, "from_ranks": [],
-            "detail": f"the {label} differed across ranks when saved ({_ranks_text(odd, len(ranks))} held another "
-            f"than rank {ranks[0]}); it is meant to be equal on every replica",
-        })  # fmt: skip
-    return out + unchecked_notes(saved, lambda c: _label(c)[0])
+def _read_saved(path: Any) -> Any:
+    target = sidecar_path(path)
+    try:
+        sidecar = read_sidecar(path)  # validated: a malformed resume entry is named here, on every rank alike
+    except SidecarError as exc:
+        return {"why": str(exc)}
+    if sidecar is None:
+        return {"why": f"{target.name} is missing"}
+    resume = sidecar.get("resume")
+    if not isinstance(resume, dict) or not isinstance(resume.get("ranks"), dict):
+        return {"why": f"{target.name} holds no resume state (saved without it)"}
+    return resume["ranks"]
 
 
-def _reseeded(label: str, s: Mapping[str, str], n: Mapping[str, str], bad: list[str], world: int) -> str:
-    """The note's text for a generator re-seeded on every rank (:func:`reseeded_everywhere`)."""
-    taken = set(s.values())
-    if len(bad) == world and not any(n[r] in taken for r in bad) and not (len(taken) > 1 and len(set(n.values())) == 1):
-        return f"the {label} was not restored on {_ranks_text([int(r) for r in bad], world)} (neither what it saved " \
-            "nor another rank's)"  # fmt: skip
-    where = _ranks_text([int(r) for r in bad], world)
-    verb = "hold" if where.startswith("ranks ") else "holds"
-    return f"every rank re-seeded the {label} instead of restoring it ({where} now {verb} another state than saved)"
+def resume_at_load(comm: Comm, path: Any, sources: ResumeSources | dict[str, Any]) -> dict[str, Any]:
+    """Compare what every rank holds now (``sources``, or what :func:`capture` took of them) with what it
+    saved (the sidecar's ``resume``). Collective."""
+    mine_now = sources if isinstance(sources, dict) else capture(sources)
+    mine = json.dumps(_read_saved(path)).encode() if comm.rank == 0 else None
+    saved = json.loads(comm.share_bytes(0, mine, "the saved resume state"))
+    now = _gather(comm, mine_now, "the resumed state")
+    why = saved.get("why") if isinstance(saved.get("why"), str) else _errors(now)
+    try:  # every rank judges the same gathered data: a malformed sidecar is unchecked on all of them alike
+        if why is None and sorted(saved, key=int) != sorted(now, key=int):
+            why = f"saved on ranks {sorted(map(int, saved))}, resumed on ranks {sorted(map(int, now))}"
+        if why is None:
+            findings = compare(saved, now)
+            checked = checked_components(saved, now)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        why = f"the sidecar's resume state is malformed ({type(exc).__name__}: {exc})"
+    if why is not None:
+        return {"status": "unchecked", "checked": [], "findings": [], "why": why}
+    status = "differs" if any(is_error(f) for f in findings) else "exact"
+    return {"status": status, "checked": checked, "findings": findings}
 
 
-def compare(saved: Mapping[str, Mapping[str, Any]], now: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Findings at a resume: each rank against its own saved state (rank -> component -> entry, both), by value
-    where the entries carry their whole state as one, else by digest (:mod:`.resume_rules`).
-
-    Deterministic in its inputs: every rank that compares the same gathered data finds the same."""
-    ranks = sorted(saved, key=int)
-    if not ranks or sorted(now, key=int) != ranks:
-        return []
-    world = len(ranks)
-    out: list[dict[str, Any]] = []
-    order = list(COMPONENTS)
-    for comp in sorted(checked_components(saved, now), key=lambda c: (order.index(c) if c in order else len(order), c)):
-        label, _ = _label(comp)
-        s, n = comparison_keys(comp, saved, now, ranks)
-        bad = [r for r in ranks if n[r] != s[r]]
-        if not bad:
-            continue
-        # Fresh on every rank (re-seeded at start, not restored) is a policy, said as a note, whatever shape it
-        # takes: one state alike on every rank, or the seed state one rank saved before it drew.
-        if reseeded_everywhere(comp, saved, now, (s, n), ranks):
-            out.append({
-                "component": comp, "kind": "not_restored", "ranks": [int(r) for r in bad], "from_ranks": [],
-                "detail": _reseeded(label, s, n, bad, world), "severity": "note",
-            })  # fmt: skip
-            continue
-        if len(set(s.values())) > 1 and len(bad) > 1 and len(set(n.values())) == 1:
-            src = [int(r) for r in ranks if s[r] == n[ranks[0]]]
-            whose = f" ({_ranks_text(src, world)}'s)" if src else ""
-            out.append({
-                "component": comp, "kind": "collapsed", "ranks": [int(r) for r in bad], "from_ranks": src,
-                "detail": with_cause(
-                    f"every rank resumed at the same {label}{whose} although they saved different ones", comp, now, bad
-                ),
-            })  # fmt: skip
-            continue
-        lost = []
-        for r in bad:
-            others = [q for q in ranks if q != r and s[q] == n[r] and s[q] != s[r]]
-            if others:
-                out.append({
-                    "component": comp, "kind": "from_rank", "ranks": [int(r)], "from_ranks": [int(others[0])],
-                    "detail": with_cause(f"rank {r} resumed with rank {others[0]}'s {label}", comp, now, [r]),
-                })  # fmt: skip
-            else:
-                lost.append(r)
-        if lost:
-            moved = _moved(saved[lost[0]][comp], now[lost[0]][comp])
-            where = _ranks_text([int(r) for r in lost], world)
-            if moved is not None:
-                detail = f"the {label} restarted at {moved[0]} {moved[2]} (saved at {moved[0]} {moved[1]}) on {where}"
-            else:
-                detail = f"the {label} was not restored on {where} (neither what it saved nor another rank's)"
-            out.append({
-                "component": comp, "kind": "not_restored", "ranks": [int(r) for r in lost], "from_ranks": [],
-                "detail": with_cause(detail, comp, now, lost),
-            })  # fmt: skip
-    return _merge_rng(out) + unchecked_notes(now, lambda c: _label(c)[0])
+def attach_resume(result: AuditResult, entry: dict[str, Any], is_main: bool) -> None:
+    """Put ``entry`` in the record (``checkpoint.resume``) and its findings in the notes; warn on the main
+    process, one line each, so that a restarted job says at once what did not come back."""
+    if result.checkpoint is None:
+        result.checkpoint = {}
+    result.checkpoint["resume"] = entry
+    lines = [f"resume: {f['detail']}" + ("" if is_error(f) else " (a note)") for f in entry["findings"]]
+    result.notes.extend(lines)
+    if is_main and lines:
+        where = result.checkpoint.get("path", "the checkpoint")
+        warn_user(f"weightsync: {where}: " + "; ".join(lines))
 
 
-def is_error(finding: Mapping[str, Any]) -> bool:
-    """A finding that makes a resume ``differs`` (all but a generator re-seeded on every rank: a note)."""
-    return finding.get("severity", "error") != "note"
+def finish_resume(result: AuditResult, comm: Comm, event: str, path: Any, mine: Any, is_main: bool) -> None:
+    """After the checkpoint's audit: the resume state taken before it (``mine``, :func:`capture`) into the
+    sidecar (``event == "saved"``) or compared with it; nothing when ``mine`` is ``None``. Collective."""
+    if mine is not None:
+        check = resume_at_save if event == "saved" else resume_at_load
+        attach_resume(result, check(comm, path, mine), is_main)

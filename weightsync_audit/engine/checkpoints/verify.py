@@ -36,6 +36,7 @@ from torch import nn
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat_engines import zero3_param_status
+from weightsync_audit.engine.attribution.blame import blame_hint, checkpoint_blame
 from weightsync_audit.engine.checkpoints.folder import (
     complete_files,
     dcp_shards,
@@ -43,7 +44,6 @@ from weightsync_audit.engine.checkpoints.folder import (
     is_dcp_folder,
     list_files,
 )
-from weightsync_audit.engine.checkpoints.resume_check import checkpoint_evidence
 from weightsync_audit.engine.checkpoints.sidecar import (
     SidecarError,
     compare_boxes,
@@ -63,8 +63,9 @@ from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.inventory.manifest import as_optimizers, unwrap_module
 from weightsync_audit.errors import warn_user
 from weightsync_audit.reporting.record import AuditResult, Mismatch
+from weightsync_audit.text import without_tie
 
-__all__ = ["checkpoint_loaded", "checkpoint_saved"]
+__all__ = ["checkpoint_evidence", "checkpoint_loaded", "checkpoint_saved"]
 
 _warned_unverified: set[str] = set()
 _LOADED_STATUS = {"verified": "matching", "diverged": "diverged"}
@@ -374,3 +375,33 @@ def _changed_mismatches(
             )
         )
     return out
+
+
+def _same_tensor(saved: Mismatch, audited: Mismatch) -> bool:
+    """``saved`` (named as in the checkpoint: ``state_dict.net.0.bias``) and ``audited`` are one tensor."""
+    return audited.kind == saved.kind and (saved.name == audited.name or saved.name.endswith("." + audited.name))
+
+
+def checkpoint_evidence(result: AuditResult, changed: list[Mismatch], saved: str) -> None:
+    """The checkpoint is evidence: a tensor some rank holds other than ``saved`` (the file and its step) is one
+    mismatch, the audit's when the ranks differ too (the comparison a property of it): the ranks holding what
+    was saved are its reference, the others the wrong side. The blame names them (evidence ``checkpoint``)
+    unless the records named ranks already; the hint says so, and where no rank holds the saved bytes."""
+    for c in changed:
+        m = next((m for m in result.mismatches if _same_tensor(c, m)), None)
+        if m is None:
+            result.mismatches.append(c)
+            continue
+        if c.reference_ranks:  # the saved bytes decide which side is right (a tie is one no longer)
+            m.ranks, m.reference_ranks = list(c.ranks), list(c.reference_ranks)
+            m.detail = without_tie(m.detail)
+        m.detail = "; ".join(x for x in (m.detail, c.detail or "") if x)
+    if not changed:
+        return
+    held = result.blame or {}
+    if held.get("ranks") and held.get("evidence") not in ("vote", "undecided"):
+        return  # named by their own records: the records decide
+    blame = checkpoint_blame(changed, saved, result.step)
+    result.blame = blame.as_dict()
+    said = [h for h in result.hints if not h.startswith(("attribution undecided", "by vote:"))]  # superseded
+    result.hints = [blame_hint(blame, result.hosts), *said]

@@ -27,9 +27,8 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from weightsync_audit.engine.auditor import Auditor
-from weightsync_audit.engine.checkpoints.resume_check import capture as capture_resume
-from weightsync_audit.engine.checkpoints.resume_check import finish_resume
-from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
+from weightsync_audit.engine.checkpoints.resume_state import ResumeSources, finish_resume
+from weightsync_audit.engine.checkpoints.resume_state import capture as capture_resume
 from weightsync_audit.engine.checkpoints.verify import checkpoint_loaded, checkpoint_saved
 from weightsync_audit.engine.config import AuditRequest
 from weightsync_audit.engine.context import AuditHistory
