@@ -102,8 +102,8 @@ _STYLE = {
     "dtype": "magenta",
     "values": "yellow",
     "bytes": "yellow",
+    "unreadable": "red",
 }
-_STYLE["unreadable"] = "red"
 
 
 def cmd_diff(
@@ -253,11 +253,6 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     add_json(p, "the outcome")
 
 
-def _run_verify(args: argparse.Namespace) -> int:
-    """Verify the checkpoint; its exit code."""
-    return cmd_verify(args.path, as_json=args.json)
-
-
 _NOT_VERIFIED = (
     ("changed_files", "file(s) changed since saved"),
     ("missing_files", "file(s) missing"),
@@ -330,5 +325,5 @@ VERIFY = SimpleNamespace(
       weightsync-audit verify checkpoints/epoch=3-step=400.ckpt
 """,
     add_arguments=_verify_arguments,
-    run=_run_verify,
+    run=lambda args: cmd_verify(args.path, as_json=args.json),
 )

@@ -28,13 +28,6 @@ def _check_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _run_check(args: argparse.Namespace) -> int:
-    """Summarise the report (``reporting/terminal.py``); its exit code."""
-    return check_report(
-        args.report, as_json=args.json, allow_torn=args.allow_torn, accept_repaired=args.accept_repaired
-    )
-
-
 CHECK = SimpleNamespace(
     SUMMARY="summarise a report; exit 0 in sync, 1 diverged or a checkpoint failed, 2 unreadable or nothing compared",
     DESCRIPTION="""
@@ -55,7 +48,9 @@ CHECK = SimpleNamespace(
       weightsync-audit check audit.jsonl --accept-repaired   # a resync run that ended in sync passes
     """,
     add_arguments=_check_arguments,
-    run=_run_check,
+    run=lambda args: check_report(
+        args.report, as_json=args.json, allow_torn=args.allow_torn, accept_repaired=args.accept_repaired
+    ),
 )
 
 
@@ -64,11 +59,6 @@ def _show_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="FILE.png", help="also draw the run to this image (.png, .svg, .pdf)")
     p.add_argument("--by", choices=("tensor", "layer"), default="tensor", help="plot rows (default: tensor)")
     add_allow_torn(p)
-
-
-def _run_show(args: argparse.Namespace) -> int:
-    """Lay the report out, and draw it with ``--plot``."""
-    return cmd_show(args.report, plot=args.plot, by=args.by, allow_torn=args.allow_torn)
 
 
 def cmd_show(
@@ -110,5 +100,5 @@ SHOW = SimpleNamespace(
       weightsync-audit show audit.jsonl --plot run.png --by layer
     """,
     add_arguments=_show_arguments,
-    run=_run_show,
+    run=lambda args: cmd_show(args.report, plot=args.plot, by=args.by, allow_torn=args.allow_torn),
 )

@@ -25,7 +25,6 @@ import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -116,14 +115,6 @@ class AuditRun:
     @property
     def module(self) -> nn.Module | None:
         return self.context.module
-
-    @property
-    def optimizers(self) -> list[Any]:
-        return self.context.optimizers
-
-    @property
-    def ddp(self) -> Any:
-        return self.context.ddp
 
     @property
     def step(self) -> int | None:
@@ -378,13 +369,13 @@ class AuditRun:
         try:
             evidence = Evidence(
                 mismatches,
-                ddp=self.ddp,
+                ddp=self.context.ddp,
                 grads_checked="grads" in self.config.include,
                 params_compared=tally.checked["param"] > 0,
                 params_audited="params" in self.config.include,
                 module=self.module,
                 state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
-                engine=reducing_engine(self.module, self.optimizers),
+                engine=reducing_engine(self.module, self.context.optimizers),
                 **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
             )
             hints = explain(evidence)

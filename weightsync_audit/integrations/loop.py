@@ -9,6 +9,7 @@ run summary behave exactly as they do there. :class:`~weightsync_audit.Auditor` 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional, Sequence
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -32,7 +33,7 @@ __all__ = ["LoopAudit"]
 
 
 @with_option_properties(skip=("checkpoints",))
-class LoopAudit(SessionAdapter):
+class LoopAudit(SessionAdapter, contextlib.AbstractContextManager["LoopAudit"]):
     """Audit a plain training loop the way the callbacks audit a Trainer. Collective: every rank calls
     :meth:`step` (or :meth:`audit`) at the same points.
 
@@ -194,9 +195,6 @@ class LoopAudit(SessionAdapter):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-    def __enter__(self) -> LoopAudit:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()

@@ -11,12 +11,20 @@ import math
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from time import gmtime, strftime, time_ns
-from typing import Any, Callable, Iterable, Literal, Mapping, get_args
+from typing import Any, Callable, Iterable, Mapping
 
-from weightsync_audit.reporting.validate import ACTIONS as VALID_ACTIONS
-from weightsync_audit.reporting.validate import CHECKED_KINDS, validate_mismatch, validate_record
-from weightsync_audit.reporting.validate import MISMATCH_KINDS as VALID_KINDS
-from weightsync_audit.reporting.validate import PINPOINT_STATES as VALID_PINPOINT_STATES
+from weightsync_audit.reporting.validate import (
+    ACTIONS,
+    CHECKED_KINDS,
+    MISMATCH_KINDS,
+    PINPOINT_STATES,
+    SCHEMA,
+    Action,
+    Kind,
+    PinpointState,
+    validate_mismatch,
+    validate_record,
+)
 from weightsync_audit.text import NOTHING_COMPARED, NOTHING_TO_AUDIT, brief_names, fmt_ranks, is_tie
 
 __all__ = [
@@ -30,24 +38,6 @@ __all__ = [
     "Mismatch",
     "PinpointState",
 ]
-
-SCHEMA = "weightsync-audit/1"
-Action = Literal["none", "warned", "raised", "resynced"]
-"""What was done about an audit's result: nothing (raw ``audit``), warned, raised, resynced."""
-Kind = Literal["param", "buffer", "optimizer", "grad", "structure"]
-"""What a mismatched tensor is; ``structure`` when it is missing or has another shape or dtype somewhere."""
-ACTIONS: tuple[str, ...] = get_args(Action)
-MISMATCH_KINDS: tuple[str, ...] = get_args(Kind)
-_CHECKED_KINDS = CHECKED_KINDS
-assert ACTIONS == VALID_ACTIONS and MISMATCH_KINDS == VALID_KINDS, "one list of actions and kinds"
-PinpointState = Literal["exact", "sampled", "overflow", "earlier", "unseen", "unavailable", "off"]
-"""How a divergent record's ``first_diverged_step`` was found: ``exact`` (per-step digests of everything
-audited), ``sampled`` (of a slice per step: the divergence showed at that step, it may have begun
-earlier, after ``last_in_sync_step``), ``overflow`` (the ring lost the steps that would tell; null),
-``earlier`` (the first recorded step already differed and nothing before it is known good; null), ``unseen`` (every recorded step agreed: the change came after the last one; null), ``off`` (no pinpoint)."""
-PINPOINT_STATES: tuple[str, ...] = get_args(PinpointState)
-assert PINPOINT_STATES == VALID_PINPOINT_STATES, "one list of pinpoint states"
-
 
 _stamp: tuple[int, str] = (-1, "")
 """The last second a record was stamped in, and its text: the date and time are formatted once a second."""
@@ -171,7 +161,7 @@ class AuditResult:
     world_size: int = 1
     mismatches: list[Mismatch] = field(default_factory=list)
     hints: list[str] = field(default_factory=list)
-    checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_CHECKED_KINDS, 0))
+    checked: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHECKED_KINDS, 0))
     hook: str | None = None
     action: Action = "none"
     last_in_sync_step: int | None = None
@@ -255,7 +245,7 @@ class AuditResult:
             "world_size": self.world_size,
             "in_sync": self.in_sync,
             "last_in_sync_step": self.last_in_sync_step,
-            "checked": {k: int(self.checked.get(k, 0)) for k in _CHECKED_KINDS},
+            "checked": {k: int(self.checked.get(k, 0)) for k in CHECKED_KINDS},
             "mismatches": [m.to_dict() for m in self.mismatches],
             "hints": list(self.hints),
             "action": self.action,
@@ -286,7 +276,7 @@ class AuditResult:
         """Rebuild a result from a record; :class:`ReportFormatError` names the field that is wrong."""
         v = validate_record(dict(d) if isinstance(d, Mapping) else d)
         v["mismatches"] = [Mismatch._from_valid(m) for m in v["mismatches"]]
-        v["checked"] = {k: v["checked"][k] for k in _CHECKED_KINDS}
+        v["checked"] = {k: v["checked"][k] for k in CHECKED_KINDS}
         return cls(**{f.name: v[f.name] for f in dataclass_fields(cls)})
 
     def summary(self, *, tie: bool = True) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from weightsync_audit.errors import ReportFormatError
 from weightsync_audit.reporting.json_line import (
@@ -44,6 +44,9 @@ from weightsync_audit.reporting.json_line import (
 
 __all__ = [
     "SCHEMA",
+    "Action",
+    "Kind",
+    "PinpointState",
     "ACTIONS",
     "MISMATCH_KINDS",
     "CHECKED_KINDS",
@@ -58,10 +61,20 @@ __all__ = [
 ]
 
 SCHEMA = "weightsync-audit/1"
-ACTIONS = ("none", "warned", "raised", "resynced")
-MISMATCH_KINDS = ("param", "buffer", "optimizer", "grad", "structure")
-CHECKED_KINDS = ("param", "buffer", "optimizer", "grad")
-PINPOINT_STATES = ("exact", "sampled", "overflow", "earlier", "unseen", "unavailable", "off")
+Action = Literal["none", "warned", "raised", "resynced"]
+"""What was done about an audit's result: nothing (raw ``audit``), warned, raised, resynced."""
+Kind = Literal["param", "buffer", "optimizer", "grad", "structure"]
+"""What a mismatched tensor is; ``structure`` when it is missing or has another shape or dtype somewhere."""
+PinpointState = Literal["exact", "sampled", "overflow", "earlier", "unseen", "unavailable", "off"]
+"""How a divergent record's ``first_diverged_step`` was found: ``exact`` (per-step digests of everything
+audited), ``sampled`` (of a slice per step: the divergence showed at that step, it may have begun
+earlier, after ``last_in_sync_step``), ``overflow`` (the ring lost the steps that would tell; null),
+``earlier`` (the first recorded step already differed and nothing before it is known good; null), ``unseen`` (every recorded step agreed: the change came after the last one; null), ``off`` (no pinpoint)."""
+ACTIONS: tuple[str, ...] = get_args(Action)
+MISMATCH_KINDS: tuple[str, ...] = get_args(Kind)
+CHECKED_KINDS = MISMATCH_KINDS[:-1]
+"""The kinds a record counts in ``checked`` (every kind but ``structure``)."""
+PINPOINT_STATES: tuple[str, ...] = get_args(PinpointState)
 STABILITIES = ("stable", "unstable")
 CHECKPOINT_STATES = ("verified", "diverged", "unverified", "matching", "changed", "sampled")
 

@@ -338,7 +338,7 @@ def measure_gaps(
 
     table, fin = comm.exchange_then(row, "the max |diff| values", then=last, extra_s=total)
     if any((~np.isin(table[:, _FIELDS * c + 2], (_OK, _LOCAL))).any() for c in pending):
-        _retire_plane(comm)  # every rank sees the same table, so every rank retires the group alike
+        DataPlane(comm).discard()  # every rank sees the same table, so every rank retires the group alike
     _fill(comm.global_ranks, mismatches, chosen, table)
     return gathered, fin or None
 
@@ -391,11 +391,6 @@ def _transfer(
                 row[at + 4] = meter.diff_count
         before += sizes[i] * len(receivers)
     return sched.left_s(total)
-
-
-def _retire_plane(comm: Comm) -> None:
-    """Retire the data plane's group after a failed transfer (the next one opens a fresh group)."""
-    DataPlane(comm).discard()
 
 
 def _fill(g: tuple[int, ...], mismatches: list[Mismatch], chosen: list[int], table: np.ndarray) -> None:

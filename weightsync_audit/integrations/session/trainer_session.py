@@ -38,12 +38,13 @@ from typing import Any, Iterable, Literal, Optional, Sequence
 from weightsync_audit.ddp.inspect import TrainableSetWatch
 from weightsync_audit.engine.attribution.settle import mark_step, watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
+from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.errors import warn_user
 from weightsync_audit.integrations.session.options import AuditOptions
 from weightsync_audit.integrations.session.runner import AuditRunner
 from weightsync_audit.reporting.jsonl import read_report
 from weightsync_audit.reporting.record import AuditResult
-from weightsync_audit.text import ENV_VAR, brief_names, dropped_message, last_in_sync
+from weightsync_audit.text import ENV_VAR, dropped_message, last_in_sync
 
 __all__ = [
     "Checkpoint",
@@ -51,7 +52,7 @@ __all__ = [
     "SessionAdapter",
     "TrainerSession",
     "added_by_env",
-    "summary_outside_workers",
+    "read_back",
 ]
 
 
@@ -116,10 +117,12 @@ class HistoryHandoff:
             self.path.unlink(missing_ok=True)
 
 
-def summary_outside_workers(report_path: str | None) -> str:
-    """The run's summary as read from ``report_path``, or a plain statement that this process saw no audit.
+def read_back(report_path: str | None, history: AuditHistory) -> str | None:
+    """For a process that ran no audit itself (the parent of ``ddp_spawn`` / ``ddp_fork`` workers):
+    ``report_path``'s records replayed into ``history`` (``None``), or, with nothing to read, a summary
+    saying plainly that no audit ran here.
 
-    >>> summary_outside_workers(None)[:56]
+    >>> read_back(None, AuditHistory())[:56]
     'weightsync audit: no audit ran in this process (under dd'
     """
     where = (
@@ -134,26 +137,15 @@ def summary_outside_workers(report_path: str | None) -> str:
     if not os.path.isfile(report_path):
         return f"weightsync audit: {where}; the report {report_path} does not exist (the run did not audit?)"
     try:
-        contents = read_report(report_path)
+        rs = [r for _, r in read_report(report_path).records]
     except OSError as exc:
         return f"weightsync audit: {where}; the report {report_path} cannot be read ({exc})"
-    rs = [r for _, r in contents.records]
     if not rs:
         return f"weightsync audit: {where}; the report {report_path} holds no valid record"
-    diverged = [r for r in rs if not r.in_sync]
-    source = f"read back from {report_path} (the audits ran in the worker processes)"
-    if not diverged:
-        return (
-            f"weightsync audit: {len(rs)} audit(s), replicas in sync throughout, last at step {rs[-1].step}; {source}"
-        )
-    first = diverged[0]
-    ordered = sorted(first.mismatches, key=lambda m: m.kind != "param")
-    end = "in sync" if rs[-1].in_sync else "diverged"
-    return (
-        f"weightsync audit: {len(rs)} audit(s), {len(diverged)} found divergence; first at step {first.step} "
-        f"({brief_names((m.name for m in ordered), 5)}); {last_in_sync(first.step, first.last_in_sync_step)}; "
-        f"{sum(r.action == 'resynced' for r in rs)} resync(s); {end} at the end; {source}"
-    )
+    for r in rs:
+        history.record(r)
+        history.resyncs += r.action == "resynced"
+    return None
 
 
 class TrainerSession:
@@ -170,7 +162,8 @@ class TrainerSession:
         self.trainable = TrainableSetWatch()
         self.handoff = HistoryHandoff()
         """The main process's history back to the process that built the session (ddp_fork/ddp_spawn)."""
-        self.from_workers = False
+        self.from_workers = ""
+        """How :meth:`summary` says where the history of a process that ran no audit itself came from."""
 
     @property
     def options(self) -> AuditOptions:
@@ -297,11 +290,15 @@ class TrainerSession:
             return f"weightsync audit: not audited ({self.disabled})"
         if self.runner.auditor is None and h.audits == 0:
             state = self.handoff.take()
-            if state is None:
-                return summary_outside_workers(self.options.report_path)
-            h.load_state_dict(state)
-            self.from_workers = True
-        where = " (audited in the worker processes; this is rank 0's history)" if self.from_workers else ""
+            if state is not None:
+                h.load_state_dict(state)
+                self.from_workers = " (audited in the worker processes; this is rank 0's history)"
+            elif (plain := read_back(self.options.report_path, h)) is not None:
+                return plain
+            else:  # the same line as a live history's, from the records
+                path = self.options.report_path
+                self.from_workers = f"; read back from {path} (the audits ran in the worker processes)"
+        where = self.from_workers
         if h.diverged_audits == 0 and h.audits and h.compared_nothing == h.audits:
             return (
                 f"weightsync audit: {h.audits} audit(s), none compared a tensor between ranks (nothing to audit, "

@@ -24,6 +24,7 @@ Each group rank audits among the same group rank of the other replica groups (it
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import replace
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence
 
@@ -96,7 +97,7 @@ class _Keep:
 
 
 @with_checked_options
-class TorchFTAudit(SessionAdapter):
+class TorchFTAudit(SessionAdapter, contextlib.AbstractContextManager["TorchFTAudit"]):
     """Audit the replica groups of a torchft job at committed steps, after heals and at sync points.
 
     Args:
@@ -383,9 +384,6 @@ class TorchFTAudit(SessionAdapter):
         self._undo.clear()
         self._open(None)
         self.session.close()
-
-    def __enter__(self) -> TorchFTAudit:
-        return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
