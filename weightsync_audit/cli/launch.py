@@ -181,15 +181,15 @@ TERMINATING = tuple(
 _POLL_S = 0.2
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """``(ppid, start time)`` of ``pid`` from ``/proc/<pid>/stat``, or ``None`` (gone, or no ``/proc``)."""
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state, ppid, start time)`` of ``pid`` from ``/proc/<pid>/stat``, or ``None`` (gone, or no ``/proc``)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
     try:
-        return int(fields[1]), int(fields[19])
+        return fields[0], int(fields[1]), int(fields[19])
     except (IndexError, ValueError):
         return None
 
@@ -205,7 +205,7 @@ def descendants(pid: int) -> dict[int, int]:
         if name.isdigit():
             st = _stat(int(name))
             if st is not None:
-                children.setdefault(st[0], []).append((int(name), st[1]))
+                children.setdefault(st[1], []).append((int(name), st[2]))
     out: dict[int, int] = {}
     todo = [pid]
     while todo:
@@ -219,12 +219,7 @@ def descendants(pid: int) -> dict[int, int]:
 def _alive(pid: int, start: int) -> bool:
     """Whether ``pid`` still runs as the process seen at ``start`` (not a zombie, not a reused pid)."""
     st = _stat(pid)
-    if st is None or st[1] != start:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return st is not None and st[2] == start and st[0] != "Z"
 
 
 def _send(pid: int, sig: int, group: bool = False) -> None:

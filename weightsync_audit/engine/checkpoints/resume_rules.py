@@ -219,13 +219,9 @@ def unchecked_notes(gathered: Mapping[str, Mapping[str, Any]], label: Callable[[
     for comp in comps:
         which = [int(r) for r in ranks if "digest" not in gathered[r].get(comp, {"digest": None})]
         why = gathered[str(which[0])][comp].get("why", "it could not be read")
-        if len(which) == len(ranks) and len(ranks) > 1:
-            where = "every rank"
-        else:
-            where = ("rank " if len(which) == 1 else "ranks ") + ", ".join(map(str, which))
         out.append({
             "component": comp, "kind": "unchecked", "ranks": which, "from_ranks": [], "severity": "note",
-            "detail": f"the {label(comp)} is not checked on {where}: {why}",
+            "detail": f"the {label(comp)} is not checked on {_ranks_text(which, len(ranks))}: {why}",
         })  # fmt: skip
     return out
 
