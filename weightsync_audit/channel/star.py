@@ -358,15 +358,11 @@ class Comm(TreeWire):
             )
         return np.frombuffer(b"".join(parts), dtype=np.int64).reshape(self.world_size, row.size).copy()
 
-    def exchange_within(self, payload: np.ndarray, what: str, extra_s: float, compact: bool = False) -> np.ndarray:
+    def exchange_within(self, payload: np.ndarray, what: str, extra_s: float) -> np.ndarray:
         """:meth:`exchange` with its deadline lengthened by ``extra_s`` for this one exchange: the time a
         transfer may still take on other ranks, so that a rank done early does not take a busy peer for a
         missing one."""
-        return (
-            self.exchange_then(payload, what, extra_s=extra_s)[0]
-            if compact
-            else self._within(extra_s, lambda: self.exchange(payload, what))
-        )
+        return self._within(extra_s, lambda: self.exchange(payload, what))
 
     def _within(self, extra_s: float, call: Callable[[], Any]) -> Any:
         if self.timeout_s is None or extra_s <= 0:

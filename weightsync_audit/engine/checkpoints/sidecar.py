@@ -48,7 +48,7 @@ import torch
 
 from weightsync_audit.compat import dtensor_box, is_dtensor
 from weightsync_audit.engine.checkpoints.folder import SIDECAR_NAME
-from weightsync_audit.engine.checkpoints.load import read_json
+from weightsync_audit.engine.checkpoints.load import flatten, read_json
 from weightsync_audit.engine.hashing.digest import digest_tensors
 from weightsync_audit.engine.hashing.reader import readable
 from weightsync_audit.engine.inventory.manifest import dtype_name
@@ -85,19 +85,10 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
 
 
 def flat_tensors(obj: Any, prefix: str = "", *, local: bool = True) -> dict[str, torch.Tensor]:
-    """Dotted name -> tensor for every tensor in any nesting of mappings, lists and tuples (a DTensor
-    enters as this rank's local shard; as itself with ``local=False``)."""
-    out: dict[str, torch.Tensor] = {}
-    stack: list[tuple[str, Any]] = [(prefix, obj)]
-    while stack:
-        name, v = stack.pop()
-        if isinstance(v, torch.Tensor):
-            out[name or "(root)"] = v.to_local() if local and is_dtensor(v) else v
-        elif isinstance(v, Mapping):
-            stack.extend((f"{name}.{k}" if name else str(k), x) for k, x in reversed(list(v.items())))
-        elif isinstance(v, (list, tuple)):
-            stack.extend((f"{name}.{i}" if name else str(i), x) for i, x in reversed(list(enumerate(v))))
-    return out
+    """Dotted name -> tensor for every tensor of :func:`~weightsync_audit.engine.checkpoints.load.flatten`
+    (a DTensor enters as this rank's local shard; as itself with ``local=False``)."""
+    flat = flatten(obj, prefix).items()
+    return {n: v.to_local() if local and is_dtensor(v) else v for n, v in flat if isinstance(v, torch.Tensor)}
 
 
 def _hex(d: int) -> str:
