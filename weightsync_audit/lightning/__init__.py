@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-__all__ = ["callback_base"]
+__all__ = ["callback_base", "callback_classes"]
 
 _INSTALL = {
     "pytorch_lightning": (
@@ -39,3 +39,17 @@ def callback_base(namespace: str) -> type:
             f"installed: {install}",
             name=exc.name,
         ) from None
+
+
+def callback_classes(namespace: str, module: str) -> tuple[type, type]:
+    """``WeightSyncAudit`` and ``DDPRewrapOnTrainableChange`` over ``namespace``'s ``Callback`` (one class per
+    namespace, each a Lightning-free mixin and that base), defined as ``module``'s own: a callback pickles to a
+    ``ddp_spawn`` worker by that name."""
+    from weightsync_audit.integrations.lightning.audit_callback import WeightSyncAuditMixin
+    from weightsync_audit.integrations.lightning.rewrap_callback import DDPRewrapMixin
+
+    base = callback_base(namespace)
+    return tuple(  # type: ignore[return-value]
+        type(name, (mixin, base), {"__doc__": mixin.__doc__, "__module__": module, "__qualname__": name})
+        for name, mixin in (("WeightSyncAudit", WeightSyncAuditMixin), ("DDPRewrapOnTrainableChange", DDPRewrapMixin))
+    )

@@ -226,17 +226,10 @@ def _colorbar(fig: Any, ax: Any, norm: Any, cmap: Any) -> None:
 def _gap_series(records: Sequence[AuditResult]) -> dict[str, list[tuple[int, float]]]:
     """Per layer, ``(step, max |diff|)`` at every audit that measured a positive gap for it."""
     series: dict[str, list[tuple[int, float]]] = {}
-    for r in records:
-        if r.step is None:
-            continue
-        col: dict[str, float] = {}
-        for m in r.mismatches:
-            gap = m.max_abs_diff
-            if gap is not None and gap > 0 and math.isfinite(gap):
-                key = layer_of(m.name, m.kind)
-                col[key] = max(col.get(key, 0.0), gap)
+    for r, col in zip(records, _rows(records, "layer")[1]):
         for key, gap in col.items():
-            series.setdefault(key, []).append((r.step, gap))
+            if r.step is not None and gap is not None and 0 < gap < math.inf:
+                series.setdefault(key, []).append((r.step, gap))
     return series
 
 
