@@ -35,6 +35,7 @@ from weightsync_audit.engine.config import (
     AuditConfig,
     AuditRequest,
     Method,
+    check_module,
     parse_coverage,
     refuse_flat_beside,
     with_checked_options,
@@ -95,12 +96,8 @@ class Auditor:
         config: AuditConfig | None = None,
         check_finite: bool = False,
     ) -> None:
-        module = stage_module(module)  # a pipelining PipelineStage or schedule: its stage module
-        if module is not None and not isinstance(module, nn.Module):
-            raise TypeError(
-                f"module= a {type(module).__name__}: must be a torch.nn.Module (the model or its DDP wrapper)"
-            )
-        self.module = module
+        # a pipelining PipelineStage or schedule: its stage module
+        self.module = stage_module(check_module(module)) if module is not None else None
         self.optimizers = as_optimizers(optimizer)
         self.group = group
         if config is None:

@@ -10,7 +10,10 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal, Mapping, TypeVar, get_args
 
+from torch import nn
+
 from weightsync_audit.engine.attribution import AttributionConfig
+from weightsync_audit.engine.inventory.layouts import stage_module
 from weightsync_audit.engine.inventory.manifest import check_include
 from weightsync_audit.engine.measure.gaps import check_tolerance
 
@@ -23,6 +26,7 @@ __all__ = [
     "check_count",
     "check_exclude",
     "check_flag",
+    "check_module",
     "check_on_mismatch",
     "check_seconds",
     "checked_options",
@@ -195,6 +199,20 @@ def check_count(value: object, argument: str, least: int = 0, what: str = "") ->
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{argument}={value!r}: must be an integer >= {least}" + (f" ({what})" if what else ""))
     return value
+
+
+def check_module(module: object, argument: str = "module") -> Any:
+    """The model to audit: a ``torch.nn.Module`` (or its DDP wrapper, or a pipelining stage), else a ``TypeError``
+    naming ``argument`` (at construction, not at the first audit).
+
+    >>> check_module(None)
+    Traceback (most recent call last):
+    TypeError: module=None: give the model to audit (a torch.nn.Module, or its DDP wrapper)
+    """
+    if module is None or not isinstance(stage_module(module), nn.Module):
+        what = "None" if module is None else f" a {type(module).__name__}"
+        raise TypeError(f"{argument}={what}: give the model to audit (a torch.nn.Module, or its DDP wrapper)")
+    return module
 
 
 def check_seconds(value: object, argument: str, *, optional: bool = True) -> float | None:

@@ -16,13 +16,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
-from weightsync_audit.engine.config import OnMismatch, check_flag, checked_options
+from weightsync_audit.engine.config import OnMismatch, check_flag, check_module, checked_options
 from weightsync_audit.engine.inventory.manifest import as_optimizers, stepping_optimizer
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.options import (
     AuditOptions,
     check_every_n,
-    check_module,
     with_option_properties,
 )
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, SessionAdapter, TrainerSession

@@ -25,6 +25,7 @@ from weightsync_audit.engine.attribution import AttributionConfig, check_attribu
 from weightsync_audit.engine.config import (
     AuditConfig,
     OnMismatch,
+    check_count,
     check_flag,
     check_on_mismatch,
     parse_coverage,
@@ -41,7 +42,6 @@ __all__ = [
     "AuditOptions",
     "check_every_n",
     "check_exit_code",
-    "check_module",
     "option_names",
     "with_option_properties",
 ]
@@ -56,30 +56,7 @@ def check_every_n(value: object, argument: str) -> Optional[int]:
     >>> check_every_n(50, "every_n_steps")
     50
     """
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(f"{argument}={value!r}: must be an integer >= 1, or None to turn the cadence off")
-    return value
-
-
-def check_module(module: object, argument: str = "module") -> Any:
-    """The model a plain loop audits: a ``torch.nn.Module`` (or its DDP wrapper, or a pipelining stage), else a
-    ``TypeError`` naming ``argument`` (at construction, not at the first step).
-
-    >>> check_module(None)
-    Traceback (most recent call last):
-    TypeError: module=None: give the model to audit (a torch.nn.Module, or its DDP wrapper)
-    """
-    from torch import nn
-
-    from weightsync_audit.engine.inventory.replicas import stage_module
-
-    if module is None:
-        raise TypeError(f"{argument}=None: give the model to audit (a torch.nn.Module, or its DDP wrapper)")
-    if not isinstance(stage_module(module), nn.Module):
-        raise TypeError(
-            f"{argument}= a {type(module).__name__}: give the model to audit (a torch.nn.Module, or its DDP wrapper)"
-        )
-    return module
+    return None if value is None else check_count(value, argument, 1, "or None to turn the cadence off")
 
 
 def check_exit_code(value: object, on_mismatch: str) -> Optional[int]:
