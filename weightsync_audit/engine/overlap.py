@@ -94,11 +94,11 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from weightsync_audit.channel.store import Call, Worker
 from weightsync_audit.compat import stream_ordered, tensor_version
-from weightsync_audit.engine.agreement.rounds import Agreement
+from weightsync_audit.engine.agreement.rounds import Agreement, raise_failed, shared_failures
 from weightsync_audit.engine.context import AuditContext, Prepared
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.run import AuditRun
-from weightsync_audit.errors import AuditPreparationError, AuditRaceError
+from weightsync_audit.errors import AuditRaceError
 from weightsync_audit.reporting.record import AuditResult
 from weightsync_audit.text import brief_names
 
@@ -183,18 +183,11 @@ class OverlapRun(AuditRun):
 
     def fail(self, failure: BaseException | None) -> None:
         """Every rank's reason, shared; a race on every failed rank is one :class:`AuditRaceError` everywhere."""
-        mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
-        parts = self.comm.exchange_bytes(mine.encode(), "the failure report")
-        failed = {self.comm.global_ranks[r]: b.decode("utf-8", "replace") for r, b in enumerate(parts) if b}
+        failed = shared_failures(self.comm, failure)
         if failed and all(m.startswith(RACE + ":") for m in failed.values()):
             text = "; ".join(f"rank {r}: {m[len(RACE) + 2 :]}" for r, m in failed.items())
             raise AuditRaceError(f"weightsync audit: {text}", failed)
-        if failure is not None:
-            raise failure
-        text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
-        raise AuditPreparationError(
-            f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed
-        )
+        raise_failed(self.comm, failure, failed)
 
 
 def accelerator_of(tensors: Sequence[Any]) -> torch.device | None:

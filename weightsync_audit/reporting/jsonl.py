@@ -286,11 +286,11 @@ class RecordSinks:
     """
 
     def __init__(self, sinks: Sequence[RecordSink] = ()) -> None:
-        if isinstance(sinks, (str, bytes)):
-            raise ValueError(f"sinks={sinks!r}: give a list of sink objects (e.g. [PrometheusSink(port=9400)])")
         if isinstance(sinks, RecordSink):
             sinks = [sinks]
         try:
+            if isinstance(sinks, (str, bytes)):
+                raise TypeError(sinks)
             self.sinks: tuple[RecordSink, ...] = tuple(sinks)
         except TypeError:
             raise ValueError(

@@ -306,11 +306,7 @@ class ReportSummary:
         return list(rows.values())
 
     def hints(self) -> list[str]:
-        seen: dict[str, None] = {}
-        for r in self.results:
-            for h in r.hints:
-                seen.setdefault(h, None)
-        return list(seen)
+        return list(dict.fromkeys(h for r in self.results for h in r.hints))
 
     # -- machine form --------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ __all__ = [
     "localize_values",
     "peer_keys",
     "raise_failed",
+    "shared_failures",
     "raise_out_of_step",
     "shard_names",
     "sharded_notes",
@@ -168,13 +169,19 @@ def sharded_notes(
     return notes
 
 
-def raise_failed(comm: Comm, failure: BaseException | None) -> None:
-    """Every rank's failure message shared; this rank's own error raised, or one naming the ranks that failed."""
+def shared_failures(comm: Comm, failure: BaseException | None) -> dict[int, str]:
+    """Every rank's failure message (this rank's ``failure``), shared: global rank -> message of those that failed."""
     mine = "" if failure is None else f"{type(failure).__name__}: {failure}"
-    messages = [b.decode("utf-8", "replace") for b in comm.exchange_bytes(mine.encode(), "the failure report")]
+    parts = comm.exchange_bytes(mine.encode(), "the failure report")
+    return {comm.global_ranks[r]: b.decode("utf-8", "replace") for r, b in enumerate(parts) if b}
+
+
+def raise_failed(comm: Comm, failure: BaseException | None, failed: dict[int, str] | None = None) -> None:
+    """This rank's own error raised, or one naming the ranks that failed (``failed``: :func:`shared_failures`,
+    shared here when not given)."""
+    failed = shared_failures(comm, failure) if failed is None else failed
     if failure is not None:
         raise failure
-    failed = {comm.global_ranks[r]: m for r, m in enumerate(messages) if m}
     text = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
     raise AuditPreparationError(
         f"weightsync audit could not run because other ranks failed to prepare it: {text}", failed

@@ -70,13 +70,6 @@ class OverlapDriver:
         """The last verdict acted on (``None`` before the first, or when that audit failed under ``warn``)."""
         self._acting: tuple[Any, list[Any], bool, Callable[[dict[str, float]], None] | None] | None = None
 
-    @classmethod
-    def of(cls, runner: AuditRunner, overlap: object) -> OverlapDriver | None:
-        """The driver for ``overlap=True``, ``None`` for ``False``; anything else is refused, naming it."""
-        if not isinstance(overlap, bool):
-            raise TypeError(f"overlap={overlap!r}: must be True or False")
-        return cls(runner) if overlap else None
-
     def launch(
         self,
         model: Any,
@@ -146,7 +139,6 @@ class AuditRunner:
         # One AuditConfig, passed whole to the auditors; the adapter's cadence sizes the pinpoint ring;
         # ``check_batches`` (LoopAudit's): the main auditor's audits compare the batches recorded per step.
         self.config = replace(self.options.audit_config(every_n), check_batches=bool(check_batches))
-        self.slices = self.config.slices
         # The main process hands the sinks each record (weightsync_audit.metrics).
         self.sinks = RecordSinks(self.options.sinks)
         self.history = AuditHistory()
@@ -171,7 +163,7 @@ class AuditRunner:
         them is a cause that persists (on the machine only on evidence about it)."""
         self.step_hyper = StepHyper(self.config.exclude) if "optimizer" in self.config.include else None
         """The hyper-parameters each optimizer step read (:meth:`record_hyper`), the main audit's evidence."""
-        self.overlap = OverlapDriver.of(self, self.options.overlap)
+        self.overlap = OverlapDriver(self) if self.options.overlap else None  # validated by AuditOptions
         """With ``overlap=True``: the audit right after a step runs while the next one does (docs/performance.md)."""
 
     # -- set-up and teardown -------------------------------------------------------------------
