@@ -25,12 +25,11 @@ import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import xxhash
-from torch import nn
 
-from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import (
     HOLDERS_VALUE,
     PROTOCOL,
@@ -54,7 +53,6 @@ from weightsync_audit.engine.agreement.rounds import (
     sharded_notes,
 )
 from weightsync_audit.engine.attribution.settle import attribute_audit
-from weightsync_audit.engine.config import AuditConfig
 from weightsync_audit.engine.context import AuditContext, Explained, Localized, Measured, Prepared, SharedHints, Tally
 from weightsync_audit.engine.duplicate_batches import describe, shared_batches
 from weightsync_audit.engine.explain import Evidence, explain
@@ -103,34 +101,11 @@ class AuditRun:
     def __post_init__(self) -> None:
         object.__setattr__(self, "t0", time.perf_counter())
 
-    # The context's fields the phases read most, by name.
-    @property
-    def comm(self) -> Comm:
-        return self.context.comm
-
-    @property
-    def config(self) -> AuditConfig:
-        return self.context.config
-
-    @property
-    def module(self) -> nn.Module | None:
-        return self.context.module
-
-    @property
-    def step(self) -> int | None:
-        return self.context.step
-
-    @property
-    def epoch(self) -> int | None:
-        return self.context.epoch
-
-    @property
-    def hook(self) -> str | None:
-        return self.context.hook
-
-    @property
-    def slice_index(self) -> int:
-        return self.context.slice_index
+    def __getattr__(self, name: str) -> Any:
+        """The context's fields, read by name (``self.comm``, ``self.step``...): every one of them, none copied."""
+        if name == "context":  # not set yet: no field to read through
+            raise AttributeError(name)
+        return getattr(self.context, name)
 
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
