@@ -50,7 +50,6 @@ __all__ = [
     "read_exit_statuses",
     "SEGMENT_DIR_ENV",
     "evict_targets",
-    "hand_off",
     "leave_together",
     "read_evict",
     "segment_health_file",
@@ -239,11 +238,6 @@ def read_evict(path: str | os.PathLike[str], launch_id: str | None = None) -> di
     if launch_id is not None and doc.get("launch_id") != launch_id:
         return None
     return doc
-
-
-def hand_off(result: AuditResult, comm: Any, is_main: bool, exit_code: int | None) -> list[Path]:
-    """:func:`write_evict` for this rank of ``comm`` (the audit channel: its global rank)."""
-    return write_evict(result, rank=comm.global_ranks[comm.rank], is_main=is_main, exit_code=exit_code)
 
 
 def leave_together(comm: Any, is_main: bool) -> None:

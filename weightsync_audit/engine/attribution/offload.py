@@ -24,10 +24,8 @@ finds what the check misses; its blame is then the vote's, or undecided. On the 
 the structure check, the small tensors and the counters; the reads use a core of their own where one is
 free (benchmarks/bench_attribution.py).
 
-The collective check's digests go to a worker too (a :class:`~weightsync_audit.channel.store.Worker`): each reduced bucket is digested after
-DDP's hook returns, the gradients after the pre-step hook, each guarded by its version counter (a bucket
-DDP refilled, or gradients zeroed in place, before the worker read them leave that step's check unknown,
-never wrong); a divergent audit waits for what is still queued.
+(The collective check's digests go to a :class:`~weightsync_audit.channel.store.Worker` of their own:
+:class:`~weightsync_audit.engine.attribution.replay.ReducedDigests`.)
 """
 
 from __future__ import annotations

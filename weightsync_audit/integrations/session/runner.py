@@ -38,7 +38,7 @@ from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
 from weightsync_audit.engine.timeline.step_hyper import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, warn_user
-from weightsync_audit.integrations.evict import hand_off, hand_off_problems, leave_together
+from weightsync_audit.integrations.evict import hand_off_problems, leave_together, write_evict
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
 from weightsync_audit.reporting.jsonl import RecordSinks, ReportWriter
 from weightsync_audit.reporting.record import AuditResult
@@ -322,9 +322,10 @@ class AuditRunner:
     def _end_divergent(self, result: AuditResult, comm: Any, is_main: bool) -> None:
         """A divergent result's last acts: the host to evict handed where schedulers look; under ``raise``,
         this rank's line said, then its exit (``exit_code``) or the exception, on every rank alike."""
-        hand_off(result, comm, is_main, self.exit_code if result.action == "raised" else None)
+        rank, exit_code = comm.global_ranks[comm.rank], self.exit_code if result.action == "raised" else None
+        write_evict(result, rank=rank, is_main=is_main, exit_code=exit_code)
         if result.action == "raised":
-            say_raising(result, comm.global_ranks[comm.rank] if comm is not None else None, is_main)
+            say_raising(result, rank, is_main)
             if self.exit_code is not None:
                 self._exit(result, is_main)
             raise WeightDivergenceError(result)
