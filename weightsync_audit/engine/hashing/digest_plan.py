@@ -274,7 +274,7 @@ class PreparedManifest:
 
 def placed(entries: Sequence[Entry], named: Sequence[tuple[str, torch.nn.Module]], optimizers: Sequence[Any]) -> Any:
     """Per kind, each tensor's place in its chain and manifest (chain order), the values re-read, and where each
-    entry's container is found again (``(1, optimizer, group)``, ``(0, optimizer, state)``, ``None``); or None."""
+    entry's container is found again (``(optimizer, 0, group)``, ``(optimizer, 1, state dict)``, ``None``); or None."""
     at: dict[str, dict[str, int]] = {"_parameters": {}, "_buffers": {}}  # in the chain of module dict values
     for attr, names in at.items():
         pos, seen = 0, set()
@@ -300,7 +300,7 @@ def placed(entries: Sequence[Entry], named: Sequence[tuple[str, torch.nn.Module]
     groups, state_values, group_index, state_index, where = [], [], [], [], []
     for i, e in enumerate(entries):
         c = id(e.container)
-        where.append((1, *group_at[c]) if c in group_at else (0, *dict_at[c]) if c in dict_at else None)
+        where.append((g[0], 0, g[1]) if (g := group_at.get(c)) else (s[0], 1, s[1]) if (s := dict_at.get(c)) else None)
         if e.kind == "param":
             positions["param"].append(at["_parameters"][e.name])
         elif e.kind == "buffer":
@@ -358,15 +358,15 @@ class StructureSnapshot:
     templates: list[Entry] = field(default_factory=list)  # a sharded manifest's entries, holding no tensor
     where: list[Any] = field(default_factory=list)  # and where their containers are found again
 
-    def rebuilt(self, sources: Sequence[torch.Tensor], values: Sequence[Any], optimizers: Sequence[Any]) -> Manifest:
+    def rebuilt(self, sources: Sequence[torch.Tensor], values: Sequence[Any], held: Sequence[Any]) -> Manifest:
         """A sharded manifest's entries as a build makes them: the kept names, kinds and shards with this audit's
-        tensors (``sources``, the re-read ``values``) and containers (in ``optimizers``), the structure checked."""
+        tensors (``sources``, the re-read ``values``) and containers (``held``: each optimizer's param groups
+        and state dicts, as the check found them)."""
         tensors: list[Any] = [None] * self.size
         for at, t in zip(self.plan.all_index.tolist(), sources):
             tensors[at] = readable(t)
         for at, t in zip(self.plan.dyn_index.tolist(), values):
             tensors[at] = t
-        states = [list(opt.state.values()) for opt in optimizers]
-        held = [w and (optimizers[w[1]].param_groups if w[0] else states[w[1]])[w[2]] for w in self.where]
-        entries = [replace(e, tensor=t, container=c) for e, t, c in zip(self.templates, tensors, held)]
+        found = [w and held[w[0]][w[1]][w[2]] for w in self.where]
+        entries = [replace(e, tensor=t, container=c) for e, t, c in zip(self.templates, tensors, found)]
         return Manifest(entries, list(self.notes))

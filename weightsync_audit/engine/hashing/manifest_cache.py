@@ -322,13 +322,16 @@ def _check(
     # in the state re-assigned) are the tags to compare from now on.
     snap.module_versions, snap.optimizer_versions = module_versions, optimizer_versions
     now = memo[1] if memo else values
+    if snap.templates:  # a sharded manifest: its entries are made, when asked for, from what this check found
+        held = [(list(opt.param_groups), list(opt.state.values())) for opt in optimizers]
+        build = lambda: snap.rebuilt(sources, now, held)  # noqa: E731
     return PreparedManifest(
         size=snap.size,
         structure=snap.structure,
         notes=list(snap.notes),
         kind_counts=snap.kind_counts,
         plan=snap.plan,
-        build=(lambda: snap.rebuilt(sources, now, optimizers)) if snap.templates else build,
+        build=build,
         sources=sources,
         slow_mask=snap.slow_mask,
         dynamic=now,
