@@ -82,7 +82,14 @@ class Oracle:
         assert prepared.counts() == fresh.counts()
         got = prepared.digests(**kw)
         assert np.array_equal(got, digest_entries(fresh.entries, **kw))
+        if prepared.sharded:  # its entries (peers, containers, tensors) are made again: as a build makes them
+            assert list(map(_entry_view, prepared.manifest.entries)) == list(map(_entry_view, fresh.entries))
         return got
+
+
+def _entry_view(e: Any) -> tuple:
+    t = e.tensor
+    return (e.name, e.kind, e.dtype, e.shape, e.shard, e.frozen, e.key, id(e.container), t.data_ptr(), t.shape, t.dtype)
 
 
 @pytest.mark.parametrize(
@@ -458,3 +465,39 @@ def test_audits_of_different_kinds_alternating_on_one_cache_never_evict_each_oth
                 model, [opt], key=include, build=lambda i=include: build_manifest(model, [opt], include=i), kinds=label
             )
     assert cache.builds == 4  # each kind: its first use, then the build it keeps; never again
+
+
+def _sharded_cache(rank: int, world: int) -> dict[str, Any]:
+    from mesh_models import hsdp_model, train
+
+    model, _ = hsdp_model()  # (replicate=2, shard=2): rank r's shard has its replica on rank r ^ 2
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, opt, 1, seed=0)
+    oracle = Oracle(model, opt)
+    for _ in range(3):
+        oracle.check()
+    builds = [oracle.cache.builds]
+    train(model, opt, 2, seed=1)  # FSDP2 swaps each parameter out and back: values change, the structure holds
+    before = oracle.check()
+    builds.append(oracle.cache.builds)
+    w = model.fc1.weight
+    w._local_tensor = w._local_tensor.clone() + 1  # FSDP2's reset_sharded_param: new storage, same layout
+    moved = not np.array_equal(before, oracle.check())  # the new storage's values, as a fresh build reads them
+    w.requires_grad_(False)  # a DTensor's own flag (its local tensor's is unchanged): the structure moved
+    oracle.check()
+    builds.append(oracle.cache.builds)
+    w.requires_grad_(True)
+    auditor = Auditor(model, opt)
+    in_sync = [auditor.audit(step=s).in_sync for s in range(3)]
+    if rank == 3:
+        with torch.no_grad():
+            model.fc2.weight._local_tensor[0, 0] += 1e-3  # found from the cached manifest's entries
+    found = [(m.name, m.ranks, m.reference_ranks, m.shard) for m in auditor.audit(step=3).mismatches]
+    return {"builds": builds, "moved": moved, "sync": in_sync, "found": found, "audits": auditor._manifests.builds}
+
+
+def test_a_sharded_manifest_is_cached_and_sees_a_new_local_tensor_a_flag_and_a_diverged_shard() -> None:
+    for out in run_ranks(_sharded_cache, 4, timeout=180):
+        assert out["builds"] == [2, 2, 4] and out["moved"], out
+        assert out["sync"] == [True, True, True] and out["audits"] == 2, out
+        assert out["found"] == [("fc2.weight", [3], [1], {"shard": 1})], out

@@ -28,6 +28,7 @@ __all__ = [
     "default_process_group",
     "default_store",
     "dtensor_box",
+    "dtensor_local",
     "dict_version_reader",
     "is_dtensor",
     "flatten_tensors",
@@ -283,6 +284,13 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (by class name first: a failed ``hasattr`` on a plain tensor is slow)."""
     return type(t).__name__ == "DTensor" and hasattr(t, "to_local")
+
+
+def dtensor_local(t: Any) -> torch.Tensor:
+    """The local tensor a DTensor holds now (``_local_tensor``, which FSDP2 re-assigns in place and of which
+    ``to_local()`` gives a view), without ``to_local()``'s autograd call; ``to_local()`` where it is missing."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
 def dtensor_box(t: Any) -> tuple[list[int], list[int]] | None:

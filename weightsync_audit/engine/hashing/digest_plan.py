@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
@@ -29,10 +29,10 @@ import xxhash
 
 from weightsync_audit.compat import layout_guard
 from weightsync_audit.engine.hashing.digest import digest_tensors, structure_digest
-from weightsync_audit.engine.hashing.reader import SMALL, in_place, storage_fits
+from weightsync_audit.engine.hashing.reader import SMALL, in_place, readable, storage_fits
 from weightsync_audit.engine.inventory.manifest import Entry, Manifest, has_shards
 
-__all__ = ["DigestPlan", "PreparedManifest", "StructureSnapshot"]
+__all__ = ["DigestPlan", "PreparedManifest", "StructureSnapshot", "placed"]
 
 _xxh = xxhash.xxh3_64_intdigest
 
@@ -61,30 +61,14 @@ CHUNK = 512
 cache for the next (three passes over 20,000 scattered tensors cost a third more than over chunks)."""
 
 
-def _layouts(tensors: Sequence[torch.Tensor]) -> list[Any]:
-    # What the guard compares, without it: the lazy bits and the trainable flag included.
-    return [(t.dtype, t.shape, t.stride(), t.device, t.requires_grad, t.is_conj(), t.is_neg()) for t in tensors]
+def _layouts(ts: Sequence[torch.Tensor]) -> list[Any]:
+    # What the guard compares, without it: the type, the lazy bits and the trainable flag included.
+    return [(type(t), t.dtype, t.shape, t.stride(), t.device, t.requires_grad, t.is_conj(), t.is_neg()) for t in ts]
 
 
-@dataclass(slots=True)
-class _Chunk:
-    """One run of sources: their layout check, where the in-place ones live, and wrappers of those."""
-
-    lo: int
-    hi: int
-    guard: Callable[[Sequence[torch.Tensor]], bool] | None  # dtype, device, shape, strides in one C++ pass
-    layouts: list[Any]  # without the guard: each source's layout, compared in Python
-    mask: list[bool] | None  # which sources are hashed in place; None when all of them are
-    ptrs: list[int]
-    views: list[Any]
-
-    def holds(self, sources: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
-        """This chunk's in-place tensors when every source keeps its layout and they their address."""
-        part = sources[self.lo : self.hi]
-        if not (self.guard(part) if self.guard is not None else _layouts(part) == self.layouts):
-            return None
-        fast = part if self.mask is None else list(itertools.compress(part, self.mask))
-        return fast if list(map(_PTR, fast)) == self.ptrs else None
+def _python_guard(tensors: Sequence[torch.Tensor]) -> Callable[[Sequence[torch.Tensor]], bool]:
+    was = _layouts(tensors)
+    return lambda now: _layouts(now) == was
 
 
 @dataclass(slots=True)
@@ -105,7 +89,9 @@ class DigestPlan:
     all_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     dyn_index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.intp))
     fast_count: int = 0
-    chunks: list[_Chunk] = field(default_factory=list)
+    chunks: list[tuple[Any, ...]] = field(default_factory=list)
+    """Per run of sources: where it lies, its layout check (one C++ pass, else compared in Python), which of
+    them are hashed in place (``None``: all), their addresses and the wrappers over their memory."""
     floating: dict[torch.dtype, tuple[list[Any], list[int]]] = field(default_factory=dict)
     """Per floating dtype, the wrappers of the in-place tensors and their entry indices (for a NaN/inf
     check over the same memory, read like the wrappers only right after :meth:`verify`)."""
@@ -122,22 +108,15 @@ class DigestPlan:
         self.fast_count = int(mask.sum())
         for lo in range(0, len(sources), CHUNK):
             part, fast = sources[lo : lo + CHUNK], self.fast_mask[lo : lo + CHUNK]
-            guard = layout_guard(part)
+            holds = layout_guard(part) or _python_guard(part)
             inplace = list(itertools.compress(part, fast))
+            # The reader's buffer itself, not a memoryview over it: one object less to touch per tensor
+            # (4-8% of a cached audit of 20,000 tensors, measured).
+            views = list(map(in_place, inplace))
             self.chunks.append(
-                _Chunk(
-                    lo=lo,
-                    hi=lo + len(part),
-                    guard=guard,
-                    layouts=_layouts(part) if guard is None else [],
-                    mask=None if all(fast) else fast,
-                    ptrs=list(map(_PTR, inplace)),
-                    # The reader's buffer itself, not a memoryview over it: one object less to touch per tensor
-                    # (4-8% of a cached audit of 20,000 tensors, measured).
-                    views=list(map(in_place, inplace)),
-                )
+                (lo, lo + len(part), holds, None if all(fast) else fast, list(map(_PTR, inplace)), views)
             )
-        views_all = [v for c in self.chunks for v in c.views]
+        views_all = [v for c in self.chunks for v in c[-1]]
         for t, view, at in zip(itertools.compress(sources, self.fast_mask), views_all, self.fast_index.tolist()):
             if t.dtype.is_floating_point or t.dtype.is_complex:
                 views, where = self.floating.setdefault(t.dtype, ([], []))
@@ -155,13 +134,13 @@ class DigestPlan:
         """
         out = np.empty(self.fast_count if hash_in_place else 0, dtype=np.uint64)
         at = 0
-        for chunk in self.chunks:
-            if chunk.holds(sources) is None:
+        for lo, hi, holds, mask, ptrs, views in self.chunks:
+            part = sources[lo:hi]
+            if not holds(part) or list(map(_PTR, part if mask is None else itertools.compress(part, mask))) != ptrs:
                 return None
-            if hash_in_place and chunk.views:
-                n = len(chunk.views)
-                out[at : at + n] = np.fromiter(map(_xxh, chunk.views), np.uint64, n)
-                at += n
+            if hash_in_place and views:
+                out[at : at + len(views)] = np.fromiter(map(_xxh, views), np.uint64, len(views))
+                at += len(views)
         return out.view(np.int64)
 
     @classmethod
@@ -225,7 +204,7 @@ class PreparedManifest:
     in_place: np.ndarray | None = None
     """The digests of the tensors hashed in place, when the cache's check computed them as it went."""
     sharded: bool = False
-    """Whether any entry is a DTensor (such manifests are never cached, so only an uncached one is)."""
+    """Whether any entry is a DTensor (then ``build`` makes its entries, which its peers are found from)."""
     dynamic_digests: dict[Any, np.ndarray] | None = None
     """The re-read values' digests by sampling and method, kept while the values are the same objects."""
 
@@ -293,6 +272,58 @@ class PreparedManifest:
         )
 
 
+def placed(entries: Sequence[Entry], named: Sequence[tuple[str, torch.nn.Module]], optimizers: Sequence[Any]) -> Any:
+    """Per kind, each tensor's place in its chain and manifest (chain order), the values re-read, and where each
+    entry's container is found again (``(optimizer, 0, group)``, ``(optimizer, 1, state dict)``, ``None``); or None."""
+    at: dict[str, dict[str, int]] = {"_parameters": {}, "_buffers": {}}  # in the chain of module dict values
+    for attr, names in at.items():
+        pos, seen = 0, set()
+        for prefix, mod in named:
+            for k, v in getattr(mod, attr).items():
+                if v is not None and id(v) not in seen:  # the first name wins, as in the build
+                    seen.add(id(v))
+                    names[f"{prefix}.{k}" if prefix else k] = pos
+                pos += 1
+    state_at: dict[tuple[int, Any], int] = {}  # in the chain of state values; each state dict's, group's place
+    dict_at: dict[int, tuple[int, int]] = {}
+    group_at: dict[int, tuple[int, int]] = {}
+    pos = 0
+    for oi, opt in enumerate(optimizers):
+        for si, state in enumerate(opt.state.values()):
+            dict_at[id(state)] = (oi, si)
+            for k in state:
+                state_at[(id(state), k)] = pos
+                pos += 1
+        group_at.update((id(group), (oi, gi)) for gi, group in enumerate(opt.param_groups))
+    positions: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
+    index: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
+    groups, state_values, group_index, state_index, where = [], [], [], [], []
+    for i, e in enumerate(entries):
+        c = id(e.container)
+        where.append((g[0], 0, g[1]) if (g := group_at.get(c)) else (s[0], 1, s[1]) if (s := dict_at.get(c)) else None)
+        if e.kind == "param":
+            positions["param"].append(at["_parameters"][e.name])
+        elif e.kind == "buffer":
+            positions["buffer"].append(at["_buffers"][e.name])
+        elif c in group_at:
+            groups.append((*group_at[c], e.key, e.dtype, e.shape))
+            group_index.append(i)
+            continue
+        elif c in dict_at and isinstance(e.container.get(e.key), torch.Tensor):
+            positions["optimizer"].append(state_at[(c, e.key)])
+        elif c in dict_at:
+            state_values.append((*dict_at[c], e.key, e.dtype, e.shape))
+            state_index.append(i)
+            continue
+        else:
+            return None
+        index[e.kind].append(i)
+    for kind in positions:  # sources in the order of their chain: most often the chain is the sources
+        pairs = sorted(zip(positions[kind], index[kind]))
+        positions[kind], index[kind] = [p for p, _ in pairs], [i for _, i in pairs]
+    return positions, index, groups, state_values, group_index + state_index, where  # as _check re-reads
+
+
 @dataclass(slots=True)
 class StructureSnapshot:
     """The structure one build found, as flat lists of ints and strings (no strong references): what
@@ -322,3 +353,20 @@ class StructureSnapshot:
     plan: DigestPlan
     memo: list[Any] = field(default_factory=list)
     """The last re-read Python values, their tensors and their digests, while those are immutable objects."""
+    dtensors: list[int] = field(default_factory=list)  # the sources that are DTensors, their specs (see _check)
+    specs: list[Any] = field(default_factory=list)
+    templates: list[Entry] = field(default_factory=list)  # a sharded manifest's entries, holding no tensor
+    where: list[Any] = field(default_factory=list)  # and where their containers are found again
+
+    def rebuilt(self, sources: Sequence[torch.Tensor], values: Sequence[Any], held: Sequence[Any]) -> Manifest:
+        """A sharded manifest's entries as a build makes them: the kept names, kinds and shards with this audit's
+        tensors (``sources``, the re-read ``values``) and containers (``held``: each optimizer's param groups
+        and state dicts, as the check found them)."""
+        tensors: list[Any] = [None] * self.size
+        for at, t in zip(self.plan.all_index.tolist(), sources):
+            tensors[at] = readable(t)
+        for at, t in zip(self.plan.dyn_index.tolist(), values):
+            tensors[at] = t
+        found = [w and held[w[0]][w[1]][w[2]] for w in self.where]
+        entries = [replace(e, tensor=t, container=c) for e, t, c in zip(self.templates, tensors, found)]
+        return Manifest(entries, list(self.notes))

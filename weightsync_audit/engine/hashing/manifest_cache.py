@@ -20,8 +20,12 @@ The dicts are vouched for by their version tags (PEP 509, :func:`~weightsync_aud
 one C call per dict, and an unchanged tag proves the same keys holding the same objects. Only when a
 tag moved are sizes, keys and object ids compared; if they held, the new tags are kept.
 
-Anything different, or anything the check cannot vouch for (DTensors, ``grads``, tensor subclasses,
-lists or tuples of tensors in optimizer state, such as LBFGS's histories), means a rebuild
+A DTensor is vouched for by its mesh, placements, global shape, dtype and trainable flag, and its local
+tensor (``_local_tensor``, which FSDP2 re-assigns in place) is then checked like any other; a sharded
+manifest's entries are made again from the snapshot at each audit (its peers are found from them).
+Anything different, or anything the check cannot vouch for (``grads``, other tensor subclasses, layouts
+written by an engine's replica rules, lists or tuples of tensors in optimizer state, such as LBFGS's
+histories), means a rebuild
 (:func:`~weightsync_audit.engine.inventory.manifest.build_manifest`): never a stale manifest. Values are
 never cached: tensors are hashed where they live, Python values (lr, betas, steps) re-read, at every audit.
 """
@@ -32,23 +36,24 @@ import collections
 import itertools
 import operator
 import weakref
+from dataclasses import replace
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
 from torch import nn
 
-from weightsync_audit.compat import dict_version_reader
+from weightsync_audit.compat import dict_version_reader, dtensor_local, is_dtensor
 from weightsync_audit.engine.hashing.digest import structure_digest
-from weightsync_audit.engine.hashing.digest_plan import DigestPlan, PreparedManifest, StructureSnapshot
+from weightsync_audit.engine.hashing.digest_plan import DigestPlan, PreparedManifest, StructureSnapshot, placed
 from weightsync_audit.engine.inventory.manifest import (
     KINDS,
     Manifest,
     dtype_name,
-    has_shards,
     holds_tensor,
     unwrap_module,
     value_as_tensor,
 )
+from weightsync_audit.engine.inventory.peers import shard_info
 
 __all__ = ["ManifestCache", "PreparedManifest"]
 
@@ -66,6 +71,7 @@ _SHAPE = _T.shape.__get__  # type: ignore[attr-defined]
 _VERSION = dict_version_reader()
 _STATE_TYPES = (dict, collections.defaultdict)
 _SCALAR_TYPES = frozenset((bool, int, float, str, type(None)))
+_NOTHING = torch.zeros(0)  # a kept entry's tensor: the snapshot holds none of the audited ones
 
 
 def _dicts(mods: Sequence[nn.Module]) -> list[list[dict[str, Any]]]:
@@ -160,6 +166,23 @@ def _unless_all(positions: list[int], n: int) -> list[int] | None:
 
 def _no_object() -> None:
     return None
+
+
+def _spec(t: Any) -> tuple[Any, ...]:
+    # What a DTensor's entry follows besides its local tensor: its ShardInfo (mesh, placements, global shape), dtype, flag.
+    return (type(t), t.device_mesh, t.placements, t.shape, t.dtype, t.requires_grad)
+
+
+def _local(at: Sequence[int], specs: list[Any] | None, sources: list[Any]) -> list[Any] | None:
+    """The specs of the DTensors at ``at`` in ``sources`` (``None`` where they are not ``specs``), each then
+    replaced by its local tensor: a source checked like any other."""
+    held = [sources[i] for i in at]
+    now = list(map(_spec, held))
+    if specs is not None and now != specs:
+        return None
+    for i, t in zip(at, held):
+        sources[i] = dtensor_local(t)
+    return now
 
 
 class ManifestCache:
@@ -273,6 +296,8 @@ def _check(
             sources.extend(values())
         elif positions:
             sources.extend(map(values().__getitem__, positions))
+    if snap.dtensors and not _local(snap.dtensors, snap.specs, sources):
+        return None
     # The same objects (checked above) with the same dtype, device, shape and strides, and the tensors
     # hashed in place still at the same address: then each cached wrapper covers exactly its tensor.
     in_place = snap.plan.verify(sources, hash_in_place=hash_in_place)
@@ -296,6 +321,10 @@ def _check(
     # The structure held: tags that moved without a change (a key deleted and put back, a Python value
     # in the state re-assigned) are the tags to compare from now on.
     snap.module_versions, snap.optimizer_versions = module_versions, optimizer_versions
+    now = memo[1] if memo else values
+    if snap.templates:  # a sharded manifest: its entries are made, when asked for, from what this check found
+        held = [(list(opt.param_groups), list(opt.state.values())) for opt in optimizers]
+        build = lambda: snap.rebuilt(sources, now, held)  # noqa: E731
     return PreparedManifest(
         size=snap.size,
         structure=snap.structure,
@@ -305,73 +334,11 @@ def _check(
         build=build,
         sources=sources,
         slow_mask=snap.slow_mask,
-        dynamic=memo[1] if memo else values,
+        dynamic=now,
         in_place=in_place if hash_in_place else None,
+        sharded=bool(snap.templates),
         dynamic_digests=memo[2] if memo else None,
     )
-
-
-def _chain_positions(named: Sequence[tuple[str, nn.Module]]) -> dict[str, dict[str, int]]:
-    """Where each parameter / buffer sits in the chain of module dict values (first name wins, as in the build)."""
-    at: dict[str, dict[str, int]] = {"_parameters": {}, "_buffers": {}}
-    for attr, where in at.items():
-        pos = 0
-        seen: set[int] = set()
-        for prefix, mod in named:
-            for k, v in getattr(mod, attr).items():
-                if v is not None and id(v) not in seen:
-                    seen.add(id(v))
-                    where[f"{prefix}.{k}" if prefix else k] = pos
-                pos += 1
-    return at
-
-
-def _optimizer_positions(optimizers: Sequence[torch.optim.Optimizer]) -> tuple[dict, dict, dict]:
-    """Each state value's place in the chain of state values; each state dict's and param group's place."""
-    state_at: dict[tuple[int, Any], int] = {}
-    dict_at: dict[int, tuple[int, int]] = {}
-    group_at: dict[int, tuple[int, int]] = {}
-    pos = 0
-    for oi, opt in enumerate(optimizers):
-        for si, state in enumerate(opt.state.values()):
-            dict_at[id(state)] = (oi, si)
-            for k in state:
-                state_at[(id(state), k)] = pos
-                pos += 1
-        for gi, group in enumerate(opt.param_groups):
-            group_at[id(group)] = (oi, gi)
-    return state_at, dict_at, group_at
-
-
-def _placed(entries: Sequence[Any], named: Sequence[tuple[str, nn.Module]], optimizers: Sequence[Any]) -> Any:
-    """Per kind, each tensor's place in its chain and manifest (chain order), and the values re-read; or None."""
-    at = _chain_positions(named)
-    state_at, dict_at, group_at = _optimizer_positions(optimizers)
-    positions: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
-    index: dict[str, list[int]] = {"param": [], "buffer": [], "optimizer": []}
-    groups, state_values, group_index, state_index = [], [], [], []
-    for i, e in enumerate(entries):
-        if e.kind == "param":
-            positions["param"].append(at["_parameters"][e.name])
-        elif e.kind == "buffer":
-            positions["buffer"].append(at["_buffers"][e.name])
-        elif id(e.container) in group_at:
-            groups.append((*group_at[id(e.container)], e.key, e.dtype, e.shape))
-            group_index.append(i)
-            continue
-        elif id(e.container) in dict_at and isinstance(e.container.get(e.key), torch.Tensor):
-            positions["optimizer"].append(state_at[(id(e.container), e.key)])
-        elif id(e.container) in dict_at:
-            state_values.append((*dict_at[id(e.container)], e.key, e.dtype, e.shape))
-            state_index.append(i)
-            continue
-        else:
-            return None
-        index[e.kind].append(i)
-    for kind in positions:  # sources in the order of their chain: most often the chain is the sources
-        pairs = sorted(zip(positions[kind], index[kind]))
-        positions[kind], index[kind] = [p for p, _ in pairs], [i for _, i in pairs]
-    return positions, index, groups, state_values, group_index + state_index  # the order _check re-reads
 
 
 def _snapshot(
@@ -382,16 +349,16 @@ def _snapshot(
 ) -> StructureSnapshot | None:
     """What :func:`_check` compares against; ``None`` when this manifest cannot be cached."""
     entries = manifest.entries
-    if has_shards(entries) or any(e.kind == "grad" or e.note for e in entries):
-        return None  # grads come and go every step; DTensors (noted entries) are rebuilt every audit
+    if any(e.kind == "grad" or e.note for e in entries):
+        return None  # grads come and go every step
     user = unwrap_module(module) if module is not None else None
     named = list(user.named_modules()) if user is not None else []
     mods = [m for _, m in named]
     if not _plain(mods, optimizers):
         return None
-    if (placed := _placed(entries, named, optimizers)) is None:
+    if (found := placed(entries, named, optimizers)) is None:
         return None
-    positions, index, groups, state_values, dyn_index = placed
+    positions, index, groups, state_values, dyn_index, where = found
     fingerprint, params, buffers, module_versions = _walk(mods)
     states = _state_values(optimizers)
     sources = (
@@ -400,6 +367,13 @@ def _snapshot(
         + [states[p] for p in positions["optimizer"]]
     )
     src_index = index["param"] + index["buffer"] + index["optimizer"]
+    dtensors = [i for i, s in enumerate(sources) if is_dtensor(s)]
+    shards: list[Any] = [None] * len(entries)
+    for i in dtensors:
+        shards[src_index[i]] = shard_info(sources[i])
+    if [e.shard for e in entries] != shards:
+        return None  # a layout written by an engine's replica rules: built at every audit
+    specs = _local(dtensors, None, sources)
     if not set(map(type, sources)) <= _PLAIN_SET:
         return None
     built = [entries[i].tensor for i in src_index]  # the build and this walk must agree on every tensor
@@ -432,4 +406,8 @@ def _snapshot(
         notes=list(manifest.notes),
         kind_counts=counts,
         plan=plan,
+        dtensors=dtensors,
+        specs=specs or [],
+        templates=[replace(e, tensor=_NOTHING, container=None) for e in entries] if dtensors else [],
+        where=where if dtensors else [],
     )
