@@ -22,6 +22,7 @@ from torch import nn
 
 __all__ = [
     "CompatError",
+    "class_names",
     "ddp_comm_hooks",
     "ddp_reducer_parameter_ids",
     "ddp_synced_count",
@@ -252,8 +253,9 @@ def module_attr(module: Any, name: str) -> Any:
 
 
 @functools.lru_cache(maxsize=256)
-def _mro_names(cls: type) -> frozenset[str]:
-    return frozenset(c.__name__ for c in cls.__mro__)
+def class_names(obj: Any) -> set[str]:
+    """The names of ``obj``'s class and its bases (recognises a class without importing its package)."""
+    return {c.__name__ for c in type(obj).__mro__}
 
 
 def peel_wrapper(module: nn.Module) -> nn.Module | None:
@@ -270,9 +272,9 @@ def peel_wrapper(module: nn.Module) -> nn.Module | None:
         return orig
     if name == "_LightningModuleWrapperBase" and hasattr(module, "_forward_module"):
         return module._forward_module  # Lightning < 2.2
-    if "DeepSpeedEngine" in _mro_names(type(module)) and isinstance(module.module, nn.Module):
+    if "DeepSpeedEngine" in class_names(module) and isinstance(module.module, nn.Module):
         return module.module  # deepspeed.DeepSpeedEngine (also Lightning's and Accelerate's)
-    if type(module).__module__.startswith("megatron.") and _mro_names(type(module)) & {
+    if type(module).__module__.startswith("megatron.") and class_names(module) & {
         "_BaseDataParallel",
         "Float16Module",
     }:

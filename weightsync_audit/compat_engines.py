@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weightsync_audit.compat import class_names
+
 __all__ = [
-    "class_names",
     "is_deepspeed_engine",
     "deepspeed_engine_of",
     "zero_stage",
@@ -37,11 +38,6 @@ __all__ = [
     "pipeline_stage_index",
     "lightning_next_batch",
 ]
-
-
-def class_names(obj: Any) -> set[str]:
-    """The names of ``obj``'s class and its bases (recognises a class without importing its package)."""
-    return {c.__name__ for c in type(obj).__mro__}
 
 
 # -- DeepSpeed ---------------------------------------------------------------------------------

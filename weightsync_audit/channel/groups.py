@@ -18,7 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from weightsync_audit.channel.store import StoreLink, StoreUnreachable
 from weightsync_audit.compat import default_process_group, default_store, new_named_gloo_group
 from weightsync_audit.errors import AuditTimeoutError
 
-__all__ = ["AuditGroup", "forget_groups", "open_group"]
+__all__ = ["AuditGroup", "forget_groups", "late_why", "open_group"]
 
 
 class AuditGroup:
@@ -287,15 +287,18 @@ def _check_decision(decision: str, ranks: tuple[int, ...], me: int, deadline_s: 
     if isinstance(verdict, list):  # written by a version before the views were named
         verdict = {"missing": verdict}
     missing = verdict.get("missing", [])
-    if me in missing:
-        why = "this rank arrived after the others had given up waiting for it"
-    else:
-        why = "a rank is stuck, dead, or auditing at a different point"
     raise AuditTimeoutError(
         f"weightsync audit: rank(s) {missing} did not arrive at the first audit within {deadline_s:g}s "
-        f"(this is rank {me}, one of {len(ranks)}); {why}{_disagreement(verdict.get('views', {}))}",
+        f"(this is rank {me}, one of {len(ranks)}); {late_why(me, missing)}{_disagreement(verdict.get('views', {}))}",
         missing,
     )
+
+
+def late_why(me: int, missing: Sequence[int]) -> str:
+    """Why the ranks ``missing`` did not arrive, as rank ``me`` (global ranks) can tell."""
+    if me in missing:
+        return "this rank arrived after the others had given up waiting for it"
+    return "a rank is stuck, dead, or auditing at a different point"
 
 
 def forget_groups() -> None:

@@ -218,7 +218,6 @@ class Comm(TreeWire):
             raise ValueError(f"timeout_s={timeout_s!r}: must be a positive number of seconds or None")
         self.timeout_s = timeout_s
         self.grace_s = grace_s
-        self.user_group = group
         self.world_size, self.rank, self.global_ranks = self.membership(group)
         self._group: AuditGroup | None = None
         self._pg_ranks: tuple[Any, list[int]] | None = None

@@ -32,7 +32,7 @@ import time
 from datetime import timedelta
 from typing import Any, Sequence
 
-from weightsync_audit.channel.groups import AuditGroup
+from weightsync_audit.channel.groups import AuditGroup, late_why
 from weightsync_audit.compat import is_timeout_text
 from weightsync_audit.errors import AuditOutOfStepError, AuditTimeoutError
 
@@ -104,15 +104,9 @@ def timeout_error(
     me = who.global_ranks[who.rank]
     group.broken = f"rank(s) {missing_global} did not arrive at {what}"
     group.broken_kind = AuditTimeoutError
-    if not why:
-        why = (
-            "this rank arrived after the others had given up waiting for it"
-            if me in missing_global
-            else "a rank is stuck, dead, or auditing at a different point"
-        )
     return AuditTimeoutError(
         f"weightsync audit: rank(s) {missing_global} did not arrive at {what} {who.limit()} "
-        f"(this is rank {me} of {who.world_size}); {why}",
+        f"(this is rank {me} of {who.world_size}); {why or late_why(me, missing_global)}",
         missing_global,
     )
 

@@ -92,13 +92,7 @@ class AuditHistory:
                 self.last_full_sync_step = result.step
             self.last_diverged_tensors = []
         else:
-            self.diverged_audits += 1
-            # Parameters first: the summary names a diverged parameter before optimizer entries.
-            names = [m.name for m in sorted(result.mismatches, key=lambda m: m.kind != "param")]
-            if self.first_divergence_step is None and not self.first_divergence_tensors:
-                self.first_divergence_step = result.step
-                self.first_divergence_tensors = names
-            self.last_diverged_tensors = names
+            self.last_diverged_tensors = self.diverged(result)
             if result.pinpoint in ("exact", "sampled"):
                 if self.first_diverged_step is None:
                     self.first_diverged_step = result.first_diverged_step
@@ -107,6 +101,16 @@ class AuditHistory:
                     known = result.last_in_sync_step
                     prior = self.last_in_sync_step
                     self.last_in_sync_step = known if prior is None else max(prior, known)
+
+    def diverged(self, result: AuditResult) -> list[str]:
+        """A divergence ``result`` found (any audit of the run's, the gradients' before a step too): counted, the
+        run's first when none came before; its names, parameters first (a summary names one before optimizer
+        entries)."""
+        self.diverged_audits += 1
+        names = [m.name for m in sorted(result.mismatches, key=lambda m: m.kind != "param")]
+        if self.first_divergence_step is None and not self.first_divergence_tensors:
+            self.first_divergence_step, self.first_divergence_tensors = result.step, names
+        return names
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)  # the lists copied

@@ -40,6 +40,7 @@ __all__ = [
     "PrometheusSink",
     "RankPlace",
     "gauge_values",
+    "place_labels",
     "record_figures",
 ]
 
@@ -173,6 +174,14 @@ def gauge_values(f: Figures) -> list[tuple[str, float, dict[str, str]]]:
     if f.nonfinite_tensors is not None:
         out.append(("nonfinite", f.nonfinite_tensors, {}))
     return out
+
+
+def place_labels(f: Figures) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """The labels of the per-rank gauges, in both exporters: each rank the record names apart (``rank``,
+    ``host``, ``device``), and each rank its blame holds responsible (with ``evidence``, ``hardware_suspect``)."""
+    named = [{"rank": str(p.rank), "host": p.host, "device": p.device} for p in f.ranks]
+    suspect = {"evidence": f.evidence, "hardware_suspect": str(f.hardware_suspect).lower()}
+    return named, [{"rank": str(p.rank), "host": p.host, "device": p.device, **suspect} for p in f.blamed]
 
 
 def _largest(values: list[float | None], in_sync: bool) -> float:

@@ -14,7 +14,7 @@ from typing import Any
 from opentelemetry import metrics
 
 from weightsync_audit import __version__
-from weightsync_audit.metrics import DURATION_BUCKETS, GAUGES, gauge_values, record_figures
+from weightsync_audit.metrics import DURATION_BUCKETS, GAUGES, gauge_values, place_labels, record_figures
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["OpenTelemetrySink"]
@@ -89,7 +89,7 @@ class OpenTelemetrySink:
         self.prefix = prefix
         self._provider = meter_provider
         self._instruments: _Instruments | None = None
-        self._named: set[tuple[str, str, str]] = set()
+        self._named: set[tuple[tuple[str, str], ...]] = set()
         self._blamed: set[tuple[tuple[str, str], ...]] = set()
 
     @property
@@ -129,16 +129,8 @@ class OpenTelemetrySink:
         if f.action == "resynced":
             m.resyncs.add(1)
         # A gauge keeps every attribute set it saw: a rank named before and not now goes back to 0.
-        now = {(str(p.rank), p.host, p.device) for p in f.ranks}
-        for rank, host, device in sorted(self._named | now):
-            m.rank.set(int((rank, host, device) in now), {"rank": rank, "host": host, "device": device})
-        self._named |= now
-        suspect = str(f.hardware_suspect).lower()
-        held = {
-            (("rank", str(p.rank)), ("host", p.host), ("device", p.device), ("evidence", f.evidence),
-             ("hardware_suspect", suspect))
-            for p in f.blamed
-        }  # fmt: skip
-        for attrs in sorted(self._blamed | held):
-            m.blamed.set(int(attrs in held), dict(attrs))
-        self._blamed |= held
+        for gauge, seen, labels in zip((m.rank, m.blamed), (self._named, self._blamed), place_labels(f)):
+            now = {tuple(one.items()) for one in labels}
+            for attrs in sorted(seen | now):
+                gauge.set(int(attrs in now), dict(attrs))
+            seen |= now

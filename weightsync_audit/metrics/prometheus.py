@@ -25,7 +25,7 @@ from prometheus_client import (
     write_to_textfile,
 )
 
-from weightsync_audit.metrics import DURATION_BUCKETS, GAUGES, GaugeSpec, gauge_values, record_figures
+from weightsync_audit.metrics import DURATION_BUCKETS, GAUGES, GaugeSpec, gauge_values, place_labels, record_figures
 from weightsync_audit.reporting.jsonl import check_report_path
 from weightsync_audit.reporting.record import AuditResult
 
@@ -196,13 +196,10 @@ class PrometheusSink(contextlib.AbstractContextManager["PrometheusSink"]):
             m.diverged.inc()
         if f.action == "resynced":
             m.resyncs.inc()
-        m.rank.clear()
-        for place in f.ranks:
-            m.rank.labels(rank=str(place.rank), host=place.host, device=place.device).set(1)
-        m.blamed.clear()
-        for place in f.blamed:
-            suspect = str(f.hardware_suspect).lower()
-            m.blamed.labels(str(place.rank), place.host, place.device, f.evidence, suspect).set(1)
+        for gauge, labels in zip((m.rank, m.blamed), place_labels(f)):
+            gauge.clear()
+            for one in labels:
+                gauge.labels(**one).set(1)
         if self.port is not None:
             self.serve()
         if self.textfile is not None:

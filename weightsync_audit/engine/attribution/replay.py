@@ -33,7 +33,7 @@ before the optimizer step (a gradient changed after the all-reduce). Local: no m
 >>> opt = torch.optim.Adam([p], lr=0.1)
 >>> p.grad = torch.full((3,), 0.5)
 >>> replay = UpdateReplay(slices=1)
->>> replay.before(opt, step=0)
+>>> replay.before(opt)
 >>> opt.step()
 >>> replay.after(opt), replay.covered, replay.replayable
 ([], 1, 1)
@@ -118,7 +118,7 @@ class UpdateReplay:
         """Name -> the replayed post-step value of each tensor that reproduced (parameter and its state);
         the watch empties it when the next step opens."""
 
-    def before(self, opt: torch.optim.Optimizer, step: int) -> None:
+    def before(self, opt: torch.optim.Optimizer) -> None:
         """Right before ``opt.step()``: copy what the update of the covered parameters reads."""
         self.declined = declined_reason(opt)
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None and not p.grad.is_sparse]

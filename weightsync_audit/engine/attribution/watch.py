@@ -223,7 +223,7 @@ class StepWatch:
         try:
             if self.replay is not None and id(opt) not in self._copied:
                 self._copied.add(id(opt))
-                self.replay.before(opt, self.steps_taken)
+                self.replay.before(opt)
                 self._check_copies(opt)
         except Exception as exc:  # noqa: BLE001
             self._failed(exc, "update replay")

@@ -105,8 +105,8 @@ def _is_dcp_file(base: str) -> bool:
     return base == ".metadata" or DCP_FILE.fullmatch(base) is not None
 
 
-def _index_shards(root: Path, name: str, f: Path) -> list[str]:
-    """The files an ``*.index.json`` names (its ``weight_map``'s values), relative to ``root``."""
+def _index_shards(name: str, f: Path) -> list[str]:
+    """The files an ``*.index.json`` names (its ``weight_map``'s values), relative to the checkpoint folder."""
     doc = read_json(f, "checkpoint index")
     wmap = doc.get("weight_map") if isinstance(doc, dict) else None
     where = name.rpartition("/")[0]
@@ -129,7 +129,7 @@ def folder_units(path: str | os.PathLike[str]) -> list[Unit]:
         taken.update(mine)
     for n, f in files.items():
         if n.endswith(".index.json") and n not in taken:
-            shards = [s for s in _index_shards(p, n, f) if s in files]
+            shards = [s for s in _index_shards(n, f) if s in files]
             units.append(Unit(n.removesuffix(".index.json"), "tensors", tuple(files[s] for s in shards)))
             taken.update([n, *shards])
     for n, f in files.items():

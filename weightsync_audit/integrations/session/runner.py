@@ -379,11 +379,7 @@ class AuditRunner:
         # The gradient auditor keeps its own history (its audits interleave with the main ones); a
         # divergence it finds first is still the run's first divergence.
         if not result.in_sync:
-            self.history.diverged_audits += 1
-            if self.history.first_divergence_step is None:
-                self.history.first_divergence_step = result.step
-                ordered = sorted(result.mismatches, key=lambda m: m.kind != "param")  # parameters first
-                self.history.first_divergence_tensors = [m.name for m in ordered]
+            self.history.diverged(result)
         result.last_in_sync_step = result.step if result.in_sync else self.history.last_in_sync_step
         result.last_full_sync_step = self.history.last_full_sync_step
 

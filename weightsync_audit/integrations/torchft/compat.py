@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from weightsync_audit.compat_engines import class_names
+from weightsync_audit.compat import class_names
 
 __all__ = [
     "DiLoCoFragment",
