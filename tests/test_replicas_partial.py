@@ -181,6 +181,30 @@ def test_one_stage_per_rank_compares_nothing_and_says_so() -> None:
     assert all(o["rec"]["notes"] == rec["notes"] and o["rec"]["checked"] == rec["checked"] for o in out)
 
 
+def _declared_after_caching(rank: int, world: int) -> list[dict[str, Any]]:
+    """One stage per rank, declared only after an ``Auditor`` has cached the undeclared model's manifest."""
+    import torch.distributed as dist
+
+    from weightsync_audit import Auditor, declare_replicas
+
+    own = [dist.new_group([r]) for r in range(world)]
+    torch.manual_seed(rank)
+    module = torch.nn.Linear(4, 4)
+    auditor = Auditor(module)
+    records = [auditor.audit().to_dict(), auditor.audit().to_dict()]  # the second reads the cached manifest
+    declare_replicas(module, stage=rank, stage_group=own[rank])
+    return [*records, auditor.audit().to_dict()]
+
+
+def test_a_declaration_made_after_an_auditor_cached_the_manifest_is_read_by_its_next_audit() -> None:
+    out = run_ranks(_declared_after_caching, 2)
+    for records in out:
+        before, cached, declared = records
+        assert before["in_sync"] is False and cached["in_sync"] is False  # undeclared: two different replicas
+        assert declared["in_sync"] is True and sum(declared["checked"].values()) == 0, declared
+        assert any(n.startswith("nothing was compared: no tensor has a replica") for n in declared["notes"])
+
+
 def _stage_bytes(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, bytes]:
     out = {n: s[3] for n, s in _held(module).items()}
     for i, p in enumerate(module.parameters()):

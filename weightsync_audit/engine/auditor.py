@@ -43,6 +43,7 @@ from weightsync_audit.engine.config import (
 from weightsync_audit.engine.context import AuditContext, AuditHistory
 from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
+from weightsync_audit.engine.inventory.layouts import declarations
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
 from weightsync_audit.engine.inventory.reducer import find_ddp, syncs_buffers
 from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
@@ -181,7 +182,7 @@ class Auditor:
         cfg = self.config
         include = cfg.include if include is None else include
         skip = self._skip_buffers_reason(ddp)
-        key = (include, cfg.exclude, skip, self.comm.global_ranks)
+        key = (include, cfg.exclude, skip, self.comm.global_ranks, declarations())  # declared later: built again
 
         def build() -> Manifest:  # under the replica rules: DeepSpeed, FSDP1, stages...
             return replica_manifest(module, optimizers, include, exclude=cfg.exclude, skip_buffers_reason=skip)

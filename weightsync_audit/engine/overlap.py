@@ -167,27 +167,28 @@ class OverlapRun(AuditRun):
     def raced(self, manifest: PreparedManifest) -> BaseException | None:
         """The tensors written since launch, as this rank's failure (its summary flagged failed)."""
         moved = self.guard.moved()
-        return AuditRaceError(self.guard.describe(moved, manifest, self.step)) if moved else None
+        return AuditRaceError(self.guard.describe(moved, manifest, self.context.step)) if moved else None
 
     def agree(self, prepared: Prepared) -> Agreement:
         """The summaries meet; a difference in values read in the window is decided at rest (every rank alike)."""
         agreement = AuditRun.agree(self, prepared)  # slots dataclass: no zero-argument super()
         if agreement.status == "values":
+            step = self.context.step
             said = (
-                f"the overlapped read of step {'-' if self.step is None else self.step} differed between the ranks; "
+                f"the overlapped read of step {'-' if step is None else step} differed between the ranks; "
                 "decided at rest, where nothing writes (a write in the window that no version counter sees, through "
                 ".data or a raw pointer, is never reported as a divergence)"
             )
-            raise AuditRaceError(f"weightsync audit: {said}", {r: said for r in self.comm.global_ranks})
+            raise AuditRaceError(f"weightsync audit: {said}", {r: said for r in self.context.comm.global_ranks})
         return agreement
 
     def fail(self, failure: BaseException | None) -> None:
         """Every rank's reason, shared; a race on every failed rank is one :class:`AuditRaceError` everywhere."""
-        failed = shared_failures(self.comm, failure)
+        failed = shared_failures(self.context.comm, failure)
         if failed and all(m.startswith(RACE + ":") for m in failed.values()):
             text = "; ".join(f"rank {r}: {m[len(RACE) + 2 :]}" for r, m in failed.items())
             raise AuditRaceError(f"weightsync audit: {text}", failed)
-        raise_failed(self.comm, failure, failed)
+        raise_failed(self.context.comm, failure, failed)
 
 
 def accelerator_of(tensors: Sequence[Any]) -> torch.device | None:

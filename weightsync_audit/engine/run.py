@@ -25,7 +25,6 @@ import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -101,26 +100,20 @@ class AuditRun:
     def __post_init__(self) -> None:
         object.__setattr__(self, "t0", time.perf_counter())
 
-    def __getattr__(self, name: str) -> Any:
-        """The context's fields, read by name (``self.comm``, ``self.step``...): every one of them, none copied."""
-        if name == "context":  # not set yet: no field to read through
-            raise AttributeError(name)
-        return getattr(self.context, name)
-
     def run(self) -> AuditResult:
         """The phases in order; the same on every rank."""
         return self.phases()[0]
 
     def phases(self) -> tuple[AuditResult, PreparedManifest]:
         """:meth:`run`'s result, and the manifest this rank compared (what a resync right after it reads)."""
-        prepared = self.prepare()
+        ctx, prepared = self.context, self.prepare()
         agreement = self.agree(prepared)
         # With check_batches: ranks that trained on identical batches at this step (one round, every rank).
-        shared = shared_batches(self.comm, self.context.batch) if self.config.check_batches else []
+        shared = shared_batches(ctx.comm, ctx.batch) if ctx.config.check_batches else []
         found = self.localize(prepared, agreement)
         measured = self.measure(prepared, found)
         # With check_finite: the audited tensors holding NaN/inf (collective; the same on every rank).
-        nonfinite = finite.count_everywhere(self.comm, prepared.manifest) if self.config.check_finite else None
+        nonfinite = finite.count_everywhere(ctx.comm, prepared.manifest) if ctx.config.check_finite else None
         explained = self.explain(prepared, agreement, found, measured)
         return self.record(explained, nonfinite, shared), prepared.manifest
 
@@ -132,14 +125,14 @@ class AuditRun:
         A rank that cannot prepare its audit (a meta tensor, say) still takes part in the exchange,
         flagged, so that every rank raises together instead of the others waiting for it.
         """
-        cfg, ctx = self.config, self.context
+        cfg, ctx = self.context.config, self.context
         failure: BaseException | None = ctx.failure
         try:
             if ctx.prepared is None:
                 raise failure or RuntimeError("no manifest was prepared")
             manifest = ctx.prepared
             with gc_paused():
-                digests = manifest.digests(slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)
+                digests = manifest.digests(slice_index=self.context.slice_index, slices=cfg.slices, method=cfg.method)
                 structure, overall = manifest.structure, overall_digest(digests, manifest.structure)
         except Exception as exc:  # noqa: BLE001 - re-raised in agree, after telling the other ranks
             failure = exc
@@ -149,17 +142,17 @@ class AuditRun:
             failure = self.raced(manifest)
         sketch, buckets = bucket_sketch(digests)
         pinpointer = ctx.pinpointer
-        position = f"hook={self.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
+        position = f"hook={self.context.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
         summary = np.array(
             [
                 PROTOCOL if failure is None else PROTOCOL_FAILED,
-                -1 if self.step is None else int(self.step),
-                -1 if self.epoch is None else int(self.epoch),
+                -1 if self.context.step is None else int(self.context.step),
+                -1 if self.context.epoch is None else int(self.context.epoch),
                 manifest.size,
                 structure,
                 overall,
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
-                self.slice_index,
+                self.context.slice_index,
                 0 if pinpointer is None else pinpointer.ring_word(),
                 *sketch.tolist(),  # where a divergence lies, to the bucket: localized a round sooner
             ],
@@ -175,25 +168,25 @@ class AuditRun:
 
     def agree(self, prepared: Prepared) -> Agreement:
         """The summaries meet; a failed or out-of-step rank makes every rank raise together."""
-        agreement = agree(self.comm, prepared.summary)
+        agreement = agree(self.context.comm, prepared.summary)
         if agreement.failed:
             self.fail(prepared.failure)
         if agreement.status == "out_of_step":
-            position = {"step": self.step, "epoch": self.epoch, "hook": self.hook}
-            position.update(config=self.config.fingerprint(), slice=self.slice_index)
-            raise_out_of_step(self.comm, agreement.differing_fields, position)
+            position = {"step": self.context.step, "epoch": self.context.epoch, "hook": self.context.hook}
+            position.update(config=self.context.config.fingerprint(), slice=self.context.slice_index)
+            raise_out_of_step(self.context.comm, agreement.differing_fields, position)
         return agreement
 
     def fail(self, failure: BaseException | None) -> None:
         """Some rank could not prepare its audit: every rank raises, after one round telling why."""
-        raise_failed(self.comm, failure)
+        raise_failed(self.context.comm, failure)
 
     # -- localize ------------------------------------------------------------------------------
 
     def localize(self, prepared: Prepared, agreement: Agreement) -> Localized:
         """Off the healthy path: which tensors differ, on which ranks (and DTensors within peer sets)."""
-        status, manifest, comm = agreement.status, prepared.manifest, self.comm
-        # The entries themselves are needed only off the healthy path (or for DTensors, never cached).
+        status, manifest, comm = agreement.status, prepared.manifest, self.context.comm
+        # The entries themselves are needed only off the healthy path (or for DTensors: their peer sets).
         diverged = status in ("values", "structure")
         entries = manifest.manifest.entries if diverged or manifest.sharded else []
         value_diffs: list[ValueDiff] = []
@@ -222,14 +215,14 @@ class AuditRun:
             list(d.shape) if d.shape else None,
             d.dtype,
             None,
-            tie_detail(d.tie, self.comm.global_ranks, d.detail),
+            tie_detail(d.tie, self.context.comm.global_ranks, d.detail),
         )
 
     # -- measure -------------------------------------------------------------------------------
 
     def measure(self, prepared: Prepared, found: Localized) -> Measured:
         """Value mismatches with their gaps against the reference copy; ranks made global; tolerance."""
-        comm, cfg, structural = self.comm, self.config, found.structural
+        comm, cfg, structural = self.context.comm, self.context.config, found.structural
         if not found.value_diffs and not structural:  # the healthy path: nothing to measure
             return Measured([], None, None)
         # Only on divergence: the lookup costs per tensor.
@@ -251,12 +244,13 @@ class AuditRun:
         if value_mismatches:
             # The hyper-parameters that differed at a step this audit covers (an lr set back since): collective.
             hyper = self.context.step_hyper
-            stepped = hyper.differed(comm, self.step, structural + value_mismatches) if hyper is not None else []
+            step = self.context.step
+            stepped = hyper.differed(comm, step, structural + value_mismatches) if hyper is not None else []
             tally = self.tally(prepared, found)  # the hints ride the gaps' last round: what they say is known
             entries = [by_uid[d.uid] for d in found.value_diffs]
             n = len(entries)  # the odd ranks read the diverged tensors again
             again = finite.reread_row(comm.rank, found.value_diffs, found.entries, prepared.digests,
-                               slice_index=self.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
+                               slice_index=self.context.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
 
             def finish(measured: list[Mismatch], extra: np.ndarray) -> bytes:  # on the coordinator
                 try:
@@ -274,25 +268,26 @@ class AuditRun:
         return Measured(self._settle(structural + value_mismatches + stepped), tally, shared)
 
     def _apply_extra(self, mismatches: list[Mismatch], shared: np.ndarray, n: int) -> None:
-        finite.apply_nonfinite(self.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
+        finite.apply_nonfinite(self.context.comm.global_ranks, mismatches, shared[:, :n])  # which side holds NaN/inf
         finite.apply_stability(mismatches, shared[:, n:])  # stable or not
 
     def _settle(self, mismatches: list[Mismatch]) -> list[Mismatch]:
         """Ranks made global (decided on positions in the group; reported, like every error, in global
         ranks), and the tolerance."""
-        g = self.comm.global_ranks
-        if g != tuple(range(self.comm.world_size)):
+        g = self.context.comm.global_ranks
+        if g != tuple(range(self.context.comm.world_size)):
             for m in mismatches:
                 m.ranks = [g[r] for r in m.ranks]
                 m.reference_ranks = [g[r] for r in m.reference_ranks]
-        apply_tolerance(mismatches, self.config.tolerance)
+        apply_tolerance(mismatches, self.context.config.tolerance)
         return mismatches
 
     # -- explain -------------------------------------------------------------------------------
 
     def explain(self, prepared: Prepared, agreement: Agreement, found: Localized, measured: Measured) -> Explained:
         """The pinpointed step, what was compared, notes, and (on a divergence) the shared hints."""
-        cfg, comm, pinpointer, mismatches = self.config, self.comm, self.context.pinpointer, measured.mismatches
+        ctx, mismatches = self.context, measured.mismatches
+        cfg, comm, pinpointer = ctx.config, ctx.comm, ctx.pinpointer
         transient, pin, lead = None, None, []
         # Pinpoint is collective on a divergence (on shared data), so every rank settles it here.
         if pinpointer is not None:
@@ -303,7 +298,7 @@ class AuditRun:
                 transient.pop("why", None)  # said in the note; the field keeps its three keys
             names = [m.name for m in mismatches]
             tolerated = _tolerated(prepared.manifest, found.value_diffs, mismatches)
-            pin = pinpointer.settle(comm, bool(names), self.step, cfg.slices == 1, tolerated, names)
+            pin = pinpointer.settle(comm, bool(names), self.context.step, cfg.slices == 1, tolerated, names)
         tally = measured.tally if measured.tally is not None else self.tally(prepared, found, lead)
         shared = measured.shared
         if mismatches and shared is None:  # the first rank's, to every rank
@@ -323,7 +318,7 @@ class AuditRun:
 
     def tally(self, prepared: Prepared, found: Localized, lead: Sequence[str] = ()) -> Tally:
         """What was compared, and the notes (``lead`` first): taken once per audit."""
-        cfg = self.config
+        cfg = self.context.config
         counts = prepared.manifest.counts()
         checked, unpaired = compared_counts(found.entries, found.peers) if found.peers is not None else (counts, 0)
         if found.union is not None:  # not this rank's own count: the same on every rank
@@ -345,19 +340,19 @@ class AuditRun:
             evidence = Evidence(
                 mismatches,
                 ddp=self.context.ddp,
-                grads_checked="grads" in self.config.include,
+                grads_checked="grads" in self.context.config.include,
                 params_compared=tally.checked["param"] > 0,
-                params_audited="params" in self.config.include,
-                module=self.module,
+                params_audited="params" in self.context.config.include,
+                module=self.context.module,
                 state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
-                engine=reducing_engine(self.module, self.context.optimizers),
+                engine=reducing_engine(self.context.module, self.context.optimizers),
                 **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
             )
             hints = explain(evidence)
         except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
             notes.append(f"no hint: {type(exc).__name__}: {exc}")
         odd = sorted({r for m in mismatches for r in m.ranks})
-        return SharedHints(hints, notes, self.comm.known_hosts(odd)).pack()  # where the odd ranks run
+        return SharedHints(hints, notes, self.context.comm.known_hosts(odd)).pack()  # where the odd ranks run
 
     # -- record --------------------------------------------------------------------------------
 
@@ -366,23 +361,23 @@ class AuditRun:
     ) -> AuditResult:
         """The result, the same on every rank, entered in the auditor's history; ``shared``: the groups of
         ranks that trained on identical batches (``check_batches``)."""
-        cfg, history, step = self.config, self.context.history, self.step
+        cfg, history, step = self.context.config, self.context.history, self.context.step
         in_sync = not explained.mismatches
         full = cfg.slices == 1
         result = AuditResult(
             in_sync=in_sync,
             step=step,
-            epoch=self.epoch,
-            world_size=self.comm.world_size,
+            epoch=self.context.epoch,
+            world_size=self.context.comm.world_size,
             mismatches=explained.mismatches,
             hints=explained.hints,
             checked=explained.checked,
-            hook=self.hook,
+            hook=self.context.hook,
             action="none",
             last_in_sync_step=step if in_sync else history.last_in_sync_step,
             last_full_sync_step=step if in_sync and full else history.last_full_sync_step,
             notes=explained.notes,
-            coverage=None if full else f"{self.slice_index + 1}/{cfg.slices}",
+            coverage=None if full else f"{self.context.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
             transient=explained.transient,
             hosts=explained.hosts,
@@ -395,7 +390,7 @@ class AuditRun:
         if shared:
             result.notes.append(describe(list(shared), -1 if step is None else step))
             batches = self.context.batches
-            if batches is not None and self.comm.rank == 0:  # warned once per grouping, on the first rank
+            if batches is not None and self.context.comm.rank == 0:  # warned once per grouping, on the first rank
                 batches.warn_new(list(shared), -1 if step is None else step)
         mark_pinpoint(result, explained.pin)
         hyper = self.context.step_hyper

@@ -82,6 +82,7 @@ __all__ = [
     "declare_megatron",
     "declare_replicas",
     "declare_torchtitan",
+    "declarations",
     "declared_for",
     "declared_rules",
     "megatron_groups",
@@ -139,6 +140,7 @@ class Declared:
 
 
 _DECLARED: weakref.WeakKeyDictionary[nn.Module, Declared] = weakref.WeakKeyDictionary()
+_MADE = [0]  # declarations made in this process (a manifest cached before the last one is stale)
 
 
 def _ranks(group: Any) -> tuple[int, ...] | None:
@@ -199,6 +201,7 @@ def declare_replicas(
     if expert_ranks is not None and expert_group is not None:
         coord = min(expert_ranks)
     _DECLARED[module] = Declared(index, stage_ranks, experts, expert_ranks, coord)
+    _MADE[0] += 1
     return module
 
 
@@ -214,7 +217,12 @@ def stage_module(obj: Any) -> Any:
     module, index, stages = found
     if module not in _DECLARED:  # a declaration made by the user wins
         _DECLARED[module] = Declared(index, None, None, None, 0, stages)
+        _MADE[0] += 1
     return module
+
+
+def declarations() -> int:
+    return _MADE[0]  # how many declarations this process made so far: part of a cached manifest's key
 
 
 def declared_for(module: nn.Module | None) -> Declared | None:

@@ -213,7 +213,7 @@ class Pinpointer:
             self.uids = [e.uid for e in prepared.manifest.entries]
             self._structure = prepared.structure
         shared, structure = digests, prepared.structure
-        if prepared.sharded:  # never cached: its entries are at hand
+        if prepared.sharded:  # its entries name the peer sets (made again from a cached snapshot)
             shared, structure = self._shared_only(prepared.manifest.entries, digests)
             digests = np.where([e.shard is None for e in prepared.manifest.entries], digests, 0)  # keep positions
         self._fold_tensors(int(step), digests)
