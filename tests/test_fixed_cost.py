@@ -84,7 +84,7 @@ def test_unchanged_hyper_parameters_are_digested_once_and_a_change_is_seen() -> 
 
 def test_wrapper_lookups_read_what_getattr_reads() -> None:
     from weightsync_audit.compat import module_attr, peel_wrapper
-    from weightsync_audit.engine.inventory.reducer import find_ddp
+    from weightsync_audit.engine.explain.evidence import find_ddp
 
     plain = torch.nn.Linear(2, 2)
     assert module_attr(plain, "_orig_mod") is None and module_attr(plain, "weight") is plain.weight

@@ -216,7 +216,7 @@ def test_the_race_guard_stamps_the_parameters_themselves_from_the_first_audit_on
     """A write through the parameter (``p.clamp_()`` under ``no_grad``) moves the parameter's version counter: the
     guard sees it whether the manifest is the first one built or a cached one. A write through ``.data`` moves a
     counter of its own, which nothing audited holds: not seen (docs: decided at rest instead)."""
-    from weightsync_audit.engine.inventory.reducer import find_ddp
+    from weightsync_audit.engine.explain.evidence import find_ddp
     from weightsync_audit.engine.overlap import RaceGuard
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 2))  # a weight of 256 KiB

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from weightsync_audit import audit, maybe_rewrap, rewrap_ddp
 from weightsync_audit.compat import ddp_comm_hooks
 from weightsync_audit.ddp.inspect import ddp_settings
-from weightsync_audit.engine.inventory.reducer import synced_parameter_names
+from weightsync_audit.engine.explain.evidence import synced_parameter_names
 
 GLOBAL_BATCH = 8
 LR = 0.1

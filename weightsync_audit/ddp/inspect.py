@@ -9,7 +9,7 @@ forward raises "Expected to have finished reduction in the prior iteration".
 The remedy, a new wrapper whenever the trainable set changes, is in :mod:`weightsync_audit.ddp.rewrap`;
 this module reads what the reducer was built over (:func:`covered_flags`) against the trainable set now,
 and the settings that re-create a wrapper. What an audit reads of a wrapper (the live one, what its
-reducer covers, its buffer sync) is the engine's: :mod:`weightsync_audit.engine.inventory.reducer`.
+reducer covers, its buffer sync) is the engine's: :mod:`weightsync_audit.engine.explain.evidence`.
 
 The watch during training (:class:`TrainableSetWatch`, framework-free, so every Trainer adapter uses it):
 :meth:`~TrainableSetWatch.snapshot` right after the wrap, :meth:`~TrainableSetWatch.check` before each
@@ -30,8 +30,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from weightsync_audit.compat import ddp_synced_count
-from weightsync_audit.engine.explain.evidence import ddp_frozen_hint, ddp_unsynced_hint
-from weightsync_audit.engine.inventory.reducer import (
+from weightsync_audit.engine.explain.evidence import (
+    ddp_frozen_hint,
+    ddp_unsynced_hint,
     find_ddp,
     fix_for,
     remember_flags,

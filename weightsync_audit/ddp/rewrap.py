@@ -36,7 +36,7 @@ from weightsync_audit.ddp.inspect import (
     trainable_flags,
     watched_parameters,
 )
-from weightsync_audit.engine.inventory.reducer import mark_retired, remember_flags
+from weightsync_audit.engine.explain.evidence import mark_retired, remember_flags
 from weightsync_audit.errors import TrainableSetMismatchError
 from weightsync_audit.text import brief_names, fmt_ranks, majority
 
@@ -95,7 +95,7 @@ def retire(ddp: DistributedDataParallel) -> None:
     """Detach an outgoing wrapper's reducer from the parameters, so it reduces nothing any more.
 
     The wrapper is marked retired, so whatever still holds it (an ``Auditor``) reads the wrapper that
-    replaced it (:func:`~weightsync_audit.engine.inventory.reducer.live_ddp`), never this one.
+    replaced it (:func:`~weightsync_audit.engine.explain.evidence.live_ddp`), never this one.
     """
     remove_ddp_autograd_hooks(ddp)
     mark_retired(ddp)

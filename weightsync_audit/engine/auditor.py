@@ -42,10 +42,10 @@ from weightsync_audit.engine.config import (
 )
 from weightsync_audit.engine.context import AuditContext, AuditHistory
 from weightsync_audit.engine.duplicate_batches import BatchRecords
+from weightsync_audit.engine.explain.evidence import find_ddp, syncs_buffers
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.layouts import declarations
 from weightsync_audit.engine.inventory.manifest import Manifest, as_optimizers
-from weightsync_audit.engine.inventory.reducer import find_ddp, syncs_buffers
 from weightsync_audit.engine.inventory.replicas import replica_manifest, stage_module
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.repair.plan import RESYNC_KINDS, ResyncState, prepare_resync

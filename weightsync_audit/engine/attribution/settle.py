@@ -19,9 +19,9 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import describe_this_rank
 from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_blame
 from weightsync_audit.engine.attribution.watch import StepWatch
+from weightsync_audit.engine.explain.evidence import find_ddp
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import as_optimizers
-from weightsync_audit.engine.inventory.reducer import find_ddp
 
 __all__ = [
     "attach_watch",

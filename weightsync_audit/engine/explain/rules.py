@@ -21,12 +21,13 @@ from weightsync_audit.engine.explain.evidence import (
     Evidence,
     ddp_frozen_hint,
     ddp_unsynced_hint,
+    fix_for,
     followers,
     followers_accounts,
     followers_hint,
+    syncs_buffers,
     uses_fsdp2,
 )
-from weightsync_audit.engine.inventory.reducer import fix_for, syncs_buffers
 from weightsync_audit.text import BEFORE_STEP, brief_names
 
 __all__ = ["RULES", "Names", "Rule", "worded"]

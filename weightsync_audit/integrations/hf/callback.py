@@ -32,8 +32,8 @@ from transformers import TrainerCallback
 from typing_extensions import override
 
 from weightsync_audit.engine.config import OnMismatch, checked_options
+from weightsync_audit.engine.explain.evidence import FIX_ATTR, find_ddp
 from weightsync_audit.engine.inventory.manifest import unwrap_module
-from weightsync_audit.engine.inventory.reducer import FIX_ATTR, find_ddp
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.hf.engines import buffer_policy, checkpoint_dir, hf_resume, resumed_folder
 from weightsync_audit.integrations.session.options import AuditOptions, check_every_n, with_option_properties

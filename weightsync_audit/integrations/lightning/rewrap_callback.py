@@ -38,7 +38,7 @@ from typing_extensions import override
 from weightsync_audit.compat import lightning_ddp_factory, lightning_reset_static_graph
 from weightsync_audit.ddp.inspect import TrainableChange, covered_flags
 from weightsync_audit.ddp.rewrap import DEFAULT_AGREE_TIMEOUT_S, rewrap_if_changed
-from weightsync_audit.engine.inventory.reducer import find_ddp
+from weightsync_audit.engine.explain.evidence import find_ddp
 from weightsync_audit.integrations.lightning.audit_callback import route_hooks
 
 if TYPE_CHECKING:
