@@ -28,7 +28,7 @@ import torch
 from harness import launch, machine, median, own_copy, table, timed
 
 from weightsync_audit import Auditor
-from weightsync_audit.engine.duplicate_batches import batch_digest, shared_batches
+from weightsync_audit.engine.timeline.step_records import batch_digest, shared_batches
 
 BATCHES = {
     "tokens": lambda: torch.randint(0, 50_000, (32, 512)),

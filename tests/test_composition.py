@@ -27,7 +27,7 @@ from attribution_faults import Fault, build, flip_bit, train_step
 from ranks import RankDied, run_ranks
 
 from weightsync_audit import AuditOptions, LoopAudit
-from weightsync_audit.engine.duplicate_batches import describe
+from weightsync_audit.engine.timeline.step_records import describe
 from weightsync_audit.integrations.evict import EVICT_FILE_ENV, SEGMENT_DIR_ENV
 
 

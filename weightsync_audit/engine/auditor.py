@@ -41,7 +41,6 @@ from weightsync_audit.engine.config import (
     with_checked_options,
 )
 from weightsync_audit.engine.context import AuditContext, AuditHistory
-from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.explain.evidence import find_ddp, syncs_buffers
 from weightsync_audit.engine.hashing.manifest_cache import ManifestCache, PreparedManifest
 from weightsync_audit.engine.inventory.layouts import declarations
@@ -51,7 +50,7 @@ from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.repair.plan import RESYNC_KINDS, ResyncState, prepare_resync
 from weightsync_audit.engine.run import AuditRun, gc_paused
 from weightsync_audit.engine.timeline.pinpoint import DEFAULT_RING, Pinpointer
-from weightsync_audit.engine.timeline.step_hyper import StallWatch, StepHyper
+from weightsync_audit.engine.timeline.step_records import BatchRecords, StallWatch, StepHyper
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = ["Auditor", "audit"]

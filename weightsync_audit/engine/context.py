@@ -46,11 +46,10 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import StructureDiff, ValueDiff
 from weightsync_audit.engine.attribution.watch import StepWatch
 from weightsync_audit.engine.config import AuditConfig
-from weightsync_audit.engine.duplicate_batches import BatchRecords
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer
-from weightsync_audit.engine.timeline.step_hyper import StepHyper
+from weightsync_audit.engine.timeline.step_records import BatchRecords, StepHyper
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
 __all__ = [

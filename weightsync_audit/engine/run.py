@@ -53,7 +53,6 @@ from weightsync_audit.engine.agreement.rounds import (
 )
 from weightsync_audit.engine.attribution.settle import attribute_audit
 from weightsync_audit.engine.context import AuditContext, Explained, Localized, Measured, Prepared, SharedHints, Tally
-from weightsync_audit.engine.duplicate_batches import describe, shared_batches
 from weightsync_audit.engine.explain import Evidence, explain
 from weightsync_audit.engine.hashing.digest import overall_digest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
@@ -64,6 +63,7 @@ from weightsync_audit.engine.measure.gaps import apply_tolerance, drift_argument
 from weightsync_audit.engine.measure.remote_gaps import measure_gaps, measure_held_gaps
 from weightsync_audit.engine.timeline.answer import transient_note
 from weightsync_audit.engine.timeline.pinpoint import mark_pinpoint
+from weightsync_audit.engine.timeline.step_records import describe, shared_batches
 from weightsync_audit.reporting.record import AuditResult, Mismatch
 
 __all__ = ["AuditRun", "gc_paused"]

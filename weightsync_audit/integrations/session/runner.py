@@ -36,7 +36,7 @@ from weightsync_audit.engine.inventory.manifest import as_optimizers
 from weightsync_audit.engine.measure.finite import persistent_hints
 from weightsync_audit.engine.overlap import OverlapWindow, PendingAudit
 from weightsync_audit.engine.respond import Voice, respond, say_raising
-from weightsync_audit.engine.timeline.step_hyper import StepHyper
+from weightsync_audit.engine.timeline.step_records import StepHyper
 from weightsync_audit.errors import WeightDivergenceError, warn_user
 from weightsync_audit.integrations.evict import hand_off_problems, leave_together, write_evict
 from weightsync_audit.integrations.session.options import AuditOptions, with_option_properties
@@ -239,7 +239,7 @@ class AuditRunner:
 
     def record_hyper(self, optimizers: Sequence[Any], step: int) -> None:
         """Right before optimizer step ``step`` (local): the hyper-parameters it reads, which a scheduler may set
-        back before the audit after it (:mod:`~weightsync_audit.engine.timeline.step_hyper`)."""
+        back before the audit after it (:mod:`~weightsync_audit.engine.timeline.step_records`)."""
         if self.step_hyper is not None and self.auditor is not None:
             self.step_hyper.record(step, as_optimizers(list(optimizers)))
 
