@@ -38,8 +38,8 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence, get_args
 
+from weightsync_audit.engine.attribution import strict_majority
 from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, Change, StepRecord, classify
-from weightsync_audit.engine.culprit import strict_majority
 from weightsync_audit.reporting.validate import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
@@ -271,7 +271,7 @@ def _update(
 
 
 def vote_blame(mismatches: Sequence[Any]) -> Blame:
-    """From the vote alone (:func:`~weightsync_audit.engine.culprit.strict_majority`, the one rule): a strict
+    """From the vote alone (:func:`~weightsync_audit.engine.attribution.strict_majority`, the one rule): a strict
     majority names the odd ranks; a tie names no one."""
     if not mismatches:
         return _blame([], "undecided", False, None, "")
