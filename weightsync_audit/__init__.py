@@ -13,7 +13,8 @@ only when asked for, so the core never imports Lightning.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+import sys
+from typing import TYPE_CHECKING, Callable, Mapping
 
 if TYPE_CHECKING:
     from weightsync_audit.ddp.rewrap import maybe_rewrap, rewrap_ddp
@@ -126,12 +127,29 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'weightsync_audit' has no attribute {name!r}")
-    globals()[name] = value = getattr(importlib.import_module(_LAZY[name]), name)  # loaded once
-    return value
+def lazy_names(
+    package: str, homes: Mapping[str, str], extras: Mapping[str, str] | None = None
+) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """PEP 562 for a package whose public names load on first use (this one, ``metrics``, ``torchft``): its
+    ``__getattr__`` (``homes``: name -> the module that defines it, imported at the name's first use, the
+    value kept) and its ``__dir__``. ``extras``: name -> the extra that installs what its module imports."""
+    space = sys.modules[package].__dict__
+
+    def load(name: str) -> object:
+        if name not in homes:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        try:
+            space[name] = value = getattr(importlib.import_module(homes[name]), name)  # loaded once
+        except ImportError as exc:
+            if not extras or name not in extras:
+                raise
+            raise ImportError(
+                f"{package}.{name} needs {exc.name or 'its package'}, the extra weightsync-audit[{extras[name]}] "
+                "(docs/metrics.md)"
+            ) from exc
+        return value
+
+    return load, lambda: sorted({*space, *space["__all__"]})
 
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)

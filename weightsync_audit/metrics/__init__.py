@@ -16,19 +16,19 @@ nan
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from weightsync_audit import lazy_names
 from weightsync_audit.reporting.record import MISMATCH_KINDS, AuditResult
 
 if TYPE_CHECKING:
     from weightsync_audit.metrics.otel import OpenTelemetrySink
     from weightsync_audit.metrics.prometheus import PrometheusSink
 
-_LAZY = {"OpenTelemetrySink": ("otel", "otel"), "PrometheusSink": ("prometheus", "prometheus")}
-"""The exporters, loaded at their first use: their module in this package and the extra that installs their client."""
+_EXTRAS = {"OpenTelemetrySink": "otel", "PrometheusSink": "prometheus"}
+"""The exporters, loaded at their first use: the extra that installs their client, also their module's name here."""
 
 __all__ = [
     "CHECKED_KINDS",
@@ -227,20 +227,4 @@ def _places(ranks: list[int], hosts: dict[str, str]) -> tuple[RankPlace, ...]:
     return tuple(places)
 
 
-def __getattr__(name: str) -> object:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'weightsync_audit.metrics' has no attribute {name!r}")
-    module, extra = _LAZY[name]
-    try:
-        value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    except ImportError as exc:
-        raise ImportError(
-            f"weightsync_audit.metrics.{name} needs {exc.name or 'its package'}, "
-            f"the extra weightsync-audit[{extra}] (docs/metrics.md)"
-        ) from exc
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, {n: f"{__name__}.{x}" for n, x in _EXTRAS.items()}, _EXTRAS)

@@ -13,8 +13,9 @@ on first use (PEP 562). See docs/torchft.md.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from weightsync_audit import lazy_names
 
 if TYPE_CHECKING:
     from weightsync_audit.integrations.torchft.audit import DEFAULT_EVERY_N_STEPS, TorchFTAudit
@@ -28,15 +29,4 @@ _LAZY = {
 
 __all__ = ["DEFAULT_EVERY_N_STEPS", "TorchFTAudit", "TorchFTCompatError"]
 
-
-def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _LAZY)
