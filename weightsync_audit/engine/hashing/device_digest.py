@@ -27,7 +27,7 @@ from weightsync_audit.engine.hashing.reader import (
     word_aligned,
 )
 
-__all__ = ["device_digests", "device_ok", "digest_streams"]
+__all__ = ["as_signed", "device_digests", "device_ok", "digest_streams"]
 
 _DEVICE_WORDS = 1 << 20
 """Words per step of the on-device digest on CPU: its scratch space is 16 bytes per word."""
@@ -46,13 +46,14 @@ _DEVICE_PAD_LIMIT = 4 << 20
 """Bytes per batch of small tensors whose sizes are not whole words (their scatter index is 8x that)."""
 
 
-def _as_signed(x: int) -> int:
+def as_signed(x: int) -> int:
+    """A 64-bit word as the signed integer an ``int64`` holds."""
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_M1 = _as_signed(0xBF58476D1CE4E5B9)
-_M2 = _as_signed(0x94D049BB133111EB)
-_GOLD = _as_signed(0x9E3779B97F4A7C15)
+_M1 = as_signed(0xBF58476D1CE4E5B9)
+_M2 = as_signed(0x94D049BB133111EB)
+_GOLD = as_signed(0x9E3779B97F4A7C15)
 
 
 def _mix_int(x: int) -> int:
@@ -63,7 +64,7 @@ def _mix_int(x: int) -> int:
     x = (x * 0xBF58476D1CE4E5B9) & m
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & m
-    return _as_signed(x ^ (x >> 31))
+    return as_signed(x ^ (x >> 31))
 
 
 def _mix64(x: torch.Tensor) -> torch.Tensor:

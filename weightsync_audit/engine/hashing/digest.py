@@ -28,7 +28,7 @@ import torch
 import xxhash
 
 from weightsync_audit import compat
-from weightsync_audit.engine.hashing.device_digest import digest_streams
+from weightsync_audit.engine.hashing.device_digest import as_signed, digest_streams
 from weightsync_audit.engine.hashing.reader import (
     CHUNK,
     SMALL,
@@ -91,10 +91,6 @@ def _forget_pool_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
-
-
-def _as_signed(x: int) -> int:
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 # -- xxh3 over CPU memory -----------------------------------------------------------------------
@@ -348,7 +344,7 @@ def structure_digest(entries: Sequence[Entry], *, devices: bool = True) -> int:
         for i in [i for i, e in enumerate(entries) if not e.tensor.is_cpu]:
             parts[i] += f"\x1e{device_type(entries[i].tensor)}"
     text = "\x1f".join(parts)
-    return _as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
+    return as_signed(_xxh(text.encode("utf-8", "surrogatepass")))
 
 
 def device_type(t: torch.Tensor) -> str:
@@ -358,4 +354,4 @@ def device_type(t: torch.Tensor) -> str:
 
 def overall_digest(digests: np.ndarray, structure: int) -> int:
     """One digest over every value digest, seeded by the structure."""
-    return _as_signed(_xxh(np.ascontiguousarray(digests, dtype=np.int64).tobytes(), seed=structure & _MASK64))
+    return as_signed(_xxh(np.ascontiguousarray(digests, dtype=np.int64).tobytes(), seed=structure & _MASK64))
