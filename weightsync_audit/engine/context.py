@@ -76,7 +76,6 @@ class AuditHistory:
     """The last step at which an audit read every byte (no sampling) and found the ranks in sync."""
     first_divergence_step: int | None = None
     first_divergence_tensors: list[str] = field(default_factory=list)
-    last_diverged_tensors: list[str] = field(default_factory=list)
     first_diverged_step: int | None = None
     """The first step pinpointed as diverged (``pinpoint=True`` only)."""
     compared_nothing: int = 0
@@ -89,9 +88,8 @@ class AuditHistory:
             self.last_in_sync_step = result.step
             if not result.coverage:
                 self.last_full_sync_step = result.step
-            self.last_diverged_tensors = []
         else:
-            self.last_diverged_tensors = self.diverged(result)
+            self.diverged(result)
             if result.pinpoint in ("exact", "sampled"):
                 if self.first_diverged_step is None:
                     self.first_diverged_step = result.first_diverged_step
@@ -101,15 +99,14 @@ class AuditHistory:
                     prior = self.last_in_sync_step
                     self.last_in_sync_step = known if prior is None else max(prior, known)
 
-    def diverged(self, result: AuditResult) -> list[str]:
-        """A divergence ``result`` found (any audit of the run's, the gradients' before a step too): counted, the
-        run's first when none came before; its names, parameters first (a summary names one before optimizer
+    def diverged(self, result: AuditResult) -> None:
+        """A divergence ``result`` found (any audit of the run's, the gradients' before a step too): counted, and
+        the run's first when none came before, its names parameters first (a summary names one before optimizer
         entries)."""
         self.diverged_audits += 1
-        names = [m.name for m in sorted(result.mismatches, key=lambda m: m.kind != "param")]
         if self.first_divergence_step is None and not self.first_divergence_tensors:
+            names = [m.name for m in sorted(result.mismatches, key=lambda m: m.kind != "param")]
             self.first_divergence_step, self.first_divergence_tensors = result.step, names
-        return names
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)  # the lists copied
