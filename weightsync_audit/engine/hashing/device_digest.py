@@ -20,6 +20,7 @@ from weightsync_audit import compat
 from weightsync_audit.compat import flatten_tensors
 from weightsync_audit.engine.hashing.reader import (
     CHUNK,
+    byte_view,
     chunk_views,
     contiguous_blocks,
     host_chunk,
@@ -213,23 +214,11 @@ class _WordStream:
         return _mix64(self.acc ^ _mix_int(self.nbytes))
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's logical bytes as a flat uint8 tensor (a view when ``t`` is contiguous)."""
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    if t.is_conj() or t.is_neg():  # a lazy view: its logical values are the resolved ones (as on the host)
-        t = t.resolve_conj().resolve_neg()
-    flat = t.contiguous().reshape(-1)
-    if flat.stride(0) != 1:  # one element with an odd stride counts as contiguous, but cannot change dtype
-        flat = flat.as_strided((1,), (1,))
-    return flat.view(torch.uint8)
-
-
 def _device_stream(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     stream = _WordStream(pieces[0].device)
     for piece in pieces:
         for block in contiguous_blocks(piece):
-            stream.feed(_as_bytes(block))
+            stream.feed(byte_view(block))
     return stream.finish()
 
 
@@ -340,7 +329,7 @@ def _host_stream(pieces: Sequence[torch.Tensor]) -> int:
     stream = _WordStream(torch.device("cpu"))
     for piece in pieces:
         for view in chunk_views(piece.detach(), max(1, CHUNK // piece.element_size())):
-            stream.feed(_as_bytes(host_chunk(view)))
+            stream.feed(byte_view(host_chunk(view)))
     return int(stream.finish())
 
 

@@ -23,6 +23,7 @@ __all__ = [
     "FREED",
     "SAMPLE_ALIGN",
     "SMALL",
+    "byte_view",
     "chunk_views",
     "contiguous_blocks",
     "host_bytes",
@@ -179,15 +180,20 @@ def host_view(t: torch.Tensor) -> memoryview:
     b'\\x01\\x00\\x02\\x00'
     """
     t = t.detach()
+    # .numpy() makes an array whose base holds the tensor: the memory stays valid while the view lives.
+    return memoryview(byte_view(t if t.is_cpu else t.to("cpu")).numpy())
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's logical bytes as a flat uint8 tensor on its device (a view when ``t`` is contiguous)."""
     if t.numel() == 0:
-        return memoryview(b"")
-    if not t.is_cpu or t.is_conj() or t.is_neg():
-        t = t.resolve_conj().resolve_neg().to("cpu")
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    if t.is_conj() or t.is_neg():  # a lazy view: its logical values are the resolved ones
+        t = t.resolve_conj().resolve_neg()
     flat = t.contiguous().reshape(-1)
     if flat.stride(0) != 1:  # one element with an odd stride counts as contiguous, but cannot change dtype
         flat = flat.as_strided((1,), (1,))
-    # .numpy() makes an array whose base holds the tensor: the memory stays valid while the view lives.
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8)
 
 
 def host_bytes(t: torch.Tensor, name: str = "tensor") -> bytes:
