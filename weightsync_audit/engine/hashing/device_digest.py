@@ -237,10 +237,7 @@ def _flat_bytes(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[int
         order.extend(idx)
         flat = flatten_tensors([tensors[i] for i in idx])
         if flat.numel():
-            flat = flat.reshape(-1)
-            if flat.stride(0) != 1:  # one element with an odd stride counts as contiguous, but cannot change dtype
-                flat = flat.as_strided((1,), (1,))
-            parts.append(flat.view(torch.uint8))
+            parts.append(byte_view(flat))
     if not parts:
         return torch.empty(0, dtype=torch.uint8, device=tensors[0].device), order
     out = torch.cat(parts) if len(parts) > 1 else parts[0]
