@@ -83,7 +83,7 @@ def _plan(result: AuditResult, resync_src: ResyncSource) -> ResyncPlan | None:
         result.notes.append(f"resync impossible: the structure differs ({', '.join(structural[:5])})")
         return None
     # On a tie the blame, when it names a rank, decides the source (never the blamed side); a tie with no
-    # evidence keeps resync_src and says it was chosen without evidence (engine/culprit.py decides both).
+    # evidence keeps resync_src and says it was chosen without evidence (resync_source decides both).
     src, chosen_by = resync_source(result.mismatches, result.blame, resync_src)
     try:
         plan = plan_resync(result.mismatches, src, tie_chosen_by=chosen_by)  # never a source holding NaN/inf

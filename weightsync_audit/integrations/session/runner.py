@@ -403,15 +403,6 @@ class AuditRunner:
             log_metrics(audit_metrics(result))
         self.voice.speak(result, verbose=self.verbose, print_fn=self.print, kind=kind)
 
-    @property
-    def last_reported(self) -> tuple[str, ...]:
-        """The diverged names last reported, so a divergence is printed when it appears or changes."""
-        return self.voice.last_reported
-
-    @last_reported.setter
-    def last_reported(self, value: tuple[str, ...]) -> None:
-        self.voice.last_reported = tuple(value)
-
     def print(self, renderable: Any) -> None:
         """Print with rich on the main process's console (stderr unless ``console`` is set); off a
         terminal (CI logs) one line per verdict, never wrapped at 80 columns."""
