@@ -12,7 +12,7 @@ import torch
 
 from weightsync_audit import AuditOptions, WeightSyncWarning
 from weightsync_audit.engine import config, respond
-from weightsync_audit.engine.timeline import step_hyper
+from weightsync_audit.engine.timeline import step_records as step_hyper
 from weightsync_audit.integrations.lightning import audit_callback
 from weightsync_audit.integrations.session import options, trainer_session
 from weightsync_audit.integrations.session.trainer_session import Checkpoint, TrainerSession

@@ -156,15 +156,6 @@ class Voice:
         """What was said of ``kind`` audits."""
         return self.threads.setdefault(kind, _Thread())
 
-    @property
-    def last_reported(self) -> tuple[str, ...]:
-        """The diverged names last reported by the main audits: a divergence is printed when it appears or changes."""
-        return self.thread().last
-
-    @last_reported.setter
-    def last_reported(self, value: tuple[str, ...]) -> None:
-        self.thread().last = tuple(value)
-
     def note_said(self, texts: Sequence[str], where: str) -> None:
         """``texts`` were said ``where`` (e.g. "the warning at step 12"): later reports refer to them."""
         for text in texts:

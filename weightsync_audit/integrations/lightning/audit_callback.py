@@ -335,14 +335,14 @@ class WeightSyncAuditMixin(SessionAdapter):
         return {
             "version": _STATE_VERSION,
             "history": self.history.state_dict(),
-            "last_reported": list(self.runner.voice.last_reported),
+            "last_reported": list(self.runner.voice.thread().last),  # a divergence is printed when it changes
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # Old or partial checkpoints keep the defaults for what they lack.
         self.history.load_state_dict(state_dict.get("history", {}))
-        self.runner.voice.last_reported = tuple(state_dict.get("last_reported", ()))
+        self.runner.voice.thread().last = tuple(state_dict.get("last_reported", ()))
 
 
 route_hooks(
