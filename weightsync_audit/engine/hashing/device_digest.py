@@ -20,6 +20,7 @@ from weightsync_audit import compat
 from weightsync_audit.compat import flatten_tensors
 from weightsync_audit.engine.hashing.reader import (
     CHUNK,
+    as_signed,
     byte_view,
     chunk_views,
     contiguous_blocks,
@@ -28,7 +29,7 @@ from weightsync_audit.engine.hashing.reader import (
     word_aligned,
 )
 
-__all__ = ["as_signed", "device_digests", "device_ok", "digest_streams"]
+__all__ = ["device_digests", "device_ok", "digest_streams"]
 
 _DEVICE_WORDS = 1 << 20
 """Words per step of the on-device digest on CPU: its scratch space is 16 bytes per word."""
@@ -45,11 +46,6 @@ _DEVICE_BATCH_LIMIT = 64 << 20
 """Bytes per batch of small accelerator tensors (bounds the batch's scratch space)."""
 _DEVICE_PAD_LIMIT = 4 << 20
 """Bytes per batch of small tensors whose sizes are not whole words (their scatter index is 8x that)."""
-
-
-def as_signed(x: int) -> int:
-    """A 64-bit word as the signed integer an ``int64`` holds."""
-    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 _M1 = as_signed(0xBF58476D1CE4E5B9)

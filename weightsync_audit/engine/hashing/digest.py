@@ -28,10 +28,11 @@ import torch
 import xxhash
 
 from weightsync_audit import compat
-from weightsync_audit.engine.hashing.device_digest import as_signed, digest_streams
+from weightsync_audit.engine.hashing.device_digest import digest_streams
 from weightsync_audit.engine.hashing.reader import (
     CHUNK,
     SMALL,
+    as_signed,
     chunk_views,
     contiguous_blocks,
     host_view,

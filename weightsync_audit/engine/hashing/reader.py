@@ -23,6 +23,7 @@ __all__ = [
     "FREED",
     "SAMPLE_ALIGN",
     "SMALL",
+    "as_signed",
     "byte_view",
     "chunk_views",
     "contiguous_blocks",
@@ -57,6 +58,11 @@ FREED = (
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _c_char = ctypes.c_char
+
+
+def as_signed(x: int) -> int:
+    """A 64-bit word as the signed integer an ``int64`` holds."""
+    return x - (1 << 64) if x >= 1 << 63 else x
 
 
 def readable(t: Any, name: str = "tensor") -> torch.Tensor:
