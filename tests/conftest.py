@@ -1,7 +1,7 @@
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -60,8 +60,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], str(item.path)))
 
 
+WARM_IMPORTS = ("transformers", "accelerate", "pytorch_lightning")
+"""What the scripts that ``warm_python`` runs import: the Hugging Face Trainer, Lightning."""
+
+
 @pytest.fixture(scope="session")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def warm_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``python`` to start a script whose launcher and ranks are the point, not an interpreter's start.
+
+    It runs the command as ``python`` would (argv, environment, folder, open files, exit status, signals),
+    forked off one process per worker that has imported torch, the Hugging Face Trainer and Lightning
+    (tests/zygote.py ``WarmPython``); the interpreters the script starts through ``sys.executable`` (torchrun's
+    ranks, Lightning's launcher's) go through it too. Offline for Hugging Face, as the runs are. Never for a
+    test of what a fresh interpreter imports or of a launcher's process handling.
+    """
+    from torchrun import OFFLINE
+    from zygote import WarmPython
+
+    warm = WarmPython(tmp_path_factory.mktemp("warm-python"), {**os.environ, **OFFLINE}, WARM_IMPORTS)
+    yield warm.python
+    warm.close()
+
+
+@pytest.fixture(scope="session")
+def trainer_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario of tests/scripts/trainers_run.py in one launch, shared by the modules that judge them.
 
     ``torchrun`` twice, as two one-process "nodes" rendezvousing on 127.0.0.1 (every local rank 0, global
@@ -76,7 +98,10 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp_path_factory,
         "trainers",
         lambda: two_node_job(
-            ROOT / "tests" / "scripts" / "trainers_run.py", tmp_path_factory.mktemp("trainers"), env=OFFLINE
+            ROOT / "tests" / "scripts" / "trainers_run.py",
+            tmp_path_factory.mktemp("trainers"),
+            env=OFFLINE,
+            python=request.getfixturevalue("warm_python"),
         ),
     )
 
@@ -110,7 +135,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def fsdp2_strategy_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def fsdp2_strategy_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``tests/scripts/model_parallel_run.py OUT fsdp-attribution`` once for the session: Lightning's
     ``ModelParallelStrategy`` (FSDP2 over 2 ranks, its subprocess launcher), ``attribution=True``, rank 1's lr
     doubled at step 3 under ``on_mismatch="warn"``. tests/test_mesh.py and tests/test_mesh_attribution.py
@@ -123,8 +148,9 @@ def fsdp2_strategy_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 
         out = tmp_path_factory.mktemp("fsdp2-strategy")
         script = os.path.join(os.path.dirname(__file__), "scripts", "model_parallel_run.py")
+        python = request.getfixturevalue("warm_python")
         proc = subprocess.run(
-            [sys.executable, script, str(out), "fsdp-attribution"], capture_output=True, text=True, timeout=240
+            [python, script, str(out), "fsdp-attribution"], capture_output=True, text=True, timeout=240
         )
         ends = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
         return {

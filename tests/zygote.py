@@ -8,8 +8,8 @@ the pages' ``PATH`` starts with a ``python`` that hands its command line, enviro
 that process and exits with the status of the fork that ran it (:data:`SHIM`), and a ``torchrun`` and a
 ``weightsync-audit`` that run the real console scripts through it. Each such process still runs the command as ``python`` would: its
 ``sys.argv``, ``sys.path``, environment, folder and files, ``__main__``, exit status, signals forwarded, and
-it dies when its ``python`` dies; what the shim cannot reproduce (another option, a multiprocessing child
-handed its pipes by number past 200, no server) it leaves to the real interpreter."""
+it dies when its ``python`` dies; what the shim cannot reproduce (another option, a file open past number 200,
+no server) it leaves to the real interpreter."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Sequence
 
 SOURCE = r"""
 import os, runpy, select, signal, sys
@@ -93,9 +94,8 @@ own_path = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(o
 BASE = [p for p in sys.path[1:] if os.path.abspath(p) not in own_path]
 
 import torch, torch.distributed, torch._dynamo, torch.distributed.run
-for name in ("torchmetrics", "transformers", "pytorch_lightning", "lightning.pytorch",
-             "megatron.core.parallel_state", "torchtitan.distributed.parallel_dims"):
-    try:  # what the pages' scripts import; never the package under test, which each run imports itself
+for name in sys.argv[2:]:
+    try:  # what the commands import; never the package under test, which each run imports itself
         __import__(name)
     except Exception:
         pass
@@ -158,6 +158,7 @@ def become(request, received, conn):
         elif mode == "m":
             sys.argv = [target, *args]
             sys.path[:] = [os.getcwd(), *extra, *BASE]
+            sys.modules.pop(target, None)  # run as __main__ before any import of it, as in a fresh interpreter
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
             sys.argv = ["-c", *args]
@@ -262,7 +263,7 @@ for fd in sorted(map(int, os.listdir("/proc/self/fd"))):
         fds.append(fd)
     except OSError:
         pass
-if what is None or "--multiprocessing-fork" in args or max(fds, default=0) >= 200:
+if what is None or max(fds, default=0) >= 200:
     real()
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 try:
@@ -303,6 +304,56 @@ os._exit(code & 0xFF)
 its status; anything else (another option, no server) is the real interpreter's."""
 
 
+PAGES_IMPORT = (
+    "torchmetrics",
+    "transformers",
+    "pytorch_lightning",
+    "lightning.pytorch",
+    "megatron.core.parallel_state",
+    "torchtitan.distributed.parallel_dims",
+)
+"""What the docs pages' scripts import, imported once by their :class:`WarmPython`."""
+
+
+class WarmPython:
+    """:data:`SERVER` running, and ``folder/bin`` holding the ``python`` (:data:`SHIM`), ``torchrun`` and
+    ``weightsync-audit`` that go through it: ``python`` is the interpreter to start, ``bin`` the folder to put
+    first on ``PATH``. Its commands run as the real interpreter would run them, without importing torch and
+    ``imports`` again."""
+
+    def __init__(self, folder: Path, env: dict[str, str], imports: Sequence[str]) -> None:
+        address = str(folder / "commands.sock")
+        if len(address) > 100:  # a Unix socket's path is short
+            address = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "commands.sock")
+        (folder / "server.py").write_text(SERVER)
+        self.bin = folder / "bin"
+        self.bin.mkdir()
+        shim = self.bin / "python"
+        shim.write_text(SHIM.replace("{python!r}", repr(sys.executable)).replace("{python}", sys.executable)
+                        .replace("{address!r}", repr(address)).replace("{shim!r}", repr(str(shim))))  # fmt: skip
+        for name in ("torchrun", "weightsync-audit"):  # console scripts: the real one's script, through the shim
+            script = self.bin / name
+            script.write_text(f'#!/bin/sh\nexec "{shim}" "{Path(sys.executable).parent / name}" "$@"\n')
+            script.chmod(0o755)
+        shim.chmod(0o755)
+        self.python = str(shim)
+        with (folder / "server.log").open("w") as log:
+            self.server = subprocess.Popen(
+                [sys.executable, "server.py", address, *imports], cwd=folder, stdin=subprocess.PIPE, stdout=log,
+                stderr=log, env=env,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        """The server ends, and with it any command still running."""
+        if self.server.stdin is not None:
+            self.server.stdin.close()
+        try:
+            self.server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.server.kill()
+            self.server.wait()
+
+
 class Zygote:
     """One Python process that imports what the pages share once, then forks a page's run off itself."""
 
@@ -316,7 +367,7 @@ class Zygote:
             "COLUMNS": "120",
         }
         env.pop("WEIGHTSYNC_AUDIT", None)
-        self.server = self._serve(folder, env)
+        self.warm = WarmPython(folder, env, PAGES_IMPORT)
         self.proc = subprocess.Popen(
             [sys.executable, "zygote.py"], cwd=folder, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
         )
@@ -324,27 +375,6 @@ class Zygote:
         self.pids: dict[str, int] = {}
         self.ended: dict[str, tuple[threading.Event, list[int]]] = {}
         threading.Thread(target=self._read, daemon=True).start()
-
-    @staticmethod
-    def _serve(folder: Path, env: dict[str, str]) -> subprocess.Popen:
-        """:data:`SERVER` started, and ``folder/bin`` holding the ``python`` and console scripts that go through it."""
-        address = str(folder / "commands.sock")
-        if len(address) > 100:  # a Unix socket's path is short
-            address = os.path.join(tempfile.mkdtemp(prefix="zygote-"), "commands.sock")
-        (folder / "server.py").write_text(SERVER)
-        (folder / "bin").mkdir()
-        shim = folder / "bin" / "python"
-        shim.write_text(SHIM.replace("{python!r}", repr(sys.executable)).replace("{python}", sys.executable)
-                        .replace("{address!r}", repr(address)).replace("{shim!r}", repr(str(shim))))  # fmt: skip
-        for name in ("torchrun", "weightsync-audit"):  # console scripts: the real one's script, through the shim
-            script = folder / "bin" / name
-            script.write_text(f'#!/bin/sh\nexec "{shim}" "{Path(sys.executable).parent / name}" "$@"\n')
-            script.chmod(0o755)
-        shim.chmod(0o755)
-        log = (folder / "server.log").open("w")
-        return subprocess.Popen(
-            [sys.executable, "server.py", address], cwd=folder, stdin=subprocess.PIPE, stdout=log, stderr=log, env=env
-        )
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -387,13 +417,11 @@ class Zygote:
 
     def close(self) -> None:
         self.kill()
-        if self.server.stdin is not None:
-            self.server.stdin.close()
+        self.warm.close()
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        for proc in (self.proc, self.server):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
