@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], str(item.path)))
 
 
-WARM_IMPORTS = ("transformers", "accelerate", "pytorch_lightning")
+WARM_IMPORTS = ("transformers", "accelerate", "pytorch_lightning", "lightning.pytorch")
 """What the scripts that ``warm_python`` runs import: the Hugging Face Trainer, Lightning."""
 
 
