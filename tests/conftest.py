@@ -112,8 +112,9 @@ tests/test_cli.py judges (2 ranks, the default), run once for the session by ``d
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``weightsync-audit demo --epochs 4 --report FOLDER`` through the installed console script, once.
+def demo_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``weightsync-audit demo --epochs 4 --report FOLDER`` through the installed console script, once (its
+    script run by ``warm_python``).
 
     Off a terminal (no ``COLUMNS``/``LINES``); ``--report`` only says where the two reports go, so the
     pages that run ``weightsync-audit demo --epochs 4`` check their sample output against this run's
@@ -126,9 +127,9 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out = tmp_path_factory.mktemp("demo")
         env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
         bin_ = os.path.join(os.path.dirname(sys.executable), "weightsync-audit")
-        proc = subprocess.run(
-            [bin_, *DEMO_ARGS, "--report", str(out)], capture_output=True, text=True, timeout=120, env=env
-        )
+        python = request.getfixturevalue("warm_python")
+        cmd = [python, bin_, *DEMO_ARGS, "--report", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "report": str(out)}
 
     return once_per_session(tmp_path_factory, "demo", make)
