@@ -82,6 +82,17 @@ def warm_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     warm.close()
 
 
+@pytest.fixture
+def warm_spawn(warm_python: str) -> Iterator[None]:
+    """The processes multiprocessing spawns in this test (Lightning's ``ddp_spawn`` workers) start through
+    ``warm_python``; each still unpickles what it is handed, as a spawned process does."""
+    import multiprocessing
+
+    multiprocessing.set_executable(warm_python)
+    yield
+    multiprocessing.set_executable(sys.executable)
+
+
 @pytest.fixture(scope="session")
 def trainer_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario of tests/scripts/trainers_run.py in one launch, shared by the modules that judge them.

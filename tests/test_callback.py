@@ -388,7 +388,7 @@ trainer:
     assert (cb.on_mismatch, cb.timeout_s, cb.slices) == ("raise", 30.0, 4)
 
 
-def test_ddp_spawn_runs_in_sync_with_no_false_alarm(tmp_path: Path) -> None:
+def test_ddp_spawn_runs_in_sync_with_no_false_alarm(tmp_path: Path, warm_spawn: None) -> None:
     report = tmp_path / "audit.jsonl"
     fit(
         tmp_path,

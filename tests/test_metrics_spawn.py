@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
-import multiprocessing
 import pickle
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -69,17 +67,13 @@ def _samples(path: Path) -> dict[str, float]:
 
 
 def test_prometheus_and_opentelemetry_sinks_travel_to_ddp_spawn_workers_and_rank_0_exports(
-    tmp_path: Path, warm_python: str
+    tmp_path: Path, warm_spawn: None
 ) -> None:
     prom = PrometheusSink(textfile=tmp_path / "weightsync.prom")
     otel = OpenTelemetrySink()  # the global provider: the worker's own, set there
     report = tmp_path / "audit.jsonl"
     audit = WeightSyncAudit(every_n_train_steps=2, report_path=str(report), verbose=False, sinks=[prom, otel])
-    multiprocessing.set_executable(warm_python)  # each spawned worker unpickles the callback all the same
-    try:
-        fit(tmp_path, SmallModel(), [audit, DumpOtel(tmp_path / "otel.json")], strategy="ddp_spawn", max_epochs=1)
-    finally:
-        multiprocessing.set_executable(sys.executable)
+    fit(tmp_path, SmallModel(), [audit, DumpOtel(tmp_path / "otel.json")], strategy="ddp_spawn", max_epochs=1)
     assert rank_end(tmp_path, 0)["ended"] == rank_end(tmp_path, 1)["ended"] == "ok"
     recs = records(report)
     assert len(recs) >= 4 and all(r["in_sync"] for r in recs), recs
