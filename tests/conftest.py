@@ -15,39 +15,38 @@ os.environ.setdefault("PL_DISABLE_FORK", "0")
 import torch._dynamo  # noqa: F401
 
 HEAVIEST_FIRST = (
-    "test_docs.py",
-    "test_campaign.py",
-    "test_timeouts.py",
     "test_ray_train.py",
-    "test_lightning_20340.py",
-    "test_channel_tree.py",
-    "test_callback.py",
-    "test_first_contact.py",
+    "test_campaign.py",
     "test_torchft.py",
-    "test_integrations.py",
+    "test_docs.py",
+    "test_timeouts.py",
     "test_restart.py",
-    "test_replicas_trainers.py",
-    "test_dataplane.py",
-    "test_lightning_sharded.py",
-    "test_channel_faults.py",
-    "test_mesh.py",
-    "test_launch.py",
+    "test_channel_tree.py",
     "test_hostile_input.py",
-    "test_foreign_groups.py",
+    "test_launch.py",
+    "test_first_contact.py",
     "test_soak.py",
-    "test_lifetime.py",
-    "test_gpu_check.py",
-    "test_callback_faults.py",
+    "test_callback.py",
+    "test_lightning_20340.py",
     "test_activation_hf_zero_code.py",
+    "test_gpu_check.py",
+    "test_lifetime.py",
+    "test_dataplane.py",
+    "test_integrations.py",
+    "test_callback_faults.py",
+    "test_channel_faults.py",
+    "test_replicas_trainers.py",
+    "test_foreign_groups.py",
+    "test_lightning_sharded.py",
+    "test_mesh.py",
     "test_device_digest.py",
     "test_mesh_attribution.py",
 )
-"""The files that take longest (``pytest --durations``; CPU seconds measured alone), longest first, those that
-mostly wait on deadlines (timeouts, late or dead ranks) between those that keep both cores busy, so that a
-waiting worker leaves its core to the other. Ray's runs (chains of actor starts) come after the docs' busiest
-start: on a crowded host a Ray run there took 99 s instead of 25. ``make test`` hands whole files to its workers in collection
-order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests,
-so that no long file starts last and holds the run's end."""
+"""The files that take longest (``pytest --durations``; seconds measured alone), longest first, those that mostly
+wait (Ray's actors, deadlines: timeouts, late or dead ranks) between those that keep the cores busy, so that a
+waiting worker leaves its core to the other. ``make test`` hands whole files to its workers in collection order
+(``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests, so that no
+long file starts last and holds the run's end."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
