@@ -30,7 +30,9 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 # Most tests wait on rank processes they spawn: two workers keep both cores busy. Files stay whole on one
 # worker (module fixtures are built once), the longest first (tests/conftest.py HEAVIEST_FIRST: xdist's own
 # reordering, by number of tests, is off); the session's shared runs are built once for all workers
-# (tests/conftest.py once_per_session). TEST_WORKERS=0 runs in one process.
+# (tests/conftest.py once_per_session). A launch whose point is its script and launcher (a Trainer's ranks, torchrun's,
+# Ray's workers, the docs pages' commands) starts through one warm interpreter per worker, which has imported torch
+# and the Trainers once (tests/conftest.py warm_python). TEST_WORKERS=0 runs in one process.
 # The tests build no DeepSpeed op (its shm_comm op, about a CPU-minute, serves inference only: see
 # tests/test_replicas_deepspeed.py). Any torch extension a run still compiles goes to TORCH_EXTENSIONS_DIR,
 # by default one folder per user, where a build from another venv's paths is rebuilt: kept in this venv.

@@ -1,7 +1,7 @@
 import json
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -15,39 +15,38 @@ os.environ.setdefault("PL_DISABLE_FORK", "0")
 import torch._dynamo  # noqa: F401
 
 HEAVIEST_FIRST = (
-    "test_docs.py",
-    "test_campaign.py",
-    "test_timeouts.py",
     "test_ray_train.py",
-    "test_lightning_20340.py",
-    "test_channel_tree.py",
-    "test_callback.py",
-    "test_first_contact.py",
+    "test_campaign.py",
     "test_torchft.py",
-    "test_integrations.py",
+    "test_docs.py",
+    "test_timeouts.py",
     "test_restart.py",
-    "test_replicas_trainers.py",
-    "test_dataplane.py",
-    "test_lightning_sharded.py",
-    "test_channel_faults.py",
-    "test_mesh.py",
-    "test_launch.py",
+    "test_channel_tree.py",
     "test_hostile_input.py",
-    "test_foreign_groups.py",
+    "test_launch.py",
+    "test_first_contact.py",
     "test_soak.py",
-    "test_lifetime.py",
-    "test_gpu_check.py",
-    "test_callback_faults.py",
+    "test_callback.py",
+    "test_lightning_20340.py",
     "test_activation_hf_zero_code.py",
+    "test_gpu_check.py",
+    "test_lifetime.py",
+    "test_dataplane.py",
+    "test_integrations.py",
+    "test_callback_faults.py",
+    "test_channel_faults.py",
+    "test_replicas_trainers.py",
+    "test_foreign_groups.py",
+    "test_lightning_sharded.py",
+    "test_mesh.py",
     "test_device_digest.py",
     "test_mesh_attribution.py",
 )
-"""The files that take longest (``pytest --durations``; CPU seconds measured alone), longest first, those that
-mostly wait on deadlines (timeouts, late or dead ranks) between those that keep both cores busy, so that a
-waiting worker leaves its core to the other. Ray's runs (chains of actor starts) come after the docs' busiest
-start: on a crowded host a Ray run there took 99 s instead of 25. ``make test`` hands whole files to its workers in collection
-order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests,
-so that no long file starts last and holds the run's end."""
+"""The files that take longest (``pytest --durations``; seconds measured alone), longest first, those that mostly
+wait (Ray's actors, deadlines: timeouts, late or dead ranks) between those that keep the cores busy, so that a
+waiting worker leaves its core to the other. ``make test`` hands whole files to its workers in collection order
+(``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests, so that no
+long file starts last and holds the run's end."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -60,8 +59,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], str(item.path)))
 
 
+WARM_IMPORTS = ("transformers", "accelerate", "pytorch_lightning", "lightning.pytorch")
+"""What the scripts that ``warm_python`` runs import: the Hugging Face Trainer, Lightning."""
+
+
 @pytest.fixture(scope="session")
-def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def warm_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The ``python`` to start a script whose launcher and ranks are the point, not an interpreter's start.
+
+    It runs the command as ``python`` would (argv, environment, folder, open files, exit status, signals),
+    forked off one process per worker that has imported torch, the Hugging Face Trainer and Lightning
+    (tests/zygote.py ``WarmPython``); the interpreters the script starts through ``sys.executable`` (torchrun's
+    ranks, Lightning's launcher's) go through it too. Offline for Hugging Face, as the runs are. Never for a
+    test of what a fresh interpreter imports or of a launcher's process handling.
+    """
+    from torchrun import OFFLINE
+    from zygote import WarmPython
+
+    warm = WarmPython(tmp_path_factory.mktemp("warm-python"), {**os.environ, **OFFLINE}, WARM_IMPORTS)
+    yield warm.python
+    warm.close()
+
+
+@pytest.fixture
+def warm_spawn(warm_python: str) -> Iterator[None]:
+    """The processes multiprocessing spawns in this test (Lightning's ``ddp_spawn`` workers) start through
+    ``warm_python``; each still unpickles what it is handed, as a spawned process does."""
+    import multiprocessing
+
+    multiprocessing.set_executable(warm_python)
+    yield
+    multiprocessing.set_executable(sys.executable)
+
+
+@pytest.fixture(scope="session")
+def trainer_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Every scenario of tests/scripts/trainers_run.py in one launch, shared by the modules that judge them.
 
     ``torchrun`` twice, as two one-process "nodes" rendezvousing on 127.0.0.1 (every local rank 0, global
@@ -76,7 +108,10 @@ def trainer_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         tmp_path_factory,
         "trainers",
         lambda: two_node_job(
-            ROOT / "tests" / "scripts" / "trainers_run.py", tmp_path_factory.mktemp("trainers"), env=OFFLINE
+            ROOT / "tests" / "scripts" / "trainers_run.py",
+            tmp_path_factory.mktemp("trainers"),
+            env=OFFLINE,
+            python=request.getfixturevalue("warm_python"),
         ),
     )
 
@@ -87,8 +122,9 @@ tests/test_cli.py judges (2 ranks, the default), run once for the session by ``d
 
 
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``weightsync-audit demo --epochs 4 --report FOLDER`` through the installed console script, once.
+def demo_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``weightsync-audit demo --epochs 4 --report FOLDER`` through the installed console script, once (its
+    script run by ``warm_python``).
 
     Off a terminal (no ``COLUMNS``/``LINES``); ``--report`` only says where the two reports go, so the
     pages that run ``weightsync-audit demo --epochs 4`` check their sample output against this run's
@@ -101,16 +137,16 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out = tmp_path_factory.mktemp("demo")
         env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
         bin_ = os.path.join(os.path.dirname(sys.executable), "weightsync-audit")
-        proc = subprocess.run(
-            [bin_, *DEMO_ARGS, "--report", str(out)], capture_output=True, text=True, timeout=120, env=env
-        )
+        python = request.getfixturevalue("warm_python")
+        cmd = [python, bin_, *DEMO_ARGS, "--report", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
         return {"returncode": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr, "report": str(out)}
 
     return once_per_session(tmp_path_factory, "demo", make)
 
 
 @pytest.fixture(scope="session")
-def fsdp2_strategy_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def fsdp2_strategy_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``tests/scripts/model_parallel_run.py OUT fsdp-attribution`` once for the session: Lightning's
     ``ModelParallelStrategy`` (FSDP2 over 2 ranks, its subprocess launcher), ``attribution=True``, rank 1's lr
     doubled at step 3 under ``on_mismatch="warn"``. tests/test_mesh.py and tests/test_mesh_attribution.py
@@ -123,8 +159,9 @@ def fsdp2_strategy_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
 
         out = tmp_path_factory.mktemp("fsdp2-strategy")
         script = os.path.join(os.path.dirname(__file__), "scripts", "model_parallel_run.py")
+        python = request.getfixturevalue("warm_python")
         proc = subprocess.run(
-            [sys.executable, script, str(out), "fsdp-attribution"], capture_output=True, text=True, timeout=240
+            [python, script, str(out), "fsdp-attribution"], capture_output=True, text=True, timeout=240
         )
         ends = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
         return {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -64,10 +63,12 @@ def _fit_planted(tmp_path: Path, plants: list[Perturb], max_epochs: int, **optio
     return records(report)
 
 
-def test_raise_ends_every_rank_with_weight_divergence_error_through_the_ddp_subprocess_launcher(tmp_path: Path) -> None:
+def test_raise_ends_every_rank_with_weight_divergence_error_through_the_ddp_subprocess_launcher(
+    tmp_path: Path, warm_python: str
+) -> None:
     script = Path(__file__).parent / "scripts" / "raise_on_divergence.py"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([warm_python, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240)
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
     assert "WeightDivergenceError" in proc.stderr
@@ -387,7 +388,7 @@ trainer:
     assert (cb.on_mismatch, cb.timeout_s, cb.slices) == ("raise", 30.0, 4)
 
 
-def test_ddp_spawn_runs_in_sync_with_no_false_alarm(tmp_path: Path) -> None:
+def test_ddp_spawn_runs_in_sync_with_no_false_alarm(tmp_path: Path, warm_spawn: None) -> None:
     report = tmp_path / "audit.jsonl"
     fit(
         tmp_path,

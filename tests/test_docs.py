@@ -8,7 +8,9 @@ every page would pay again):
 - a python block preceded by ``<!-- file: NAME -->`` is not executed but written to ``NAME`` (a script
   the page then runs from a shell block);
 - a ```bash block preceded by ``<!-- run -->`` (or ``<!-- run: exit=N -->``) is run with bash in the same
-  folder, with the venv's ``bin`` first on PATH, and must exit with N (default 0);
+  folder, with the venv's ``bin`` first on PATH, and must exit with N (default 0); the ``python``,
+  ``torchrun`` and ``weightsync-audit`` it starts (and the ranks they start) are forked off a process that has
+  imported torch and what the pages' scripts import, each run as that command would run (tests/zygote.py);
 - a ```text block preceded by ``<!-- output -->`` is the real output of the block run just before it:
   each of its lines must appear in what that block printed, in order (a line ending in ``...`` matches
   a printed line it begins);

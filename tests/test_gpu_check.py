@@ -24,9 +24,9 @@ RESUME_ROWS = ("resume: clean", "resume: rank 1 with rank 0's RNG", "resume: CUD
 
 
 @pytest.mark.slow
-def test_the_gpu_check_dry_runs_every_check_on_the_cpu_and_answersright_answer() -> None:
+def test_the_gpu_check_dry_runs_every_check_on_the_cpu_and_answersright_answer(warm_python: str) -> None:
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"],
+        [warm_python, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=600,

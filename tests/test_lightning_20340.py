@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +38,11 @@ def records(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "audit.jsonl").read_text().splitlines()]
 
 
-def launch(out: Path, *args: str) -> None:
-    """Run the scenario script through a launcher that starts its own processes."""
+def launch(python: str, out: Path, *args: str) -> None:
+    """Run the scenario script through a launcher that starts its own processes (``python``: conftest's
+    ``warm_python``, through which the launcher's ranks start too)."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=240, cwd=SCRIPT.parent
+        [python, str(SCRIPT), str(out), *args], capture_output=True, text=True, timeout=240, cwd=SCRIPT.parent
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -53,10 +53,12 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         assert torch.equal(a[k], b[k]), f"{k} differs between the ranks: {(a[k] - b[k]).abs().max()}"
 
 
-def test_seed_through_the_real_ddp_launcher_with_the_fix_stays_in_sync_and_trains_the_backbone(tmp_path: Path) -> None:
+def test_seed_through_the_real_ddp_launcher_with_the_fix_stays_in_sync_and_trains_the_backbone(
+    tmp_path: Path, warm_python: str
+) -> None:
     # The fix stands first, ahead of BackboneFinetuning: its epoch-start check comes too early, the
     # batch-start one catches the unfreeze. The audit raises on any divergence.
-    launch(tmp_path, "--strategy", "ddp", "--order", "before")
+    launch(warm_python, tmp_path, "--strategy", "ddp", "--order", "before")
     infos = [rank_info(tmp_path, r) for r in (0, 1)]
     assert [i["ended"] for i in infos] == ["ok", "ok"], infos
     recs = records(tmp_path)
@@ -198,9 +200,9 @@ def test_without_the_fix_the_audit_reports_the_divergence_at_the_first_step_of_e
     assert "Re-wrapping stops new drift" in printed  # what the report's hint adds to the warning
 
 
-def test_freezing_mid_training_under_ddp_spawn_with_the_fix_trains_on_in_sync(tmp_path: Path) -> None:
+def test_freezing_mid_training_under_ddp_spawn_with_the_fix_trains_on_in_sync(tmp_path: Path, warm_python: str) -> None:
     # The head freezes at the start of epoch 2; the fix stands after the freezer.
-    launch(tmp_path, "--strategy", "ddp_spawn", "--scenario", "freeze", "--order", "after")
+    launch(warm_python, tmp_path, "--strategy", "ddp_spawn", "--scenario", "freeze", "--order", "after")
     infos = [rank_info(tmp_path, r) for r in (0, 1)]
     assert [i["ended"] for i in infos] == ["ok", "ok"] and infos[0]["step"] == 80
     [event] = infos[0]["rewraps"]

@@ -31,10 +31,11 @@ HOOKS += [(4, "on_save_checkpoint")]  # Lightning's default ModelCheckpoint, at 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory, warm_python: str) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("lightning_sharded")
     scenarios = ["fsdp", *(["zero2", "zero2_resync", "zero3"] if HAS_DEEPSPEED else [])]
-    return two_node_job(SCRIPT, out, *scenarios, paths=[ROOT / "tests", ROOT / "tests" / "scripts"], timeout=500)
+    paths = [ROOT / "tests", ROOT / "tests" / "scripts"]
+    return two_node_job(SCRIPT, out, *scenarios, paths=paths, timeout=500, python=warm_python)
 
 
 def _fit(runs: dict[str, Any], name: str, engine: str, verdict: str = "diverged") -> list[dict[str, Any]]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,11 +136,9 @@ def test_pure_fsdp2_gives_no_false_alarm_on_params_and_reports_per_rank_batchnor
     assert any("FSDP2" in h for h in rec["hints"])
 
 
-def _model_parallel_run(tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _model_parallel_run(python: str, tmp_path: Path, mode: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     script = Path(__file__).parent / "scripts" / "model_parallel_run.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=240
-    )
+    proc = subprocess.run([python, str(script), str(tmp_path), mode], capture_output=True, text=True, timeout=240)
     ends = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     return records(tmp_path / "audit.jsonl"), [*ends, {"rc": proc.returncode, "stderr": proc.stderr[-3000:]}]
 
@@ -163,8 +160,8 @@ def test_model_parallel_strategy_fsdp2_is_audited_in_sync_and_a_planted_lr_is_re
     assert any("no parameter could be compared" in h for h in steps[3]["hints"])
 
 
-def test_model_parallel_strategy_tp_is_audited_and_raise_raises_on_every_rank(tmp_path: Path) -> None:
-    recs, ends = _model_parallel_run(tmp_path, "tp")
+def test_model_parallel_strategy_tp_is_audited_and_raise_raises_on_every_rank(tmp_path: Path, warm_python: str) -> None:
+    recs, ends = _model_parallel_run(warm_python, tmp_path, "tp")
     assert ends[2]["rc"] != 0
     assert [e["ended"] for e in ends[:2]] == ["WeightDivergenceError"] * 2, ends
     assert ends[0]["step"] == ends[1]["step"] == 3

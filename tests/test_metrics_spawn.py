@@ -66,7 +66,9 @@ def _samples(path: Path) -> dict[str, float]:
     }
 
 
-def test_prometheus_and_opentelemetry_sinks_travel_to_ddp_spawn_workers_and_rank_0_exports(tmp_path: Path) -> None:
+def test_prometheus_and_opentelemetry_sinks_travel_to_ddp_spawn_workers_and_rank_0_exports(
+    tmp_path: Path, warm_spawn: None
+) -> None:
     prom = PrometheusSink(textfile=tmp_path / "weightsync.prom")
     otel = OpenTelemetrySink()  # the global provider: the worker's own, set there
     report = tmp_path / "audit.jsonl"

@@ -1,7 +1,8 @@
 """Lightning and the Hugging Face Trainer with the audit under ``ray.train.torch.TorchTrainer``: a real local Ray
 cluster (started here, once for the module), 2 CPU workers, the scripts of docs/ray.md run as they are.
 
-A Ray run costs tens of seconds (workers are fresh processes importing torch), so the module runs four:
+A Ray run costs tens of seconds (each run starts its controller, its workers and helper actors as processes of
+their own, forked off conftest's ``warm_python``), so the module runs four:
 Lightning healthy and diverged (``on_mismatch="raise"``), the HF Trainer healthy and diverged (``exit_code``).
 """
 
@@ -51,11 +52,15 @@ def _script(name: str, folder: Path) -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, warm_python: str) -> Iterator[dict[str, Any]]:
     t0 = time.perf_counter()
     kept_print = builtins.print  # Ray's progress bars replace the driver's print and never put it back
     path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # No spot-preemption watcher (one more actor process a run, for a cloud's notices a local cluster never
+    # gets); the controller polls its workers every 0.5 s instead of 2 (a run's end is seen sooner).
+    env = {"PYTHONPATH": path, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+    # Ray's worker processes start through conftest's warm_python: each has torch and the Trainers imported.
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env, "py_executable": warm_python})
     folder = tmp_path_factory.mktemp("ray")
     try:
         yield {

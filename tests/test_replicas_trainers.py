@@ -24,9 +24,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory, warm_python: str) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("hf_deepspeed")
-    return two_node_job(SCRIPT, out, paths=[ROOT / "tests" / "scripts"], env=OFFLINE, timeout=800)
+    paths = [ROOT / "tests" / "scripts"]
+    return two_node_job(SCRIPT, out, paths=paths, env=OFFLINE, timeout=800, python=warm_python)
 
 
 def _records(runs: dict[str, Any], name: str) -> list[dict[str, Any]]:

@@ -29,8 +29,10 @@ def two_node_job(
     paths: Sequence[Path] = (),
     env: dict[str, str] | None = None,
     timeout: float = 280,
+    python: str = sys.executable,
 ) -> dict[str, Any]:
-    """Run ``script out *args`` on two torchrun "nodes"; ``paths`` go first on ``PYTHONPATH`` (after ROOT)."""
+    """Run ``script out *args`` on two torchrun "nodes"; ``paths`` go first on ``PYTHONPATH`` (after ROOT).
+    ``python``: the interpreter of the launchers and their ranks (tests/conftest.py ``warm_python``)."""
     full = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), *map(str, paths), os.environ.get("PYTHONPATH", "")]),
@@ -40,7 +42,7 @@ def two_node_job(
     port = free_port()
     launchers = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
+        cmd = [python, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", f"--node-rank={node}"]
         cmd += ["--rdzv-backend=static", f"--rdzv-endpoint=127.0.0.1:{port}", str(script), str(out), *args]
         launchers.append(subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs, codes = [], []
