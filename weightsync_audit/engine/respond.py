@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from weightsync_audit.engine.attribution.settle import resync_source
+from weightsync_audit.engine.attribution import resync_source
 from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.engine.repair.plan import ResyncPlan, ResyncSource, ResyncState, plan_resync
 from weightsync_audit.engine.repair.resync import resync_planned

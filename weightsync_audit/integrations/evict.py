@@ -1,7 +1,7 @@
 """The bad machine handed on: where schedulers and restart agents look when a verdict names a host to evict.
 
 A machine is named only on evidence that it is the wrong one, decided by the one rule that also picks a
-resync's source (:func:`~weightsync_audit.engine.attribution.settle.culprit`): a rank whose tensors read differently
+resync's source (:func:`~weightsync_audit.engine.attribution.culprit`): a rank whose tensors read differently
 twice with no step between (``stability == "unstable"``), or, when the run ends with ``exit_code``, the
 ranks attribution's blame names, else the odd ranks of a strict majority. A tie with nothing else names no
 one. This module writes, with no new dependency:
@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping
 
-from weightsync_audit.engine.attribution.settle import culprit
+from weightsync_audit.engine.attribution import culprit
 from weightsync_audit.reporting.record import AuditResult
 
 __all__ = [
@@ -73,7 +73,7 @@ could not be written (a full disk, a folder gone)."""
 
 def evict_targets(result: AuditResult, *, exiting: bool) -> dict[int, str]:
     """Global rank -> why its host is to be evicted, from the record alone (the same on every rank): only on
-    evidence that it is the wrong one (:func:`~weightsync_audit.engine.attribution.settle.culprit`)."""
+    evidence that it is the wrong one (:func:`~weightsync_audit.engine.attribution.culprit`)."""
     who = culprit(result.mismatches, result.blame)
     out: dict[int, str] = {}
     for m in result.mismatches:

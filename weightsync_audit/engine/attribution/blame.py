@@ -38,22 +38,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence, get_args
 
+from weightsync_audit.engine.attribution import strict_majority
 from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, Change, StepRecord, classify
-from weightsync_audit.reporting.record import Mismatch
 from weightsync_audit.reporting.validate import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
-__all__ = [
-    "CAUSES",
-    "EVIDENCE",
-    "Blame",
-    "Evidence",
-    "blame_hint",
-    "checkpoint_blame",
-    "decide",
-    "strict_majority",
-    "vote_blame",
-]
+__all__ = ["CAUSES", "EVIDENCE", "Blame", "Evidence", "blame_hint", "checkpoint_blame", "decide", "vote_blame"]
 
 Evidence = Literal["vote", "at_rest_change", "at_rest_write", "update_not_reproducible", "collective_mismatch",
                    "deterministic_difference", "undecided", "checkpoint"]  # fmt: skip
@@ -280,26 +270,8 @@ def _update(
     return None
 
 
-def strict_majority(mismatches: Sequence[Mismatch]) -> tuple[list[int], str]:
-    """The ranks outside a strict majority, when every differing tensor has one; else ``([], why)``.
-
-    >>> strict_majority([Mismatch("w", "param", [1], [0], detail="tie vote: rank 0 vs rank 1, no majority")])
-    ([], 'tie vote on w: no majority')
-    """
-    for m in mismatches:
-        if m.tie:
-            return [], f"tie vote on {m.name}: no majority"
-        if len(m.reference_ranks) <= len(m.ranks):
-            held = len(m.reference_ranks)
-            return (
-                [],
-                f"no strict majority on {m.name}: {held} of {held + len(m.ranks)} rank(s) hold its reference value",
-            )
-    return sorted({r for m in mismatches for r in m.ranks}), ""
-
-
 def vote_blame(mismatches: Sequence[Any]) -> Blame:
-    """From the vote alone (:func:`strict_majority`, the one rule): a strict
+    """From the vote alone (:func:`~weightsync_audit.engine.attribution.strict_majority`, the one rule): a strict
     majority names the odd ranks; a tie names no one."""
     if not mismatches:
         return _blame([], "undecided", False, None, "")

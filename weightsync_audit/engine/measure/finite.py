@@ -37,7 +37,7 @@ import torch
 
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import ValueDiff
-from weightsync_audit.engine.attribution.settle import culprit
+from weightsync_audit.engine.attribution import culprit
 from weightsync_audit.engine.hashing.digest import digest_entries
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import chunk_views
@@ -383,7 +383,7 @@ def persistent_hints(
     hosts: dict[str, str] | None,
 ) -> list[str]:
     """Hints for a divergence that came back after a resync (``resynced``: each rank a resync repaired -> the
-    step). The ranks are named by the one rule (:func:`~weightsync_audit.engine.attribution.settle.culprit`), and a
+    step). The ranks are named by the one rule (:func:`~weightsync_audit.engine.attribution.culprit`), and a
     machine only on evidence about it (a hardware-suspect blame, an unstable read): a persistent fault on
     that machine, to evict; otherwise the cause persists (code, settings or data) and no machine is named."""
     live = [m for m in mismatches if not m.within_tolerance]

@@ -150,7 +150,7 @@ def _finite_source(m: Mismatch, source: int) -> int | None:
 
 def plan_resync(mismatches: Sequence[Mismatch], src: ResyncSource, *, tie_chosen_by: str | None = None) -> ResyncPlan:
     """The source of each mismatch's tensor (structure differences are left out). ``tie_chosen_by``: what
-    chose ``src`` for a tie, in the note (:func:`~weightsync_audit.engine.attribution.settle.resync_source`'s words).
+    chose ``src`` for a tie, in the note (:func:`~weightsync_audit.engine.attribution.resync_source`'s words).
 
     Raises :class:`~weightsync_audit.ResyncError` naming the tensors of which no copy is finite.
     """
