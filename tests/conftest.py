@@ -24,7 +24,6 @@ HEAVIEST_FIRST = (
     "test_channel_tree.py",
     "test_hostile_input.py",
     "test_launch.py",
-    "test_first_contact.py",
     "test_soak.py",
     "test_callback.py",
     "test_lightning_20340.py",
@@ -41,6 +40,7 @@ HEAVIEST_FIRST = (
     "test_mesh.py",
     "test_device_digest.py",
     "test_mesh_attribution.py",
+    "test_first_contact.py",
 )
 """The files that take longest (``pytest --durations``; seconds measured alone), longest first, those that mostly
 wait (Ray's actors, deadlines: timeouts, late or dead ranks) between those that keep the cores busy, so that a

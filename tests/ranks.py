@@ -120,6 +120,13 @@ def run_ranks(
     Any other rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
     ``pg_timeout_s`` is the process group's own timeout (benchmarks of large models need more).
     """
+    started = start_ranks(fn, world, *args, pg_timeout_s=pg_timeout_s, **kwargs)
+    return collect_ranks(started, timeout=timeout, expect_errors=expect_errors, may_die=may_die)
+
+
+def start_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, pg_timeout_s: float = 60, **kwargs: Any) -> Any:
+    """:func:`run_ranks`' ranks, started (a job of its own: its port, its store); :func:`collect_ranks` waits for
+    them. Jobs started one after the other from one thread run side by side (tests that mostly wait on deadlines)."""
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     port = free_port()
@@ -129,6 +136,14 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
+    return world, procs, q
+
+
+def collect_ranks(
+    started: Any, timeout: float = 90, expect_errors: bool = False, may_die: Collection[int] = ()
+) -> list[Any]:
+    """What the ranks :func:`start_ranks` started return, as :func:`run_ranks` gives it."""
+    world, procs, q = started
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:

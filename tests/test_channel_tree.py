@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import RankDied, run_ranks
+from ranks import RankDied, collect_ranks, run_ranks, start_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditOutOfStepError, AuditPreparationError, AuditTimeoutError, audit
@@ -84,16 +84,24 @@ def _late(rank: int, world: int, late: int, done: str) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(
-    "late,named",
-    [(1, [1]), (3, [3]), (2, [2, 3])],
-    ids=["coordinator-s-local", "leader-s-local", "leader-with-its-host"],
-)
+LATE = {"coordinator-s-local": 1, "leader-s-local": 3, "leader-with-its-host": 2}
+"""Which rank never comes, by case."""
+
+
+@pytest.fixture(scope="module")
+def late_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The :data:`LATE` cases' jobs side by side (each its own 4 ranks, port and store): they mostly wait."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(RANKS_PER_HOST_ENV, "2")
+        started = {case: start_ranks(_late, 4, late, str(tmp_path_factory.mktemp(case))) for case, late in LATE.items()}
+    return {case: collect_ranks(job, timeout=90) for case, job in started.items()}
+
+
+@pytest.mark.parametrize("case,named", [(c, n) for c, n in zip(LATE, ([1], [3], [2, 3]))], ids=list(LATE))
 def test_a_rank_that_never_comes_is_named_alike_by_every_rank_within_the_deadline(
-    late: int, named: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, named: list[int], late_runs: dict[str, list[Any]]
 ) -> None:
-    monkeypatch.setenv(RANKS_PER_HOST_ENV, "2")
-    results = run_ranks(_late, 4, late, str(tmp_path), timeout=90)
+    late, results = LATE[case], late_runs[case]
     for rank, r in enumerate(results):
         assert r["block"] == 2 and r["missing"] == named, (rank, r)
         if rank != late:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from ranks import run_ranks
+from ranks import collect_ranks, start_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditTimeoutError
@@ -47,15 +47,31 @@ def _one_rank_never_audits(rank: int, world: int, done: str) -> dict[str, Any] |
     return {"missing": None, "elapsed": time.monotonic() - t0}
 
 
+TRIES = [(2, 3), (3, 4), (6, 1)]
+"""(world size, tries): every try is a job of its own."""
+
+
+@pytest.fixture(scope="module")
+def tries(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int], list[list[Any]]]:
+    """Every try of :data:`TRIES`, the jobs side by side (each its own ranks, port and store; they wait on the
+    deadline): ``{(world, tries): [each try's results]}``."""
+    started = {
+        (world, n): [
+            start_ranks(_one_rank_never_audits, world, str(tmp_path_factory.mktemp(f"w{world}-try{attempt}")))
+            for attempt in range(n)
+        ]
+        for world, n in TRIES
+    }
+    return {key: [collect_ranks(job, timeout=90) for job in jobs] for key, jobs in started.items()}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world,tries", [(2, 3), (3, 4), (6, 1)])
+@pytest.mark.parametrize("world,n", TRIES)
 def test_a_rank_that_never_reaches_its_first_audit_is_named_within_timeout_plus_grace_every_try(
-    world: int, tries: int, tmp_path: Path
+    world: int, n: int, tries: dict[tuple[int, int], list[list[Any]]]
 ) -> None:
-    for attempt in range(tries):
-        done = tmp_path / f"try{attempt}"
-        done.mkdir()
-        results = run_ranks(_one_rank_never_audits, world, str(done), timeout=90)
+    assert len(tries[world, n]) == n
+    for attempt, results in enumerate(tries[world, n]):
         for rank, r in enumerate(results[:-1]):
             assert r is not None and r["missing"] is not None, (attempt, rank, results)
             assert r["elapsed"] < TIMEOUT_S + DEFAULT_GRACE_S + SLACK_S, (attempt, rank, results)

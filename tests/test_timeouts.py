@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import RankDied, run_ranks
+from ranks import RankDied, collect_ranks, run_ranks, start_ranks
 from torch import nn
 
 from weightsync_audit import Auditor, AuditTimeoutError, audit
@@ -64,12 +64,23 @@ def _late_rank(rank: int, world: int, late: int, first_audit: bool, done: str) -
     return out
 
 
-@pytest.mark.parametrize("first_audit", [False, True], ids=["later-audit", "first-audit"])
+@pytest.fixture(scope="module")
+def sleepers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
+    """The jobs whose rank sleeps past the deadline (rank 2 at a later or its first audit, the coordinator),
+    side by side (each its own 3 ranks, port and store): they wait on the deadline."""
+    started = {
+        "later-audit": start_ranks(_late_rank, 3, 2, False, str(tmp_path_factory.mktemp("later"))),
+        "first-audit": start_ranks(_late_rank, 3, 2, True, str(tmp_path_factory.mktemp("first"))),
+        "coordinator": start_ranks(_late_coordinator, 3, str(tmp_path_factory.mktemp("coordinator"))),
+    }
+    return {case: collect_ranks(job, timeout=60) for case, job in started.items()}
+
+
+@pytest.mark.parametrize("case", ["later-audit", "first-audit"])
 def test_rank_sleeping_past_the_deadline_is_named_by_every_rank_within_the_deadline(
-    first_audit: bool, tmp_path: Path
+    case: str, sleepers: dict[str, list[Any]]
 ) -> None:
-    world, late = 3, 2
-    results = run_ranks(_late_rank, world, late, first_audit, str(tmp_path), timeout=60)
+    late, results = 2, sleepers[case]
     for rank, (first, second) in enumerate(results):
         assert first["error"] == "timeout", (rank, first)
         assert first["missing"] == [late], (rank, first)
@@ -94,9 +105,8 @@ def _late_coordinator(rank: int, world: int, done: str) -> dict[str, Any]:
     return out
 
 
-def test_coordinator_sleeping_past_the_deadline_is_named_as_rank_0(tmp_path: Path) -> None:
-    results = run_ranks(_late_coordinator, 3, str(tmp_path), timeout=60)
-    for rank, r in enumerate(results):
+def test_coordinator_sleeping_past_the_deadline_is_named_as_rank_0(sleepers: dict[str, list[Any]]) -> None:
+    for rank, r in enumerate(sleepers["coordinator"]):
         assert r["error"] == "timeout" and r["missing"] == [0], (rank, r)
         if rank:
             # Non-coordinators also allow the coordinator its own wait for a late rank (the grace).

@@ -227,12 +227,11 @@ while True:
 for pid in running:
     os.kill(pid, signal.SIGKILL)
 """
-"""The process that forks the interpreters a page's shell blocks start (``python ADDRESS``); ends when its stdin
-closes. It imports torch and what the pages' scripts import (each Trainer, Megatron-core, torchtitan), never the
-package under test."""
+"""The process that forks the interpreters :data:`SHIM` asks for (``python server.py ADDRESS MODULE...``); ends when
+its stdin closes. It imports torch and the MODULEs (what the commands' scripts import), never the package under
+test."""
 
-SHIM = r"""#!{python} -IS
-import json, os, signal, socket, struct, sys
+SHIM = r"""import json, os, signal, socket, struct, sys
 
 args = sys.argv[1:]
 
@@ -329,8 +328,10 @@ class WarmPython:
         self.bin = folder / "bin"
         self.bin.mkdir()
         shim = self.bin / "python"
-        shim.write_text(SHIM.replace("{python!r}", repr(sys.executable)).replace("{python}", sys.executable)
-                        .replace("{address!r}", repr(address)).replace("{shim!r}", repr(str(shim))))  # fmt: skip
+        (folder / "shim.py").write_text(SHIM.replace("{python!r}", repr(sys.executable))
+                                        .replace("{address!r}", repr(address)).replace("{shim!r}", repr(str(shim))))  # fmt: skip
+        # A shell script, as pip writes one where a path is too long for a "#!" line: the shim keeps its process.
+        shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -IS "{folder / "shim.py"}" "$@"\n')
         for name in ("torchrun", "weightsync-audit"):  # console scripts: the real one's script, through the shim
             script = self.bin / name
             script.write_text(f'#!/bin/sh\nexec "{shim}" "{Path(sys.executable).parent / name}" "$@"\n')
