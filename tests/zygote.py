@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 SOURCE = r"""
 import os, runpy, select, signal, sys
@@ -314,6 +314,17 @@ PAGES_IMPORT = (
 """What the docs pages' scripts import, imported once by their :class:`WarmPython`."""
 
 
+def stop(proc: subprocess.Popen[Any]) -> None:
+    """End a server that reads commands on its stdin: its stdin closed, then 30 s, then killed."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class WarmPython:
     """:data:`SERVER` running, and ``folder/bin`` holding the ``python`` (:data:`SHIM`), ``torchrun`` and
     ``weightsync-audit`` that go through it: ``python`` is the interpreter to start, ``bin`` the folder to put
@@ -346,13 +357,7 @@ class WarmPython:
 
     def close(self) -> None:
         """The server ends, and with it any command still running."""
-        if self.server.stdin is not None:
-            self.server.stdin.close()
-        try:
-            self.server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.server.kill()
-            self.server.wait()
+        stop(self.server)
 
 
 class Zygote:
@@ -419,10 +424,4 @@ class Zygote:
     def close(self) -> None:
         self.kill()
         self.warm.close()
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop(self.proc)

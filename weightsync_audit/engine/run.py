@@ -125,14 +125,15 @@ class AuditRun:
         A rank that cannot prepare its audit (a meta tensor, say) still takes part in the exchange,
         flagged, so that every rank raises together instead of the others waiting for it.
         """
-        cfg, ctx = self.context.config, self.context
+        ctx = self.context
+        cfg = ctx.config
         failure: BaseException | None = ctx.failure
         try:
             if ctx.prepared is None:
                 raise failure or RuntimeError("no manifest was prepared")
             manifest = ctx.prepared
             with gc_paused():
-                digests = manifest.digests(slice_index=self.context.slice_index, slices=cfg.slices, method=cfg.method)
+                digests = manifest.digests(slice_index=ctx.slice_index, slices=cfg.slices, method=cfg.method)
                 structure, overall = manifest.structure, overall_digest(digests, manifest.structure)
         except Exception as exc:  # noqa: BLE001 - re-raised in agree, after telling the other ranks
             failure = exc
@@ -142,17 +143,17 @@ class AuditRun:
             failure = self.raced(manifest)
         sketch, buckets = bucket_sketch(digests)
         pinpointer = ctx.pinpointer
-        position = f"hook={self.context.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
+        position = f"hook={ctx.hook} {cfg.fingerprint()}{pinpointer.position if pinpointer else ''}"
         summary = np.array(
             [
                 PROTOCOL if failure is None else PROTOCOL_FAILED,
-                -1 if self.context.step is None else int(self.context.step),
-                -1 if self.context.epoch is None else int(self.context.epoch),
+                -1 if ctx.step is None else int(ctx.step),
+                -1 if ctx.epoch is None else int(ctx.epoch),
                 manifest.size,
                 structure,
                 overall,
                 xxhash.xxh3_64_intdigest(position.encode()) >> 1,
-                self.context.slice_index,
+                ctx.slice_index,
                 0 if pinpointer is None else pinpointer.ring_word(),
                 *sketch.tolist(),  # where a divergence lies, to the bucket: localized a round sooner
             ],
@@ -168,13 +169,14 @@ class AuditRun:
 
     def agree(self, prepared: Prepared) -> Agreement:
         """The summaries meet; a failed or out-of-step rank makes every rank raise together."""
-        agreement = agree(self.context.comm, prepared.summary)
+        ctx = self.context
+        agreement = agree(ctx.comm, prepared.summary)
         if agreement.failed:
             self.fail(prepared.failure)
         if agreement.status == "out_of_step":
-            position = {"step": self.context.step, "epoch": self.context.epoch, "hook": self.context.hook}
-            position.update(config=self.context.config.fingerprint(), slice=self.context.slice_index)
-            raise_out_of_step(self.context.comm, agreement.differing_fields, position)
+            position = {"step": ctx.step, "epoch": ctx.epoch, "hook": ctx.hook}
+            position.update(config=ctx.config.fingerprint(), slice=ctx.slice_index)
+            raise_out_of_step(ctx.comm, agreement.differing_fields, position)
         return agreement
 
     def fail(self, failure: BaseException | None) -> None:
@@ -222,7 +224,8 @@ class AuditRun:
 
     def measure(self, prepared: Prepared, found: Localized) -> Measured:
         """Value mismatches with their gaps against the reference copy; ranks made global; tolerance."""
-        comm, cfg, structural = self.context.comm, self.context.config, found.structural
+        ctx, structural = self.context, found.structural
+        comm, cfg = ctx.comm, ctx.config
         if not found.value_diffs and not structural:  # the healthy path: nothing to measure
             return Measured([], None, None)
         # Only on divergence: the lookup costs per tensor.
@@ -243,14 +246,14 @@ class AuditRun:
         stepped: list[Mismatch] = []
         if value_mismatches:
             # The hyper-parameters that differed at a step this audit covers (an lr set back since): collective.
-            hyper = self.context.step_hyper
-            step = self.context.step
+            hyper = ctx.step_hyper
+            step = ctx.step
             stepped = hyper.differed(comm, step, structural + value_mismatches) if hyper is not None else []
             tally = self.tally(prepared, found)  # the hints ride the gaps' last round: what they say is known
             entries = [by_uid[d.uid] for d in found.value_diffs]
             n = len(entries)  # the odd ranks read the diverged tensors again
             again = finite.reread_row(comm.rank, found.value_diffs, found.entries, prepared.digests,
-                               slice_index=self.context.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
+                               slice_index=ctx.slice_index, slices=cfg.slices, method=cfg.method)  # fmt: skip
 
             def finish(measured: list[Mismatch], extra: np.ndarray) -> bytes:  # on the coordinator
                 try:
@@ -274,12 +277,13 @@ class AuditRun:
     def _settle(self, mismatches: list[Mismatch]) -> list[Mismatch]:
         """Ranks made global (decided on positions in the group; reported, like every error, in global
         ranks), and the tolerance."""
-        g = self.context.comm.global_ranks
-        if g != tuple(range(self.context.comm.world_size)):
+        ctx = self.context
+        g = ctx.comm.global_ranks
+        if g != tuple(range(ctx.comm.world_size)):
             for m in mismatches:
                 m.ranks = [g[r] for r in m.ranks]
                 m.reference_ranks = [g[r] for r in m.reference_ranks]
-        apply_tolerance(mismatches, self.context.config.tolerance)
+        apply_tolerance(mismatches, ctx.config.tolerance)
         return mismatches
 
     # -- explain -------------------------------------------------------------------------------
@@ -298,7 +302,7 @@ class AuditRun:
                 transient.pop("why", None)  # said in the note; the field keeps its three keys
             names = [m.name for m in mismatches]
             tolerated = _tolerated(prepared.manifest, found.value_diffs, mismatches)
-            pin = pinpointer.settle(comm, bool(names), self.context.step, cfg.slices == 1, tolerated, names)
+            pin = pinpointer.settle(comm, bool(names), ctx.step, cfg.slices == 1, tolerated, names)
         tally = measured.tally if measured.tally is not None else self.tally(prepared, found, lead)
         shared = measured.shared
         if mismatches and shared is None:  # the first rank's, to every rank
@@ -311,7 +315,7 @@ class AuditRun:
             hints = hints + finite.unstable_hints(mismatches, hosts)
         # Whom to blame, its hint, where the blamed run (None: in sync); the watch's records consumed.
         blame, hosts, hints = attribute_audit(
-            self.context.watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
+            ctx.watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
             full=cfg.slices == 1, hosts=hosts, hints=hints,
         )  # fmt: skip
         return Explained(mismatches, tally.checked, notes, hints, hosts, pin, transient, blame)
@@ -334,25 +338,26 @@ class AuditRun:
     def _hint_payload(self, mismatches: list[Mismatch], tally: Tally, entries: list[Entry]) -> bytes:
         """On the first rank: the hints, notes and where the odd ranks run. Nothing here may raise on that
         rank alone, or the others would wait for it."""
+        ctx = self.context
         hints: list[str] = []
         notes = list(tally.notes)
         try:
             evidence = Evidence(
                 mismatches,
-                ddp=self.context.ddp,
-                grads_checked="grads" in self.context.config.include,
+                ddp=ctx.ddp,
+                grads_checked="grads" in ctx.config.include,
                 params_compared=tally.checked["param"] > 0,
-                params_audited="params" in self.context.config.include,
-                module=self.context.module,
+                params_audited="params" in ctx.config.include,
+                module=ctx.module,
                 state_names=[e.name for e in entries if e.kind == "optimizer" and e.shard is None],
-                engine=reducing_engine(self.context.module, self.context.optimizers),
+                engine=reducing_engine(ctx.module, ctx.optimizers),
                 **drift_arguments(mismatches),  # a gap the size of float rounding reads as drift
             )
             hints = explain(evidence)
         except Exception as exc:  # noqa: BLE001 - a hint is not worth a hang
             notes.append(f"no hint: {type(exc).__name__}: {exc}")
         odd = sorted({r for m in mismatches for r in m.ranks})
-        return SharedHints(hints, notes, self.context.comm.known_hosts(odd)).pack()  # where the odd ranks run
+        return SharedHints(hints, notes, ctx.comm.known_hosts(odd)).pack()  # where the odd ranks run
 
     # -- record --------------------------------------------------------------------------------
 
@@ -361,23 +366,24 @@ class AuditRun:
     ) -> AuditResult:
         """The result, the same on every rank, entered in the auditor's history; ``shared``: the groups of
         ranks that trained on identical batches (``check_batches``)."""
-        cfg, history, step = self.context.config, self.context.history, self.context.step
+        ctx = self.context
+        cfg, history, step = ctx.config, ctx.history, ctx.step
         in_sync = not explained.mismatches
         full = cfg.slices == 1
         result = AuditResult(
             in_sync=in_sync,
             step=step,
-            epoch=self.context.epoch,
-            world_size=self.context.comm.world_size,
+            epoch=ctx.epoch,
+            world_size=ctx.comm.world_size,
             mismatches=explained.mismatches,
             hints=explained.hints,
             checked=explained.checked,
-            hook=self.context.hook,
+            hook=ctx.hook,
             action="none",
             last_in_sync_step=step if in_sync else history.last_in_sync_step,
             last_full_sync_step=step if in_sync and full else history.last_full_sync_step,
             notes=explained.notes,
-            coverage=None if full else f"{self.context.slice_index + 1}/{cfg.slices}",
+            coverage=None if full else f"{ctx.slice_index + 1}/{cfg.slices}",
             tolerance=cfg.tolerance,
             transient=explained.transient,
             hosts=explained.hosts,
@@ -389,11 +395,11 @@ class AuditRun:
             result.notes.extend(nonfinite.notes(in_sync))
         if shared:
             result.notes.append(describe(list(shared), -1 if step is None else step))
-            batches = self.context.batches
-            if batches is not None and self.context.comm.rank == 0:  # warned once per grouping, on the first rank
+            batches = ctx.batches
+            if batches is not None and ctx.comm.rank == 0:  # warned once per grouping, on the first rank
                 batches.warn_new(list(shared), -1 if step is None else step)
         mark_pinpoint(result, explained.pin)
-        hyper = self.context.step_hyper
+        hyper = ctx.step_hyper
         if hyper is not None:  # the steps this audit covered are consumed; agreement forgets what was found
             hyper.consumed(step, in_sync)
         history.record(result)
