@@ -337,3 +337,35 @@ def test_an_offloaded_post_step_word_reaches_its_own_frozen_record_or_none_never
     assert sorted(sync) == [1, 2, 3] and None not in sync.values() and len(set(sync.values())) == 3
     assert _post_words(True, None) == sync
     assert _post_words(True, 1) == {2: sync[2], 3: sync[3]}
+
+
+def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_change_at_rest() -> None:
+    """Offloaded, the post-step read runs on a worker: a write through torch right after the step (a clamp)
+    can land before that read, which then holds the written bytes. The write is still in the next step's
+    record (its counter moved past the post-step stamp), so a rank whose read came late never looks clean
+    beside one whose read came first: in the campaign's clamp run that gave the other rank's bit flip a
+    false ``at_rest_write`` blame instead of an undecided one."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Linear(256, 128)  # a weight over 64 KiB: read by the worker, not hashed in the post-step hook
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
+                         model, [opt], offload=True)  # fmt: skip
+    gate = threading.Event()
+    for step in (1, 2, 3):
+        if step == 2:  # after the watch's pre-step hook: the post-step read waits behind the gate
+            hold = opt.register_step_pre_hook(lambda *_: [watch.rest.reader._worker.submit(gate.wait)][:0] or None)
+        model(torch.ones(2, 256)).sum().backward()
+        opt.step()
+        watch.mark(step)
+        if step == 2:
+            hold.remove()
+            with torch.no_grad():
+                model.weight.clamp_(-0.01, 0.01)  # the clamp, before the read
+            gate.set()
+    records = {r.step: r for r in watch.records}
+    watch.detach()
+    assert records[3].rest == ("weight",), records[3]
+    assert [e.moved for e in records[3].rest_evidence] == [True]
+    assert records[2].post is None  # its read raced the write: the step's post-step word is unknown

@@ -19,7 +19,7 @@ counter (a bit flip, a write through ``.data`` or a raw pointer) is seen when it
 reads: not in the time of one read right after the step, nor after the late read began, but for the
 parameters the update replay copies that step (their pre-step copies are digested on the collective
 check's worker against the post-step read: ``AtRest.copy_check``). A post-step read during which a counter
-moved (a write racing it) leaves the step's ``post`` word unknown. The audit still
+moved (a write racing it) leaves the step's ``post`` word unknown, and what it raced changed at rest. The audit still
 finds what the check misses; its blame is then the vote's, or undecided. On the training thread this costs
 the structure check, the small tensors and the counters; the reads use a core of their own where one is
 free (benchmarks/bench_attribution.py).
@@ -69,9 +69,9 @@ class _Window:
         self.stamp = stamp
         """Every manifest tensor's version counters now (read on the worker right after its post read)."""
         self.stamped = stamped[self.keep] if stamped is not None and stamp is not None else None
-        self.raced = False
-        """The post-step read overlapped a write through torch (a counter moved while it read): its bytes may
-        be some before and some after the write, so the step's ``post`` word is unknown, not wrong."""
+        self.raced: np.ndarray | None = None
+        """Which tensors a write through torch reached before the post-step read ended (a counter moved): their
+        bytes may be some before and some after the write, so the step's ``post`` word is unknown, not wrong."""
         self.post: np.ndarray | None = None
         self.late: np.ndarray | None = None
         self.error: BaseException | None = None
@@ -121,9 +121,9 @@ class RestReader:
             raise w.error
         return w.post
 
-    def raced(self) -> bool:
-        """Whether the post-step read of the window under way overlapped a write through torch."""
-        return self._window is not None and self._window.raced
+    def raced(self) -> np.ndarray | None:
+        """Which tensors of the window under way a write through torch reached before its post-step read ended."""
+        return None if self._window is None else self._window.raced
 
     def collect(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         """At the pre-step hook, on the training thread: the window's post read (waited for: the step must not
@@ -145,7 +145,7 @@ class RestReader:
             t0 = time.perf_counter()
             w.post = w.read(fresh=False)
             if w.stamp is not None and w.stamped is not None:
-                w.raced = bool((w.stamp()[w.keep] != w.stamped).any())
+                w.raced = w.stamp()[w.keep] != w.stamped
             self.read_s = _ema(self.read_s, time.perf_counter() - t0)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             w.error = exc
