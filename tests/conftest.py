@@ -17,12 +17,12 @@ import torch._dynamo  # noqa: F401
 HEAVIEST_FIRST = (
     "test_ray_train.py",
     "test_campaign.py",
-    "test_torchft.py",
     "test_docs.py",
     "test_timeouts.py",
     "test_restart.py",
     "test_channel_tree.py",
     "test_hostile_input.py",
+    "test_torchft.py",
     "test_launch.py",
     "test_soak.py",
     "test_callback.py",
