@@ -262,10 +262,10 @@ class Auditor:
                 prepared = self.prepare(module, optimizers, ddp=ddp, include=config.include)
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the run, which raise together
             failure = exc
-        if not request.counted:  # beside the run's own audits: none of its per-step evidence is read
+        if not request.counted:  # beside the run's own audits: attribution's records read, none consumed
             return AuditContext(
-                config, self.comm, self.side_history, None, None, module, optimizers, ddp, prepared, failure,
-                slice_index=0, **at,
+                config, self.comm, self.side_history, None, self.attribution, module, optimizers, ddp, prepared,
+                failure, slice_index=0, consumes=False, **at,
             )  # fmt: skip
         if isinstance(batch, BatchRecords):
             batch = batch.take(step)

@@ -343,7 +343,8 @@ class AuditRequest:
     counted: bool = True
     """Entered in the run's history and read with its per-step evidence (pinpoint's ring, attribution's
     records, the batches, the step's hyper-parameters); ``False``: an audit beside the run's own (the
-    gradients before a step, the confirmation of a repair), with a history of its own."""
+    gradients before a step, a repair's confirmation), with a history of its own, blamed from attribution's
+    records without consuming them."""
 
     def __post_init__(self) -> None:
         if self.include is not None:

@@ -151,6 +151,9 @@ class AuditContext:
     step_hyper: StepHyper | None = field(kw_only=True, default=None)
     """The hyper-parameters each optimizer step read (set by the callbacks): a divergent audit names one
     that differed at a step it covers and was set back since."""
+    consumes: bool = field(kw_only=True, default=True)
+    """Whether the audit consumes the :attr:`watch`'s records (the run's own); one beside them (the gradients
+    before a step, a repair's confirmation) blames from them and leaves them to the run's next audit."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,7 +127,7 @@ class AtRest:
         """Offloaded: the worker's post-step read, waited for, its word handed on to its step's record."""
         if self.reader is not None and self._awaiting is not None:
             into, self._awaiting = self._awaiting, None
-            self.post, raced = self.reader.post(), self.reader.raced()
+            self.post, raced = self.reader.post()
             if self.post is not None and raced is not None and raced.any():  # written before it was read: the
                 self.post = np.where(raced, ~self.post, self.post)  # bytes after the step unknown, so changed
             elif self.post is not None:

@@ -111,19 +111,16 @@ class RestReader:
         w = self._window = _Window(prepared, keep, self.method, stamp, stamped)
         self._worker.submit(lambda: self._read(w))
 
-    def post(self) -> np.ndarray | None:
-        """The post-step read of the window under way, waiting for it if need be (None: none, or it failed)."""
+    def post(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The post-step read of the window under way, waiting for it if need be (None: none, or it failed), and
+        which of its tensors a write through torch reached before it ended (None: not known)."""
         w = self._window
         if w is None:
-            return None
+            return None, None
         w.post_done.wait()
         if w.error is not None:
             raise w.error
-        return w.post
-
-    def raced(self) -> np.ndarray | None:
-        """Which tensors of the window under way a write through torch reached before its post-step read ended."""
-        return None if self._window is None else self._window.raced
+        return w.post, w.raced
 
     def collect(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         """At the pre-step hook, on the training thread: the window's post read (waited for: the step must not
@@ -134,7 +131,7 @@ class RestReader:
         with w.lock:
             w.abort.set()
             late = w.late
-        post = self.post()
+        post, _ = self.post()
         self._window = None
         self.windows.append(time.perf_counter() - w.t_post)
         self.late_reads += late is not None

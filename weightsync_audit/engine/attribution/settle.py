@@ -51,16 +51,18 @@ def attribute_audit(
     full: bool,
     hosts: dict[str, str] | None,
     hints: list[str],
+    consume: bool = True,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
     """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
-    with a watch (collective then), the blame's hint first and the blamed ranks' hosts added.
+    with a watch (collective then), the blame's hint first and the blamed ranks' hosts added. Without
+    ``consume`` (an audit beside the run's own) the records and the kept blame are read, never changed.
 
     A blame lives as long as its evidence explains the mismatches: every divergent audit exchanges the records
     taken since the last one; a rank they name decides afresh, and so does a (tensor, rank) pair the kept blame
     did not explain (a second fault while a tolerated or unrepaired divergence persists: its own records, else
     the vote)."""
     if not mismatches:
-        if watch is not None:  # an in-sync audit empties the records (a full one, all of them)
+        if watch is not None and consume:  # an in-sync audit empties the records (a full one, all of them)
             watch.found = None
             if full:
                 watch.in_sync()
@@ -81,8 +83,9 @@ def attribute_audit(
         where = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame.ranks}
         if kept is not None and not blame.by_records and pairs <= kept[2]:  # the same divergence, still explained
             blame, where, pairs = kept
-        watch.found = blame, where, pairs  # its records reported (a resync after it is no change at rest)
-        watch.records.clear()
+        if consume:
+            watch.found = blame, where, pairs  # its records reported (a resync after it is no change at rest)
+            watch.records.clear()
     if where:
         hosts = {**(hosts or {}), **where}
     if watch is not None and blame.detail:  # without a watch the vote is said already
