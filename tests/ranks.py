@@ -36,6 +36,27 @@ class RankDied:
 
 
 _NEXT_PORT: list[int] = []
+_SLOT_LOCK: list[Any] = []
+SLOTS = 48
+"""Slices of 400 ports from 12000: 12000-31199, below the kernel's ephemeral range."""
+
+
+def _port_slot() -> int:
+    """The first slice no other live process holds (a lock file each, held for this process's life): two
+    suites on one host (two worktrees, a helper's and yours) never walk the same ports."""
+    import fcntl
+    import tempfile
+
+    for slot in range(SLOTS):
+        f = open(os.path.join(tempfile.gettempdir(), f"weightsync-test-ports-{slot}.lock"), "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            f.close()
+            continue
+        _SLOT_LOCK.append(f)
+        return slot
+    raise RuntimeError(f"all {SLOTS} port slices are held by other processes")
 
 
 def free_port() -> int:
@@ -43,12 +64,10 @@ def free_port() -> int:
 
     ``bind(0)`` then close leaves a window in which a connection's ephemeral port, or another pytest worker's
     ``bind(0)``, may take the same number; ports below 32768 are never handed out that way, and each process
-    (an xdist worker by its number, a plain run by its pid) walks its own slice of 400 ports.
+    (an xdist worker, a plain run, another suite's) walks its own slice of 400 ports (:func:`_port_slot`).
     """
     if not _NEXT_PORT:
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-        slot = int(worker[2:]) if worker.startswith("gw") else 8 + os.getpid() % 40
-        _NEXT_PORT.append(12000 + slot * 400)
+        _NEXT_PORT.append(12000 + _port_slot() * 400)
     for _ in range(400):
         port = _NEXT_PORT[0]
         _NEXT_PORT[0] = port + 1 if (port + 1 - 12000) % 400 else port - 399
