@@ -55,7 +55,8 @@ def attribute_audit(
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
     """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
     with a watch (collective then), the blame's hint first and the blamed ranks' hosts added. Without
-    ``consume`` (an audit beside the run's own) the records and the kept blame are read, never changed.
+    ``consume`` (an audit beside the run's own) the records and the kept blame are read, never changed, and
+    nothing is compared with the bytes after the last step (a repair's confirmation reads repaired ones).
 
     A blame lives as long as its evidence explains the mismatches: every divergent audit exchanges the records
     taken since the last one; a rank they name decides afresh, and so does a (tensor, rank) pair the kept blame
@@ -73,8 +74,9 @@ def attribute_audit(
     else:  # collective: every rank exchanges its records, from the same audit
         kept = watch.found
         mine = watch.payload()
-        mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if full else []
-        mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if full else []
+        at_mark = full and consume  # the run's own audits, at a step: a repair's confirmation reads repaired bytes
+        mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if at_mark else []
+        mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if at_mark else []
         mine["host"] = describe_this_rank()
         gathered = [json.loads(b) for b in comm.exchange_bytes(json.dumps(mine).encode(), "the attribution records")]
         ranks = list(comm.global_ranks)
