@@ -371,7 +371,7 @@ def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_chang
     assert records[2].post is None  # its read raced the write: the step's post-step word is unknown
 
 
-def _grads_audited(rank: int, world: int, report: str, faulty: int) -> None:
+def _grads_audited(rank: int, world: int, report: str, faulty: int, at_step: int, overlap: bool) -> None:
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     torch.manual_seed(0)
@@ -381,12 +381,12 @@ def _grads_audited(rank: int, world: int, report: str, faulty: int) -> None:
     at = {"step": 0}
 
     def planted(o: Any, *_: Any) -> None:  # a global hook, registered first: before the gradient audit's
-        if rank == faulty and at["step"] == 5:
+        if rank == faulty and at["step"] == at_step:
             g = model[2].weight.grad
             g.view(-1)[3] = g.view(-1)[3] * (1 + 2**-10) + 2**-20  # after the all-reduce, on one rank
 
     handle = register_optimizer_step_pre_hook(planted)
-    audit = LoopAudit(ddp, opt, every_n_steps=2, verbose=False, attribution=True, report_path=report,
+    audit = LoopAudit(ddp, opt, every_n_steps=2, verbose=False, attribution=True, report_path=report, overlap=overlap,
                       include=("params", "buffers", "optimizer", "grads"))  # fmt: skip
     for step in range(1, 9):
         at["step"] = step
@@ -399,20 +399,21 @@ def _grads_audited(rank: int, world: int, report: str, faulty: int) -> None:
     handle.remove()
 
 
-@pytest.mark.parametrize("faulty", [0, 1])
+@pytest.mark.parametrize(("faulty", "at_step", "overlap"), [(0, 5, False), (1, 5, True), (1, 6, False), (0, 6, True)])
 def test_the_gradient_audit_before_a_step_is_blamed_from_the_records_and_leaves_them_to_the_next_audit(
-    tmp_path: Any, faulty: int
+    tmp_path: Any, faulty: int, at_step: int, overlap: bool
 ) -> None:
     """With ``include`` grads the first audit to see a divergence is often the gradient audit before a step:
     it blames from attribution's records as the run's own audits do (it once took the vote alone: a tie,
-    undecided), and leaves them to the audit after the step, which blames the same."""
+    undecided), and leaves them to the audit after the step, which blames the same. At an audited step
+    (6) the gradient audit reads the record of the step under way, its gradients read first."""
     import json
 
     report = tmp_path / "r.jsonl"
-    run_ranks(_grads_audited, 2, str(report), faulty)
+    run_ranks(_grads_audited, 2, str(report), faulty, at_step, overlap)
     bad = [json.loads(line) for line in report.read_text().splitlines() if not json.loads(line)["in_sync"]]
     assert [(r["step"], r["hook"]) for r in bad[:2]] == [(6, "before_optimizer_step"), (6, "step")]
     for r in bad:
         blame = r["blame"]
-        assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], "deterministic_difference", 5), r
+        assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], "deterministic_difference", at_step), r
         assert "gradient of 2.weight changed after the all-reduce" in blame["detail"]

@@ -210,7 +210,7 @@ def _evicting(rank: int, world: int, folder: str, attribution: bool) -> None:
     """Rank 0's weight corrupted, then an audit with ``exit_code``: every rank exits 17 (os._exit)."""
     os.environ.update({EVICT_FILE_ENV: f"{folder}/evict.json", SEGMENT_DIR_ENV: f"{folder}/health",
                        "SLURM_JOB_ID": "77", "SLURM_ARRAY_TASK_ID": str(rank)})  # fmt: skip
-    from weightsync_audit.engine.attribution.settle import mark_step, watch_run
+    from weightsync_audit.engine.attribution.settle import watch_run
     from weightsync_audit.integrations.session.runner import AuditRunner
 
     torch.manual_seed(0)
@@ -221,7 +221,7 @@ def _evicting(rank: int, world: int, folder: str, attribution: bool) -> None:
     watch_run(runner, model, [opt])
     model(torch.ones(2, 4)).sum().backward()
     opt.step()  # the same gradients everywhere: the replicas agree after it
-    mark_step(runner, 1)
+    runner.record_step(model, [opt], 1)  # the step's record closed (local)
     if rank == 0:
         flip_bit(model.weight, 0, 30)  # corrupted at rest, as the memory does (no version counter moves)
     everyone = _gathered([model.weight])  # the truth: the ranks outside a strict majority of equal bytes

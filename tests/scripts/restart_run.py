@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from weightsync_audit import AuditOptions, ResumeSources
-from weightsync_audit.engine.attribution.settle import mark_step, watch_run
+from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.sidecar import read_sidecar
 from weightsync_audit.integrations.session.options import EXIT_DIVERGED
 from weightsync_audit.integrations.session.runner import AuditRunner
@@ -106,7 +106,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         sched.step()
-        mark_step(runner, step)  # the step's record closed (local)
+        runner.record_step(model, [opt], step)  # the step's record closed (local)
         torch.rand(2)  # this rank's stream moves on
         if attempt == 0 and step == 6 and rank == 1:
             with torch.no_grad():

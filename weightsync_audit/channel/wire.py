@@ -78,10 +78,6 @@ def what_words(what: str) -> tuple[int, bytes]:
     return xxhash.xxh3_64_intdigest(raw) >> 1, raw[:WHAT_BYTES].ljust(WHAT_BYTES, b"\0")
 
 
-def words_text(name: bytes | memoryview) -> str:
-    return bytes(name).rstrip(b"\0").decode("utf-8", "replace")
-
-
 def length_word(nbytes: int, inline: bool) -> int:
     """A frame's length word: the body's length, flagged when it rides the frame beyond what the previous
     release carried inline."""
@@ -335,7 +331,7 @@ class StarWire:
             f = frames[r][0]
             magic, got, named, word = HEADER.unpack_from(f)
             if magic != MAGIC or got != seq or named != what_hash:
-                text = words_text(f[_NAME])
+                text = bytes(f[_NAME]).rstrip(b"\0").decode("utf-8", "replace")
                 positions[self.global_ranks[r]] = f"at {text or 'an unknown point'} (exchange #{got})"
             nbytes, inline = read_length(word)
             if inline:

@@ -225,13 +225,14 @@ class ReducedDigests:
         """Seconds the hook's own work took, in all (inside DDP's reduction: on the critical path)."""
         self.deferred: Worker | None = None
 
-    def take(self, *, wait: bool = True) -> tuple[dict[int, int], dict[int, int]]:
-        """The digests of this step's reductions, and a fresh start for the next step (``wait``: for the deferred
-        digests first; a job on the worker itself passes False, the earlier jobs having run)."""
+    def take(self, *, wait: bool = True, keep: bool = False) -> tuple[dict[int, int], dict[int, int]]:
+        """The digests of this step's reductions, and (unless ``keep``) a fresh start for the next step (``wait``:
+        for the deferred digests first; a job on the worker itself passes False, the earlier jobs having run)."""
         if wait and self.deferred is not None:
             self.deferred.drain()
         out = self.buckets, self.grads
-        self.buckets, self.grads = {}, {}
+        if not keep:
+            self.buckets, self.grads = {}, {}
         return out
 
     def reduced(self, index: int, flat: torch.Tensor, params: list[Any], spans: list[tuple[int, int]]) -> None:

@@ -27,7 +27,6 @@ __all__ = [
     "attach_watch",
     "attribute_audit",
     "explained_pairs",
-    "mark_step",
     "param_names",
     "watch_run",
 ]
@@ -73,7 +72,7 @@ def attribute_audit(
         blame, where = vote_blame(mismatches), {}
     else:  # collective: every rank exchanges its records, from the same audit
         kept = watch.found
-        mine = watch.payload()
+        mine = watch.payload(under_way=not consume)
         at_mark = full and consume  # the run's own audits, at a step: a repair's confirmation reads repaired bytes
         mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if at_mark else []
         mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if at_mark else []
@@ -147,10 +146,3 @@ def watch_run(runner: Any, model: Any, optimizers: Sequence[Any]) -> None:
     if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
         offload = getattr(runner, "overlap", None) is not None
         auditor.attribution = attach_watch(auditor, model, optimizers, offload=offload)
-
-
-def mark_step(runner: Any, step: int) -> None:
-    """After every optimizer step: the watch's record of it closed under ``step`` (local, no message)."""
-    watch = getattr(runner.auditor, "attribution", None)
-    if watch is not None:
-        watch.mark(step)

@@ -188,13 +188,7 @@ class StepWatch:
         self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
         if self._depth[id(opt)] > 1:
             return None
-        t0 = time.perf_counter()
-        try:
-            if self.current is None:
-                self.current = self._open_step()
-        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
-            self._failed(exc, "at-rest check before the step")
-        self.hook_s += time.perf_counter() - t0
+        self.open_step()
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
         if closure is None:
             self._gradients(opt)
@@ -211,15 +205,25 @@ class StepWatch:
             else ((args[0], then_watch, *args[2:]), kwargs)
         )
 
+    def open_step(self, gradients: bool = False, last: bool = False) -> None:
+        """The step under way opened (what changed at rest, the hyperparameters: the first pre-step hook does it,
+        or an audit of the gradients before the step, ahead of the hooks); with ``gradients``, what the
+        all-reduce gave against them: the step's hooks' read (``last``, once a step), or one for that audit."""
+        t0 = time.perf_counter()
+        try:
+            if self.current is None:
+                self.current = self._open_step()
+            if gradients and self.config.collective and self.current is not None and not self._grads_read:
+                self._check_gradients(last=last)
+        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+            self._failed(exc, "at-rest check before the step" if self.current is None else "collective check")
+        self.hook_s += time.perf_counter() - t0
+
     def _gradients(self, opt: torch.optim.Optimizer) -> None:
         """Once the gradients are there: what the all-reduce gave against them, and the replay's copy (once per
         step: a closure optimizer such as LBFGS evaluates its closure several times in one step)."""
+        self.open_step(gradients=True, last=True)
         t0 = time.perf_counter()
-        try:
-            if self.config.collective and self.current is not None and not self._grads_read:
-                self._check_gradients()
-        except Exception as exc:  # noqa: BLE001
-            self._failed(exc, "collective check")
         try:
             if self.replay is not None and id(opt) not in self._copied:
                 self._copied.add(id(opt))
@@ -321,25 +325,26 @@ class StepWatch:
         changed = _changed(self.last_hyper, hyper) if self.last_step is not None and hyper != self.last_hyper else None
         return replace(rec, hyper=_word(hyper), hyper_changed=changed, hyper_text=hyper[:2000])
 
-    def _check_gradients(self) -> None:
+    def _check_gradients(self, last: bool) -> None:
         """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
-        guarded by their version counters: gradients written before it read them leave the check unknown)."""
+        guarded by their version counters: gradients written before it read them leave the check unknown);
+        not ``last``: an earlier read, for an audit (the all-reduce's digests kept for the last)."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
         params = [p for p in params if replicated_everywhere(p.grad)]  # a shard's gradient is its rank's own
         names = [self.names.get(id(p), "?") for p in params]
         grads = [readable(p.grad, f"{n}.grad") for p, n in zip(params, names)]  # a DTensor's: its local shard
         ids, n = [id(p) for p in params], self.steps_taken
         if self.deferred is None:
-            self._compare_gradients(n, ids, grads, names, None)
+            self._compare_gradients(n, ids, grads, names, None, last)
         else:
             stamps = [tensor_version(g) for g in grads]
-            self.deferred.submit(lambda: self._compare_gradients(n, ids, grads, names, stamps))
-        self._grads_read = True
+            self.deferred.submit(lambda: self._compare_gradients(n, ids, grads, names, stamps, last))
+        self._grads_read = last
 
     def _compare_gradients(
-        self, n: int, ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None
+        self, n: int, ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None, last: bool
     ) -> None:
-        buckets, reduced = self.reduced.take(wait=stamps is None)
+        buckets, reduced = self.reduced.take(wait=stamps is None, keep=not last)
         self._amend(n, buckets=tuple(sorted(buckets.items())))
         mine = digest_tensors(grads) if grads else np.zeros(0, np.int64)
         if stamps is not None and [tensor_version(g) for g in grads] != stamps:
@@ -417,12 +422,15 @@ class StepWatch:
         names, self.audit_evidence = self.rest.since_step(prepared, digests, reference)
         return names
 
-    def payload(self) -> dict[str, Any]:
-        """This rank's records since the last in-sync audit, to exchange."""
+    def payload(self, under_way: bool = False) -> dict[str, Any]:
+        """This rank's records since the last in-sync audit, to exchange (``under_way``: and the step's opened
+        before it, numbered one more than the last: for an audit right before that step)."""
         if self.rest is not None:
             self.rest.settle_post()  # offloaded: the last step's post-step word, read by now
         if self.deferred is not None:
             self.deferred.drain()  # offloaded: the collective check's words, read by now
         with self.lock:
             records = [r.as_dict() for r in self.records]
+            if under_way and self.current is not None:
+                records.append(replace(self.current, step=(self.last_step or 0) + 1).as_dict())
         return {"records": records, "hyper": self.last_hyper}

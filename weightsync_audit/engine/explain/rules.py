@@ -97,10 +97,6 @@ def _wrapped(ev: Evidence, names: Names) -> bool:
     return ev.ddp is not None
 
 
-def _reduced(ev: Evidence, names: Names) -> bool:
-    return ev.reduced(names)
-
-
 # -- proven from the wrapper ------------------------------------------------------------------------
 
 
@@ -357,7 +353,7 @@ _GRADS_NOT_REDUCED = (
 )
 #: Why a differing parameter's gradients were likely not all-reduced, each with what rules it out.
 _PARAMS_NOT_REDUCED = (
-    ("trainable set changed after the DDP wrap", _reduced),
+    ("trainable set changed after the DDP wrap", Evidence.reduced),
     ("no_sync() misuse", _never),
     ("a custom loop without DDP", _wrapped),
 )

@@ -218,7 +218,10 @@ class AuditRunner:
     # -- the audit -----------------------------------------------------------------------------
 
     def record_step(self, model: Any, optimizers: Sequence[Any], step: int) -> None:
-        """With ``pinpoint``: digest, locally, what the audit covers, once per optimizer step (no message)."""
+        """After each optimizer step, locally (no message): attribution's record of it closed under ``step``; with
+        ``pinpoint``, what the audit covers digested, once per optimizer step."""
+        if self.auditor is not None and self.auditor.attribution is not None:
+            self.auditor.attribution.mark(step)
         if self.auditor is None or not self.config.pinpoint or step == self.last_step_recorded:
             return
         self.last_step_recorded = step
@@ -273,6 +276,8 @@ class AuditRunner:
                     model, optimizers, step=step, epoch=epoch, hook=hook, is_main=is_main, log_metrics=log_metrics
                 )
             self.overlap.settle("another audit")  # the channel is used in order: the pending verdict first
+        if grads and auditor.attribution is not None:  # attribution's record of the step under way, its gradients
+            auditor.attribution.open_step(gradients=True)  # read: what this audit blames from
         t0 = time.perf_counter()
         try:
             request = self.grads if grads else None

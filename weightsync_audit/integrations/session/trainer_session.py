@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 
 from weightsync_audit.ddp.inspect import TrainableSetWatch
-from weightsync_audit.engine.attribution.settle import mark_step, watch_run
+from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.context import AuditHistory
 from weightsync_audit.errors import warn_user
@@ -248,7 +248,6 @@ class TrainerSession:
         ``batch``: with ``check_batches``, this rank's batch, recorded for the audit of this step (local)."""
         if self.active and model is not None:
             watch_run(self.runner, model, optimizers)  # attribution's watch, set once
-            mark_step(self.runner, step)
             self.runner.record_step(model, optimizers, step)
         if self.every_n is None or step % self.every_n or (once and step == self.last_step_audited):
             return False
