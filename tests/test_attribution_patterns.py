@@ -417,3 +417,48 @@ def test_the_gradient_audit_before_a_step_is_blamed_from_the_records_and_leaves_
         blame = r["blame"]
         assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], "deterministic_difference", at_step), r
         assert "gradient of 2.weight changed after the all-reduce" in blame["detail"]
+
+
+def _lr_in_the_step(rank: int, world: int, report: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ddp = DDP(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    audit = LoopAudit(ddp, opt, every_n_steps=2, verbose=False, attribution=True, report_path=report,
+                      include=("params", "buffers", "optimizer", "grads"))  # fmt: skip
+    at = {"step": 0}
+
+    def pre(o: Any, *_: Any) -> None:  # the optimizer's own hook, set after the gradient audit's global one
+        if rank == 1 and at["step"] == 4:
+            o.param_groups[0]["lr"] = 1e-1
+
+    def post(o: Any, *_: Any) -> None:
+        o.param_groups[0]["lr"] = 1e-2
+
+    opt.register_step_pre_hook(pre)
+    opt.register_step_post_hook(post)
+    for step in range(1, 7):
+        at["step"] = step
+        x, y = _batch(step, rank)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        audit.step(step)
+    audit.close()
+
+
+def test_the_gradient_audit_leaves_the_step_to_its_hooks_which_still_see_a_learning_rate_set_inside_them(
+    tmp_path: Any,
+) -> None:
+    """The gradient audit before a step reads the step under way without opening its record: the step's own
+    pre-step hooks open it, after every hook set before them, and see a learning rate one of those set on one
+    rank (opened by the audit, the record read the learning rate before that hook, and the blame was undecided)."""
+    import json
+
+    report = tmp_path / "r.jsonl"
+    run_ranks(_lr_in_the_step, 2, str(report))
+    bad = [json.loads(line) for line in report.read_text().splitlines() if not json.loads(line)["in_sync"]]
+    blame = bad[0]["blame"]
+    assert (bad[0]["step"], bad[0]["hook"]) == (4, "step"), bad[0]
+    assert (blame["ranks"], blame["evidence"], blame["step"]) == ([1], "deterministic_difference", 4), blame
+    assert "lr" in blame["detail"], blame

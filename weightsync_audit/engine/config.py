@@ -345,12 +345,15 @@ class AuditRequest:
     records, the batches, the step's hyper-parameters); ``False``: an audit beside the run's own (the
     gradients before a step, a repair's confirmation), with a history of its own, blamed from attribution's
     records without consuming them."""
+    before_step: bool = False
+    """Right before an optimizer step (the gradients' audit): attribution's record of that step is read too."""
 
     def __post_init__(self) -> None:
         if self.include is not None:
             object.__setattr__(self, "include", check_include(self.include))
         object.__setattr__(self, "full", check_flag(self.full, "full"))
         object.__setattr__(self, "counted", check_flag(self.counted, "counted"))
+        object.__setattr__(self, "before_step", check_flag(self.before_step, "before_step"))
 
     def config(self, base: AuditConfig) -> AuditConfig:
         """``base`` as this audit reads it."""

@@ -154,6 +154,8 @@ class AuditContext:
     consumes: bool = field(kw_only=True, default=True)
     """Whether the audit consumes the :attr:`watch`'s records (the run's own); one beside them (the gradients
     before a step, a repair's confirmation) blames from them and leaves them to the run's next audit."""
+    under_way: bool = field(kw_only=True, default=False)
+    """Right before an optimizer step: the :attr:`watch`'s record of that step is read too."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,11 +51,13 @@ def attribute_audit(
     hosts: dict[str, str] | None,
     hints: list[str],
     consume: bool = True,
+    under_way: bool = False,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
     """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
     with a watch (collective then), the blame's hint first and the blamed ranks' hosts added. Without
     ``consume`` (an audit beside the run's own) the records and the kept blame are read, never changed, and
-    nothing is compared with the bytes after the last step (a repair's confirmation reads repaired ones).
+    nothing is compared with the bytes after the last step (a repair's confirmation reads repaired ones);
+    ``under_way``: the step under way's record is exchanged too (an audit right before it).
 
     A blame lives as long as its evidence explains the mismatches: every divergent audit exchanges the records
     taken since the last one; a rank they name decides afresh, and so does a (tensor, rank) pair the kept blame
@@ -72,7 +74,7 @@ def attribute_audit(
         blame, where = vote_blame(mismatches), {}
     else:  # collective: every rank exchanges its records, from the same audit
         kept = watch.found
-        mine = watch.payload(under_way=not consume)
+        mine = watch.payload(under_way)
         at_mark = full and consume  # the run's own audits, at a step: a repair's confirmation reads repaired bytes
         mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if at_mark else []
         mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if at_mark else []

@@ -188,7 +188,13 @@ class StepWatch:
         self._depth[id(opt)] = self._depth.get(id(opt), 0) + 1
         if self._depth[id(opt)] > 1:
             return None
-        self.open_step()
+        t0 = time.perf_counter()
+        try:
+            if self.current is None:
+                self.current = self._open_step()
+        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+            self._failed(exc, "at-rest check before the step")
+        self.hook_s += time.perf_counter() - t0
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
         if closure is None:
             self._gradients(opt)
@@ -205,25 +211,15 @@ class StepWatch:
             else ((args[0], then_watch, *args[2:]), kwargs)
         )
 
-    def open_step(self, gradients: bool = False, last: bool = False) -> None:
-        """The step under way opened (what changed at rest, the hyperparameters: the first pre-step hook does it,
-        or an audit of the gradients before the step, ahead of the hooks); with ``gradients``, what the
-        all-reduce gave against them: the step's hooks' read (``last``, once a step), or one for that audit."""
-        t0 = time.perf_counter()
-        try:
-            if self.current is None:
-                self.current = self._open_step()
-            if gradients and self.config.collective and self.current is not None and not self._grads_read:
-                self._check_gradients(last=last)
-        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
-            self._failed(exc, "at-rest check before the step" if self.current is None else "collective check")
-        self.hook_s += time.perf_counter() - t0
-
     def _gradients(self, opt: torch.optim.Optimizer) -> None:
         """Once the gradients are there: what the all-reduce gave against them, and the replay's copy (once per
         step: a closure optimizer such as LBFGS evaluates its closure several times in one step)."""
-        self.open_step(gradients=True, last=True)
         t0 = time.perf_counter()
+        try:
+            if self.config.collective and self.current is not None and not self._grads_read:
+                self._check_gradients()
+        except Exception as exc:  # noqa: BLE001
+            self._failed(exc, "collective check")
         try:
             if self.replay is not None and id(opt) not in self._copied:
                 self._copied.add(id(opt))
@@ -325,32 +321,36 @@ class StepWatch:
         changed = _changed(self.last_hyper, hyper) if self.last_step is not None and hyper != self.last_hyper else None
         return replace(rec, hyper=_word(hyper), hyper_changed=changed, hyper_text=hyper[:2000])
 
-    def _check_gradients(self, last: bool) -> None:
-        """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
-        guarded by their version counters: gradients written before it read them leave the check unknown);
-        not ``last``: an earlier read, for an audit (the all-reduce's digests kept for the last)."""
+    def _gradients_now(self) -> tuple[list[int], list[torch.Tensor], list[str]]:
+        """The gradients every rank holds whole, as they are now: their parameters' ids, the tensors (a
+        DTensor's: its local shard) and names."""
         params = [p for o in self.optimizers for g in o.param_groups for p in g["params"] if p.grad is not None]
         params = [p for p in params if replicated_everywhere(p.grad)]  # a shard's gradient is its rank's own
         names = [self.names.get(id(p), "?") for p in params]
-        grads = [readable(p.grad, f"{n}.grad") for p, n in zip(params, names)]  # a DTensor's: its local shard
-        ids, n = [id(p) for p in params], self.steps_taken
+        return [id(p) for p in params], [readable(p.grad, f"{n}.grad") for p, n in zip(params, names)], names
+
+    def _check_gradients(self) -> None:
+        """The gradients right before the step against what the all-reduce gave (on the worker with ``offload``,
+        guarded by their version counters: gradients written before it read them leave the check unknown)."""
+        (ids, grads, names), n = self._gradients_now(), self.steps_taken
         if self.deferred is None:
-            self._compare_gradients(n, ids, grads, names, None, last)
+            self._amend(n, **self._gradient_fields(ids, grads, names, None))
         else:
             stamps = [tensor_version(g) for g in grads]
-            self.deferred.submit(lambda: self._compare_gradients(n, ids, grads, names, stamps, last))
-        self._grads_read = last
+            self.deferred.submit(lambda: self._amend(n, **self._gradient_fields(ids, grads, names, stamps)))
+        self._grads_read = True
 
-    def _compare_gradients(
-        self, n: int, ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None, last: bool
-    ) -> None:
-        buckets, reduced = self.reduced.take(wait=stamps is None, keep=not last)
-        self._amend(n, buckets=tuple(sorted(buckets.items())))
+    def _gradient_fields(
+        self, ids: list[int], grads: list[torch.Tensor], names: list[str], stamps: list[int] | None, keep: bool = False
+    ) -> dict[str, Any]:
+        """The record's ``buckets``, ``grads`` and ``grads_changed`` (``keep``: the all-reduce's digests kept)."""
+        buckets, reduced = self.reduced.take(wait=stamps is None, keep=keep)
+        out: dict[str, Any] = {"buckets": tuple(sorted(buckets.items()))}
         mine = digest_tensors(grads) if grads else np.zeros(0, np.int64)
         if stamps is not None and [tensor_version(g) for g in grads] != stamps:
-            return  # written before the worker read them: unknown this step (``grads`` stays null)
+            return out  # written before the worker read them: unknown this step (``grads`` stays null)
         moved = [x for i, x, d in zip(ids, names, mine.tolist()) if reduced.get(i, d) != d]
-        self._amend(n, grads=int(overall_digest(mine, len(mine))), grads_changed=tuple(moved[:MAX_NAMES]))
+        return {**out, "grads": int(overall_digest(mine, len(mine))), "grads_changed": tuple(moved[:MAX_NAMES])}
 
     # -- the step's end --------------------------------------------------------------------------
 
@@ -423,14 +423,25 @@ class StepWatch:
         return names
 
     def payload(self, under_way: bool = False) -> dict[str, Any]:
-        """This rank's records since the last in-sync audit, to exchange (``under_way``: and the step's opened
-        before it, numbered one more than the last: for an audit right before that step)."""
+        """This rank's records since the last in-sync audit, to exchange (``under_way``: and the step under way's,
+        for an audit right before that step: :meth:`under_way`)."""
         if self.rest is not None:
             self.rest.settle_post()  # offloaded: the last step's post-step word, read by now
         if self.deferred is not None:
             self.deferred.drain()  # offloaded: the collective check's words, read by now
+        ahead = [self.under_way().as_dict()] if under_way else []
         with self.lock:
             records = [r.as_dict() for r in self.records]
-            if under_way and self.current is not None:
-                records.append(replace(self.current, step=(self.last_step or 0) + 1).as_dict())
-        return {"records": records, "hyper": self.last_hyper}
+        return {"records": records + ahead, "hyper": self.last_hyper}
+
+    def under_way(self) -> StepRecord:
+        """The step under way (numbered one more than the last) as an audit right before it reads it, the watch
+        left as it is: its record so far (none before its hooks open it) and, unless its hooks read them
+        already, its gradients against what the all-reduce gave, read now (its hooks read them again)."""
+        rec = replace(self.current or StepRecord(), step=(self.last_step or 0) + 1)
+        if not self.config.collective or self._grads_read:
+            return rec
+        try:
+            return replace(rec, **self._gradient_fields(*self._gradients_now(), None, keep=True))
+        except Exception as exc:  # noqa: BLE001 - evidence, never a failure of the audit
+            return replace(rec, failed=f"collective check: {type(exc).__name__}: {exc}"[:200])

@@ -196,7 +196,7 @@ class AuditRunner:
         self.auditor.step_hyper = self.step_hyper
         if "grads" in self.include:
             with_opt = ("optimizer",) if grads_with_optimizer and "optimizer" in self.include else ()
-            self.grads = AuditRequest(include=("grads", *with_opt), full=True, counted=False)
+            self.grads = AuditRequest(include=("grads", *with_opt), full=True, counted=False, before_step=True)
         # A resync is confirmed by a full audit of what the audits compare: the gradients too when they moved.
         plain = AuditRequest(include=main_include, full=True, counted=False)
         with_grads = AuditRequest(include=(*main_include, "grads"), full=True, counted=False)
@@ -276,8 +276,6 @@ class AuditRunner:
                     model, optimizers, step=step, epoch=epoch, hook=hook, is_main=is_main, log_metrics=log_metrics
                 )
             self.overlap.settle("another audit")  # the channel is used in order: the pending verdict first
-        if grads and auditor.attribution is not None:  # attribution's record of the step under way, its gradients
-            auditor.attribution.open_step(gradients=True)  # read: what this audit blames from
         t0 = time.perf_counter()
         try:
             request = self.grads if grads else None
