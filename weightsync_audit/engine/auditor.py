@@ -265,7 +265,7 @@ class Auditor:
         if not request.counted:  # beside the run's own audits: attribution's records read, none consumed
             return AuditContext(
                 config, self.comm, self.side_history, None, self.attribution, module, optimizers, ddp, prepared,
-                failure, slice_index=0, consumes=False, under_way=request.before_step, **at,
+                failure, slice_index=0, request=request, **at,
             )  # fmt: skip
         if isinstance(batch, BatchRecords):
             batch = batch.take(step)

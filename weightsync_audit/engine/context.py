@@ -45,7 +45,7 @@ from torch import nn
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.engine.agreement.consensus import StructureDiff, ValueDiff
 from weightsync_audit.engine.attribution.watch import StepWatch
-from weightsync_audit.engine.config import AuditConfig
+from weightsync_audit.engine.config import AuditConfig, AuditRequest
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.timeline.pinpoint import Pinpoint, Pinpointer
@@ -151,11 +151,9 @@ class AuditContext:
     step_hyper: StepHyper | None = field(kw_only=True, default=None)
     """The hyper-parameters each optimizer step read (set by the callbacks): a divergent audit names one
     that differed at a step it covers and was set back since."""
-    consumes: bool = field(kw_only=True, default=True)
-    """Whether the audit consumes the :attr:`watch`'s records (the run's own); one beside them (the gradients
-    before a step, a repair's confirmation) blames from them and leaves them to the run's next audit."""
-    under_way: bool = field(kw_only=True, default=False)
-    """Right before an optimizer step: the :attr:`watch`'s record of that step is read too."""
+    request: AuditRequest = field(kw_only=True, default=AuditRequest())
+    """What the audit covers beside the settings: whether it consumes the :attr:`watch`'s records (``counted``,
+    the run's own) or only blames from them, and reads the step under way's too (``before_step``)."""
 
 
 @dataclass(frozen=True, slots=True)

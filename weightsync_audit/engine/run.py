@@ -316,7 +316,7 @@ class AuditRun:
         # Whom to blame, its hint, where the blamed run (None: in sync); the watch's records consumed.
         blame, hosts, hints = attribute_audit(
             ctx.watch, comm, mismatches, prepared=prepared.manifest, digests=prepared.digests,
-            full=cfg.slices == 1, hosts=hosts, hints=hints, consume=ctx.consumes, under_way=ctx.under_way,
+            full=cfg.slices == 1, hosts=hosts, hints=hints, request=ctx.request,
         )  # fmt: skip
         return Explained(mismatches, tally.checked, notes, hints, hosts, pin, transient, blame)
 

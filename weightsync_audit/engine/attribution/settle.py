@@ -19,6 +19,7 @@ from weightsync_audit.channel.star import Comm
 from weightsync_audit.compat import describe_this_rank
 from weightsync_audit.engine.attribution.blame import blame_hint, decide, vote_blame
 from weightsync_audit.engine.attribution.watch import StepWatch
+from weightsync_audit.engine.config import AuditRequest
 from weightsync_audit.engine.explain.evidence import find_ddp
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.inventory.manifest import as_optimizers
@@ -50,21 +51,20 @@ def attribute_audit(
     full: bool,
     hosts: dict[str, str] | None,
     hints: list[str],
-    consume: bool = True,
-    under_way: bool = False,
+    request: AuditRequest,
 ) -> tuple[dict[str, Any] | None, dict[str, str] | None, list[str]]:
     """A finished audit's blame (None when in sync: the watch is emptied), with its ``hosts`` and ``hints``:
-    with a watch (collective then), the blame's hint first and the blamed ranks' hosts added. Without
-    ``consume`` (an audit beside the run's own) the records and the kept blame are read, never changed, and
-    nothing is compared with the bytes after the last step (a repair's confirmation reads repaired ones);
-    ``under_way``: the step under way's record is exchanged too (an audit right before it).
+    with a watch (collective then), the blame's hint first and the blamed ranks' hosts added. An audit beside
+    the run's own (``request`` not ``counted``) reads the records and the kept blame, never changes them, and
+    compares nothing with the bytes after the last step (a repair's confirmation reads repaired ones); one
+    ``before_step`` exchanges the step under way's record too.
 
     A blame lives as long as its evidence explains the mismatches: every divergent audit exchanges the records
     taken since the last one; a rank they name decides afresh, and so does a (tensor, rank) pair the kept blame
     did not explain (a second fault while a tolerated or unrepaired divergence persists: its own records, else
     the vote)."""
     if not mismatches:
-        if watch is not None and consume:  # an in-sync audit empties the records (a full one, all of them)
+        if watch is not None and request.counted:  # an in-sync audit empties the records (a full one, all of them)
             watch.found = None
             if full:
                 watch.in_sync()
@@ -74,8 +74,10 @@ def attribute_audit(
         blame, where = vote_blame(mismatches), {}
     else:  # collective: every rank exchanges its records, from the same audit
         kept = watch.found
-        mine = watch.payload(under_way)
-        at_mark = full and consume  # the run's own audits, at a step: a repair's confirmation reads repaired bytes
+        mine = watch.payload(request.before_step)
+        at_mark = (
+            full and request.counted
+        )  # the run's own audits, at a step: a repair's confirmation reads repaired bytes
         mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if at_mark else []
         mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if at_mark else []
         mine["host"] = describe_this_rank()
@@ -86,7 +88,7 @@ def attribute_audit(
         where = {str(r): str(p.get("host", "")) for r, p in zip(ranks, gathered) if r in blame.ranks}
         if kept is not None and not blame.by_records and pairs <= kept[2]:  # the same divergence, still explained
             blame, where, pairs = kept
-        if consume:
+        if request.counted:
             watch.found = blame, where, pairs  # its records reported (a resync after it is no change at rest)
             watch.records.clear()
     if where:
