@@ -16,11 +16,11 @@ import torch._dynamo  # noqa: F401
 
 HEAVIEST_FIRST = (
     "test_ray_train.py",
+    "test_timeouts.py",
+    "test_channel_tree.py",
     "test_campaign.py",
     "test_docs.py",
-    "test_timeouts.py",
     "test_restart.py",
-    "test_channel_tree.py",
     "test_hostile_input.py",
     "test_torchft.py",
     "test_launch.py",
@@ -44,9 +44,10 @@ HEAVIEST_FIRST = (
 )
 """The files that take longest (``pytest --durations``; seconds measured alone), longest first, those that mostly
 wait (Ray's actors, deadlines: timeouts, late or dead ranks) between those that keep the cores busy, so that a
-waiting worker leaves its core to the other. ``make test`` hands whole files to its workers in collection order
-(``--dist loadfile --no-loadscope-reorder``): these first, then the others by their number of tests, so that no
-long file starts last and holds the run's end."""
+waiting worker leaves its core to the other; Ray's runs (a core and more of their own, and slower by half
+beside the campaign's forked ranks) start beside the deadline tests. ``make test`` hands whole files to its
+workers in collection order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their
+number of tests, so that no long file starts last and holds the run's end."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
