@@ -371,7 +371,15 @@ def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_chang
     assert records[2].post is None  # its read raced the write: the step's post-step word is unknown
 
 
-def _grads_audited(rank: int, world: int, report: str, faulty: int, at_step: int, overlap: bool) -> None:
+def _planted_before_a_step(
+    rank: int, world: int, report: str, fault: str, faulty: int, at_step: int, overlap: bool
+) -> list[dict[str, Any]]:
+    """``LoopAudit`` with attribution and ``include`` grads, an audit every 2 steps; at ``at_step`` on rank
+    ``faulty``, ``fault`` is planted right before the step: ``"grad"`` one gradient element changed after the
+    all-reduce (a global hook, registered before the gradient audit's), ``"lr"`` the learning rate raised in
+    the optimizer's own pre-step hook (set back after the step). The report's divergent records (rank 0's)."""
+    import json
+
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     torch.manual_seed(0)
@@ -380,14 +388,23 @@ def _grads_audited(rank: int, world: int, report: str, faulty: int, at_step: int
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     at = {"step": 0}
 
-    def planted(o: Any, *_: Any) -> None:  # a global hook, registered first: before the gradient audit's
-        if rank == faulty and at["step"] == at_step:
+    def grad(o: Any, *_: Any) -> None:
+        if fault == "grad" and rank == faulty and at["step"] == at_step:
             g = model[2].weight.grad
-            g.view(-1)[3] = g.view(-1)[3] * (1 + 2**-10) + 2**-20  # after the all-reduce, on one rank
+            g.view(-1)[3] = g.view(-1)[3] * (1 + 2**-10) + 2**-20
 
-    handle = register_optimizer_step_pre_hook(planted)
+    def lr(o: Any, *_: Any) -> None:
+        if fault == "lr" and rank == faulty and at["step"] == at_step:
+            o.param_groups[0]["lr"] = 1e-1
+
+    def lr_back(o: Any, *_: Any) -> None:
+        o.param_groups[0]["lr"] = 1e-2
+
+    handle = register_optimizer_step_pre_hook(grad)
     audit = LoopAudit(ddp, opt, every_n_steps=2, verbose=False, attribution=True, report_path=report, overlap=overlap,
                       include=("params", "buffers", "optimizer", "grads"))  # fmt: skip
+    opt.register_step_pre_hook(lr)  # before the watch's own hooks, set at the first step
+    opt.register_step_post_hook(lr_back)
     for step in range(1, 9):
         at["step"] = step
         x, y = _batch(step, rank)
@@ -397,6 +414,10 @@ def _grads_audited(rank: int, world: int, report: str, faulty: int, at_step: int
         audit.step(step)
     audit.close()
     handle.remove()
+    if rank != 0:  # rank 0 writes the report
+        return []
+    with open(report) as f:
+        return _divergent([json.loads(line) for line in f])
 
 
 @pytest.mark.parametrize(("faulty", "at_step", "overlap"), [(0, 5, False), (1, 5, True), (1, 6, False), (0, 6, True)])
@@ -407,44 +428,12 @@ def test_the_gradient_audit_before_a_step_is_blamed_from_the_records_and_leaves_
     it blames from attribution's records as the run's own audits do (it once took the vote alone: a tie,
     undecided), and leaves them to the audit after the step, which blames the same. At an audited step
     (6) the gradient audit reads the record of the step under way, its gradients read first."""
-    import json
-
-    report = tmp_path / "r.jsonl"
-    run_ranks(_grads_audited, 2, str(report), faulty, at_step, overlap)
-    bad = [json.loads(line) for line in report.read_text().splitlines() if not json.loads(line)["in_sync"]]
+    bad = run_ranks(_planted_before_a_step, 2, str(tmp_path / "r.jsonl"), "grad", faulty, at_step, overlap)[0]
     assert [(r["step"], r["hook"]) for r in bad[:2]] == [(6, "before_optimizer_step"), (6, "step")]
     for r in bad:
         blame = r["blame"]
         assert (blame["ranks"], blame["evidence"], blame["step"]) == ([faulty], "deterministic_difference", at_step), r
         assert "gradient of 2.weight changed after the all-reduce" in blame["detail"]
-
-
-def _lr_in_the_step(rank: int, world: int, report: str) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    ddp = DDP(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    audit = LoopAudit(ddp, opt, every_n_steps=2, verbose=False, attribution=True, report_path=report,
-                      include=("params", "buffers", "optimizer", "grads"))  # fmt: skip
-    at = {"step": 0}
-
-    def pre(o: Any, *_: Any) -> None:  # the optimizer's own hook, set after the gradient audit's global one
-        if rank == 1 and at["step"] == 4:
-            o.param_groups[0]["lr"] = 1e-1
-
-    def post(o: Any, *_: Any) -> None:
-        o.param_groups[0]["lr"] = 1e-2
-
-    opt.register_step_pre_hook(pre)
-    opt.register_step_post_hook(post)
-    for step in range(1, 7):
-        at["step"] = step
-        x, y = _batch(step, rank)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-        audit.step(step)
-    audit.close()
 
 
 def test_the_gradient_audit_leaves_the_step_to_its_hooks_which_still_see_a_learning_rate_set_inside_them(
@@ -453,11 +442,7 @@ def test_the_gradient_audit_leaves_the_step_to_its_hooks_which_still_see_a_learn
     """The gradient audit before a step reads the step under way without opening its record: the step's own
     pre-step hooks open it, after every hook set before them, and see a learning rate one of those set on one
     rank (opened by the audit, the record read the learning rate before that hook, and the blame was undecided)."""
-    import json
-
-    report = tmp_path / "r.jsonl"
-    run_ranks(_lr_in_the_step, 2, str(report))
-    bad = [json.loads(line) for line in report.read_text().splitlines() if not json.loads(line)["in_sync"]]
+    bad = run_ranks(_planted_before_a_step, 2, str(tmp_path / "r.jsonl"), "lr", 1, 4, False)[0]
     blame = bad[0]["blame"]
     assert (bad[0]["step"], bad[0]["hook"]) == (4, "step"), bad[0]
     assert (blame["ranks"], blame["evidence"], blame["step"]) == ([1], "deterministic_difference", 4), blame

@@ -272,7 +272,7 @@ class Auditor:
         return AuditContext(
             config, self.comm, self.history, self.pinpointer, self.attribution, module, optimizers, ddp,
             prepared, failure, slice_index=self.slice_for(step, config.slices), batches=self.batches,
-            batch=batch, step_hyper=self.step_hyper, **at,
+            batch=batch, step_hyper=self.step_hyper, request=request, **at,
         )  # fmt: skip
 
     @with_checked_options

@@ -151,7 +151,7 @@ class AuditContext:
     step_hyper: StepHyper | None = field(kw_only=True, default=None)
     """The hyper-parameters each optimizer step read (set by the callbacks): a divergent audit names one
     that differed at a step it covers and was set back since."""
-    request: AuditRequest = field(kw_only=True, default=AuditRequest())
+    request: AuditRequest = field(kw_only=True)
     """What the audit covers beside the settings: whether it consumes the :attr:`watch`'s records (``counted``,
     the run's own) or only blames from them, and reads the step under way's too (``before_step``)."""
 

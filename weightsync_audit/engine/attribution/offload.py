@@ -19,10 +19,10 @@ counter (a bit flip, a write through ``.data`` or a raw pointer) is seen when it
 reads: not in the time of one read right after the step, nor after the late read began, but for the
 parameters the update replay copies that step (their pre-step copies are digested on the collective
 check's worker against the post-step read: ``AtRest.copy_check``). A post-step read during which a counter
-moved (a write racing it) leaves the step's ``post`` word unknown, and what it raced changed at rest. The audit still
-finds what the check misses; its blame is then the vote's, or undecided. On the training thread this costs
-the structure check, the small tensors and the counters; the reads use a core of their own where one is
-free (benchmarks/bench_attribution.py).
+moved (a write racing it) leaves the step's ``post`` word unknown, and what it raced changed at rest. The
+audit still finds what the check misses; its blame is then the vote's, or undecided. On the training thread
+this costs the structure check, the small tensors and the counters; the reads use a core of their own where
+one is free (benchmarks/bench_attribution.py).
 
 (The collective check's digests go to a :class:`~weightsync_audit.channel.store.Worker` of their own:
 :class:`~weightsync_audit.engine.attribution.replay.ReducedDigests`.)

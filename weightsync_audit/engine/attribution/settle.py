@@ -75,9 +75,8 @@ def attribute_audit(
     else:  # collective: every rank exchanges its records, from the same audit
         kept = watch.found
         mine = watch.payload(request.before_step)
-        at_mark = (
-            full and request.counted
-        )  # the run's own audits, at a step: a repair's confirmation reads repaired bytes
+        # Against the bytes after the last step: the run's own audits only (a confirmation reads repaired ones).
+        at_mark = full and request.counted
         mine["audit_rest"] = watch.changed_since_mark(prepared, digests) if at_mark else []
         mine["audit_rest_evidence"] = [e.as_dict() for e in watch.audit_evidence] if at_mark else []
         mine["host"] = describe_this_rank()
