@@ -194,3 +194,16 @@ def test_the_step_records_are_frozen_records_whose_json_reads_back_identically(o
               "grads_changed": ["w"], "buckets": [[0, 7], [1, -8]], "update": ["w"], "covered": 1, "replayable": 2,
               "too_large": 1, "declined": "LBFGS", "failed": "collective check: boom"}  # fmt: skip
     assert StepRecord.of(legacy).as_dict() == legacy
+
+
+def test_changes_are_counted_on_a_one_element_view_with_an_odd_stride() -> None:
+    """Counting a change's elements and bits reads the bytes through the reader's one byte view: a single
+    element whose stride is not 1 (contiguous by torch's rule) is counted, not left uncounted by an error."""
+    import torch
+
+    from weightsync_audit.engine.attribution.atrest import count_changes
+
+    now = torch.arange(4.0)[1::3]
+    before = now.clone()
+    before.view(torch.int32)[0] ^= 1 << 3
+    assert count_changes(now, before) == {"elements": 1, "compared": 1, "bits": 1, "max_abs": pytest.approx(2**-20)}

@@ -41,6 +41,9 @@ def _weights_plus_half(rank: int, world: int, layout: str) -> list[tuple[str, fl
     torch.manual_seed(0)
     if layout == "channels_last":
         model: nn.Module = nn.Conv2d(64, 64, 3).to(memory_format=torch.channels_last)
+    elif layout == "one_strided_element":  # contiguous by torch's rule, yet no dtype view of it has stride 1
+        model = nn.Module()
+        model.weight = nn.Parameter(torch.arange(4.0)[1::3])
     else:
         model = nn.Linear(96, 64)
         with torch.no_grad():  # a transposed (non-contiguous) weight
@@ -52,7 +55,7 @@ def _weights_plus_half(rank: int, world: int, layout: str) -> list[tuple[str, fl
     return [(m.name, m.max_abs_diff, without_tie(m.detail)) for m in result.mismatches]
 
 
-@pytest.mark.parametrize("layout", ["channels_last", "transposed"])
+@pytest.mark.parametrize("layout", ["channels_last", "transposed", "one_strided_element"])
 def test_non_contiguous_weight_shifted_by_half_reports_a_gap_of_half_on_every_rank(layout: str) -> None:
     for got in run_ranks(_weights_plus_half, 2, layout):
         assert len(got) == 1

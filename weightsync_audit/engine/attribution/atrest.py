@@ -46,6 +46,7 @@ from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution.offload import RestReader
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
+from weightsync_audit.engine.hashing.reader import byte_view
 
 __all__ = [
     "at_rest_positions",
@@ -289,8 +290,7 @@ def count_changes(now: torch.Tensor, reference: torch.Tensor) -> dict[str, Any] 
     if now.shape != reference.shape or now.dtype != reference.dtype or now.device != reference.device:
         return None
     size = now.element_size()
-    a = now.detach().contiguous().reshape(-1).view(torch.uint8).reshape(-1, size)
-    b = reference.detach().contiguous().reshape(-1).view(torch.uint8).reshape(-1, size)
+    a, b = (byte_view(t.detach()).reshape(-1, size) for t in (now, reference))
     xor = torch.bitwise_xor(a, b)
     changed = xor.ne(0).any(dim=1)
     elements = int(changed.sum())

@@ -41,7 +41,7 @@ import xxhash
 from weightsync_audit.channel.dataplane import CHUNK_BYTES, DataPlane, Schedule, TransferFailure
 from weightsync_audit.channel.star import Comm
 from weightsync_audit.channel.wire import compact_rows, expand_rows
-from weightsync_audit.engine.hashing.reader import chunk_views, host_chunk
+from weightsync_audit.engine.hashing.reader import byte_view, chunk_views, host_chunk
 from weightsync_audit.engine.inventory.manifest import Entry
 from weightsync_audit.engine.measure.gaps import GapMeter
 from weightsync_audit.reporting.record import Mismatch
@@ -82,7 +82,7 @@ def send_tensor(
     for view in chunk_views(t.detach(), _step(t)):
         if not alive:
             break
-        chunk = host_chunk(view).reshape(-1).view(torch.uint8)
+        chunk = byte_view(host_chunk(view))
         done += chunk.numel() * fan_out
         for dst, f in plane.send(chunk, alive, sched.deadline(before + done)).items():
             failures[dst] = f
@@ -170,7 +170,7 @@ def _inline_blob(rank: int, mismatches: list[Mismatch], entries: list[Entry]) ->
         n = tensor_bytes(t)
         if n == 0 or used + n > INLINE_GAP_BYTES:
             continue
-        body.append(host_chunk(t).reshape(-1).view(torch.uint8).numpy().tobytes())
+        body.append(byte_view(host_chunk(t)).numpy().tobytes())
         head.append([i, str(t.dtype).removeprefix("torch."), list(t.shape)])
         used += n
     if not head:
