@@ -295,6 +295,16 @@ def test_the_scoring_catches_each_failure_it_names() -> None:
     case = _one(2, "fault0", on_mismatch="resync")
     row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [_record(4, ["a"], [1], action="resynced")]})
     assert row["tie repair"] == 1 and not any(row[c] for c in FAILURES), row
+    # with attribution undecided, the same: its own column says the blame named no one
+    case = _one(2, "fault0", on_mismatch="resync", attribution=True)
+    undecided = {"ranks": [], "evidence": "undecided"}
+    rec = _record(4, ["a"], [1], action="resynced", blame=undecided)
+    row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [rec]})
+    assert row["tie repair"] == 1 and row["repair from corrupted"] == 0 and row["blame undecided"] == 1, row
+    # but a blame that names a rank, then a copy from the corrupted one, is a failure on two ranks too
+    rec = _record(4, ["a"], [1], action="resynced", blame={"ranks": [1], "evidence": "at_rest_change"})
+    row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [rec]})
+    assert row["repair from corrupted"] == 1 and row["tie repair"] == 0, row
     hang = score(case, "hang")
     assert hang["hang"] == 1
 

@@ -269,3 +269,66 @@ def test_a_post_step_clamp_inside_the_window_is_never_a_divergence(tmp_path: Pat
     records = _records(report)
     assert [r["step"] for r in records] == list(range(1, 11))
     assert [r["step"] for r in records if not r["in_sync"]] == [], [r["notes"] for r in records if not r["in_sync"]]
+
+
+def _lr_for_the_next_step(rank: int, world: int, report: str, optimizer: str) -> None:
+    """Every rank writes a large weight in the window after step 2's launch (so that audit runs again at rest);
+    rank 1 runs step 3 at ten times the learning rate, set before that safe point: by a pre-step hook, which
+    runs before LBFGS's closure, or by the loop itself, before ``opt.step()``."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 4))  # 4 MB read on the worker
+    model = DDP(net)
+    closure_opt = optimizer == "lbfgs"
+    opt = torch.optim.LBFGS(net.parameters(), lr=0.1, max_iter=1) if closure_opt else torch.optim.Adam(net.parameters())
+    step = 0
+
+    def ten_times(o: Any, *_: Any) -> None:  # registered before the library's: as a user's hook
+        if rank == 1 and step == 3:
+            o.param_groups[0]["lr"] *= 10
+
+    def back(o: Any, *_: Any) -> None:
+        if rank == 1 and step == 3:
+            o.param_groups[0]["lr"] /= 10
+
+    if closure_opt:
+        opt.register_step_pre_hook(ten_times)
+        opt.register_step_post_hook(back)
+    audit = LoopAudit(model, opt, every_n_steps=1, on_mismatch="warn", report_path=report, overlap=True)
+    audit.runner.verbose = False
+    for step in range(1, 5):
+        x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(step))
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        if not closure_opt and rank == 1 and step == 3:
+            opt.param_groups[0]["lr"] *= 10  # and left there
+        if closure_opt:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        audit.step(step)
+        if step == 2:
+            with torch.no_grad():
+                net[0].weight.mul_(0.5)  # every rank alike, in the window: that audit runs again at rest
+    audit.close()
+
+
+@pytest.mark.parametrize("optimizer", ["lbfgs", "adam"])
+def test_an_audit_again_at_rest_compares_the_hyper_parameters_its_step_used_not_those_set_for_the_next(
+    tmp_path: Path, optimizer: str
+) -> None:
+    report = tmp_path / "r.jsonl"
+    run_ranks(_lr_for_the_next_step, 2, str(report), optimizer)
+    records = _records(report)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    raced = records[1]
+    assert raced["overlap"].get("raced") and raced["in_sync"], raced  # step 2 ran at the same lr everywhere
+    third = records[2]
+    assert not third["in_sync"] and third["mismatches"][0]["ranks"] == [1]  # step 3 did not: its update differs
+    lr_named = any(m["name"] == "param_groups.0.lr" for m in third["mismatches"])
+    assert lr_named == (optimizer == "adam")  # LBFGS's lr was put back after its step; Adam's was left

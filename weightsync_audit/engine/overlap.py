@@ -350,6 +350,8 @@ class OverlapWindow:
                     raced.module, raced.optimizers or None, step=raced.step, epoch=raced.epoch, hook=raced.hook,
                     batch=raced.batch,
                 )  # fmt: skip
+                if again.prepared is not None and raced.prepared is not None:
+                    again.prepared.keep_values(raced.prepared)  # the step's hyper-parameters, not the next's
                 pending._result = self.auditor.run(again)
                 pending._result.notes.append(f"overlap: {error}; audited again at rest before the next step")
             except Exception as exc:  # noqa: BLE001 - raised from result(), as any audit's error

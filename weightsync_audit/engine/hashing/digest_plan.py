@@ -265,6 +265,26 @@ class PreparedManifest:
             method=method,
         )
 
+    def keep_values(self, launch: PreparedManifest) -> None:
+        """Digest the Python values (learning rates, counts kept as numbers) as ``launch`` read them, the
+        tensors as they are now: an overlapped audit of step s audited again at rest reads its tensors again,
+        and the values step s left, not those set for step s+1 since (by a pre-step hook, which a closure
+        optimizer runs before the safe point, or by the loop). Nothing changes where the structures differ."""
+        if launch.structure != self.structure or launch.size != self.size:
+            return
+        if launch.plan is self.plan:  # one cached structure: the values re-read at launch, place by place
+            self.dynamic, self.dynamic_digests = launch.dynamic, launch.dynamic_digests
+            return
+        if launch.built is None:  # no entries of the launch's own to say which places hold a Python value
+            return
+        then = dict(zip(launch.plan.dyn_index.tolist(), launch.dynamic))
+        entries = launch.built.entries
+        self.dynamic = [
+            then.get(i, t) if entries[i].container is not None else t
+            for i, t in zip(self.plan.dyn_index.tolist(), self.dynamic)
+        ]
+        self.dynamic_digests = None
+
     @classmethod
     def uncached(cls, manifest: Manifest) -> PreparedManifest:
         """A prepared manifest around one that was just built (used once, cached nowhere)."""
