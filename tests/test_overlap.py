@@ -298,7 +298,7 @@ def _lr_for_the_next_step(rank: int, world: int, report: str, optimizer: str) ->
     for step in range(1, 5):
         x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(step))
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
             opt.zero_grad()
             loss = model(x).square().mean()
             loss.backward()
