@@ -7,6 +7,7 @@ made outside the optimizer inside the window instead of comparing a half-updated
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,17 @@ from weightsync_audit import Auditor, AuditResult, LoopAudit, ReportFormatError,
 
 def _records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _hold_the_worker(audit: LoopAudit) -> threading.Event:
+    """Queue a wait on the overlap's worker thread: the next launch's digests start once the returned gate is set,
+    so that a write made in the window lands before they read, every time (not only when the training thread
+    happens to be quicker than the worker)."""
+    gate = threading.Event()
+    window = audit.runner.auditor.window
+    assert window is not None and window._worker is not None, "the worker starts at the first launch"
+    window._worker.submit(lambda: gate.wait(60))
+    return gate
 
 
 def _train(rank: int, world: int, report: str, on_mismatch: str, plant_at: int | None, pinpoint: bool = False) -> dict:
@@ -112,10 +124,12 @@ def _ema_in_the_window(rank: int, world: int, report: str) -> dict:
         opt.zero_grad()
         model(torch.ones(2, 1024)).sum().backward()
         opt.step()
+        gate = _hold_the_worker(audit) if step == 2 else None
         audit.step(step)
-        if step == 2:
+        if gate is not None:
             with torch.no_grad():
                 net[0].weight.mul_(0.5)  # while the worker reads it: must never be compared half-updated
+            gate.set()
     audit.close()
     return {"params": [p.detach().clone() for p in net.parameters()]}
 
@@ -311,10 +325,12 @@ def _lr_for_the_next_step(rank: int, world: int, report: str, optimizer: str) ->
         else:
             closure()
             opt.step()
+        gate = _hold_the_worker(audit) if step == 2 else None
         audit.step(step)
-        if step == 2:
+        if gate is not None:
             with torch.no_grad():
                 net[0].weight.mul_(0.5)  # every rank alike, in the window: that audit runs again at rest
+            gate.set()
     audit.close()
 
 
@@ -330,5 +346,7 @@ def test_an_audit_again_at_rest_compares_the_hyper_parameters_its_step_used_not_
     assert raced["overlap"].get("raced") and raced["in_sync"], raced  # step 2 ran at the same lr everywhere
     third = records[2]
     assert not third["in_sync"] and third["mismatches"][0]["ranks"] == [1]  # step 3 did not: its update differs
-    lr_named = any(m["name"] == "param_groups.0.lr" for m in third["mismatches"])
-    assert lr_named == (optimizer == "adam")  # LBFGS's lr was put back after its step; Adam's was left
+    [lr] = [m for m in third["mismatches"] if m["name"] == "param_groups.0.lr"]  # as step 3 read it, on rank 1
+    assert lr["ranks"] == [1]
+    # LBFGS's lr was put back after its step: it differed as the step read it; Adam's was left
+    assert str(lr["detail"]).startswith("differed as optimizer step 3") == (optimizer == "lbfgs"), lr

@@ -41,7 +41,10 @@ Two guards, so that no such write is ever reported as a divergence:
 - A **difference** the overlapped read found is never reported from that read: every rank raises the same
   :class:`~weightsync_audit.AuditRaceError` (the verdict is the coordinator's, the same everywhere) and the
   window decides it at rest, where nothing writes, exactly as a synchronous audit would. A divergence thus
-  costs one synchronous audit more; a healthy step costs nothing more.
+  costs one synchronous audit more; a healthy step costs nothing more. That audit reads the tensors again
+  and keeps the Python values read at launch (what step s left): a learning rate set for step s+1 before
+  the safe point (by the loop, or by a pre-step hook, which a closure optimizer runs before its closure) is
+  the next record's to compare.
 
 What no stamp sees, and only the second guard covers: a write through ``.data`` (its alias has a
 version counter of its own), through another tensor's raw pointer, by a kernel on another stream that
@@ -382,20 +385,11 @@ class OverlapWindow:
         self._hook = register_optimizer_step_pre_hook(pre_step)
 
     def _before_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # torch hands the hook the step's arguments with the optimizer first: (opt, closure?, ...)
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if not callable(closure):
-            self.settle("optimizer pre-step")
-            return None
-
-        def then_settle() -> Any:  # the closure runs the forward and backward: wait after them
-            loss = closure()
-            self.settle("optimizer pre-step, after its closure")
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": then_settle}
-        return (args[0], then_settle, *args[2:]), kwargs
+        return before_update(
+            args,
+            kwargs,
+            lambda closed: self.settle("optimizer pre-step, after its closure" if closed else "optimizer pre-step"),
+        )
 
     def close(self) -> None:
         """Settle what is pending (acting on it), then remove the hook and end the worker thread."""
@@ -418,3 +412,26 @@ class _NoGuard(RaceGuard):
 
 
 _NO_GUARD = _NoGuard()
+
+
+def before_update(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[bool], None]) -> Any:
+    """From an optimizer pre-step hook given the step's ``args`` and ``kwargs``: call ``then`` right before the
+    update, once. Without a closure, now (``then(False)``; returns ``None``); with one (LBFGS, Lightning), right
+    after the closure's first call returns, which ran the step's forward and backward (``then(True)``; returns
+    the hook's new ``(args, kwargs)``). The overlapped audit settles there; ``LoopAudit`` audits the gradients."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # torch passes (optimizer, closure?, ...)
+    if not callable(closure):
+        then(False)
+        return None
+    done = [False]
+
+    def then_after() -> Any:
+        loss = closure()
+        if not done[0]:
+            done[0] = True
+            then(True)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": then_after}
+    return (args[0], then_after, *args[2:]), kwargs

@@ -18,6 +18,7 @@ from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag, check_module, checked_options
 from weightsync_audit.engine.inventory.manifest import as_optimizers, stepping_optimizer
+from weightsync_audit.engine.overlap import before_update
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.options import (
     AuditOptions,
@@ -102,10 +103,14 @@ class LoopAudit(SessionAdapter, contextlib.AbstractContextManager["LoopAudit"]):
         """The step :meth:`step` last named: the optimizer step under way is the next one."""
         self._epoch: int | None = None
         self._before: int | None = None
-        # Right before each of its optimizers' steps, as the callbacks' pre-step hooks: a global hook, so it runs
-        # before any hook of the optimizer itself (attribution's), where the overlap settles its verdict.
+        # Right before each of its optimizers' updates, as the callbacks' pre-step hooks: a global hook, so it runs
+        # before any hook of the optimizer itself (attribution's), where the overlap settles its verdict; with a
+        # closure (LBFGS), after the closure's forward and backward, as Lightning's on_before_optimizer_step.
         stepped = {id(stepping_optimizer(o)) for o in self.optimizers}
-        hook = lambda opt, *_: self._before_step() if id(opt) in stepped else None  # noqa: E731
+
+        def hook(opt: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return before_update(args, kwargs, lambda _: self._before_step()) if id(opt) in stepped else None
+
         self._hooks = [register_optimizer_step_pre_hook(hook)] if stepped else []
 
     def _open(self) -> None:
