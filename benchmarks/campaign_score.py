@@ -50,7 +50,7 @@ FAILURES = ("false alarm", "false all-clear", "false blame", "repair from corrup
             "fault not named")  # fmt: skip
 EXTRAS = ("blame undecided", "wrong cause", "wrong date", "duplicate batch not noted")
 INFO = ("refused", "tie repair", "raised")
-PRE_STEP_HOOKS = ("before_optimizer_step", "on_before_optimizer_step")
+PRE_STEP_HOOKS = ("before_optimizer_step", "on_before_optimizer_step", "on_pre_optimizer_step")
 """The hooks of an audit taken right before the optimizer step its record's ``step`` numbers (the gradients)."""
 COLUMNS = FAILURES + EXTRAS
 
@@ -301,8 +301,9 @@ def _batches(truth: Truth, records: list[dict[str, Any]], row: dict[str, Any]) -
     if not case.check_batches or ("B", d) not in truth.points or key not in truth.classes:
         return
     vals = truth.values(key, ("B", d))
-    if vals[0] != vals[1] or not any(covers_step(r) >= d for r in records):
-        return  # the oracle does not see the planted duplicate, or the run ended before it was audited
+    if vals[0] != vals[1] or not any(covers_step(r) >= d and r.get("hook") not in PRE_STEP_HOOKS for r in records):
+        return  # the oracle does not see the planted duplicate, or the run ended before it was audited (a raise
+        # at the gradient audit before step d's update: its batch is handed over after the step)
     said = f"identical batches at step {d}"
     if not any(said in n for r in records for n in r.get("notes") or []):
         row["duplicate batch not noted"] = 1

@@ -309,6 +309,34 @@ def test_the_scoring_catches_each_failure_it_names() -> None:
     assert hang["hang"] == 1
 
 
+@pytest.mark.parametrize("hook", ["before_optimizer_step", "on_before_optimizer_step", "on_pre_optimizer_step"])
+def test_the_scoring_reads_every_adapters_gradient_audit_before_the_update_it_numbers(hook: str) -> None:
+    """LoopAudit's, Lightning's and the HF Trainer's pre-step records are judged on ``Q``/``P`` of their step:
+    an in-sync one there, before the fault's update, is no false all-clear (the HF hook was read as after-step)."""
+    parted = {("Q", 4): [0, 0, 0], ("P", 4): [0, 0, 0], ("E", 4): [1, 2, 2], ("X", 4): [1, 2, 2]}
+    truth = _truth(3, {"a": parted})
+    case = _one(3, "fault0", grads=True)
+    row = score(case, {"statuses": [{}] * 3, "truth": truth, "records": [_record(4, [], [], hook=hook)]})
+    assert not any(row[c] for c in FAILURES), row
+    after = score(case, {"statuses": [{}] * 3, "truth": truth, "records": [_record(4, [], [], hook="step")]})
+    assert after["false all-clear"] == 1, after
+
+
+def test_a_duplicate_batch_is_expected_in_a_note_only_once_an_audit_after_its_step_ran() -> None:
+    """A run that raised at the gradient audit before step d's update never handed over step d's batch."""
+    same = {("B", 6): [0, 0, 1], ("E", 6): [0, 0, 0], ("X", 6): [0, 0, 0]}
+    truth = _truth(3, {"a": {("E", 6): [0, 0, 0], ("X", 6): [0, 0, 0]}})
+    truth["classes"][("batch", "batch")] = {(lbl, s, r): v for (lbl, s), vs in same.items() for r, v in enumerate(vs)}
+    truth["points"] = sorted({*truth["points"], ("B", 6)}, key=lambda p: (p[1], "BQPEX".index(p[0])))
+    case = replace(_one(3, "healthy", check_batches=True), dup_step=6)
+    before = score(
+        case, {"statuses": [{}] * 3, "truth": truth, "records": [_record(6, [], [], hook="before_optimizer_step")]}
+    )
+    assert before["duplicate batch not noted"] == 0, before
+    after = score(case, {"statuses": [{}] * 3, "truth": truth, "records": [_record(6, [], [], hook="step")]})
+    assert after["duplicate batch not noted"] == 1, after
+
+
 def test_a_gradient_changed_on_one_rank_after_the_all_reduce_is_named_and_repaired_under_resync() -> None:
     """``LoopAudit`` with ``include`` grads, 3 ranks, ``resync`` (issue 48 item 2, a focus row): the gradient
     audit before the next step finds the optimizer state the changed gradient left on one rank and repairs it;
