@@ -14,8 +14,9 @@ rank 2; with 2, the rank not faulted), known from the plan, not from a vote. Col
 - ``false blame``: a ``blame`` names a rank whose bytes equal the reference value throughout the window;
 - ``repair from corrupted``: between two points with no training between them (``E``->``X``, ``Q``->``P``)
   the replicas went from differing to equal, equal to the corrupted rank's bytes and not the reference;
-  with 2 ranks and no blame naming a rank (a tie, no evidence at all: attribution off, or undecided) it goes
-  to ``tie repair`` instead (information: nothing could know better; the undecided blame is its own column);
+  after a tie vote (2 ranks, or 3 that all differ) and no blame naming a rank (no evidence at all: attribution
+  off, or undecided) it goes to ``tie repair`` instead (information: nothing could know better; the undecided
+  blame is its own column);
 - ``crash``, ``hang``; ``fault not named``: the bytes diverged where an audit had to see it (a difference
   lasting a record's whole window, in what it reads whole; with ``pinpoint``, any step's difference, which
   its ``transient`` report covers) and no record named a diverged tensor (with the ranks that deviate, when
@@ -222,9 +223,10 @@ def _repairs(truth: Truth, records: list[dict[str, Any]], row: dict[str, Any]) -
                 bad = truth.values(k, a)[dev[0]]
                 if after[0] == bad and after[0] != truth.reference(k, a):
                     near = [r for r in records if r.get("action") == "resynced" and covers_step(r) in (a[1], a[1] - 1)]
-                    # A tie that nothing decided (no majority, no blame naming a rank: attribution off, or
-                    # undecided) keeps resync_src, as documented: nothing could know better.
-                    evidence = case.world > 2 or any((r.get("blame") or {}).get("ranks") for r in near)
+                    # A tie that nothing decided (no majority: 2 ranks, or 3 that all differ; no blame naming a
+                    # rank: attribution off, or undecided) keeps resync_src, as documented: nothing could know better.
+                    tie = any("tie vote" in str(m.get("detail") or "") for r in near for m in r.get("mismatches") or [])
+                    evidence = not tie or any((r.get("blame") or {}).get("ranks") for r in near)
                     col = "repair from corrupted" if evidence else "tie repair"
                     row[col] += 1
                     row["detail"].append(f"{col}: {k[1]} at {a_label}{a[1]}->{b_label}{a[1]} took rank {dev}'s bytes")

@@ -264,8 +264,9 @@ def _one(world: int, variant: str, **kw: Any) -> Case:
     return replace(next(c for c in make_cases([row], 0) if c.variant == variant), fault_step=4)
 
 
-def _record(step: int, names: list[str], ranks: list[int], **extra: Any) -> dict[str, Any]:
-    mism = [{"name": n, "kind": "param", "ranks": ranks} for n in names]
+def _record(step: int, names: list[str], ranks: list[int], tie: bool = False, **extra: Any) -> dict[str, Any]:
+    said = {"detail": "tie vote: no majority"} if tie else {}  # as the library words a vote with no majority
+    mism = [{"name": n, "kind": "param", "ranks": ranks, **said} for n in names]
     return {"step": step, "in_sync": not names, "action": extra.pop("action", "warned" if names else "none"),
             "mismatches": mism, "checked": {"param": 2}, **extra}  # fmt: skip
 
@@ -293,16 +294,22 @@ def test_the_scoring_catches_each_failure_it_names() -> None:
     # two ranks, no attribution: a repair from the corrupted rank is a tie nothing could break (not a failure)
     two = _truth(2, {"a": {("E", 4): [1, 0], ("X", 4): [1, 1]}})
     case = _one(2, "fault0", on_mismatch="resync")
-    row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [_record(4, ["a"], [1], action="resynced")]})
+    rec = _record(4, ["a"], [1], tie=True, action="resynced")
+    row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [rec]})
+    assert row["tie repair"] == 1 and not any(row[c] for c in FAILURES), row
+    # three ranks that all differ (two faults, elsewhere in one tensor): no majority either
+    three = _truth(3, {"a": {("E", 4): [1, 2, 0], ("X", 4): [1, 1, 1]}})
+    rec = _record(4, ["a"], [1, 2], tie=True, action="resynced")
+    row = score(_one(3, "fault01", on_mismatch="resync"), {"statuses": [{}] * 3, "truth": three, "records": [rec]})
     assert row["tie repair"] == 1 and not any(row[c] for c in FAILURES), row
     # with attribution undecided, the same: its own column says the blame named no one
     case = _one(2, "fault0", on_mismatch="resync", attribution=True)
     undecided = {"ranks": [], "evidence": "undecided"}
-    rec = _record(4, ["a"], [1], action="resynced", blame=undecided)
+    rec = _record(4, ["a"], [1], tie=True, action="resynced", blame=undecided)
     row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [rec]})
     assert row["tie repair"] == 1 and row["repair from corrupted"] == 0 and row["blame undecided"] == 1, row
     # but a blame that names a rank, then a copy from the corrupted one, is a failure on two ranks too
-    rec = _record(4, ["a"], [1], action="resynced", blame={"ranks": [1], "evidence": "at_rest_change"})
+    rec = _record(4, ["a"], [1], tie=True, action="resynced", blame={"ranks": [1], "evidence": "at_rest_change"})
     row = score(case, {"statuses": [{}] * 2, "truth": two, "records": [rec]})
     assert row["repair from corrupted"] == 1 and row["tie repair"] == 0, row
     hang = score(case, "hang")
