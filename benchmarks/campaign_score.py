@@ -208,7 +208,6 @@ def _first_of_current(truth: Truth, s: int) -> int | None:
 
 
 def _repairs(truth: Truth, records: list[dict[str, Any]], row: dict[str, Any]) -> None:
-    case = truth.case
     keys = [k for k in truth.keys if k[0] != "grad"]
     for a_label, b_label in (("E", "X"), ("Q", "P")):
         for a in [p for p in truth.points if p[0] == a_label]:
