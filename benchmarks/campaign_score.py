@@ -138,14 +138,20 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
     case = truth.case
     mism = rec.get("mismatches") or []
     wrong = []
+    planted_lr: set[int] = set()  # the ranks of a hyper-parameter mismatch that names the planted lr
     for m in mism:
         said = str(m.get("detail") or "")
+        read_at = None
         if said.startswith(BEFORE_STEP):  # a hyper-parameter that differed as a step read it, equal since
             read_at = int(said[len(BEFORE_STEP) :].split()[0])
+        elif rec.get("hook") in PRE_STEP_HOOKS and m["name"].startswith("param_groups."):
+            read_at = s  # right before the update: as the step reads it (the oracle keeps no hyper-parameter at Q, P)
+        if read_at is not None:
             sides = m["ranks"] + (m.get("reference_ranks") or []) if case.world == 2 else m["ranks"]  # a tie: either
             lr_planted = case.fault == "lr" and any(st == read_at and r in sides for r, st in case.plants())
             if lr_planted:
                 row["_named"] = True
+                planted_lr.update(m["ranks"])
             else:
                 wrong.append(m["name"])
             continue
@@ -183,7 +189,7 @@ def _record(truth: Truth, rec: dict[str, Any], prev: int, row: dict[str, Any]) -
             row["detail"].append(f"in sync at {s} while {[k[1] for k in missed][:3]} differed")
     blame = rec.get("blame") or {}
     if blame.get("ranks") and all(diff.values()):  # judged where the truth knows who deviates
-        dev = set().union(*diff.values()) if diff else set()
+        dev = (set().union(*diff.values()) if diff else set()) | planted_lr
         if set(blame["ranks"]) - dev:
             row["false blame"] += 1
             row["detail"].append(f"blame {blame['ranks']} ({blame.get('evidence')}) at {s}, bytes say {sorted(dev)}")

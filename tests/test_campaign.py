@@ -329,6 +329,19 @@ def test_the_scoring_reads_every_adapters_gradient_audit_before_the_update_it_nu
     assert after["false all-clear"] == 1, after
 
 
+def test_a_learning_rate_named_right_before_the_update_counts_as_the_planted_one_at_that_step() -> None:
+    """A gradient audit after a closure (LBFGS) reads the lr the step's pre-step hooks set: naming it there, on
+    the rank it was planted on, is the fault named (the oracle keeps no hyper-parameter at ``Q``, ``P``)."""
+    truth = _truth(3, {"a": {("Q", 4): [0, 0, 0], ("P", 4): [0, 0, 0]}})
+    lr = {"name": "param_groups.0.lr", "kind": "optimizer", "ranks": [0], "reference_ranks": [1, 2]}
+    rec = {**_record(4, [], [], hook="before_optimizer_step"), "in_sync": False, "mismatches": [lr]}
+    rec["blame"] = {"ranks": [0], "evidence": "vote"}
+    row = score(_one(3, "fault0", fault="lr"), {"statuses": [{}] * 3, "truth": truth, "records": [rec]})
+    assert not any(row[c] for c in FAILURES), row
+    other = score(_one(3, "fault1", fault="lr"), {"statuses": [{}] * 3, "truth": truth, "records": [rec]})
+    assert other["false alarm"] == 1 and other["false blame"] == 1, other  # planted on rank 1, not rank 0
+
+
 def test_a_duplicate_batch_is_expected_in_a_note_only_once_an_audit_after_its_step_ran() -> None:
     """A run that raised at the gradient audit before step d's update never handed over step d's batch."""
     same = {("B", 6): [0, 0, 1], ("E", 6): [0, 0, 0], ("X", 6): [0, 0, 0]}
