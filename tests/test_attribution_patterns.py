@@ -447,3 +447,47 @@ def test_the_gradient_audit_leaves_the_step_to_its_hooks_which_still_see_a_learn
     assert (bad[0]["step"], bad[0]["hook"]) == (4, "step"), bad[0]
     assert (blame["ranks"], blame["evidence"], blame["step"]) == ([1], "deterministic_difference", 4), blame
     assert "lr" in blame["detail"], blame
+
+
+def _flipped_before_the_second_step(rank: int, world: int, overlap: bool) -> list[dict[str, Any]]:
+    """Rank 0's weight flipped at rest before step 2's update: the first step after the adapter set the watch
+    (at its first call after step 1), the step whose at-rest check once had nothing to compare with."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model = DDP(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    step = 0
+
+    def plant(o: Any, *_: Any) -> None:  # after the backward, before the library's hooks and the update
+        if o is opt and step == 2 and rank == 0:
+            flip_bit(net[0].weight.detach(), 5, 25)
+
+    records: list[dict[str, Any]] = []
+
+    class Keep:
+        def write(self, record: Any) -> None:
+            records.append(record.to_dict())
+
+    hook = register_optimizer_step_pre_hook(plant)
+    audit = LoopAudit(model, opt, every_n_steps=1, attribution=True, overlap=overlap, verbose=False, sinks=[Keep()])
+    for step in range(1, 4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        audit.step(step)
+    audit.close()
+    hook.remove()
+    return records
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_flip_at_rest_before_the_second_step_is_blamed_on_its_rank(overlap: bool) -> None:
+    # Before: the watch, set at the first call after step 1, had no bytes after step 1 to compare step 2's
+    # with: "the ranks already differed before step 2: earlier than the records", a tie, undecided.
+    out = run_ranks(_flipped_before_the_second_step, 2, overlap)[0]
+    first = next(r for r in out if not r["in_sync"])
+    assert first["step"] == 2, first
+    assert first["blame"]["ranks"] == [0] and first["blame"]["evidence"] == "at_rest_change", first["blame"]

@@ -149,3 +149,4 @@ def watch_run(runner: Any, model: Any, optimizers: Sequence[Any]) -> None:
     if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
         offload = getattr(runner, "overlap", None) is not None
         auditor.attribution = attach_watch(auditor, model, optimizers, offload=offload)
+        auditor.attribution.baseline()  # set right after a step: the bytes at rest from here

@@ -153,6 +153,16 @@ class StepWatch:
                     "attach_watch(hook=...) so that it runs inside the check"
                 )
 
+    def baseline(self) -> None:
+        """The bytes at rest now, read as a post-step hook reads them, into no step's record: for a watch set
+        right after an optimizer step (the adapters set it at their first call after one), so that a change at
+        rest before the next step is seen against them (it was "earlier than the records" before)."""
+        if self.rest is not None:
+            try:
+                self.rest.after_step(lambda word: None)
+            except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+                self._failed(exc, "at-rest check after the step")
+
     def detach(self) -> None:
         """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed), end an offloaded reader."""
         for h in self._handles:
