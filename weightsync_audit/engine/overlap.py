@@ -100,6 +100,7 @@ from weightsync_audit.compat import stream_ordered, tensor_version
 from weightsync_audit.engine.agreement.rounds import Agreement, raise_failed, shared_failures
 from weightsync_audit.engine.context import AuditContext, Prepared
 from weightsync_audit.engine.hashing.manifest_cache import PreparedManifest
+from weightsync_audit.engine.inventory.manifest import before_update
 from weightsync_audit.engine.run import AuditRun
 from weightsync_audit.errors import AuditRaceError
 from weightsync_audit.reporting.record import AuditResult
@@ -412,26 +413,3 @@ class _NoGuard(RaceGuard):
 
 
 _NO_GUARD = _NoGuard()
-
-
-def before_update(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[bool], None]) -> Any:
-    """From an optimizer pre-step hook given the step's ``args`` and ``kwargs``: call ``then`` right before the
-    update, once. Without a closure, now (``then(False)``; returns ``None``); with one (LBFGS, Lightning), right
-    after the closure's first call returns, which ran the step's forward and backward (``then(True)``; returns
-    the hook's new ``(args, kwargs)``). The overlapped audit settles there; ``LoopAudit`` audits the gradients."""
-    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # torch passes (optimizer, closure?, ...)
-    if not callable(closure):
-        then(False)
-        return None
-    done = [False]
-
-    def then_after() -> Any:
-        loss = closure()
-        if not done[0]:
-            done[0] = True
-            then(True)
-        return loss
-
-    if "closure" in kwargs:
-        return args, {**kwargs, "closure": then_after}
-    return (args[0], then_after, *args[2:]), kwargs

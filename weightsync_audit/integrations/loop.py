@@ -17,8 +17,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from weightsync_audit.engine.attribution.settle import watch_run
 from weightsync_audit.engine.checkpoints.resume_state import ResumeSources
 from weightsync_audit.engine.config import OnMismatch, check_flag, check_module, checked_options
-from weightsync_audit.engine.inventory.manifest import as_optimizers, stepping_optimizer
-from weightsync_audit.engine.overlap import before_update
+from weightsync_audit.engine.inventory.manifest import as_optimizers, before_update, stepping_optimizer
 from weightsync_audit.engine.repair.plan import ResyncSource
 from weightsync_audit.integrations.session.options import (
     AuditOptions,

@@ -42,7 +42,7 @@ from weightsync_audit.engine.attribution.replay import ReducedDigests, UpdateRep
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
 from weightsync_audit.engine.hashing.reader import readable
-from weightsync_audit.engine.inventory.manifest import stepping_optimizer
+from weightsync_audit.engine.inventory.manifest import before_update, stepping_optimizer
 from weightsync_audit.engine.inventory.peers import replicated_everywhere
 from weightsync_audit.errors import warn_user
 
@@ -154,14 +154,13 @@ class StepWatch:
                 )
 
     def baseline(self) -> None:
-        """The bytes at rest now, read as a post-step hook reads them, into no step's record: for a watch set
-        right after an optimizer step (the adapters set it at their first call after one), so that a change at
-        rest before the next step is seen against them (it was "earlier than the records" before)."""
-        if self.rest is not None:
-            try:
+        """The bytes at rest now, read as after a step but into no record: for a watch set after a step (an
+        adapter's first call), so that a change at rest before the next step is seen against them."""
+        try:
+            if self.rest is not None:
                 self.rest.after_step(lambda word: None)
-            except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
-                self._failed(exc, "at-rest check after the step")
+        except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
+            self._failed(exc, "at-rest check after the step")
 
     def detach(self) -> None:
         """Remove the optimizer hooks (DDP keeps its comm hook: it cannot be removed), end an offloaded reader."""
@@ -205,21 +204,7 @@ class StepWatch:
         except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
             self._failed(exc, "at-rest check before the step")
         self.hook_s += time.perf_counter() - t0
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args: (optimizer, closure?)
-        if closure is None:
-            self._gradients(opt)
-            return None
-
-        def then_watch() -> Any:  # Lightning's step runs forward and backward in the closure: grads after it
-            loss = closure()
-            self._gradients(opt)
-            return loss
-
-        return (
-            (args, {**kwargs, "closure": then_watch})
-            if "closure" in kwargs
-            else ((args[0], then_watch, *args[2:]), kwargs)
-        )
+        return before_update(args, kwargs, lambda _: self._gradients(opt))  # a closure's gradients: after it
 
     def _gradients(self, opt: torch.optim.Optimizer) -> None:
         """Once the gradients are there: what the all-reduce gave against them, and the replay's copy (once per

@@ -24,7 +24,7 @@ import math
 import weakref
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ __all__ = [
     "as_optimizers",
     "remember_wrapper",
     "stepping_optimizer",
+    "before_update",
     "unwrap_optimizer",
     "wrapper_of",
 ]
@@ -415,6 +416,27 @@ def stepping_optimizer(opt: Any) -> Any:
         return opt
     torch_ones = list(itertools.takewhile(lambda o: isinstance(o, torch.optim.Optimizer), _chain(opt)[1:]))
     return torch_ones[-1] if torch_ones else opt
+
+
+def before_update(args: tuple[Any, ...], kwargs: dict[str, Any], then: Callable[[bool], None]) -> Any:
+    """From an optimizer pre-step hook (``args``: the optimizer, then any closure): ``then`` once, before the update:
+    now (``then(False)``; returns None), or once a closure's first call ran the backward (``then(True)``; new args)."""
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+    if not callable(closure):
+        then(False)
+        return None
+    done: list[bool] = []
+
+    def then_after() -> Any:
+        loss = closure()
+        if not done:
+            done.append(True)
+            then(True)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": then_after}
+    return (args[0], then_after, *args[2:]), kwargs
 
 
 def _chain(opt: Any) -> list[Any]:
