@@ -13,11 +13,17 @@ from ranks import run_ranks
 from weightsync_audit import Auditor, LoopAudit
 
 
-def _loop_rank(rank: int, world: int, options: dict[str, Any]) -> list[dict[str, Any]]:
+def _loop_rank(rank: int, world: int, options: dict[str, Any], closure: bool = False) -> list[dict[str, Any]]:
+    """SGD, or LBFGS stepped with a closure that runs the forward and backward (``closure``); rank 1 changes a
+    gradient after the all-reduce at step 3, before the update (inside the closure with LBFGS)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    opt: Any = (
+        torch.optim.LBFGS(ddp.parameters(), lr=0.1, max_iter=1)
+        if closure
+        else torch.optim.SGD(ddp.parameters(), lr=0.01)
+    )
     seen: list[dict[str, Any]] = []
 
     class Keep:
@@ -27,13 +33,23 @@ def _loop_rank(rank: int, world: int, options: dict[str, Any]) -> list[dict[str,
     include = ("params", "buffers", "optimizer", "grads")
     with LoopAudit(ddp, opt, every_n_steps=1, include=include, verbose=False, sinks=[Keep()], **options) as audit:
         for step in range(1, 5):
-            opt.zero_grad()
-            batch = torch.full((2, 4), float(rank + 1))  # each rank its own batch: the all-reduce matters
-            ddp(batch).square().sum().backward()
-            if rank == 1 and step == 3:
-                with torch.no_grad():
-                    model[0].weight.grad[0, 0] += 1.0  # after the all-reduce, before the step
-            opt.step()
+            # each rank its own batch (the all-reduce matters); one for all with LBFGS, which keeps its loss
+            batch = torch.full((2, 4), float(step if closure else rank + 1))
+
+            def forward_backward(batch: torch.Tensor = batch, step: int = step) -> torch.Tensor:
+                opt.zero_grad()
+                loss = ddp(batch).square().sum()
+                loss.backward()
+                if rank == 1 and step == 3:
+                    with torch.no_grad():
+                        model[0].weight.grad[0, 0] += 1.0  # after the all-reduce, before the update
+                return loss
+
+            if closure:
+                opt.step(forward_backward)
+            else:
+                forward_backward()
+                opt.step()
             audit.step(step, 0, batch=batch)
     auditors = [name for name, value in vars(audit.runner).items() if isinstance(value, Auditor)]
     assert auditors == ["auditor"]  # one auditor per run: the gradients' audits and the confirmations are its own
@@ -64,45 +80,13 @@ def test_loop_audit_with_grads_names_a_gradient_changed_on_one_rank_after_the_al
         )
 
 
-def _closure_rank(rank: int, world: int, options: dict[str, Any]) -> list[dict[str, Any]]:
-    """LBFGS, stepped with a closure that runs the forward and backward: rank 1 changes a gradient inside it at
-    step 3, after the all-reduce."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.LBFGS(ddp.parameters(), lr=0.1, max_iter=1)
-    seen: list[dict[str, Any]] = []
-
-    class Keep:
-        def write(self, record: Any) -> None:
-            seen.append(record.to_dict())
-
-    include = ("params", "buffers", "optimizer", "grads")
-    with LoopAudit(ddp, opt, every_n_steps=1, include=include, verbose=False, sinks=[Keep()], **options) as audit:
-        for step in range(1, 5):
-            batch = torch.full((2, 4), float(step))  # one batch on every rank: LBFGS keeps its loss in its state
-
-            def closure(batch: torch.Tensor = batch, step: int = step) -> torch.Tensor:
-                opt.zero_grad()
-                loss = ddp(batch).square().sum()
-                loss.backward()
-                if rank == 1 and step == 3:
-                    with torch.no_grad():
-                        model[0].weight.grad[0, 0] += 1.0
-                return loss
-
-            opt.step(closure)
-            audit.step(step, 0)
-    return seen
-
-
 @pytest.mark.parametrize("options", [{}, {"overlap": True}])
 def test_loop_audit_audits_a_closure_optimizers_gradients_after_its_closure_computed_them(
     options: dict[str, Any],
 ) -> None:
     # Before: LoopAudit's pre-step hook ran before LBFGS called its closure, so the gradient audit read the
     # previous step's gradients; Lightning's on_before_optimizer_step runs after the closure's backward.
-    records = run_ranks(_closure_rank, 2, options)[0]
+    records = run_ranks(_loop_rank, 2, options, True)[0]
     grads = [r for r in records if r["hook"] == "before_optimizer_step"]
     diverged = [(r["step"], [(m["kind"], m["name"], m["ranks"]) for m in r["mismatches"]]) for r in grads]
     assert [r["step"] for r in grads] == [1, 2, 3, 4]
