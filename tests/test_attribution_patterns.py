@@ -491,3 +491,27 @@ def test_a_flip_at_rest_before_the_second_step_is_blamed_on_its_rank(overlap: bo
     first = next(r for r in out if not r["in_sync"])
     assert first["step"] == 2, first
     assert first["blame"]["ranks"] == [0] and first["blame"]["evidence"] == "at_rest_change", first["blame"]
+
+
+def _flipped_before_the_first_step(rank: int, world: int) -> dict[str, Any]:
+    """An ``Auditor`` with ``attach_watch`` set before training; rank 0's weight flipped before step 1's update."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model = DDP(net)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    auditor = Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig()))
+    auditor.attribution = attach_watch(auditor, model, [opt])
+    model(torch.ones(4, 8)).square().mean().backward()
+    if rank == 0:
+        flip_bit(net[0].weight.detach(), 5, 25)  # after attaching, before the first update
+    opt.step()
+    auditor.attribution.mark(1)
+    return auditor.audit(step=1).to_dict()
+
+
+def test_a_flip_after_attach_watch_and_before_the_first_step_is_blamed_on_its_rank() -> None:
+    # The watch reads the bytes at rest when it is set (attach_watch, for an adapter or a user alike): before,
+    # the first step's at-rest check had nothing to compare with ("earlier than the records", a tie).
+    record = run_ranks(_flipped_before_the_first_step, 2)[0]
+    assert not record["in_sync"] and record["blame"]["ranks"] == [0], record["blame"]
+    assert record["blame"]["evidence"] == "at_rest_change", record["blame"]

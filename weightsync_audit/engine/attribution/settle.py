@@ -138,6 +138,7 @@ def attach_watch(
         offload=offload,
     )
     watch.attach(ddp, hook, state)
+    watch.baseline()  # the bytes at rest from here: a change before the first step is seen against them
     return watch
 
 
@@ -149,4 +150,3 @@ def watch_run(runner: Any, model: Any, optimizers: Sequence[Any]) -> None:
     if auditor is not None and auditor.config.attribution is not None and auditor.attribution is None:
         offload = getattr(runner, "overlap", None) is not None
         auditor.attribution = attach_watch(auditor, model, optimizers, offload=offload)
-        auditor.attribution.baseline()  # set right after a step: the bytes at rest from here

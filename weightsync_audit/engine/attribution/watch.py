@@ -154,8 +154,8 @@ class StepWatch:
                 )
 
     def baseline(self) -> None:
-        """The bytes at rest now, read as after a step but into no record: for a watch set after a step (an
-        adapter's first call), so that a change at rest before the next step is seen against them."""
+        """The bytes at rest now, read as after a step but into no record (the watch was just set: an adapter's
+        first call comes right after a step), so that a change at rest before the next step is seen against them."""
         try:
             if self.rest is not None:
                 self.rest.after_step(lambda word: None)
