@@ -50,10 +50,20 @@ def _clean_up(proc: subprocess.Popen[Any], pids: set[int]) -> None:
     proc.wait(timeout=10)
 
 
+def _as_in_the_foreground(ignored: tuple[int, ...] = ()) -> None:
+    """In the launched process before it runs: the terminating signals at their defaults, as a shell starts a
+    command in the foreground (``make test`` started in the background of a script has SIGINT and SIGQUIT
+    ignored, which every process under it inherits), but ``ignored`` (as ``nohup`` ignores SIGHUP)."""
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(s, signal.SIG_IGN if s in ignored else signal.SIG_DFL)
+
+
 def test_sigint_to_launch_takes_torchrun_and_every_worker_down_then_exits_130(tmp_path: Path) -> None:
     cmd = [*LAUNCH, "--evict-file", str(tmp_path / "evict.json"), "--", *TORCHRUN, str(WORKER), "hang", str(tmp_path)]
     log = (tmp_path / "launch.log").open("w")  # not a pipe: an orphaned worker would hold it open
-    proc = subprocess.Popen(cmd, env=_env(), start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd, env=_env(), start_new_session=True, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_as_in_the_foreground
+    )
     started: set[int] = set()
     try:
         _wait_for([tmp_path / f"pid.rank{r}" for r in (0, 1)])
@@ -81,16 +91,27 @@ while True:
 """
 
 
-def _child_under_launch(tmp_path: Path, sig: int, grandchild: str, *opts: str) -> tuple[int, list[int], float]:
-    """``launch -- python CHILD``, sent ``sig``: launch's status, what still runs of the two, the seconds it took."""
+def _start_child_under_launch(tmp_path: Path, grandchild: str, *opts: str, ignored: tuple[int, ...] = ()) -> Any:
+    """``launch -- python CHILD`` started, CHILD and its grandchild running: ``(launch, their pids)``."""
     pids_file = tmp_path / "pids"
     cmd = [*LAUNCH, "--evict-file", str(tmp_path / "evict.json"), *opts, "--"]
     cmd += [sys.executable, "-c", CHILD, str(pids_file), grandchild]
-    proc = subprocess.Popen(cmd, env=_env(), start_new_session=True, stderr=subprocess.DEVNULL)
-    started: set[int] = set()
+    proc = subprocess.Popen(
+        cmd, env=_env(), start_new_session=True, stderr=subprocess.DEVNULL,
+        preexec_fn=lambda: _as_in_the_foreground(ignored),
+    )  # fmt: skip
     try:
         _wait_for([pids_file], timeout=60)
-        started = set(map(int, pids_file.read_text().split()))
+    except BaseException:
+        _clean_up(proc, set())
+        raise
+    return proc, set(map(int, pids_file.read_text().split()))
+
+
+def _child_under_launch(tmp_path: Path, sig: int, grandchild: str, *opts: str) -> tuple[int, list[int], float]:
+    """``launch -- python CHILD``, sent ``sig``: launch's status, what still runs of the two, the seconds it took."""
+    proc, started = _start_child_under_launch(tmp_path, grandchild, *opts)
+    try:
         t0 = time.monotonic()
         os.kill(proc.pid, sig)
         code = proc.wait(timeout=40)
@@ -105,6 +126,20 @@ def test_every_terminating_signal_is_forwarded_and_nothing_under_the_command_sur
 ) -> None:
     code, left, _ = _child_under_launch(tmp_path, sig, "plain")
     assert (code, left) == (128 + sig, [])
+
+
+def test_a_signal_ignored_when_launch_starts_stays_ignored_by_launch_and_by_the_command(tmp_path: Path) -> None:
+    # Under nohup (SIGHUP ignored): a hangup ends neither launch nor its command; a SIGTERM still ends both.
+    proc, started = _start_child_under_launch(tmp_path, "plain", ignored=(signal.SIGHUP,))
+    try:
+        os.kill(proc.pid, signal.SIGHUP)
+        time.sleep(1.0)  # launch polls its command every 0.2 s: a forwarded signal would have ended it by now
+        assert proc.poll() is None and sorted(p for p in started if _alive(p)) == sorted(started)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=40) == 128 + signal.SIGTERM
+        assert [p for p in started if _alive(p)] == []
+    finally:
+        _clean_up(proc, started)
 
 
 def test_a_process_that_ignores_the_signal_is_killed_after_the_grace_period(tmp_path: Path) -> None:

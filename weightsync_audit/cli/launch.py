@@ -18,7 +18,9 @@ it ended on a divergence, whatever status the launcher itself gives (torchrun ex
   so a terminal's Ctrl-C reaches it once, through the wrapper (torchrun's shutdown is interrupted by a second
   signal); torchrun starts its workers in sessions of their own, so the wrapper tracks every process under
   the command (Linux ``/proc``) and signals, then kills, any still running: no worker is left holding its GPU
-  (:func:`run_supervised`).
+  (:func:`run_supervised`). A signal ignored when the wrapper starts stays ignored, by it and by the command
+  (``nohup``'s ``SIGHUP``; ``SIGINT`` and ``SIGQUIT`` of a command a script starts in the background), as
+  the shell meant: it is neither caught nor forwarded.
 
 >>> import sys, tempfile
 >>> cmd_launch([sys.executable, "-c", "raise SystemExit(3)"], evict_file=f"{tempfile.mkdtemp()}/e.json", quiet=True)
@@ -251,7 +253,9 @@ def run_supervised(
         tree.update(descendants(child.pid))  # before anything under the command ends and is reparented
         _send(child.pid, signum, group=True)
 
-    previous = {sig: signal.signal(sig, forward) for sig in TERMINATING}
+    # One ignored when the wrapper started stays so (nohup's SIGHUP), as the command, which inherits it, does.
+    caught = [sig for sig in TERMINATING if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, forward) for sig in caught}
     deadline: float | None = None
     try:
         while True:
