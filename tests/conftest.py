@@ -28,21 +28,26 @@ HEAVIEST_FIRST = (
     "test_campaign.py",
     "test_docs.py",
     "test_restart.py",
-    "test_hostile_input.py",
-    "test_torchft.py",
-    "test_launch.py",
-    "test_soak.py",
     "test_callback.py",
-    "test_lightning_20340.py",
-    "test_activation_hf_zero_code.py",
-    "test_gpu_check.py",
-    "test_lifetime.py",
     "test_dataplane.py",
-    "test_integrations.py",
-    "test_callback_faults.py",
+    "test_hostile_input.py",
     "test_channel_faults.py",
-    "test_replicas_trainers.py",
+    "test_torchft.py",
+    "test_activation_hf_zero_code.py",
+    "test_callback_faults.py",
+    "test_lifetime.py",
+    "test_launch.py",
     "test_foreign_groups.py",
+    "test_package.py",
+    "test_lightning_20340.py",
+    "test_engine_distributed.py",
+    "test_gpu_check.py",
+    "test_startup.py",
+    "test_soak.py",
+    "test_integrations.py",
+    "test_replicas_trainers.py",
+    "test_channel_rounds.py",
+    "test_replicas_partial.py",
     "test_lightning_sharded.py",
     "test_mesh.py",
     "test_device_digest.py",
@@ -54,7 +59,10 @@ wait (Ray's actors, deadlines: timeouts, late or dead ranks) between those that 
 waiting worker leaves its core to the other; Ray's runs (a core and more of their own, and slower by half
 beside the campaign's forked ranks) start beside the deadline tests. ``make test`` hands whole files to its
 workers in collection order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their
-number of tests, so that no long file starts last and holds the run's end."""
+number of tests, so that no long file starts last and holds the run's end. Files that wait on deadlines
+(dataplane, channel faults, callback faults, foreign groups) sit between ones that compute, and the long files
+of few tests (package, startup, soak, engine_distributed) are here too: left to the count, they ran last, one
+worker alone for their length (a worker's CPU time and ``vmstat`` per test, stop 59)."""
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
