@@ -67,7 +67,7 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any] | None:
         cap, out = None, {"error": f"{type(exc).__name__}: {exc} | {traceback.format_exc()[-400:]}"}
     statuses: list[Any] = [None] * world
     dist.all_gather_object(statuses, {**out, "captured": cap is not None})
-    truth = gather(cap, world) if cap is not None and all(s["captured"] for s in statuses) else None
+    truth = gather(cap, world, classify=rank == 0) if cap is not None and all(s["captured"] for s in statuses) else None
     if rank != 0:
         return None
     records = read_records(report)

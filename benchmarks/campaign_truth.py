@@ -138,11 +138,12 @@ class Capture:
         self._handles = []
 
 
-def gather(capture: Capture, world: int) -> dict[str, Any]:
+def gather(capture: Capture, world: int, *, classify: bool = True) -> dict[str, Any] | None:
     """Collective: every rank's bytes to every rank; the classes of equal bytes per tensor.
 
     Returns ``{"classes": {key: {(label, step, rank): class id}}, "points": [(label, step), ...],
-    "nbytes": {key: bytes}}``; equal class ids of one key mean equal dtype, shape and bytes."""
+    "nbytes": {key: bytes}}``; equal class ids of one key mean equal dtype, shape and bytes. ``classify``
+    false: the collectives only (a rank that reports nothing), ``None``."""
     index = [(pt, k, meta, b.numel()) for pt, vals in capture.points for k, (meta, b) in vals.items()]
     flat = [b for _, vals in capture.points for _, b in vals.values()]
     mine = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
@@ -153,6 +154,8 @@ def gather(capture: Capture, world: int) -> dict[str, Any]:
     padded[: mine.numel()] = mine
     everyone = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
     dist.all_gather(everyone, padded)
+    if not classify:
+        return None
     values: dict[Key, list[tuple[tuple[str, int, int], str, torch.Tensor]]] = {}
     points: list[Point] = []
     for r, ix in enumerate(indexes):
@@ -165,15 +168,11 @@ def gather(capture: Capture, world: int) -> dict[str, Any]:
     classes: dict[Key, dict[tuple[str, int, int], int]] = {}
     nbytes: dict[Key, int] = {}
     for k, vs in values.items():
-        reps: dict[tuple[str, int, int], list[tuple[int, torch.Tensor]]] = {}
+        # Classes by the bytes themselves (a dict of bytes compares them whole: exact, no digest).
+        reps: dict[tuple[str, bytes], int] = {}
         ids: dict[tuple[str, int, int], int] = {}
         for where, meta, b in vs:
-            bucket = reps.setdefault((meta, b.numel(), int(b.sum(dtype=torch.int64))), [])
-            cid = next((c for c, rep in bucket if torch.equal(rep, b)), None)
-            if cid is None:
-                cid = sum(len(x) for x in reps.values())
-                bucket.append((cid, b))
-            ids[where] = cid
+            ids[where] = reps.setdefault((meta, b.numpy().tobytes()), len(reps))
         classes[k] = ids
         nbytes[k] = max(b.numel() for _, _, b in vs)
     return {"classes": classes, "points": points, "nbytes": nbytes}
