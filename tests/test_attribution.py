@@ -150,7 +150,7 @@ def _typed(rank: int, world: int, offload: bool) -> dict[str, Any]:
     import json
 
     from weightsync_audit import AttributionConfig, Auditor
-    from weightsync_audit.engine.attribution.atrest import StepRecord
+    from weightsync_audit.engine.attribution.records import StepRecord
     from weightsync_audit.engine.attribution.settle import attach_watch
     from weightsync_audit.engine.config import AuditConfig
 
@@ -171,7 +171,7 @@ def _typed(rank: int, world: int, offload: bool) -> dict[str, Any]:
 def test_the_step_records_are_frozen_records_whose_json_reads_back_identically(offload: bool) -> None:
     """The watch writes :class:`StepRecord`s (``offload``: the workers' late fills seen by the payload), and
     their JSON, as exchanged, reads back into the same record and writes out the same JSON."""
-    from weightsync_audit.engine.attribution.atrest import StepRecord
+    from weightsync_audit.engine.attribution.records import StepRecord
 
     out = run_ranks(_typed, 2, offload)
     for rank in (0, 1):
@@ -201,7 +201,7 @@ def test_changes_are_counted_on_a_one_element_view_with_an_odd_stride() -> None:
     element whose stride is not 1 (contiguous by torch's rule) is counted, not left uncounted by an error."""
     import torch
 
-    from weightsync_audit.engine.attribution.atrest import count_changes
+    from weightsync_audit.engine.attribution.records import count_changes
 
     now = torch.arange(4.0)[1::3]
     before = now.clone()

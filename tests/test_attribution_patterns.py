@@ -10,6 +10,7 @@ import math
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from attribution_faults import FaultyAdam, build, flip_bit
@@ -18,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from weightsync_audit import AttributionConfig, Auditor, LoopAudit
-from weightsync_audit.engine.attribution.atrest import StepRecord
+from weightsync_audit.engine.attribution.records import StepRecord
 from weightsync_audit.engine.attribution.settle import attach_watch
 from weightsync_audit.engine.config import AuditConfig
 
@@ -369,6 +370,36 @@ def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_chang
     assert records[3].rest == ("weight",), records[3]
     assert [e.moved for e in records[3].rest_evidence] == [True]
     assert records[2].post is None  # its read raced the write: the step's post-step word is unknown
+
+
+def test_a_flip_on_a_frozen_tensor_before_the_offloaded_post_step_read_is_a_change_at_rest_of_that_step() -> None:
+    """Offloaded, the post-step read can come after a flip that landed right after the update. On a tensor the
+    step wrote, the replay's copies catch that; a frozen one (no counter moved across the step) has none. Its
+    read then differs from its bytes before the step: that is a change at rest in the step's record (the
+    step's ``pre`` word with it), never "from the same inputs the steps gave other bytes" (seed 8 ``r31``)."""
+    import threading
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 4))  # the frozen weight over 64 KiB: the worker's
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
+                         model, [opt], offload=True)  # fmt: skip
+    gate = threading.Event()
+    for step in (1, 2, 3):
+        if step == 2:  # after the watch's pre-step hook: the post-step read waits behind the gate
+            hold = opt.register_step_pre_hook(lambda *_: [watch.rest.reader._worker.submit(gate.wait)][:0] or None)
+        model(torch.ones(2, 256)).sum().backward()
+        opt.step()
+        watch.mark(step)
+        if step == 2:
+            hold.remove()
+            model[0].weight.detach().numpy().view(np.int32)[5, 7] ^= 1 << 3  # behind torch's back: no counter
+            gate.set()
+    records = {r.step: r for r in watch.records}
+    watch.detach()
+    assert records[2].rest == ("0.weight",) and [e.moved for e in records[2].rest_evidence] == [False]
+    assert records[2].pre is not None and records[3].rest == ()
 
 
 def _planted_before_a_step(

@@ -8,63 +8,46 @@ ranks at a divergent audit), and for what changed in between ``rest`` (names), `
 ``rest_evidence`` (how it changed). The positions and names of what is checked are taken from the manifest
 once per structure, not per step.
 
-How it changed, a bit flip or a write: two cheap facts tell a write from the memory, taken only for the tensors that changed:
-
-- its **version counter** (stamped after every step, one integer per tensor): torch bumps it at every
-  in-place write through the tensor or a view of it, so a counter that moved is a write by code, never
-  the memory (a write through ``.data`` or a raw pointer does not move it, nor does a bit flip);
-- **how many elements and bits** changed, against this rank's own post-step bytes where it holds them
-  (the update replay's replayed values, :attr:`~.replay.UpdateReplay.reference`, kept until the next step):
-  a bit flip changes one element by one bit (a multi-bit upset a few, in one or two elements), a write
-  changes elements by many bits.
-
-:func:`classify` reads them: ``write`` (software), ``flip`` (hardware-suspect) or ``unknown``.
-
->>> import torch
->>> before = torch.tensor([1.0, 2.0, 3.0])
->>> after = before.clone()
->>> after.view(torch.int32)[1] ^= 1 << 4
->>> counted = count_changes(after, before)
->>> counted, classify([Change.of({"name": "w", "moved": False, **counted})])
-({'elements': 1, 'compared': 3, 'bits': 1, 'max_abs': 3.814697265625e-06}, 'flip')
-
-A rank's records are frozen from the moment they are written, :class:`StepRecord` (one a step) holding
-:class:`Change` (one a tensor changed at rest); they reach the others as JSON (``as_dict``) and are read back
-(``of``) into the same records: what the blame decides from.
+How it changed, a write or a bit flip, is told by :mod:`.records`.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution.offload import RestReader
+from weightsync_audit.engine.attribution.records import MAX_NAMES, Change, StepRecord, change_evidence
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
-from weightsync_audit.engine.hashing.reader import byte_view
 
 __all__ = [
     "at_rest_positions",
     "AtRest",
-    "Change",
-    "StepRecord",
-    "change_evidence",
-    "classify",
-    "count_changes",
-    "FLIP_BITS",
-    "FLIP_ELEMENTS",
-    "MAX_NAMES",
+    "PostWord",
     "rest_evidence",
     "tensors_at",
     "versions",
 ]
-MAX_NAMES = 8
-"""Tensor names a record keeps per finding (the count is kept too)."""
+PostWord = Callable[[int, "Callable[[StepRecord], StepRecord] | None"], None]
+"""Where a step's post-step word goes, with how its record completes (None: as it is)."""
+
+
+def _with_rest(found: Sequence[Change], word: int) -> Callable[[StepRecord], StepRecord]:
+    """How a step's record takes changes at rest found after it was opened: their names and evidence, and the
+    ``pre`` word that holds them."""
+
+    def add(rec: StepRecord) -> StepRecord:
+        new = [e for e in found if e.name not in rec.rest]
+        rest, evidence = (*rec.rest, *(e.name for e in new)), (*rec.rest_evidence, *new)
+        return replace(rec, pre=word, rest=rest[:MAX_NAMES], rest_count=rec.rest_count + len(new),
+                       rest_evidence=evidence[:MAX_NAMES])  # fmt: skip
+
+    return add
 
 
 def at_rest_positions(entries: Any) -> list[int]:
@@ -90,10 +73,11 @@ class AtRest:
         self.pre_now: np.ndarray | None = None
         """Offloaded: what the pre-step hook took the bytes before this step to be (the late read, or the
         post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
+        self.stamps_before: np.ndarray | None = None  # offloaded: the counters in the pre-step hook
         self._layout: tuple[int, list[int], list[str]] | None = None
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
-        self._awaiting: Callable[[int], None] | None = None  # offloaded: where the worker's ``post`` word goes
+        self._awaiting: PostWord | None = None  # offloaded: where the worker's ``post`` word goes
 
     def layout(self, prepared: PreparedManifest) -> tuple[list[int], list[str]]:
         """The at-rest positions and names of ``prepared``'s manifest (built once per structure)."""
@@ -109,9 +93,10 @@ class AtRest:
             self._index = (self.structure, {n: i for i, n in enumerate(self.names)})
         return self._index[1]
 
-    def after_step(self, post: Callable[[int], None]) -> None:
+    def after_step(self, post: PostWord) -> None:
         """The optimizer's post-step hook: this rank's bytes at rest from here, their word handed to ``post``
-        (now, or offloaded once the worker's read is settled: :meth:`settle_post`)."""
+        (now, or offloaded once the worker's read is settled: :meth:`settle_post`, with how the step's record
+        completes)."""
         self.post = self.versions = None
         prepared = self.prepare()
         self.keep, self.names = self.layout(prepared)
@@ -122,7 +107,7 @@ class AtRest:
             self.reader.launch(prepared, self.keep, stamp=lambda: versions(prepared), stamped=self.versions)
             return
         self.post = prepared.digests(method=self.method)[self.keep]
-        post(overall_digest(self.post, prepared.structure))
+        post(overall_digest(self.post, prepared.structure), None)
 
     def settle_post(self) -> None:
         """Offloaded: the worker's post-step read, waited for, its word handed on to its step's record."""
@@ -132,7 +117,22 @@ class AtRest:
             if self.post is not None and raced is not None and raced.any():  # written before it was read: the
                 self.post = np.where(raced, ~self.post, self.post)  # bytes after the step unknown, so changed
             elif self.post is not None:
-                into(overall_digest(self.post, self.structure))
+                into(overall_digest(self.post, self.structure), self._unwritten_changed())
+
+    def _unwritten_changed(self) -> Callable[[StepRecord], StepRecord] | None:
+        """Offloaded: the tensors the step did not write (no counter moved across it: a frozen parameter) whose
+        late post-step read differs from their bytes before the step changed at rest in the window, where the
+        replay's copies (of what it updates) do not look: how the step's record completes, or None."""
+        pre, before, after, post = self.pre_now, self.stamps_before, self.versions, self.post
+        if pre is None or before is None or after is None or post is None or len(before) != len(after):
+            return None
+        keep = np.asarray(self.keep, dtype=np.intp)
+        changed = np.nonzero((before[keep] == after[keep]) & (post != pre))[0] if len(pre) == len(post) else []
+        if not len(changed):
+            return None
+        pre = pre.copy()
+        pre[changed] = post[changed]
+        return _with_rest([Change(self.names[i], moved=False) for i in changed], overall_digest(pre, self.structure))
 
     def before_step(self, reference: dict[str, Any]) -> StepRecord:
         """The optimizer's pre-step hook: the step's record opened, ``pre`` and what changed since the post-step read."""
@@ -151,6 +151,7 @@ class AtRest:
             pre = (late if late is not None else self.post).copy()
             rec = StepRecord(rest_read="late" if late is not None else "counters")
             now = versions(prepared)  # a write through torch anywhere in the window: its counter moved
+            self.stamps_before = now
             moved = [i for i, pos in enumerate(keep) if now[pos] != self.versions[pos]]
             if moved:
                 pre[moved] = digest_tensors(tensors_at(prepared, [keep[i] for i in moved]), method=self.method)
@@ -196,15 +197,7 @@ class AtRest:
                     found.append(change_evidence(name, copy, version, int(stamps[keep[i]]), reference.get(name)))
             if not found:
                 return None
-            word = overall_digest(pre, structure)
-
-            def add(rec: StepRecord) -> StepRecord:
-                new = [e for e in found if e.name not in rec.rest]
-                rest, evidence = (*rec.rest, *(e.name for e in new)), (*rec.rest_evidence, *new)
-                return replace(rec, pre=word, rest=rest[:MAX_NAMES], rest_count=rec.rest_count + len(new),
-                               rest_evidence=evidence[:MAX_NAMES])  # fmt: skip
-
-            return add
+            return _with_rest(found, overall_digest(pre, structure))
 
         return job
 
@@ -216,7 +209,7 @@ class AtRest:
             self.settle_post()
             self.reader.collect()
             self._window = None
-        self.after_step(lambda _: None)
+        self.after_step(lambda *_: None)
 
     def since_step(
         self, prepared: PreparedManifest, digests: np.ndarray, reference: dict[str, Any]
@@ -248,13 +241,6 @@ class AtRest:
             self.reader.close()
 
 
-FLIP_ELEMENTS = 2
-"""At most this many elements changed, by at most :data:`FLIP_BITS` bits each: what the memory does."""
-FLIP_BITS = 3
-_BITS_UP_TO = 4096
-"""Bits are counted when at most this many elements changed (a larger change is a write anyway)."""
-
-
 def _version(t: Any) -> int:
     try:
         return tensor_version(t)
@@ -284,26 +270,6 @@ def tensors_at(prepared: PreparedManifest, positions: Sequence[int]) -> list[tor
     return [where.get(int(i)) for i in positions]
 
 
-def count_changes(now: torch.Tensor, reference: torch.Tensor) -> dict[str, Any] | None:
-    """How many elements of ``now`` differ from ``reference``, by how many bits and (floats) how far at most
-    (``max_abs``; None: not comparable)."""
-    if now.shape != reference.shape or now.dtype != reference.dtype or now.device != reference.device:
-        return None
-    size = now.element_size()
-    a, b = (byte_view(t.detach()).reshape(-1, size) for t in (now, reference))
-    xor = torch.bitwise_xor(a, b)
-    changed = xor.ne(0).any(dim=1)
-    elements = int(changed.sum())
-    out: dict[str, Any] = {"elements": elements, "compared": int(now.numel()), "bits": None}
-    if elements <= _BITS_UP_TO:
-        out["bits"] = int(np.unpackbits(xor[changed].cpu().numpy().reshape(-1)).sum())
-    if elements and now.is_floating_point():  # how far it moved: weighed against the gap the audit measured
-        diff = now.detach().reshape(-1)[changed].double() - reference.detach().reshape(-1)[changed].double()
-        moved = diff.abs().nan_to_num(nan=math.inf)
-        out["max_abs"] = float(moved.max())
-    return out
-
-
 def rest_evidence(
     prepared: PreparedManifest,
     positions: Sequence[int],
@@ -320,125 +286,3 @@ def rest_evidence(
         out.append(change_evidence(name, t, int(now[pos]) if known else -1, int(stamped[pos]) if known else -1,
                                    reference.get(name)))  # fmt: skip
     return out
-
-
-def change_evidence(
-    name: str, t: torch.Tensor | None, version: int, stamp: int, reference: torch.Tensor | None
-) -> Change:
-    """How ``t`` (``name``) changed: whether its version counter moved (``version`` now against ``stamp``,
-    the post-step one; -1 where either is unknown) and, against ``reference``, how many elements and bits."""
-    counted: dict[str, Any] = {}
-    if reference is not None and t is not None:
-        try:
-            counted = count_changes(t, reference) or {}
-        except Exception:  # noqa: BLE001 - the count is evidence, never a failure of the step
-            pass
-    moved = version != stamp if min(version, stamp) >= 0 else None
-    return Change(name, int(t.numel()) if t is not None else None, moved, **counted)
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """How one tensor changed at rest (a record's ``rest_evidence``: :func:`change_evidence`)."""
-
-    name: str = "?"
-    numel: int | None = None
-    moved: bool | None = None
-    """Whether its version counter moved since the post-step stamp (``None``: unknown)."""
-    elements: int | None = None
-    """Elements that differ from this rank's post-step bytes (``None``: not counted), of ``compared``."""
-    compared: int | None = None
-    bits: int | None = None
-    """Bits that differ in them (``None``: not counted, too many elements)."""
-    max_abs: float | None = None
-    """How far it moved at most (floats; ``None``: not measured)."""
-
-    @classmethod
-    def of(cls, wire: Mapping[str, Any]) -> Change:
-        """From its JSON (keys it does not know, from another version, are left out)."""
-        return cls(**{k: wire[k] for k in _FIELDS[cls] if k in wire})
-
-    def as_dict(self) -> dict[str, Any]:
-        """Its JSON (what :meth:`of` reads back): ``moved`` and ``max_abs`` where known, the counts where counted."""
-        kept = ("name", "numel", *(("bits",) if self.elements is not None else ()))
-        return {k: getattr(self, k) for k in _FIELDS[Change] if k in kept or getattr(self, k) is not None}
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    """One rank's record of one optimizer step, as the watch writes it (absent fields: not taken)."""
-
-    step: int | None = None
-    seq: int = 0
-    """The second optimizer step under one step number is 1 (several optimizers, a manual second step)."""
-    stepped: bool = False
-    pre: int | None = None
-    """The digest at rest right before the step (``None``: not read, or read too late)."""
-    post: int | None = None
-    """The digest at rest right after it."""
-    rest: tuple[str, ...] = ()
-    """What changed at rest in between (up to :data:`MAX_NAMES` names), how: ``rest_evidence``."""
-    rest_count: int = 0
-    rest_evidence: tuple[Change, ...] = ()
-    rest_read: str | None = None
-    hyper: int | None = None
-    hyper_changed: str | None = None
-    """The hyper-parameters that changed at rest before the step, ``"lr 0.1 -> 0.2"``."""
-    hyper_text: str | None = None
-    grads: int | None = None
-    """The gradients' digest right before the step (``None``: not read)."""
-    grads_changed: tuple[str, ...] = ()
-    """The gradients that changed after the all-reduce gave them."""
-    buckets: tuple[tuple[int, int], ...] = ()
-    """The all-reduce's digest of each bucket, ``(bucket, digest)``."""
-    update: tuple[str, ...] = ()
-    """The parameters whose update the replay did not reproduce."""
-    covered: int = 0
-    replayable: int = 0
-    too_large: int = 0
-    declined: str | None = None
-    failed: str | None = None
-    """A check that failed, and why."""
-
-    @classmethod
-    def of(cls, wire: Mapping[str, Any]) -> StepRecord:
-        """From its JSON (lists read as tuples; keys it does not know, from another version, left out)."""
-        got = {k: wire[k] for k in _FIELDS[cls] if k in wire and wire[k] is not None}
-        for k in ("rest", "grads_changed", "update"):
-            if k in got:
-                got[k] = tuple(got[k])
-        got["buckets"] = tuple((int(b), int(d)) for b, d in got.get("buckets", ()))
-        got["rest_evidence"] = tuple(Change.of(e) for e in got.get("rest_evidence", ()))
-        return cls(**got)
-
-    def as_dict(self) -> dict[str, Any]:
-        """Its JSON (what :meth:`of` reads back): ``step``, ``stepped`` and every field not at its default."""
-        taken = ((f.name, getattr(self, f.name), f.default) for f in fields(self))
-        return {k: _plain(v) for k, v, default in taken if v != default or k in ("step", "stepped")}
-
-
-def _plain(v: Any) -> Any:
-    return [_plain(x) for x in v] if isinstance(v, tuple) else v.as_dict() if isinstance(v, Change) else v
-
-
-_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in (Change, StepRecord)}
-
-
-def classify(evidence: Sequence[Change]) -> str:
-    """``write`` (a version counter moved, or too many elements or bits changed for the memory), ``flip``
-    (every changed tensor counted, at most :data:`FLIP_ELEMENTS` elements by at most :data:`FLIP_BITS` bits
-    each, no counter moved) or ``unknown`` (nothing counted, no counter moved)."""
-    if any(e.moved for e in evidence):
-        return "write"
-    counted = [e for e in evidence if e.elements is not None]
-    if not counted:
-        return "unknown"
-    elements = sum(e.elements or 0 for e in counted)
-    if elements == 0:
-        return "unknown"  # the kept bytes are not this step's: nothing told
-    bits = [e.bits for e in counted]
-    if elements > FLIP_ELEMENTS or None in bits or sum(b for b in bits if b) > FLIP_BITS * max(1, elements):
-        return "write"
-    if len(counted) < len(evidence):
-        return "unknown"  # some changed tensor was not counted: it may hold the write
-    return "flip"

@@ -4,7 +4,7 @@ The first step at which the ranks' records part decides, read in the order thing
 
 1. **at rest** (between the step before and this one's optimizer step): a rank whose own parameters or
    optimizer state changed while the others' did not is the one, whatever the vote; how it changed says
-   what (:func:`~.atrest.classify`): a version counter that moved, or more elements or bits than the memory
+   what (:func:`~.records.classify`): a version counter that moved, or more elements or bits than the memory
    flips, is a write by code (``at_rest_write``, software); one or two elements by a bit or so, no counter
    moved, is the memory (``at_rest_change``, hardware-suspect); neither told is ``at_rest_change`` with
    the cause ``a change at rest`` and no hardware suspicion;
@@ -39,7 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Sequence, get_args
 
 from weightsync_audit.engine.attribution import strict_majority
-from weightsync_audit.engine.attribution.atrest import FLIP_BITS, FLIP_ELEMENTS, Change, StepRecord, classify
+from weightsync_audit.engine.attribution.records import FLIP_BITS, FLIP_ELEMENTS, Change, StepRecord, classify
 from weightsync_audit.reporting.validate import BLAME_EVIDENCE
 from weightsync_audit.text import fmt_ranks
 
@@ -136,7 +136,7 @@ def _rest_blame(
     evidence: Sequence[Change],
     measured: dict[str, tuple[int, int]],
 ) -> Blame:
-    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.atrest.classify`).
+    """A change at rest on ``ranks`` only: a write, a bit flip, or not told apart (see :func:`~.records.classify`).
     ``measured``: name -> (elements differing from the reference at the audit, element count)."""
     kind, counts = classify(evidence), _counts(evidence)
     names = [e.name for e in evidence]

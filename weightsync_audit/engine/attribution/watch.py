@@ -11,7 +11,7 @@ optimizer step: a step marked again with no optimizer step since (gradient accum
 ``on_train_batch_end`` at every micro-batch, or a loop's ``no_sync`` micro-batches) leaves its record as it
 is. Each step leaves one small record in a bounded ring; an in-sync audit empties it; a divergent audit
 exchanges it (:mod:`.settle`), and an audit's own digests against the post-step ones say what changed
-after the step. For what changed at rest, the record keeps how (:mod:`.atrest`): a version counter moved (a
+after the step. For what changed at rest, the record keeps how (:mod:`.records`): a version counter moved (a
 write), how many elements and bits changed. With ``offload`` (what ``overlap=True`` sets) the at-rest reads
 and the collective check's digests run on worker threads (:mod:`.offload`).
 
@@ -36,8 +36,9 @@ import xxhash
 from weightsync_audit.channel.store import Worker
 from weightsync_audit.compat import tensor_version
 from weightsync_audit.engine.attribution import AttributionConfig
-from weightsync_audit.engine.attribution.atrest import MAX_NAMES, AtRest, Change, StepRecord
+from weightsync_audit.engine.attribution.atrest import AtRest
 from weightsync_audit.engine.attribution.blame import Blame
+from weightsync_audit.engine.attribution.records import MAX_NAMES, Change, StepRecord
 from weightsync_audit.engine.attribution.replay import ReducedDigests, UpdateReplay, attach_collective
 from weightsync_audit.engine.hashing.digest import digest_tensors, overall_digest
 from weightsync_audit.engine.hashing.digest_plan import PreparedManifest
@@ -158,7 +159,7 @@ class StepWatch:
         first call comes right after a step), so that a change at rest before the next step is seen against them."""
         try:
             if self.rest is not None:
-                self.rest.after_step(lambda word: None)
+                self.rest.after_step(lambda *_: None)
         except Exception as exc:  # noqa: BLE001 - the watch never breaks the user's step
             self._failed(exc, "at-rest check after the step")
 
@@ -270,7 +271,7 @@ class StepWatch:
                 self._failed(exc, "update replay")
         if self.rest is not None:  # at rest from here: whatever runs before the next step must not write
             try:
-                self.rest.after_step(lambda word: self._amend(n, post=word))
+                self.rest.after_step(lambda word, how: self._amend(n, how, post=word))
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc, "at-rest check after the step")
 
