@@ -402,6 +402,25 @@ def test_a_flip_on_a_frozen_tensor_before_the_offloaded_post_step_read_is_a_chan
     assert records[2].pre is not None and records[3].rest == ()
 
 
+def test_an_update_that_moves_no_counter_is_never_a_change_at_rest_with_overlap() -> None:
+    """A fused optimizer writes its parameters without moving their version counters: only a parameter left
+    without a gradient is taken as one the step did not write (campaign seed 8, fused Adam, every rank's
+    update read as changed at rest before that rule)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
+                         model, [opt], offload=True)  # fmt: skip
+    for step in (1, 2, 3, 4):
+        opt.zero_grad()
+        model(torch.ones(2, 256)).sum().backward()
+        opt.step()
+        watch.mark(step)
+    records = watch.payload()["records"]
+    watch.detach()
+    assert len(records) == 4 and [r.get("rest", []) for r in records] == [[]] * 4, records
+
+
 def _planted_before_a_step(
     rank: int, world: int, report: str, fault: str, faulty: int, at_step: int, overlap: bool
 ) -> list[dict[str, Any]]:

@@ -74,7 +74,9 @@ class AtRest:
         """Offloaded: what the pre-step hook took the bytes before this step to be (the late read, or the
         post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
         self.stamps_before: np.ndarray | None = None  # offloaded: the counters in the pre-step hook
-        self._layout: tuple[int, list[int], list[str]] | None = None
+        self._layout: tuple[int, list[int], list[str], list[tuple[int, int]]] | None = None
+        self._params: tuple[Any, list[tuple[int, int]]] | None = None  # a plan, its (at-rest, source) parameters
+        self._skipped: np.ndarray | None = None  # offloaded: the at-rest parameters the step left without a gradient
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
         self._awaiting: PostWord | None = None  # offloaded: where the worker's ``post`` word goes
@@ -84,8 +86,23 @@ class AtRest:
         if self._layout is None or self._layout[0] != prepared.structure:
             entries = prepared.manifest.entries
             keep = at_rest_positions(entries)
-            self._layout = (prepared.structure, keep, [entries[i].name for i in keep])
+            params = [(i, pos) for i, pos in enumerate(keep) if entries[pos].kind == "param"]
+            self._layout = (prepared.structure, keep, [entries[i].name for i in keep], params)
         return self._layout[1], self._layout[2]
+
+    def _left_alone(self, prepared: PreparedManifest) -> np.ndarray | None:
+        """Right after a step: which at-rest tensors are parameters without a gradient, which no optimizer writes
+        (a frozen one); None when the sources are not at hand."""
+        sources, plan = prepared.sources, prepared.plan
+        if self._layout is None or not len(sources) or len(sources) != len(plan.all_index):
+            return None
+        if self._params is None or self._params[0] is not plan:  # where each parameter is among the plan's sources
+            source = {int(pos): j for j, pos in enumerate(plan.all_index)}
+            self._params = (plan, [(i, source[pos]) for i, pos in self._layout[3] if pos in source])
+        out = np.zeros(len(self.keep), dtype=bool)
+        for i, j in self._params[1]:
+            out[i] = getattr(sources[j], "grad", 0) is None
+        return out
 
     def _name_index(self) -> dict[str, int]:
         """Name -> position among the at-rest tensors (:attr:`names`), built once per structure."""
@@ -103,7 +120,7 @@ class AtRest:
         self.structure = prepared.structure
         self.versions = versions(prepared)
         if self.reader is not None:
-            self._window, self._awaiting = prepared, post
+            self._window, self._awaiting, self._skipped = prepared, post, self._left_alone(prepared)
             self.reader.launch(prepared, self.keep, stamp=lambda: versions(prepared), stamped=self.versions)
             return
         self.post = prepared.digests(method=self.method)[self.keep]
@@ -120,14 +137,16 @@ class AtRest:
                 into(overall_digest(self.post, self.structure), self._unwritten_changed())
 
     def _unwritten_changed(self) -> Callable[[StepRecord], StepRecord] | None:
-        """Offloaded: the tensors the step did not write (no counter moved across it: a frozen parameter) whose
-        late post-step read differs from their bytes before the step changed at rest in the window, where the
-        replay's copies (of what it updates) do not look: how the step's record completes, or None."""
-        pre, before, after, post = self.pre_now, self.stamps_before, self.versions, self.post
-        if pre is None or before is None or after is None or post is None or len(before) != len(after):
+        """Offloaded: the parameters the step did not write (no gradient after it, no counter moved across it: a
+        frozen one) whose late post-step read differs from their bytes before the step changed at rest in the
+        window, where the replay's copies (of what it updates) do not look: how the step's record completes."""
+        pre, before, after, post, skipped = self.pre_now, self.stamps_before, self.versions, self.post, self._skipped
+        if pre is None or before is None or after is None or post is None or skipped is None:
+            return None
+        if len(before) != len(after) or not len(pre) == len(post) == len(skipped):
             return None
         keep = np.asarray(self.keep, dtype=np.intp)
-        changed = np.nonzero((before[keep] == after[keep]) & (post != pre))[0] if len(pre) == len(post) else []
+        changed = np.nonzero(skipped & (before[keep] == after[keep]) & (post != pre))[0]
         if not len(changed):
             return None
         pre = pre.copy()
