@@ -75,7 +75,7 @@ class AtRest:
         post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
         self.stamps_before: np.ndarray | None = None  # offloaded: the counters in the pre-step hook
         self._layout: tuple[int, list[int], list[str], list[tuple[int, int]]] | None = None
-        self._params: tuple[Any, list[tuple[int, int]]] | None = None  # a plan, its (at-rest, source) parameters
+        self._params: tuple[Any, np.ndarray, list[int]] | None = None  # a plan, its parameters' places in keep, sources
         self._skipped: np.ndarray | None = None  # offloaded: the at-rest parameters the step left without a gradient
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
@@ -98,10 +98,11 @@ class AtRest:
             return None
         if self._params is None or self._params[0] is not plan:  # where each parameter is among the plan's sources
             source = {int(pos): j for j, pos in enumerate(plan.all_index)}
-            self._params = (plan, [(i, source[pos]) for i, pos in self._layout[3] if pos in source])
+            pairs = [(i, source[pos]) for i, pos in self._layout[3] if pos in source]
+            self._params = (plan, np.array([i for i, _ in pairs], dtype=np.intp), [j for _, j in pairs])
+        at, where = self._params[1], self._params[2]
         out = np.zeros(len(self.keep), dtype=bool)
-        for i, j in self._params[1]:
-            out[i] = getattr(sources[j], "grad", 0) is None
+        out[at] = np.fromiter((sources[j].grad is None for j in where), bool, len(where))
         return out
 
     def _name_index(self) -> dict[str, int]:
