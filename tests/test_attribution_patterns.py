@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -340,33 +340,44 @@ def test_an_offloaded_post_step_word_reaches_its_own_frozen_record_or_none_never
     assert _post_words(True, 1) == {2: sync[2], 3: sync[3]}
 
 
-def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_change_at_rest() -> None:
-    """Offloaded, the post-step read runs on a worker: a write through torch right after the step (a clamp)
-    can land before that read, which then holds the written bytes. The write is still in the next step's
-    record (its counter moved past the post-step stamp), so a rank whose read came late never looks clean
-    beside one whose read came first: in the campaign's clamp run that gave the other rank's bit flip a
-    false ``at_rest_write`` blame instead of an undecided one."""
+def _late_post_read(model: nn.Module, between: Callable[[], None]) -> dict[int, StepRecord]:
+    """Three SGD steps under an offloaded watch; at step 2 the post-step read waits behind a gate (queued from a
+    pre-step hook, after the watch's own) while ``between`` runs right after the update. The records by step."""
     import threading
 
-    torch.manual_seed(0)
-    model = nn.Linear(256, 128)  # a weight over 64 KiB: read by the worker, not hashed in the post-step hook
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
                          model, [opt], offload=True)  # fmt: skip
     gate = threading.Event()
     for step in (1, 2, 3):
-        if step == 2:  # after the watch's pre-step hook: the post-step read waits behind the gate
+        if step == 2:
             hold = opt.register_step_pre_hook(lambda *_: [watch.rest.reader._worker.submit(gate.wait)][:0] or None)
         model(torch.ones(2, 256)).sum().backward()
         opt.step()
         watch.mark(step)
         if step == 2:
             hold.remove()
-            with torch.no_grad():
-                model.weight.clamp_(-0.01, 0.01)  # the clamp, before the read
+            between()
             gate.set()
     records = {r.step: r for r in watch.records}
     watch.detach()
+    return records
+
+
+def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_change_at_rest() -> None:
+    """Offloaded, the post-step read runs on a worker: a write through torch right after the step (a clamp)
+    can land before that read, which then holds the written bytes. The write is still in the next step's
+    record (its counter moved past the post-step stamp), so a rank whose read came late never looks clean
+    beside one whose read came first: in the campaign's clamp run that gave the other rank's bit flip a
+    false ``at_rest_write`` blame instead of an undecided one."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 128)  # a weight over 64 KiB: read by the worker, not hashed in the post-step hook
+
+    def clamp() -> None:
+        with torch.no_grad():
+            model.weight.clamp_(-0.01, 0.01)  # the clamp, before the read
+
+    records = _late_post_read(model, clamp)
     assert records[3].rest == ("weight",), records[3]
     assert [e.moved for e in records[3].rest_evidence] == [True]
     assert records[2].post is None  # its read raced the write: the step's post-step word is unknown
@@ -374,30 +385,18 @@ def test_a_write_that_lands_before_the_offloaded_post_step_read_is_still_a_chang
 
 def test_a_flip_on_a_frozen_tensor_before_the_offloaded_post_step_read_is_a_change_at_rest_of_that_step() -> None:
     """Offloaded, the post-step read can come after a flip that landed right after the update. On a tensor the
-    step wrote, the replay's copies catch that; a frozen one (no counter moved across the step) has none. Its
-    read then differs from its bytes before the step: that is a change at rest in the step's record (the
-    step's ``pre`` word with it), never "from the same inputs the steps gave other bytes" (seed 8 ``r31``)."""
-    import threading
-
+    step wrote, the replay's copies catch that; a frozen one (no gradient, no counter moved across the step)
+    has none. Its read then differs from its bytes before the step: that is a change at rest in the step's
+    record (the step's ``pre`` word with it), never "from the same inputs the steps gave other bytes" (seed
+    8 ``r31``)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 128), nn.Linear(128, 4))  # the frozen weight over 64 KiB: the worker's
     model[0].requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
-                         model, [opt], offload=True)  # fmt: skip
-    gate = threading.Event()
-    for step in (1, 2, 3):
-        if step == 2:  # after the watch's pre-step hook: the post-step read waits behind the gate
-            hold = opt.register_step_pre_hook(lambda *_: [watch.rest.reader._worker.submit(gate.wait)][:0] or None)
-        model(torch.ones(2, 256)).sum().backward()
-        opt.step()
-        watch.mark(step)
-        if step == 2:
-            hold.remove()
-            model[0].weight.detach().numpy().view(np.int32)[5, 7] ^= 1 << 3  # behind torch's back: no counter
-            gate.set()
-    records = {r.step: r for r in watch.records}
-    watch.detach()
+
+    def flip() -> None:  # behind torch's back: no counter moves
+        model[0].weight.detach().numpy().view(np.int32)[5, 7] ^= 1 << 3
+
+    records = _late_post_read(model, flip)
     assert records[2].rest == ("0.weight",) and [e.moved for e in records[2].rest_evidence] == [False]
     assert records[2].pre is not None and records[3].rest == ()
 
