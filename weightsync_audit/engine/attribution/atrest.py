@@ -33,6 +33,7 @@ __all__ = [
     "tensors_at",
     "versions",
 ]
+_PARAM = torch.nn.Parameter
 PostWord = Callable[[int, "Callable[[StepRecord], StepRecord] | None"], None]
 """Where a step's post-step word goes, with how its record completes (None: as it is)."""
 
@@ -75,7 +76,7 @@ class AtRest:
         post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
         self.stamps_before: np.ndarray | None = None  # offloaded: the counters in the pre-step hook
         self._layout: tuple[int, list[int], list[str], list[tuple[int, int]]] | None = None
-        self._params: tuple[Any, np.ndarray, list[int]] | None = None  # a plan, its parameters' places in keep, sources
+        self._params: tuple[Any, Any, np.ndarray, list[int]] | None = None  # plan, layout: parameters' places, sources
         self._skipped: np.ndarray | None = None  # offloaded: the at-rest parameters the step left without a gradient
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
@@ -96,11 +97,14 @@ class AtRest:
         sources, plan = prepared.sources, prepared.plan
         if self._layout is None or not len(sources) or len(sources) != len(plan.all_index):
             return None
-        if self._params is None or self._params[0] is not plan:  # where each parameter is among the plan's sources
+        if self._params is None or self._params[0] is not plan or self._params[1] is not self._layout:
+            # Where each parameter is among the plan's sources: the parameters themselves only (a shard's or a
+            # partition's view holds no gradient, which says nothing of whether the step wrote it).
             source = {int(pos): j for j, pos in enumerate(plan.all_index)}
-            pairs = [(i, source[pos]) for i, pos in self._layout[3] if pos in source]
-            self._params = (plan, np.array([i for i, _ in pairs], dtype=np.intp), [j for _, j in pairs])
-        at, where = self._params[1], self._params[2]
+            held = [(i, source[pos]) for i, pos in self._layout[3] if pos in source]
+            pairs = [(i, j) for i, j in held if isinstance(sources[j], _PARAM)]
+            self._params = (plan, self._layout, np.array([i for i, _ in pairs], dtype=np.intp), [j for _, j in pairs])
+        at, where = self._params[2], self._params[3]
         out = np.zeros(len(self.keep), dtype=bool)
         out[at] = np.fromiter((sources[j].grad is None for j in where), bool, len(where))
         return out
