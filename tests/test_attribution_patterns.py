@@ -340,14 +340,21 @@ def test_an_offloaded_post_step_word_reaches_its_own_frozen_record_or_none_never
     assert _post_words(True, 1) == {2: sync[2], 3: sync[3]}
 
 
-def _late_post_read(model: nn.Module, between: Callable[[], None]) -> dict[int, StepRecord]:
-    """Three SGD steps under an offloaded watch; at step 2 the post-step read waits behind a gate (queued from a
-    pre-step hook, after the watch's own) while ``between`` runs right after the update. The records by step."""
+def _late_post_read(
+    model: nn.Module, between: Callable[[], None], recheck: int = 0, fused: bool = False
+) -> dict[int, StepRecord]:
+    """Three SGD steps (``fused``: fused Adam's) under an offloaded watch (``recheck``: with the update replay); at
+    step 2 the post-step read waits behind a gate (queued from a pre-step hook, after the watch's own) while
+    ``between`` runs right after the update. The records by step."""
     import threading
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    watch = attach_watch(Auditor(model, opt, config=AuditConfig(attribution=AttributionConfig(at_rest=True))),
-                         model, [opt], offload=True)  # fmt: skip
+    opt = (
+        torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+        if fused
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    )
+    config = AuditConfig(attribution=AttributionConfig(at_rest=True, recheck=recheck))
+    watch = attach_watch(Auditor(model, opt, config=config), model, [opt], offload=True)
     gate = threading.Event()
     for step in (1, 2, 3):
         if step == 2:
@@ -399,6 +406,28 @@ def test_a_flip_on_a_frozen_tensor_before_the_offloaded_post_step_read_is_a_chan
     records = _late_post_read(model, flip)
     assert records[2].rest == ("0.weight",) and [e.moved for e in records[2].rest_evidence] == [False]
     assert records[2].pre is not None and records[3].rest == ()
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adam"])
+def test_a_flip_on_a_replayed_tensor_before_the_offloaded_post_step_read_is_a_change_at_rest_after_the_step(
+    fused: bool,
+) -> None:
+    """Offloaded, the post-step read can come after a flip that landed right after the update, on a tensor the
+    step wrote. The replay saw that tensor's bytes right after the update (its own result reproduced): those are
+    the step's post-step bytes, so the flip is a change at rest before the next step, in that step's record, and
+    the step's own post-step word is the bytes it wrote. Read as the step's result instead, every rank's replay
+    reproduced its own while the ranks' post-step words differed from the same pre-step words: "a deterministic
+    difference in the step itself", no rank named (campaign seed 9 ``r02-fault01``, fused Adam)."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 128)  # a weight over 64 KiB: read by the worker, not hashed in the post-step hook
+
+    def flip() -> None:  # behind torch's back: no counter moves
+        model.weight.detach().numpy().view(np.int32)[5, 7] ^= 1 << 3
+
+    records = _late_post_read(model, flip, recheck=1, fused=fused)
+    assert records[2].update == () and records[2].post is not None, records[2]
+    assert records[3].rest == ("weight",) and [e.moved for e in records[3].rest_evidence] == [False], records[3]
+    assert records[3].pre is not None and records[3].pre != records[2].post
 
 
 def test_an_update_that_moves_no_counter_is_never_a_change_at_rest_with_overlap() -> None:

@@ -81,6 +81,14 @@ class AtRest:
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
         self._awaiting: PostWord | None = None  # offloaded: where the worker's ``post`` word goes
+        self.read: np.ndarray | None = None
+        """Offloaded: the worker's post-step read as it read it (the bytes before the next step, but for what a
+        write moved since), where :attr:`post` holds what the step wrote."""
+        self.written: dict[str, tuple[int, int]] = {}
+        """Name -> the digest of what the last step wrote, read right after it by the update replay (the tensors
+        whose replay reproduced), and the id of the tensor it read; offloaded, the step's post-step bytes where
+        the worker's read came later."""
+        self._ids: tuple[Any, Any, dict[str, int]] | None = None  # plan, layout: name -> id of the tensor read
 
     def layout(self, prepared: PreparedManifest) -> tuple[list[int], list[str]]:
         """The at-rest positions and names of ``prepared``'s manifest (built once per structure)."""
@@ -135,11 +143,39 @@ class AtRest:
         """Offloaded: the worker's post-step read, waited for, its word handed on to its step's record."""
         if self.reader is not None and self._awaiting is not None:
             into, self._awaiting = self._awaiting, None
-            self.post, raced = self.reader.post()
-            if self.post is not None and raced is not None and raced.any():  # written before it was read: the
-                self.post = np.where(raced, ~self.post, self.post)  # bytes after the step unknown, so changed
-            elif self.post is not None:
-                into(overall_digest(self.post, self.structure), self._unwritten_changed())
+            self.read, raced = self.reader.post()
+            self.post = self.read.copy() if self.read is not None else None
+            if self.post is not None:
+                unknown = raced & ~self._as_written() if raced is not None else None
+                if unknown is not None and unknown.any():  # written before it was read: the bytes after the
+                    self.post = np.where(unknown, ~self.post, self.post)  # step unknown, so changed
+                else:
+                    into(overall_digest(self.post, self.structure), self._unwritten_changed())
+        self.written = {}
+
+    def _as_written(self) -> np.ndarray:
+        """Offloaded: a tensor the replay read right after the update holds, for the step, the bytes it read
+        there. A later read by the worker that differs came after a change at rest (a flip or a write right
+        after the update): the step's post-step word keeps the written bytes, and the next pre-step read finds
+        the change, in the next step's record, as the synchronous check does. Where they were so set."""
+        known = np.zeros(len(self.post) if self.post is not None else 0, dtype=bool)
+        if not self.written or self.post is None or self._window is None or self._layout is None:
+            return known
+        plan, sources = self._window.plan, self._window.sources
+        if self._ids is None or self._ids[0] is not plan or self._ids[1] is not self._layout:
+            # the very tensor the at-rest check reads under each name (never a shard's or a partition's view of it)
+            at = dict(zip(plan.all_index.tolist(), map(id, sources))) if len(sources) == len(plan.all_index) else {}
+            self._ids = (
+                plan,
+                self._layout,
+                {n: at[pos] for n, pos in zip(self._layout[2], self._layout[1]) if pos in at},
+            )
+        index, ids = self._name_index(), self._ids[2]
+        for name, (word, tensor) in self.written.items():
+            i = index.get(name)
+            if i is not None and ids.get(name) == tensor:
+                self.post[i], known[i] = word, True
+        return known
 
     def _unwritten_changed(self) -> Callable[[StepRecord], StepRecord] | None:
         """Offloaded: the parameters the step did not write (no gradient after it, no counter moved across it: a
@@ -160,7 +196,7 @@ class AtRest:
 
     def before_step(self, reference: dict[str, Any]) -> StepRecord:
         """The optimizer's pre-step hook: the step's record opened, ``pre`` and what changed since the post-step read."""
-        rec, moved = StepRecord(), []
+        rec, moved, read = StepRecord(), [], False
         if self.reader is None:
             prepared = self.prepare()
             keep, names = self.layout(prepared)
@@ -172,7 +208,10 @@ class AtRest:
             self._window = None
             if prepared is None or self.post is None or self.versions is None:
                 return rec
-            pre = (late if late is not None else self.post).copy()
+            seen = late if late is not None else self.read  # the bytes read last, after the step
+            pre = (seen if seen is not None else self.post).copy()
+            # a late read, or a post-step read that saw other bytes than the step wrote (a change right after it)
+            read = late is not None or (seen is not None and bool((seen != self.post).any()))
             rec = StepRecord(rest_read="late" if late is not None else "counters")
             now = versions(prepared)  # a write through torch anywhere in the window: its counter moved
             self.stamps_before = now
@@ -180,8 +219,8 @@ class AtRest:
             if moved:
                 pre[moved] = digest_tensors(tensors_at(prepared, [keep[i] for i in moved]), method=self.method)
         self.pre_now = pre if self.reader is not None else None
-        if self.reader is None or rec.rest_read == "late" or moved:
-            # without a late read nothing says what the bytes were before the step, but for the counters
+        if self.reader is None or read or moved:
+            # without a read after the step nothing says what the bytes were before the next, but for the counters
             rec = replace(rec, pre=overall_digest(pre, prepared.structure))
         post = self.post
         if post is None or prepared.structure != self.structure or len(pre) != len(post):

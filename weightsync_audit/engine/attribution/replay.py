@@ -99,9 +99,10 @@ def _nbytes(p: torch.Tensor, state: dict[str, Any]) -> int:
 class UpdateReplay:
     """Copies before the step (bounded by ``slices`` and ``budget``, rotating), replays after it."""
 
-    def __init__(self, slices: int, budget: int = 0) -> None:
+    def __init__(self, slices: int, budget: int = 0, method: str = "auto") -> None:
         self.slices = max(1, slices)
         self.budget = budget
+        self.method = method
         self.names: dict[int, str] = {}
         """id(parameter) -> its name, for what :meth:`after` returns."""
         self._kept: dict[int, tuple[list[tuple[dict[str, Any], list[Any]]], dict[str, Any]]] = {}
@@ -117,6 +118,10 @@ class UpdateReplay:
         self.reference: dict[str, torch.Tensor] = {}
         """Name -> the replayed post-step value of each tensor that reproduced (parameter and its state);
         the watch empties it when the next step opens."""
+        self.words: dict[str, tuple[int, int]] = {}
+        """Name -> the digest (``method``) of each tensor that reproduced, read right after the step (the bytes the
+        step wrote: the at-rest check's post-step word where its own read comes later, on a worker), and the id
+        of the tensor read."""
 
     def before(self, opt: torch.optim.Optimizer) -> None:
         """Right before ``opt.step()``: copy what the update of the covered parameters reads."""
@@ -171,7 +176,7 @@ class UpdateReplay:
         """Right after ``opt.step()``: replay on the copies; the names whose bytes the replay does not give."""
         groups, scaler = self._kept.pop(id(opt), ([], {}))
         cls = torch_class(opt)
-        self.covered = 0
+        self.covered, self.words = 0, {}
         if not groups or cls is None:
             return []
         replay_groups, pairs = [], []
@@ -200,11 +205,15 @@ class UpdateReplay:
             name = self.names.get(id(real), f"param {len(bad)}")
             state = opt.state.get(real, {})
             again_state = replayed.state.get(copy, {})
-            mine = [real.detach(), *[v for v in state.values() if isinstance(v, torch.Tensor)]]
+            keys = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
+            mine = [real.detach(), *[state[k] for k in keys]]
             again = [copy.detach(), *[v for v in again_state.values() if isinstance(v, torch.Tensor)]]
-            if len(mine) != len(again) or (digest_tensors(mine) != digest_tensors(again)).any():
+            words = digest_tensors(mine, method=self.method)
+            if len(mine) != len(again) or (words != digest_tensors(again, method=self.method)).any():
                 bad.append(name)
                 continue
+            self.words[name] = (int(words[0]), id(real))
+            self.words.update((f"{name}.{k}", (int(w), id(state[k]))) for k, w in zip(keys, words[1:]))
             self.reference[name] = copy.detach()
             for k, v in again_state.items():
                 if isinstance(v, torch.Tensor) and v.dim():
