@@ -5,7 +5,7 @@ import sys
 from typing import Any, Callable, Iterator
 
 import pytest
-from lanes import WAITING, make_scheduler
+from lanes import make_scheduler
 
 sys.path.insert(0, os.path.dirname(__file__))
 # The benchmarks' measuring helpers (peak memory) serve the tests too.
@@ -27,38 +27,47 @@ os.register_at_fork(after_in_child=gc.freeze)
 
 HEAVIEST_FIRST = (
     "test_ray_train.py",
-    "test_callback.py",
-    "test_torchft.py",
+    "test_timeouts.py",
+    "test_channel_tree.py",
     "test_campaign.py",
     "test_docs.py",
     "test_restart.py",
+    "test_callback.py",
+    "test_dataplane.py",
     "test_hostile_input.py",
+    "test_channel_faults.py",
+    "test_torchft.py",
     "test_activation_hf_zero_code.py",
-    "test_lightning_20340.py",
-    "test_soak.py",
+    "test_callback_faults.py",
     "test_lifetime.py",
+    "test_launch.py",
+    "test_foreign_groups.py",
     "test_package.py",
+    "test_lightning_20340.py",
     "test_engine_distributed.py",
     "test_gpu_check.py",
     "test_startup.py",
+    "test_soak.py",
     "test_integrations.py",
     "test_replicas_trainers.py",
+    "test_channel_rounds.py",
     "test_replicas_partial.py",
     "test_lightning_sharded.py",
     "test_mesh.py",
     "test_device_digest.py",
     "test_mesh_attribution.py",
     "test_first_contact.py",
-    *WAITING,
 )
-"""The files that take longest (``pytest --durations``; seconds measured alone), longest first, then the files
-that mostly wait, which ``make test`` runs on a lane of their own (tests/lanes.py). ``make test`` hands whole
-files to its workers in collection order (``--dist loadfile --no-loadscope-reorder``): these first, then the
-others by their number of tests, so that no long file starts last and holds the run's end; the long files of few
-tests (package, startup, soak, engine_distributed) are here too: left to the count, they ran last, one worker
-alone for their length (a worker's CPU time and ``vmstat`` per test, stop 59). Ray's runs (a core and more of
-their own) start beside files that keep one core busy (the callback's runs, torchft's), not the campaign's
-forked ranks: beside those and the lane, the four runs took 110 s instead of 45 (stop 60)."""
+"""The files that take longest (``pytest --durations``; seconds measured alone), longest first, those that mostly
+wait (Ray's actors, deadlines: timeouts, late or dead ranks) between those that keep the cores busy, so that a
+waiting worker leaves its core to the other; Ray's runs (a core and more of their own, and slower by half
+beside the campaign's forked ranks) start beside the deadline tests. ``make test`` hands whole files to its
+workers in collection order (``--dist loadfile --no-loadscope-reorder``): these first, then the others by their
+number of tests, so that no long file starts last and holds the run's end. Files that wait on deadlines
+(dataplane, channel faults, callback faults, foreign groups) sit between ones that compute, and the long files
+of few tests (package, startup, soak, engine_distributed) are here too: left to the count, they ran last, one
+worker alone for their length (a worker's CPU time and ``vmstat`` per test, stop 59). With ``TEST_WORKERS=3`` the
+waiting files go to a lane of their own (tests/lanes.py) and the others keep this order."""
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:

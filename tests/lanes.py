@@ -1,11 +1,13 @@
-"""A lane for the test files that mostly wait, beside the workers that compute (``make test``'s scheduler).
+"""A lane for the test files that mostly wait, beside the workers that compute (``make test TEST_WORKERS=3``).
 
-``make test`` runs ``TEST_WORKERS`` (3) pytest-xdist workers on the 2 cores. Whole files go to the first
-workers in collection order, as ``--dist loadfile`` does; the last worker takes only the files of
-:data:`WAITING`, one after the other. Those spend most of their time waiting out a deadline (a rank stopped,
-killed or late; a process given its grace), using a third of a core or less. Run among the others they left a
-core idle while they waited (about 90 core-seconds over the suite, ``vmstat`` beside a per-test CPU probe);
-on a lane of their own they wait beside two workers that keep both cores busy.
+With 3 pytest-xdist workers or more, whole files go to the first workers in collection order, as ``--dist
+loadfile`` does; the last worker takes only the files of :data:`WAITING`, one after the other. Those spend most
+of their time waiting out a deadline (a rank stopped, killed or late; a process given its grace), using a third
+of a core or less. Run among the others they left a core idle while they waited (about 90 core-seconds over the
+suite, ``vmstat`` beside a per-test CPU probe); on a lane of their own they wait beside two workers that keep
+both cores busy: 234-284 s of tests on 2 cores against 330 s (stop 60). Not the default: the added load made
+4 of 10 runs fail a test that is sensitive to it (a port taken between its check and its bind, a torchft
+replica that missed its quorum, a writer thread starved), each passing on its own.
 
 The lane never takes a file that computes, so the cores are never shared three ways by work that computes.
 When the computing workers have nothing left they take the waiting files too; when the lane has nothing left

@@ -112,7 +112,7 @@ def test_make_demo_installs_what_the_demo_needs_and_make_test_the_test_extra_on_
     assert test[: len(demo) - 1] == demo[:-1]  # the demo's install first
     extra = [line for line in test[len(demo) - 1 :] if " pip install " in line]
     assert any('-e ".[test]"' in line for line in extra) and test[-1].endswith(
-        "pytest -q -p no:cacheprovider -n 3 --dist loadfile --no-loadscope-reorder"
+        "pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder"
     )
 
 
