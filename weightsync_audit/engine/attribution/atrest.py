@@ -76,7 +76,10 @@ class AtRest:
         post-step read with the tensors whose counter moved read again); :meth:`copy_check` completes it."""
         self.stamps_before: np.ndarray | None = None  # offloaded: the counters in the pre-step hook
         self._layout: tuple[int, list[int], list[str], list[tuple[int, int]]] | None = None
-        self._params: tuple[Any, Any, np.ndarray, list[int]] | None = None  # plan, layout: parameters' places, sources
+        self._where: tuple[Any, Any, np.ndarray] | None = None  # plan, layout: :meth:`_source_of`
+        self._params: tuple[np.ndarray, np.ndarray, list[int]] | None = (
+            None  # _source_of's: parameters' places, sources
+        )
         self._skipped: np.ndarray | None = None  # offloaded: the at-rest parameters the step left without a gradient
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
@@ -88,7 +91,6 @@ class AtRest:
         """Name -> the digest of what the last step wrote, read right after it by the update replay (the tensors
         whose replay reproduced), and the id of the tensor it read; offloaded, the step's post-step bytes where
         the worker's read came later."""
-        self._ids: tuple[Any, Any, dict[str, int]] | None = None  # plan, layout: name -> id of the tensor read
 
     def layout(self, prepared: PreparedManifest) -> tuple[list[int], list[str]]:
         """The at-rest positions and names of ``prepared``'s manifest (built once per structure)."""
@@ -102,20 +104,32 @@ class AtRest:
     def _left_alone(self, prepared: PreparedManifest) -> np.ndarray | None:
         """Right after a step: which at-rest tensors are parameters without a gradient, which no optimizer writes
         (a frozen one); None when the sources are not at hand."""
-        sources, plan = prepared.sources, prepared.plan
-        if self._layout is None or not len(sources) or len(sources) != len(plan.all_index):
+        sources = prepared.sources
+        src = self._source_of(prepared)
+        if src is None or self._layout is None:
             return None
-        if self._params is None or self._params[0] is not plan or self._params[1] is not self._layout:
-            # Where each parameter is among the plan's sources: the parameters themselves only (a shard's or a
-            # partition's view holds no gradient, which says nothing of whether the step wrote it).
-            source = {int(pos): j for j, pos in enumerate(plan.all_index)}
-            held = [(i, source[pos]) for i, pos in self._layout[3] if pos in source]
-            pairs = [(i, j) for i, j in held if isinstance(sources[j], _PARAM)]
-            self._params = (plan, self._layout, np.array([i for i, _ in pairs], dtype=np.intp), [j for _, j in pairs])
-        at, where = self._params[2], self._params[3]
+        if self._params is None or self._params[0] is not src:
+            # The parameters themselves only (a shard's or a partition's view holds no gradient, which says
+            # nothing of whether the step wrote it).
+            pairs = [
+                (i, int(src[i])) for i, _ in self._layout[3] if src[i] >= 0 and isinstance(sources[src[i]], _PARAM)
+            ]
+            self._params = (src, np.array([i for i, _ in pairs], dtype=np.intp), [j for _, j in pairs])
+        at, where = self._params[1], self._params[2]
         out = np.zeros(len(self.keep), dtype=bool)
         out[at] = np.fromiter((sources[j].grad is None for j in where), bool, len(where))
         return out
+
+    def _source_of(self, prepared: PreparedManifest) -> np.ndarray | None:
+        """Where each at-rest tensor is among ``prepared``'s plan's sources (-1: not one), built once per plan and
+        layout; None when the sources are not at hand."""
+        sources, plan = prepared.sources, prepared.plan
+        if self._layout is None or not len(sources) or len(sources) != len(plan.all_index):
+            return None
+        if self._where is None or self._where[0] is not plan or self._where[1] is not self._layout:
+            source = {int(pos): j for j, pos in enumerate(plan.all_index)}
+            self._where = (plan, self._layout, np.array([source.get(p, -1) for p in self._layout[1]], dtype=np.intp))
+        return self._where[2]
 
     def _name_index(self) -> dict[str, int]:
         """Name -> position among the at-rest tensors (:attr:`names`), built once per structure."""
@@ -159,21 +173,13 @@ class AtRest:
         after the update): the step's post-step word keeps the written bytes, and the next pre-step read finds
         the change, in the next step's record, as the synchronous check does. Where they were so set."""
         known = np.zeros(len(self.post) if self.post is not None else 0, dtype=bool)
-        if not self.written or self.post is None or self._window is None or self._layout is None:
+        src = self._source_of(self._window) if self.written and self._window is not None else None
+        if src is None or self.post is None:
             return known
-        plan, sources = self._window.plan, self._window.sources
-        if self._ids is None or self._ids[0] is not plan or self._ids[1] is not self._layout:
-            # the very tensor the at-rest check reads under each name (never a shard's or a partition's view of it)
-            at = dict(zip(plan.all_index.tolist(), map(id, sources))) if len(sources) == len(plan.all_index) else {}
-            self._ids = (
-                plan,
-                self._layout,
-                {n: at[pos] for n, pos in zip(self._layout[2], self._layout[1]) if pos in at},
-            )
-        index, ids = self._name_index(), self._ids[2]
+        sources, index = self._window.sources, self._name_index()
         for name, (word, tensor) in self.written.items():
-            i = index.get(name)
-            if i is not None and ids.get(name) == tensor:
+            i = index.get(name)  # the very tensor the at-rest check reads (never a shard's or a partition's view)
+            if i is not None and src[i] >= 0 and id(sources[src[i]]) == tensor:
                 self.post[i], known[i] = word, True
         return known
 

@@ -99,10 +99,12 @@ def _nbytes(p: torch.Tensor, state: dict[str, Any]) -> int:
 class UpdateReplay:
     """Copies before the step (bounded by ``slices`` and ``budget``, rotating), replays after it."""
 
-    def __init__(self, slices: int, budget: int = 0, method: str = "auto") -> None:
+    def __init__(self, slices: int, budget: int = 0, method: str = "auto", keep_words: bool = False) -> None:
         self.slices = max(1, slices)
         self.budget = budget
         self.method = method
+        self.keep_words = keep_words
+        """Keep :attr:`words` (the at-rest check reads them when its own reads are offloaded)."""
         self.names: dict[int, str] = {}
         """id(parameter) -> its name, for what :meth:`after` returns."""
         self._kept: dict[int, tuple[list[tuple[dict[str, Any], list[Any]]], dict[str, Any]]] = {}
@@ -212,8 +214,9 @@ class UpdateReplay:
             if len(mine) != len(again) or (words != digest_tensors(again, method=self.method)).any():
                 bad.append(name)
                 continue
-            self.words[name] = (int(words[0]), id(real))
-            self.words.update((f"{name}.{k}", (int(w), id(state[k]))) for k, w in zip(keys, words[1:]))
+            if self.keep_words:
+                self.words[name] = (int(words[0]), id(real))
+                self.words.update((f"{name}.{k}", (int(w), id(state[k]))) for k, w in zip(keys, words[1:]))
             self.reference[name] = copy.detach()
             for k, v in again_state.items():
                 if isinstance(v, torch.Tensor) and v.dim():

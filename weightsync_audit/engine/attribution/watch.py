@@ -119,7 +119,11 @@ class StepWatch:
         self.deferred = Worker("weightsync-audit-collective") if offload and config.collective else None
         """With ``offload``, the collective check's digests run on this worker (:class:`~weightsync_audit.channel.store.Worker`)."""
         self.reduced.deferred = self.deferred
-        self.replay = UpdateReplay(config.recheck, config.recheck_bytes, method) if config.recheck else None
+        self.replay = (
+            UpdateReplay(config.recheck, config.recheck_bytes, method, keep_words=offload and config.at_rest)
+            if config.recheck
+            else None
+        )
         if self.replay is not None:
             self.replay.names = names
         self._handles: list[Any] = []
@@ -270,7 +274,7 @@ class StepWatch:
             except Exception as exc:  # noqa: BLE001
                 self._failed(exc, "update replay")
         if self.rest is not None:  # at rest from here: whatever runs before the next step must not write
-            if self.replay is not None and self._offloaded:  # what the update wrote, read right after it
+            if self.replay is not None:  # offloaded: what the update wrote, read right after it
                 self.rest.written.update(self.replay.words)
             try:
                 self.rest.after_step(lambda word, how: self._amend(n, how, post=word))
