@@ -11,6 +11,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 # The benchmarks' measuring helpers (peak memory) serve the tests too.
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 os.environ.setdefault("PL_DISABLE_FORK", "0")
+# Lightning's ddp and ddp_spawn, given no MASTER_PORT, pick one by bind-then-close in the kernel's ephemeral range,
+# where a concurrent test's gloo pair may take it first: Lightning's ranks then connect to that pair (CI: "Gloo
+# connectFullMesh failed ... Connection closed by peer"). Its STANDALONE_PORT, a port of this process's slice
+# below that range (tests/ranks.py), is its default here; docs pages get one each (tests/test_docs.py).
+from ranks import free_port  # noqa: E402
+
+os.environ["STANDALONE_PORT"] = str(free_port())
 # No collector pass while collection imports torch, the Trainers, Ray and Megatron (a tenth of it, in each worker):
 # what they build is kept anyway, and pytest_collection_finish collects once and freezes it.
 gc.disable()

@@ -7,6 +7,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -21,6 +22,17 @@ class RankFailed(AssertionError):
         self.exc_type = exc_type
         self.message = message
         super().__init__(f"rank {rank} raised {exc_type}: {message}\n{tb}")
+
+
+class InitFailed(RankFailed):
+    """A rank's ``init_process_group`` failed, before the function under test ran: the harness's trouble."""
+
+
+INIT_TRIES = 3
+"""How many times :func:`run_ranks` starts a job whose process group could not form. Its gloo pairs listen on
+ports the kernel hands out, in the range a concurrent test's launcher (Lightning's, Ray Train's) picks its own
+port from by bind-then-close; when that launcher's ranks connect to the number a pair listener took in between,
+the mesh fails ("Gloo connectFullMesh failed ... Connection closed by peer", once in a CI run)."""
 
 
 class RankDied:
@@ -88,13 +100,17 @@ def _entry(
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
+        try:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
+        except BaseException as exc:  # noqa: BLE001 - the harness's own set-up, before any code under test
+            q.put(("init", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
+            return
         out = fn(rank, world, *args, **kwargs)
         # Pickled here, by value: torch's queue reducers would pass tensors as file descriptors that the
         # parent fetches from this process, which may have exited by then ("Connection reset by peer").
@@ -139,8 +155,15 @@ def run_ranks(
     Any other rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
     ``pg_timeout_s`` is the process group's own timeout (benchmarks of large models need more).
     """
-    started = start_ranks(fn, world, *args, pg_timeout_s=pg_timeout_s, **kwargs)
-    return collect_ranks(started, timeout=timeout, expect_errors=expect_errors, may_die=may_die)
+    for attempt in range(1, INIT_TRIES + 1):
+        started = start_ranks(fn, world, *args, pg_timeout_s=pg_timeout_s, **kwargs)
+        try:
+            return collect_ranks(started, timeout=timeout, expect_errors=expect_errors, may_die=may_die)
+        except InitFailed as exc:
+            if attempt == INIT_TRIES:
+                raise
+            print(f"tests/ranks.py: the process group did not form (try {attempt}): {exc.message}", file=sys.stderr)
+    raise AssertionError("unreachable")
 
 
 def start_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, pg_timeout_s: float = 60, **kwargs: Any) -> Any:
@@ -180,7 +203,13 @@ def collect_ranks(
                 if all(not p.is_alive() for p in procs) and q.empty():
                     break
                 continue
+            if status == "init":
+                raise InitFailed(rank, *payload)  # the others are killed below: their group cannot form either
             results[rank] = pickle.loads(payload) if status == "ok" else RankFailed(rank, *payload)
+    except InitFailed:
+        for p in procs:  # the others wait on a group that cannot form
+            p.kill()
+        raise
     finally:
         for p in procs:
             p.join(timeout=2)

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+from ranks import free_port
 from zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +80,10 @@ def blocks(page: Path) -> list[Block]:
 _RUNNER = r"""
 import json, os, subprocess, sys, tempfile, traceback
 steps = json.load(open(sys.argv[1]))
+# The page's own port for a launcher's rendezvous (Lightning's, torchrun's, a block's own), not one picked in the
+# ephemeral range that a concurrent test's gloo pair may hold (tests/conftest.py).
+port = open("port").read()
+os.environ.update(MASTER_PORT=port, PET_MASTER_PORT=port, STANDALONE_PORT=port)
 
 
 def fail(step, why):
@@ -233,6 +238,7 @@ def _cost(steps: list[dict[str, Any]]) -> int:
 def _run_page(steps: list[dict[str, Any]], folder: Path, zygote: Zygote) -> tuple[int, str, str]:
     (folder / "steps.json").write_text(json.dumps(steps))
     (folder / "runner.py").write_text(_RUNNER)
+    (folder / "port").write_text(str(free_port()))
     code = zygote.run(folder, timeout=600)
     out, err = ((folder / name).read_text(errors="replace") for name in ("stdout.txt", "stderr.txt"))
     if code is None:
