@@ -15,7 +15,7 @@ os.environ.setdefault("PL_DISABLE_FORK", "0")
 # where a concurrent test's gloo pair may take it first: Lightning's ranks then connect to that pair (CI: "Gloo
 # connectFullMesh failed ... Connection closed by peer"). Its STANDALONE_PORT, a port of this process's slice
 # below that range (tests/ranks.py), is its default here; docs pages get one each (tests/test_docs.py).
-from ranks import free_port  # noqa: E402
+from ranks import free_port
 
 os.environ["STANDALONE_PORT"] = str(free_port())
 # No collector pass while collection imports torch, the Trainers, Ray and Megatron (a tenth of it, in each worker):
