@@ -87,8 +87,10 @@ def _make_dry_run(target: str, tmp_path: Path) -> list[str]:
     """The commands ``make TARGET`` would run on a fresh machine (no venv yet), without running them."""
     root = Path(__file__).resolve().parents[1]
     # Run under `make test` (CI), the outer make's variables would make this one print its directory
-    # ("make[1]: Entering directory ..."), and pass its own overrides: a fresh make, as a user runs it.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    # ("make[1]: Entering directory ..."), and pass its own overrides (`make test TEST_WORKERS=3` exports that
+    # one to the tests too): a fresh make, as a user runs it.
+    dropped = ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES", "TEST_WORKERS")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     proc = subprocess.run(
         ["make", "--no-print-directory", "-n", target, f"VENV={tmp_path / 'venv'}"],
         cwd=root, capture_output=True, text=True, env=env,
