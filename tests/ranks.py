@@ -111,6 +111,7 @@ def _entry(
         except BaseException as exc:  # noqa: BLE001 - the harness's own set-up, before any code under test
             q.put(("init", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
             return
+        _HELD.append((dist.distributed_c10d._get_default_store(), rank, world))
         out = fn(rank, world, *args, **kwargs)
         # Pickled here, by value: torch's queue reducers would pass tensors as file descriptors that the
         # parent fetches from this process, which may have exited by then ("Connection reset by peer").
@@ -121,10 +122,22 @@ def _entry(
         leave(q)
 
 
+_HELD: list[tuple[Any, int, int]] = []
+"""In a rank :func:`start_ranks` forked: the job's store, the rank and the world, once the group formed."""
+
+
 def leave(q: Any) -> NoReturn:
-    """A forked rank's end: its audit groups forgotten, its process group destroyed, ``q`` flushed, exit 0."""
+    """A forked rank's end: ``q`` flushed, its audit groups forgotten, its process group destroyed, exit 0.
+
+    The job's store lives in rank 0, which therefore leaves last: a rank still making groups through the store
+    when rank 0 was done with its own (torchtitan's meshes, in which rank 0 has less to make) lost the store
+    under it once ("recvValueWithTimeout failed ... Connection reset by peer") and never reported.
+    """
     import torch.distributed as dist
 
+    # The queue's feeder thread must flush the result before os._exit, which would kill it mid-write.
+    q.close()
+    q.join_thread()
     try:
         from weightsync_audit.channel.star import forget_groups
 
@@ -132,9 +145,15 @@ def leave(q: Any) -> NoReturn:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
-    # The queue's feeder thread must flush the result before os._exit, which would kill it mid-write.
-    q.close()
-    q.join_thread()
+    if _HELD:
+        store, rank, world = _HELD[0]
+        try:
+            store.add("ranks/left", 1)
+            deadline = time.monotonic() + 60
+            while rank == 0 and store.add("ranks/left", 0) < world and time.monotonic() < deadline:
+                time.sleep(0.005)  # a rank that died never says it left: collect_ranks ends this wait
+        except Exception:  # noqa: BLE001 - the store is gone: nobody is left to wait for
+            pass
     os._exit(0)
 
 
@@ -211,11 +230,16 @@ def collect_ranks(
             p.kill()
         raise
     finally:
-        for p in procs:
+        for p in procs[1:]:
             p.join(timeout=2)
             if p.is_alive():
                 p.kill()
                 p.join()
+        # Rank 0 leaves once every other rank has said it left (leave()); one that died never says so.
+        procs[0].join(timeout=0.5 if 0 in results else 2)
+        if procs[0].is_alive():
+            procs[0].kill()
+            procs[0].join()
     for r in may_die:
         if r not in results:
             results[r] = RankDied(r, procs[r].exitcode)
