@@ -28,9 +28,10 @@ $(STAMP): $(DEMO_STAMP) pyproject.toml
 	touch $(STAMP)
 
 # Most tests wait on rank processes they spawn: two workers keep both cores busy. TEST_WORKERS=3 adds a third
-# that runs, one after the other, the files that mostly wait out deadlines (tests/lanes.py): 234-284 s of tests
-# against 330 s here, but 4 of its 10 runs had a failure from the added load (a port taken, a torchft replica
-# that missed its quorum, a writer thread starved), so it is not the default. Files stay whole on one
+# that runs, one after the other, the files that mostly wait out deadlines (tests/lanes.py): 263 s of tests
+# against 279 s on two workers, back to back on this 2-core host. 4 of its first 10 runs failed a test the
+# added load exposed (a port taken, a writer thread starved, a torchft replica out of its quorum); with the
+# first two fixed, its next 9 runs passed, the third not seen again. Small gain: not the default. Files stay whole on one
 # worker (module fixtures are built once), the longest first (tests/conftest.py HEAVIEST_FIRST: xdist's own
 # reordering, by number of tests, is off); the session's shared runs are built once for all workers
 # (tests/conftest.py once_per_session). A launch whose point is its script and launcher (a Trainer's ranks, torchrun's,

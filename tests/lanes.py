@@ -5,9 +5,10 @@ loadfile`` does; the last worker takes only the files of :data:`WAITING`, one af
 of their time waiting out a deadline (a rank stopped, killed or late; a process given its grace), using a third
 of a core or less. Run among the others they left a core idle while they waited (about 90 core-seconds over the
 suite, ``vmstat`` beside a per-test CPU probe); on a lane of their own they wait beside two workers that keep
-both cores busy: 234-284 s of tests on 2 cores against 330 s (stop 60). Not the default: the added load made
-4 of 10 runs fail a test that is sensitive to it (a port taken between its check and its bind, a torchft
-replica that missed its quorum, a writer thread starved), each passing on its own.
+both cores busy: 234-284 s of tests on 2 cores against 330 s (stop 60); 263 s against 279 s back to back
+(stop 61). Not the default: the added load made 4 of its first 10 runs fail a test that is sensitive to it (a
+port taken between its check and its bind, a torchft replica that missed its quorum, a writer thread starved),
+each passing on its own. The ports and the writer were fixed in stop 61; its 9 runs since passed.
 
 The lane never takes a file that computes, so the cores are never shared three ways by work that computes.
 When the computing workers have nothing left they take the waiting files too; when the lane has nothing left
