@@ -24,7 +24,6 @@ import pickle
 import queue
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from campaign_faults import CONTROLS, FAULTS, HEALTHY, PARTIAL, RunSpec, make_spec, run_on_rank
 from campaign_oracle import median, score
 from harness import table
-from ranks import leave  # after harness, which puts tests/ on the path
+from ranks import join_group, leave  # after harness, which puts tests/ on the path
 
 RUN_TIMEOUT_S = 120.0
 """A run that has not reported within this many seconds is a hang (its batch is killed, the rest go on)."""
@@ -46,18 +45,8 @@ def plan(worlds: list[int], runs_per_kind: int, seed: int, kinds: list[str] | No
 
 
 def _rank_main(specs: list[RunSpec], rank: int, world: int, port: int, q: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=RUN_TIMEOUT_S),
-        )
+        join_group(rank, world, port, RUN_TIMEOUT_S)
         for spec in specs:
             out = run_on_rank(spec, rank, world)
             if rank == 0:

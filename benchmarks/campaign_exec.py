@@ -17,7 +17,6 @@ import pickle
 import queue
 import tempfile
 import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -77,21 +76,16 @@ def run_case(case: Case, rank: int, world: int) -> dict[str, Any] | None:
 
 
 def _rank_main(cases: list[Case], rank: int, world: int, port: int, q: Any) -> None:
-    import torch
-    import torch.distributed as dist
+    from ranks import join_group, leave
 
     gc.freeze()  # what the parent imported is never garbage: the collector does not walk it (a fifth of the CPU)
-    torch.set_num_threads(1)
     os.dup2(2, 1)  # what the Trainers print goes to stderr: the parent's stdout carries the report only
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world), NODE_RANK="0", GROUP_RANK="0",
     )  # fmt: skip
     try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=PG_TIMEOUT_S),
-        )  # fmt: skip
+        join_group(rank, world, port, PG_TIMEOUT_S)
         for case in cases:
             try:
                 res = run_case(case, rank, world)
@@ -104,8 +98,6 @@ def _rank_main(cases: list[Case], rank: int, world: int, port: int, q: Any) -> N
             if res is not None and any(s.get("error") for s in res["statuses"]):
                 break  # a crashed case may leave the channel unusable: the parent starts fresh ranks
     finally:
-        from ranks import leave
-
         leave(q)
 
 

@@ -92,22 +92,25 @@ def free_port() -> int:
     raise RuntimeError("no free port in this process's slice")
 
 
-def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict, pg_timeout_s: float
-) -> None:
+def join_group(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """This forked rank's default gloo group, met at ``127.0.0.1:port``, one torch thread (the ranks share 2 cores)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+    )
+
+
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, q: Any, args: tuple, kwargs: dict, pg_timeout_s: float
+) -> None:
+    import torch.distributed as dist
+
     try:
         try:
-            dist.init_process_group(
-                "gloo",
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=pg_timeout_s),
-            )
+            join_group(rank, world, port, pg_timeout_s)
         except BaseException as exc:  # noqa: BLE001 - the harness's own set-up, before any code under test
             q.put(("init", rank, (type(exc).__name__, str(exc), traceback.format_exc())))
             return
