@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Collection, NoReturn
 
@@ -177,18 +178,22 @@ def run_ranks(
     Any other rank that neither returns nor raises within ``timeout`` fails the test (a hang is a bug).
     ``pg_timeout_s`` is the process group's own timeout (benchmarks of large models need more).
     """
-    for attempt in range(1, INIT_TRIES + 1):
-        started = start_ranks(fn, world, *args, pg_timeout_s=pg_timeout_s, **kwargs)
-        try:
-            return collect_ranks(started, timeout=timeout, expect_errors=expect_errors, may_die=may_die)
-        except InitFailed as exc:
-            if attempt == INIT_TRIES:
-                raise
-            print(f"tests/ranks.py: the process group did not form (try {attempt}): {exc.message}", file=sys.stderr)
-    raise AssertionError("unreachable")
+    started = start_ranks(fn, world, *args, pg_timeout_s=pg_timeout_s, **kwargs)
+    return collect_ranks(started, timeout=timeout, expect_errors=expect_errors, may_die=may_die)
 
 
-def start_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, pg_timeout_s: float = 60, **kwargs: Any) -> Any:
+@dataclass(slots=True)
+class Job:
+    """Ranks :func:`start_ranks` started: their processes, their queue, and how to start them again."""
+
+    world: int
+    procs: list[Any]
+    q: Any
+    again: Callable[[], Job]
+    """The same job started afresh, on another port (:data:`INIT_TRIES`)."""
+
+
+def start_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, pg_timeout_s: float = 60, **kwargs: Any) -> Job:
     """:func:`run_ranks`' ranks, started (a job of its own: its port, its store); :func:`collect_ranks` waits for
     them. Jobs started one after the other from one thread run side by side (tests that mostly wait on deadlines)."""
     ctx = mp.get_context("fork")
@@ -200,14 +205,27 @@ def start_ranks(fn: Callable[..., Any], world: int = 2, *args: Any, pg_timeout_s
     ]
     for p in procs:
         p.start()
-    return world, procs, q
+    return Job(world, procs, q, lambda: start_ranks(fn, world, *args, pg_timeout_s=pg_timeout_s, **kwargs))
 
 
 def collect_ranks(
-    started: Any, timeout: float = 90, expect_errors: bool = False, may_die: Collection[int] = ()
+    job: Job, timeout: float = 90, expect_errors: bool = False, may_die: Collection[int] = ()
 ) -> list[Any]:
-    """What the ranks :func:`start_ranks` started return, as :func:`run_ranks` gives it."""
-    world, procs, q = started
+    """What the ranks :func:`start_ranks` started return, as :func:`run_ranks` gives it; a job whose process group
+    could not form is started again, at most :data:`INIT_TRIES` times in all, each try with ``timeout`` of its own."""
+    for attempt in range(1, INIT_TRIES + 1):
+        try:
+            return _collect(job, timeout, expect_errors, may_die)
+        except InitFailed as exc:
+            if attempt == INIT_TRIES:
+                raise
+            print(f"tests/ranks.py: the process group did not form (try {attempt}): {exc.message}", file=sys.stderr)
+            job = job.again()
+    raise AssertionError("unreachable")
+
+
+def _collect(job: Job, timeout: float, expect_errors: bool, may_die: Collection[int]) -> list[Any]:
+    world, procs, q = job.world, job.procs, job.q
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
