@@ -77,9 +77,8 @@ class AtRest:
         self.stamps_before: np.ndarray | None = None  # offloaded: the counters in the pre-step hook
         self._layout: tuple[int, list[int], list[str], list[tuple[int, int]]] | None = None
         self._where: tuple[Any, Any, np.ndarray] | None = None  # plan, layout: :meth:`_source_of`
-        self._params: tuple[np.ndarray, np.ndarray, list[int]] | None = (
-            None  # _source_of's: parameters' places, sources
-        )
+        # _left_alone's: the source map it was built from, the parameters' places and their sources
+        self._params: tuple[np.ndarray, np.ndarray, list[int]] | None = None
         self._skipped: np.ndarray | None = None  # offloaded: the at-rest parameters the step left without a gradient
         self._index: tuple[int, dict[str, int]] | None = None  # :meth:`_name_index`
         self._window: PreparedManifest | None = None  # offloaded: what the worker reads
