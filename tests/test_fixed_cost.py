@@ -6,6 +6,7 @@ Real forked gloo ranks; the healthy answer's short cut must leave every other ve
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -109,3 +110,53 @@ def test_wrapper_lookups_read_what_getattr_reads() -> None:
     assert module_attr(Property(), "_forward_module") is plain
     assert module_attr(Dynamic(), "_orig_mod") is plain and peel_wrapper(Dynamic()) is plain
     assert module_attr(object(), "_orig_mod") is None
+
+
+def _send_waits(rank: int, world: int, prime: bool) -> list[float]:
+    """Seconds each of this rank's audits waited for its summary to be taken, while the coordinator spends
+    0.6 s preparing its own (a slow digest, as a large model's)."""
+    from weightsync_audit.channel.wire import StarWire
+    from weightsync_audit.engine.run import AuditRun
+
+    model = torch.nn.Linear(4, 2)
+    auditor = Auditor(model)
+    auditor.setup()
+    if not prime:
+        StarWire.prime = lambda self: None  # type: ignore[method-assign]
+    if rank == 0:
+        prepare = AuditRun.prepare
+
+        def slow(self: AuditRun) -> Any:
+            time.sleep(0.6)
+            return prepare(self)
+
+        AuditRun.prepare = slow  # type: ignore[method-assign]
+    waits: list[float] = []
+    ask = StarWire._ask
+
+    def timed(self: StarWire, group: Any, seq: int, body: bytes, what: str, peer: int, deadline: float) -> Any:
+        wait = StarWire._wait
+
+        def first(self: StarWire, group: Any, work: Any, buf: Any, deadline: float) -> None:
+            t0 = time.monotonic()
+            wait(self, group, work, buf, deadline)
+            waits.append(time.monotonic() - t0)
+            StarWire._wait = wait  # type: ignore[method-assign]
+
+        StarWire._wait = first  # type: ignore[method-assign]
+        return ask(self, group, seq, body, what, peer, deadline)
+
+    StarWire._ask = timed  # type: ignore[method-assign]
+    for step in range(3):
+        assert auditor.audit(step=step).in_sync
+    return waits
+
+
+def test_a_rank_done_first_hands_its_summary_over_while_the_coordinator_still_digests() -> None:
+    """The coordinator posts its receives when the audit starts, before its own digests: the summary of a
+    rank done first is taken at once (gloo sends only into a posted receive), not when the coordinator is
+    ready. Without it, the same rank's send waits out the coordinator's 0.6 s."""
+    primed = run_ranks(_send_waits, 2, True)[1]
+    assert len(primed) == 3 and max(primed) < 0.3, primed
+    unprimed = run_ranks(_send_waits, 2, False)[1]
+    assert min(unprimed) > 0.4, unprimed

@@ -52,6 +52,8 @@ class AuditGroup:
         self.graveyard: list[Any] = []
         self.scratch: dict[Any, tuple[memoryview, torch.Tensor]] = {}
         """Frame buffers kept from one round to the next (:meth:`frame`); emptied at any failure."""
+        self.primed: dict[int, Any] = {}
+        """Receives of children's next frames posted ahead of the round (:meth:`StarWire.prime`), by position."""
         self.lock = threading.Lock()
         self.own_names = True
         """Whether every member names its gloo groups itself (this release and later); ``False`` when a
@@ -61,6 +63,13 @@ class AuditGroup:
         once when the group opens."""
         self.block = 0
         """Ranks per block of the channel's tree (:class:`~weightsync_audit.channel.star.TreeWire`); 0: a star."""
+
+    def drop_buffers(self) -> None:
+        """After a failure: no kept buffer is used again, and the receives posted ahead are given up (their
+        buffers stay referenced, as gloo may still write into them)."""
+        self.scratch.clear()
+        self.graveyard.extend(self.primed.values())
+        self.primed.clear()
 
     def frame(self, key: Any, words: int) -> tuple[memoryview, torch.Tensor]:
         """A frame buffer of ``words`` int64 words (its bytes, and a tensor over them) kept for the next round: one

@@ -178,7 +178,7 @@ class StarWire:
         try:
             wait_until(work, buf, deadline, group.graveyard)
         except WaitFailure:
-            group.scratch.clear()  # gloo may still use a buffer of a failed operation: none is reused
+            group.drop_buffers()  # gloo may still use a buffer of a failed operation: none is reused
             raise
 
     def _post(self, group: AuditGroup, t: torch.Tensor, peer: int, send: bool) -> Any:
@@ -228,6 +228,26 @@ class StarWire:
 
     # -- the round: every rank's bytes to the coordinator, one answer back -------------------------
 
+    def prime(self) -> None:
+        """On the coordinator (and a tree's leaders): post now the receives of the children's next frames,
+        which the next round takes instead of posting its own. Called when an audit starts, before its
+        digests: a child that is done first then sends at once, instead of waiting for this rank to post
+        (gloo sends a message only into a posted receive). Nothing changes what is received: a child's next
+        frame, checked by the round as always. Never between audits, and never while a round is under way
+        on another thread."""
+        group = self._group
+        if group is None or group.primed or group.broken or group.pending or self.rank % self._block:
+            return
+        if not group.lock.acquire(blocking=False):
+            return
+        try:
+            for r in self._children(self.rank):
+                group.primed[r] = self._post(group, group.frame(("frame", r), REQ_WORDS)[1], r, send=False)
+        except WaitFailure:
+            group.drop_buffers()
+        finally:
+            group.lock.release()
+
     def _round(self, payload: bytes | bytearray | memoryview | np.ndarray, rule: Rule, what: str) -> bytes:
         self.setup()
         group = self._group
@@ -247,7 +267,7 @@ class StarWire:
                     return self._coordinate(group, seq, body, rule, what, pending)
                 return self._relay(group, seq, body, what)
             except BaseException:
-                group.scratch.clear()  # an operation may still be pending on a kept buffer
+                group.drop_buffers()  # an operation may still be pending on a kept buffer
                 raise
 
     def _request_frame(self, group: AuditGroup, seq: int, body: bytes, what: str) -> torch.Tensor:
@@ -314,7 +334,7 @@ class StarWire:
         for r in children:
             if r not in failures:
                 try:
-                    works[r] = self._post(group, frames[r][1], r, send=False)
+                    works[r] = group.primed.pop(r, None) or self._post(group, frames[r][1], r, send=False)
                 except WaitFailure as f:
                     failures[r] = f
         for r, work in works.items():

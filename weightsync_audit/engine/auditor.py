@@ -297,6 +297,7 @@ class Auditor:
         first: the channel is used in order."""
         if self.window is not None:
             self.window.settle("another audit")
+        self.comm.prime()  # the coordinator's receives posted before this rank's digests
         if request is None:  # the two usual requests are made once (``full`` checked as AuditRequest does)
             request = THE_RUNS_OWN if full is False else _FULL if full is True else AuditRequest(full=full)
         elif full is not False and not request.full:
