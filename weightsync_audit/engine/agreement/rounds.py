@@ -226,11 +226,16 @@ _EMPTY_BUCKET = xxhash.xxh3_64_intdigest(b"") >> 1
 def bucket_sketch(digests: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The summary's sketch of ``digests`` (``SKETCH_BUCKETS`` 8-bit digests packed in 4 int64 words) and
     the buckets' full 64-bit digests (kept by the rank, for :func:`localize_values`)."""
-    data = np.ascontiguousarray(digests, dtype=np.int64).tobytes()  # slices of bytes: no array per bucket
-    hash64 = xxhash.xxh3_64_intdigest
-    full = [hash64(data[cut]) >> 1 for cut in _cuts(len(data))]
-    full += [_EMPTY_BUCKET] * (SKETCH_BUCKETS - len(full))  # the buckets past the column's end
-    column = np.array(full, dtype=np.int64)
+    row = np.ascontiguousarray(digests, dtype=np.int64).reshape(-1)
+    if row.size <= SKETCH_BUCKETS:  # a bucket per digest (a small model): the digest is the bucket's own
+        column = np.full(SKETCH_BUCKETS, _EMPTY_BUCKET, dtype=np.int64)
+        column[: row.size] = row
+    else:
+        data = row.tobytes()  # slices of bytes: no array per bucket
+        hash64 = xxhash.xxh3_64_intdigest
+        full = [hash64(data[cut]) >> 1 for cut in _cuts(len(data))]
+        full += [_EMPTY_BUCKET] * (SKETCH_BUCKETS - len(full))  # the buckets past the column's end
+        column = np.array(full, dtype=np.int64)
     return (column & 0xFF).astype(np.uint8).view(np.int64), column
 
 
