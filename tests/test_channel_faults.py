@@ -112,3 +112,29 @@ def test_rank_lost_before_its_answer_is_named_alike_by_every_survivor_at_the_nex
         first, second = results[rank]
         assert first["missing"] is None and first["out"] == b"answer", (rank, first)
         assert second["missing"] == [2] and second["elapsed"] < SLACK_S, (rank, second)
+
+
+def _coordinator_slow_to_digest(rank: int, world: int) -> dict[str, Any]:
+    from weightsync_audit.engine.run import AuditRun
+
+    auditor = Auditor(_model(), timeout_s=DEADLINE_S)
+    assert auditor.audit(step=0).in_sync
+    if rank == 0:  # its receives are posted when the audit starts; its digests then outlast every deadline
+        prepare = AuditRun.prepare
+
+        def slow(self: AuditRun) -> Any:
+            time.sleep(DEADLINE_S + DEFAULT_GRACE_S + 1.0)
+            return prepare(self)
+
+        AuditRun.prepare = slow  # type: ignore[method-assign]
+    out = _timed(lambda: auditor.audit(step=1))
+    dist.barrier()  # rank 0 hosts the store: the others stay until it has decided
+    return out
+
+
+def test_a_coordinator_slower_than_the_deadline_is_named_alike_though_the_summaries_reached_it() -> None:
+    """The others' summaries reach the coordinator's receives, posted before its digests, and then the
+    others give up on it: it must not call that audit in sync (every rank returns the same record)."""
+    results = run_ranks(_coordinator_slow_to_digest, 3, timeout=60)
+    for rank, r in enumerate(results):
+        assert r["missing"] == [0], (rank, r)

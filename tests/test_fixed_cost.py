@@ -115,6 +115,7 @@ def test_wrapper_lookups_read_what_getattr_reads() -> None:
 def _send_waits(rank: int, world: int, prime: bool) -> list[float]:
     """Seconds each of this rank's audits waited for its summary to be taken, while the coordinator spends
     0.6 s preparing its own (a slow digest, as a large model's)."""
+    from weightsync_audit.channel.star import Comm
     from weightsync_audit.channel.wire import StarWire
     from weightsync_audit.engine.run import AuditRun
 
@@ -122,7 +123,7 @@ def _send_waits(rank: int, world: int, prime: bool) -> list[float]:
     auditor = Auditor(model)
     auditor.setup()
     if not prime:
-        StarWire.prime = lambda self: None  # type: ignore[method-assign]
+        Comm.prime = lambda self: None  # type: ignore[method-assign]
     if rank == 0:
         prepare = AuditRun.prepare
 

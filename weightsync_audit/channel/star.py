@@ -79,6 +79,7 @@ from weightsync_audit.channel.verdicts import (
 from weightsync_audit.channel.wire import (
     MISSING,
     OUT_OF_STEP,
+    REQ_WORDS,
     Rule,
     StarWire,
     as_bytes,
@@ -329,6 +330,24 @@ class Comm(TreeWire):
         )
 
     # -- public exchanges ----------------------------------------------------------------------
+
+    def prime(self) -> None:
+        """On the coordinator, as an audit starts: post its children's next receives now, before its digests,
+        so that a child done first sends at once (gloo sends only into a posted receive); the next round takes
+        them. Never between audits, nor during another thread's round. A coordinator that then outlasts its
+        children's deadline names itself, as they do (:meth:`_coordinate`)."""
+        group = self._group
+        if group is None or group.primed or group.broken or group.pending or self.rank != 0:
+            return
+        if not group.lock.acquire(blocking=False):
+            return
+        try:
+            for r in self._children(self.rank):
+                group.primed[r] = self._post(group, group.frame(("frame", r), REQ_WORDS)[1], r, send=False)
+        except WaitFailure:
+            group.drop_buffers()
+        finally:
+            group.lock.release()
 
     def decide(self, payload: bytes | np.ndarray, rule: Rule, what: str = "the audit") -> bytes:
         """``rule`` of every rank's bytes, computed once by the coordinator, on every rank.

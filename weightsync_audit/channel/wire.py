@@ -42,6 +42,7 @@ from weightsync_audit.errors import AuditPreparationError
 
 __all__ = [
     "LEGACY_INLINE_BYTES",
+    "REQ_WORDS",
     "Rule",
     "StarWire",
     "as_bytes",
@@ -228,26 +229,6 @@ class StarWire:
 
     # -- the round: every rank's bytes to the coordinator, one answer back -------------------------
 
-    def prime(self) -> None:
-        """On the coordinator (and a tree's leaders): post now the receives of the children's next frames,
-        which the next round takes instead of posting its own. Called when an audit starts, before its
-        digests: a child that is done first then sends at once, instead of waiting for this rank to post
-        (gloo sends a message only into a posted receive). Nothing changes what is received: a child's next
-        frame, checked by the round as always. Never between audits, and never while a round is under way
-        on another thread."""
-        group = self._group
-        if group is None or group.primed or group.broken or group.pending or self.rank % self._block:
-            return
-        if not group.lock.acquire(blocking=False):
-            return
-        try:
-            for r in self._children(self.rank):
-                group.primed[r] = self._post(group, group.frame(("frame", r), REQ_WORDS)[1], r, send=False)
-        except WaitFailure:
-            group.drop_buffers()
-        finally:
-            group.lock.release()
-
     def _round(self, payload: bytes | bytearray | memoryview | np.ndarray, rule: Rule, what: str) -> bytes:
         self.setup()
         group = self._group
@@ -422,6 +403,8 @@ class StarWire:
             missing = self._missing(group, seq, {r: WaitFailure(False, "") for r in lost}, 0)
             verdict = {"missing": missing, "what": what}
             post_verdict(group, seq, verdict)
+            if missing == [self.global_ranks[0]] and set(lost) | set(failures) >= set(children):
+                raise verdict_error(self._who, group, verdict, what)  # none took it: all gave up on this one
             group.broken = f"rank(s) {missing} did not take the answer at {what}"
             group.pending = (verdict, frozenset(lost))
         return self._settle(group, status, data, what)
