@@ -115,19 +115,12 @@ def test_rank_lost_before_its_answer_is_named_alike_by_every_survivor_at_the_nex
 
 
 def _coordinator_slow_to_digest(rank: int, world: int) -> dict[str, Any]:
-    from weightsync_audit.engine.run import AuditRun
-
-    auditor = Auditor(_model(), timeout_s=DEADLINE_S)
-    assert auditor.audit(step=0).in_sync
-    if rank == 0:  # its receives are posted when the audit starts; its digests then outlast every deadline
-        prepare = AuditRun.prepare
-
-        def slow(self: AuditRun) -> Any:
-            time.sleep(DEADLINE_S + DEFAULT_GRACE_S + 1.0)
-            return prepare(self)
-
-        AuditRun.prepare = slow  # type: ignore[method-assign]
-    out = _timed(lambda: auditor.audit(step=1))
+    comm = Comm(timeout_s=0.5, grace_s=0.5)
+    comm.setup()
+    if rank == 0:  # its receives posted as an audit starts; its own digests then outlast every deadline
+        comm.prime()
+        time.sleep(2.0)
+    out = _timed(lambda: comm.decide(str(rank).encode(), lambda parts: b"in sync", "the audit"))
     dist.barrier()  # rank 0 hosts the store: the others stay until it has decided
     return out
 
