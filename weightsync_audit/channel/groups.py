@@ -53,7 +53,7 @@ class AuditGroup:
         self.scratch: dict[Any, tuple[memoryview, torch.Tensor]] = {}
         """Frame buffers kept from one round to the next (:meth:`frame`); emptied at any failure."""
         self.primed: dict[int, Any] = {}
-        """Receives of children's next frames posted ahead of the round (:meth:`StarWire.prime`), by position."""
+        """Receives of children's next frames posted ahead of the round (:meth:`~weightsync_audit.channel.star.Comm.prime`), by position."""
         self.lock = threading.Lock()
         self.own_names = True
         """Whether every member names its gloo groups itself (this release and later); ``False`` when a
