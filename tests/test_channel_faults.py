@@ -119,7 +119,7 @@ def _coordinator_slow_to_digest(rank: int, world: int) -> dict[str, Any]:
     comm.setup()
     if rank == 0:  # its receives posted as an audit starts; its own digests then outlast every deadline
         comm.prime()
-        time.sleep(2.0)
+        time.sleep(3.0)
     out = _timed(lambda: comm.decide(str(rank).encode(), lambda parts: b"in sync", "the audit"))
     dist.barrier()  # rank 0 hosts the store: the others stay until it has decided
     return out
