@@ -353,6 +353,7 @@ class Auditor:
             self.window = OverlapWindow(self)
         self.window.settle("next launch")
         self.comm.setup()  # opened (collective) on the training thread, with every rank here
+        self.comm.prime()  # as a synchronous audit does: the coordinator's receives before its digests
         # The same context a synchronous audit builds, on the training thread: only the scheduling differs.
         context = self.context(module, optimizer, step=step, epoch=epoch, hook=hook, batch=self.batches)
         pending = self.window.launch(context)
