@@ -342,7 +342,7 @@ class Comm(TreeWire):
         if not group.lock.acquire(blocking=False):
             return
         try:
-            for r in self._children(self.rank):
+            for r in self._children(0):
                 group.primed[r] = self._post(group, group.frame(("frame", r), REQ_WORDS)[1], r, send=False)
         except WaitFailure:
             group.drop_buffers()

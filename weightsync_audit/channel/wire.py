@@ -314,8 +314,9 @@ class StarWire:
         failures: dict[int, WaitFailure] = {r: WaitFailure(False, "lost at an earlier exchange") for r in skip}
         for r in children:
             if r not in failures:
-                try:
-                    works[r] = group.primed.pop(r, None) or self._post(group, frames[r][1], r, send=False)
+                try:  # the receive posted when the audit started (Comm.prime), else one posted now
+                    primed = group.primed.pop(r, None)
+                    works[r] = primed if primed is not None else self._post(group, frames[r][1], r, send=False)
                 except WaitFailure as f:
                     failures[r] = f
         for r, work in works.items():

@@ -246,14 +246,16 @@ class Auditor:
         ``request``: the kinds, ``full`` (every byte this once, whatever ``coverage`` says) and whether the
         audit is the run's own (``counted``: its history and per-step evidence). ``batch``: this rank's batch
         digest (a digest, or the records to take the one of ``step`` from). The manifest is prepared now, on
-        the calling thread; an error preparing it travels in the context, so that every rank raises together.
-        ``at``: the ``step``, ``epoch`` and ``hook`` the audit covers, as :class:`AuditContext` names them."""
+        the calling thread, after the coordinator posted its receives (:meth:`Comm.prime`); an error preparing
+        it travels in the context, so that every rank raises together. ``at``: the ``step``, ``epoch`` and
+        ``hook`` the audit covers, as :class:`AuditContext` names them."""
         step = at.get("step")
         for name in ("step", "epoch"):
             value = at.get(name)
             if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")):
                 raise TypeError(f"{name}={value!r}: must be an integer, or None")
         module, optimizers = self._targets(module, optimizer)
+        self.comm.prime()  # the arguments hold: the coordinator's receives are posted before its digests
         ddp = find_ddp(module) if module is not None else None
         config = request.config(self.config)
         prepared, failure = None, None
@@ -297,7 +299,6 @@ class Auditor:
         first: the channel is used in order."""
         if self.window is not None:
             self.window.settle("another audit")
-        self.comm.prime()  # the coordinator's receives posted before this rank's digests
         if request is None:  # the two usual requests are made once (``full`` checked as AuditRequest does)
             request = THE_RUNS_OWN if full is False else _FULL if full is True else AuditRequest(full=full)
         elif full is not False and not request.full:
@@ -353,7 +354,6 @@ class Auditor:
             self.window = OverlapWindow(self)
         self.window.settle("next launch")
         self.comm.setup()  # opened (collective) on the training thread, with every rank here
-        self.comm.prime()  # as a synchronous audit does: the coordinator's receives before its digests
         # The same context a synchronous audit builds, on the training thread: only the scheduling differs.
         context = self.context(module, optimizer, step=step, epoch=epoch, hook=hook, batch=self.batches)
         pending = self.window.launch(context)
