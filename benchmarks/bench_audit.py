@@ -21,6 +21,9 @@ and Megatron's checks of the parameters alone, on the seed's model (``Linear(32,
 of the ratios taken repetition by repetition (the load of the moment weighs on all three alike); also rank 0's CPU time
 per call on the calling thread (the fixed cost without the waits, steadier than wall time on a busy host),
 and the CPU time per call of each check in the parent process, without a process group (no message at all).
+In the same turns, a ping-pong of one 184-byte message each way on the same ranks: half of it is one hop
+(a loopback write and the receiver's wake-up), printed beside the audit's time less Megatron's, repetition
+by repetition: the star's answer is one hop more than an all-gather's single exchange.
 
 Also printed: the peak resident memory each method adds (``VmHWM``, max over ranks) and the bytes the
 audit puts on the wire per rank on the healthy path. ``--json`` writes the raw figures.
@@ -136,6 +139,7 @@ def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[
         "audit": lambda: auditor.audit(),
         "seed": lambda: seed_check(model),
         "megatron": lambda: megatron_check(model),
+        "ping": pinger(rank),
     }
     assert auditor.audit().in_sync
     # In turns within each repetition (the order alternating), each ratio taken repetition by repetition:
@@ -144,6 +148,7 @@ def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[
     out: dict[str, Any] = {k: median(v) for k, v in wall.items()}
     for base in ("seed", "megatron"):
         out["audit/" + base] = median([a / b for a, b in zip(wall["audit"], wall[base])])
+    out["audit-megatron"] = median([a - b for a, b in zip(wall["audit"], wall["megatron"])])
     for name, fn in fns.items():  # this thread's CPU time per call: the fixed cost without the waits
         dist.barrier()
         t0 = time.thread_time()
@@ -153,6 +158,23 @@ def _rank_adam(rank: int, world: int, key: str, reps: int, rounds: int) -> dict[
     out["tensors"] = len(list(model.parameters()))
     out["params"] = count(model)
     return out
+
+
+def pinger(rank: int) -> Callable[[], None]:
+    """One message of a healthy audit's size (a 184-byte frame) to the other rank and one back, on the default
+    gloo group: two hops, each a loopback write and the receiver's wake-up. The audit's answer is one hop more
+    than an all-gather's exchange (the summaries up, then the coordinator's answer down)."""
+    t, r = torch.zeros(23, dtype=torch.int64), torch.zeros(23, dtype=torch.int64)
+
+    def ping() -> None:
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(r, 1)
+        else:
+            dist.recv(r, 0)
+            dist.send(t, 0)
+
+    return ping
 
 
 def one_rank_cpu(key: str, calls: int = 2000) -> dict[str, float]:
@@ -188,11 +210,13 @@ def run_adam(keys: list[str], reps: int, rounds: int) -> str:
             f"{r['audit/megatron']:.2f}x",
             *(f"{r[k + '_cpu'] * 1e6:.0f}" for k in ("audit", "seed", "megatron")),
         ]
+        rows[-1] += [f"{r['audit-megatron'] * 1e6:.0f}", f"{r['ping'] / 2 * 1e6:.0f}"]
         rows[-1] += [" / ".join(f"{one[k] * 1e6:.0f}" for k in ("audit", "seed", "megatron")) if one else "n/a"]
         rows[-1] += [f"{os.getloadavg()[0]:.2f}"]
         print("  " + " ".join(rows[-1]), flush=True)
     headers = ["model", "tensors", "params", "audit ms", "seed ms", "megatron ms", "audit/seed", "audit/megatron"]
-    cpu = ["audit CPU us", "seed CPU us", "megatron CPU us", "1 rank CPU us: audit / seed / megatron"]
+    cpu = ["audit CPU us", "seed CPU us", "megatron CPU us", "audit - megatron us", "one hop us"]
+    cpu += ["1 rank CPU us: audit / seed / megatron"]
     return table([*headers, *cpu, "load"], rows)
 
 

@@ -17,6 +17,10 @@ In the same run, on the same ranks, between barriers (the slowest rank counts, m
   the load of the moment (this machine is shared) weighs on both sides alike;
 - ``first audit``: a new ``Auditor`` per call (what one ``audit()`` call, or any structure change, costs).
 
+``--floor``: the three per-tensor passes an audit of small tensors needs (layout, address, xxh3), each alone,
+in turns with the seed's check and the audit in one process: what any audit that checks what it reads in
+Python costs at least.
+
 The floor of issue 16: with 20,011 entries (2,500 layers + Adam), ``audit`` no slower than ``seed``
 over the 5,000 parameters, and under 1.5 us per entry from 20,000 entries on.
 """
@@ -32,13 +36,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np
 import torch
 import torch.distributed as dist
+import xxhash
 from baselines import seed_check
 from harness import launch, machine, median, own_copy, table, timed
 from torch import nn
 
 from weightsync_audit import Auditor
+from weightsync_audit.compat import layout_guard
+from weightsync_audit.engine.hashing.digest_plan import CHUNK
+from weightsync_audit.engine.hashing.reader import in_place
 
 _CASE: tuple[nn.Module, torch.optim.Optimizer | None] | None = None  # built in the parent, inherited by ranks
 
@@ -105,6 +114,43 @@ def paired(fns: dict[str, Any], reps: int) -> tuple[dict[str, list[float]], dict
     return wall, cpu
 
 
+def floor(entries: int, reps: int) -> str:
+    """What the three C-level passes every audit of small tensors needs cost alone, over the audited tensors
+    (parameters and Adam's moments and steps), in one process, in turns with the seed's check and the audit:
+    the layout check (the C++ guard, in the audit's chunks), the addresses (``Tensor.data_ptr``) and xxh3 over
+    the memory of each. Each pass is one call per tensor into torch or xxhash; their sum is the floor of any
+    audit that checks what it reads in Python, whatever it does around them."""
+    model, opt = build(entries, True)
+    assert opt is not None
+    auditor = Auditor(model, opt)
+    assert auditor.audit().in_sync
+    tensors = [*model.parameters()]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    cut = [tensors[i : i + CHUNK] for i in range(0, len(tensors), CHUNK)]
+    guards = [layout_guard(part) for part in cut]
+    views = [in_place(t) for t in tensors]
+    xxh, ptr = xxhash.xxh3_64_intdigest, torch.Tensor.data_ptr
+    chunks = [(g, part, views[i * CHUNK : (i + 1) * CHUNK]) for i, (g, part) in enumerate(zip(guards, cut))]
+
+    def together() -> None:  # chunk by chunk, as the audit runs them: a chunk's metadata is still in cache
+        for g, part, vs in chunks:
+            _ = g is None or g(part), list(map(ptr, part)), np.fromiter(map(xxh, vs), np.uint64, len(vs))
+
+    fns: dict[str, Any] = {
+        "seed": lambda: seed_check(model),
+        "audit": auditor.audit,
+        "layout": lambda: [g(part) for g, part in zip(guards, cut) if g is not None],
+        "address": lambda: list(map(ptr, tensors)),
+        "xxh3": lambda: np.fromiter(map(xxh, views), np.uint64, len(views)),
+        "the three, chunk by chunk": together,
+    }
+    wall, _ = paired(fns, reps)
+    ms = {k: median(v) * 1e3 for k, v in wall.items()}
+    rows = [[k, f"{v:.2f}", f"{v / ms['seed']:.2f}x"] for k, v in ms.items()]
+    head = f"{len(tensors):,} tensors ({entries:,} entries asked), medians of {reps} turns, one process:"
+    return head + "\n" + table(["pass", "ms", "of the seed's check"], rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     global _CASE
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -113,8 +159,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--worlds", default="1")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--json", type=Path, help="write the raw figures here")
+    p.add_argument("--floor", action="store_true", help="the per-tensor passes alone, against the seed's check")
     args = p.parse_args(argv)
     print(f"# {machine()}", flush=True)
+    if args.floor:
+        for n in [int(x) for x in args.entries.split(",")]:
+            print(floor(n, args.reps))
+        return
     rows = []
     for n in [int(x) for x in args.entries.split(",")]:
         for opt_name in args.optimizer.split(","):
