@@ -118,8 +118,9 @@ def floor(entries: int, reps: int) -> str:
     """What the three C-level passes every audit of small tensors needs cost alone, over the audited tensors
     (parameters and Adam's moments and steps), in one process, in turns with the seed's check and the audit:
     the layout check (the C++ guard, in the audit's chunks), the addresses (``Tensor.data_ptr``) and xxh3 over
-    the memory of each. Each pass is one call per tensor into torch or xxhash; their sum is the floor of any
-    audit that checks what it reads in Python, whatever it does around them."""
+    the memory of each, and the three chunk by chunk as the audit runs them. Each pass is one call per tensor
+    into torch or xxhash; the three together are the floor of any audit that checks what it reads in Python,
+    whatever it does around them."""
     model, opt = build(entries, True)
     assert opt is not None
     auditor = Auditor(model, opt)
